@@ -1,0 +1,487 @@
+"""The messages of the protocol and the gossip topics they travel on.
+
+Rules of this file:
+- Every message is a frozen dataclass with a ``TYPE`` tag. Its wire form (``to_wire``) is a map of
+  its field names to values, nested dataclasses as maps, tuples as lists; the envelope signs the
+  canonical msgpack of that map (protocol/codec.py, protocol/envelope.py).
+- ``from_wire`` is strict: a missing, extra or wrongly typed field is a CodecError naming the field
+  path; so are values outside their bounds (string and list lengths, non-negative counts, finite
+  numbers, CIDs that do not parse, peer IDs that do not embed an Ed25519 key, 32-byte digests).
+  ``bool`` is never accepted for an int, nor int for a float: the canonical encoding keeps them apart.
+- A job's ID is ``sha256(b"infernet/job/v1\\x00" + canonical_encode(terms.to_wire()))``: it names the
+  exact terms, and ``JobAnnouncement.from_wire`` rejects an announcement whose ID does not match.
+- Topics: announcements, capabilities, heartbeats and cancels go on ``TOPIC_JOBS``; everything about
+  one job's shards goes on ``job_topic(job_id)``. ``MESSAGE_TOPICS`` says which kind each type uses.
+
+See ipips/0002-messages-topics.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+from protocol.cid import parse_cid
+from protocol.codec import canonical_encode
+from protocol.errors import CIDError, CodecError, KeyFileError
+from protocol.identity import public_key_from_peer_id
+
+TOPIC_JOBS = "infernet/v1/jobs"
+JOB_TOPIC_PREFIX = "infernet/v1/job/"
+JOB_ID_DOMAIN = b"infernet/job/v1\x00"
+
+MAX_STR = 256
+MAX_TEXT = 4096
+MAX_LIST = 1024
+MAX_MAP = 64
+
+AGGREGATION_METHODS = ("fedavg", "exact", "svd", "median", "trimmed_mean")
+
+
+def job_topic(job_id: bytes) -> str:
+    """The per-job topic carrying claims, leases, commitments, reports, verdicts and aggregates."""
+    return JOB_TOPIC_PREFIX + job_id.hex()
+
+
+# -- field constraints -------------------------------------------------------------------------------
+
+def _meta(kind: str | None = None, **kw: Any) -> dict[str, Any]:
+    return {"kind": kind, **kw}
+
+
+def cid_field() -> Any:
+    return field(metadata=_meta("cid"))
+
+
+def peer_field() -> Any:
+    return field(metadata=_meta("peer"))
+
+
+def digest_field() -> Any:
+    return field(metadata=_meta("digest"))
+
+
+def count_field(maximum: int = 2**53) -> Any:
+    return field(metadata=_meta("count", maximum=maximum))
+
+
+def enum_field(*choices: str) -> Any:
+    return field(metadata=_meta("enum", choices=choices))
+
+
+def text_field(max_len: int = MAX_TEXT) -> Any:
+    return field(metadata=_meta("text", max_len=max_len))
+
+
+def _check_scalar(value: Any, meta: dict[str, Any], path: str) -> None:
+    kind = meta.get("kind")
+    if kind == "cid":
+        try:
+            parse_cid(value)
+        except CIDError as exc:
+            raise CodecError("bad-field", f"{path}: {exc}") from None
+    elif kind == "peer":
+        try:
+            public_key_from_peer_id(value)
+        except KeyFileError:
+            raise CodecError("bad-field", f"{path}: not an Ed25519 peer ID: {value[:60]!r}") from None
+    elif kind == "digest":
+        if len(value) != 32:
+            raise CodecError("bad-field", f"{path}: expected a 32-byte digest, got {len(value)} bytes")
+    elif kind == "count":
+        if not 0 <= value <= meta["maximum"]:
+            raise CodecError("bad-field", f"{path}: expected 0..{meta['maximum']}, got {value}")
+    elif kind == "enum":
+        if value not in meta["choices"]:
+            raise CodecError("bad-field", f"{path}: expected one of {', '.join(meta['choices'])}, got {value!r}")
+
+
+# -- generic strict conversion -----------------------------------------------------------------------
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _from_value(tp: Any, value: Any, meta: dict[str, Any], path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _from_value(args[0], value, meta, path)
+    if origin is tuple:
+        (item_tp, _ellipsis) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise CodecError("bad-field", f"{path}: expected a list")
+        if len(value) > meta.get("max_len", MAX_LIST):
+            raise CodecError("bad-field", f"{path}: more than {meta.get('max_len', MAX_LIST)} items")
+        return tuple(_from_value(item_tp, v, meta, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        _key_tp, val_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise CodecError("bad-field", f"{path}: expected a map")
+        if len(value) > MAX_MAP:
+            raise CodecError("bad-field", f"{path}: more than {MAX_MAP} entries")
+        out = {}
+        for k, v in value.items():
+            if len(k) > MAX_STR:
+                raise CodecError("bad-field", f"{path}: key longer than {MAX_STR}")
+            out[k] = _from_value(val_tp, v, {}, f"{path}.{k}")
+        return out
+    if dataclasses.is_dataclass(tp):
+        return _from_map(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise CodecError("bad-field", f"{path}: expected a boolean, got {type(value).__name__}")
+        return value
+    if tp is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise CodecError("bad-field", f"{path}: expected an integer, got {type(value).__name__}")
+    elif tp is float:
+        if not isinstance(value, float) or not math.isfinite(value):
+            raise CodecError("bad-field", f"{path}: expected a finite float, got {type(value).__name__}")
+    elif tp is str:
+        if not isinstance(value, str):
+            raise CodecError("bad-field", f"{path}: expected a string, got {type(value).__name__}")
+        limit = meta.get("max_len", MAX_STR)
+        if len(value) > limit:
+            raise CodecError("bad-field", f"{path}: string longer than {limit}")
+    elif tp is bytes:
+        if not isinstance(value, bytes):
+            raise CodecError("bad-field", f"{path}: expected bytes, got {type(value).__name__}")
+        if len(value) > meta.get("max_len", MAX_STR):
+            raise CodecError("bad-field", f"{path}: bytes longer than {meta.get('max_len', MAX_STR)}")
+    else:  # pragma: no cover - a schema bug, not bad input
+        raise TypeError(f"unsupported field type {tp!r}")
+    _check_scalar(value, meta, path)
+    return value
+
+
+def _from_map(cls: type, value: Any, path: str) -> Any:
+    if not isinstance(value, dict):
+        raise CodecError("bad-field", f"{path or cls.__name__}: expected a map")
+    hints = _hints(cls)
+    fields = dataclasses.fields(cls)
+    names = {f.name for f in fields}
+    extra = sorted(set(value) - names)
+    if extra:
+        raise CodecError("bad-field", f"{_join(path, extra[0])}: unknown field")
+    kwargs = {}
+    for f in fields:
+        if f.name not in value:
+            raise CodecError("bad-field", f"{_join(path, f.name)}: missing field")
+        kwargs[f.name] = _from_value(hints[f.name], value[f.name], dict(f.metadata), _join(path, f.name))
+    obj = cls(**kwargs)
+    check = getattr(obj, "check", None)
+    if check is not None:
+        check(path or cls.__name__)
+    return obj
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _to_value(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [_to_value(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_value(v) for k, v in value.items()}
+    return value
+
+
+class Wire:
+    """Mixin: strict conversion to and from the wire map."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return _to_value(self)
+
+    @classmethod
+    def from_wire(cls, value: Any, path: str = ""):
+        return _from_map(cls, value, path)
+
+
+def _float_fields(cls):
+    """Coerce ints given for float fields at construction (``lr=1`` → ``1.0``): keeps the wire canonical."""
+    hints = typing.get_type_hints(cls)
+    floats = [n for n, t in hints.items() if t is float or t == Optional[float]]
+    original = cls.__post_init__ if hasattr(cls, "__post_init__") else None
+
+    def __post_init__(self):
+        for name in floats:
+            v = getattr(self, name)
+            if isinstance(v, int) and not isinstance(v, bool):
+                object.__setattr__(self, name, float(v))
+        if original is not None:
+            original(self)
+
+    cls.__post_init__ = __post_init__
+    return cls
+
+
+def message(type_tag: str, topic: str):
+    """Register a message class under its wire type tag and topic kind ("jobs" or "job")."""
+
+    def wrap(cls):
+        cls = _float_fields(dataclass(frozen=True)(cls))
+        cls.TYPE = type_tag
+        MESSAGE_TYPES[type_tag] = cls
+        MESSAGE_TOPICS[type_tag] = topic
+        return cls
+
+    return wrap
+
+
+def record(cls):
+    return _float_fields(dataclass(frozen=True)(cls))
+
+
+MESSAGE_TYPES: dict[str, type] = {}
+MESSAGE_TOPICS: dict[str, str] = {}
+
+
+# -- job terms ---------------------------------------------------------------------------------------
+
+@record
+class ShardRef(Wire):
+    index: int = count_field(MAX_LIST)
+    cid: str = cid_field()
+    records: int = count_field()
+    size: int = count_field()
+
+
+@record
+class TrainingTerms(Wire):
+    epochs: int = count_field(10_000)
+    learning_rate: float = field()
+    batch_size: int = count_field(65_536)
+    gradient_accumulation_steps: int = count_field(65_536)
+    max_seq_len: int = count_field(1 << 20)
+    max_steps: int = count_field()
+
+
+@record
+class LoraTerms(Wire):
+    rank: int = count_field(4096)
+    alpha: float = field()
+    dropout: float = field()
+    target_modules: tuple[str, ...] = field(metadata=_meta(max_len=64))
+    freeze_a: bool = field()
+
+
+@record
+class ProofTerms(Wire):
+    checkpoint_every: int = count_field()
+    verify_segments: int = count_field(MAX_LIST)
+    tolerance: float = field()
+
+
+@record
+class JobTerms(Wire):
+    """Everything a worker agrees to when it takes a shard. Hashing these gives the job ID."""
+
+    name: str
+    submitter: str = peer_field()
+    base_model: str = text_field(MAX_STR)
+    base_model_sha256: bytes = digest_field()
+    method: str = enum_field("lora", "qlora")
+    runtime: str = enum_field("peft", "unsloth")
+    seed: int = count_field()
+    shards: tuple[ShardRef, ...] = field()
+    validation_cid: Optional[str] = cid_field()
+    training: TrainingTerms = field()
+    lora: LoraTerms = field()
+    proof: ProofTerms = field()
+    rounds: int = count_field(1000)
+    aggregation: str = enum_field(*AGGREGATION_METHODS)
+    min_accepted_fraction: float = field()
+    max_retries: int = count_field(100)
+    lease_seconds: int = count_field()
+    min_vram_gb: float = field()
+    deadline: int = count_field()
+    price_per_hour: float = field()
+    budget: float = field()
+    created: int = count_field()
+
+    def check(self, path: str) -> None:
+        if not self.shards:
+            raise CodecError("bad-field", f"{path}.shards: a job needs at least one shard")
+        if [s.index for s in self.shards] != list(range(len(self.shards))):
+            raise CodecError("bad-field", f"{path}.shards: indices must be 0..n-1 in order")
+        if not 0.0 < self.min_accepted_fraction <= 1.0:
+            raise CodecError("bad-field", f"{path}.min_accepted_fraction: expected (0, 1]")
+
+    def job_id(self) -> bytes:
+        return hashlib.sha256(JOB_ID_DOMAIN + canonical_encode(self.to_wire())).digest()
+
+
+# -- messages ----------------------------------------------------------------------------------------
+
+@message("job", "jobs")
+class JobAnnouncement(Wire):
+    job_id: bytes = digest_field()
+    terms: JobTerms = field()
+
+    @classmethod
+    def for_terms(cls, terms: JobTerms) -> "JobAnnouncement":
+        return cls(terms.job_id(), terms)
+
+    def check(self, path: str) -> None:
+        if self.terms.job_id() != self.job_id:
+            raise CodecError("bad-field", f"{path}.job_id: does not match the hash of the terms")
+
+
+@record
+class Hardware(Wire):
+    device: str = enum_field("cpu", "cuda", "mps")
+    device_name: str = field()
+    vram_gb: float = field()
+    ram_gb: float = field()
+    cpu_threads: int = count_field(4096)
+
+
+@message("cap", "jobs")
+class Capability(Wire):
+    hardware: Hardware = field()
+    backends: tuple[str, ...] = field(metadata=_meta(max_len=16))
+    price_per_hour: float = field()
+    accepts_training: bool = field()
+    can_coordinate: bool = field()
+    max_concurrent_shards: int = count_field(1024)
+    agent_version: str = field()
+
+
+@message("claim", "job")
+class ShardClaim(Wire):
+    job_id: bytes = digest_field()
+    round: int = count_field(1000)
+    shard: int = count_field(MAX_LIST)
+
+
+@message("lease", "job")
+class ShardLease(Wire):
+    job_id: bytes = digest_field()
+    round: int = count_field(1000)
+    shard: int = count_field(MAX_LIST)
+    attempt: int = count_field(1000)
+    worker: str = peer_field()
+    term: int = count_field()
+    expires_at: float = field()
+    initial_adapter_cid: Optional[str] = cid_field()
+
+
+@message("release", "job")
+class ShardRelease(Wire):
+    """A worker gives a lease back: shutting down, or refusing the shard (hash mismatch, ...)."""
+
+    job_id: bytes = digest_field()
+    round: int = count_field(1000)
+    shard: int = count_field(MAX_LIST)
+    attempt: int = count_field(1000)
+    reason: str = text_field(1024)
+
+
+@message("ckpt", "job")
+class CheckpointCommit(Wire):
+    job_id: bytes = digest_field()
+    round: int = count_field(1000)
+    shard: int = count_field(MAX_LIST)
+    attempt: int = count_field(1000)
+    step: int = count_field()
+    index: int = count_field()
+    chain_head: bytes = digest_field()
+    adapter_hash: bytes = digest_field()
+    loss: float = field()
+    checkpoint_cid: Optional[str] = cid_field()
+
+
+@message("report", "job")
+class ShardReport(Wire):
+    job_id: bytes = digest_field()
+    round: int = count_field(1000)
+    shard: int = count_field(MAX_LIST)
+    attempt: int = count_field(1000)
+    adapter_cid: str = cid_field()
+    proof_cid: str = cid_field()
+    chain_head: bytes = digest_field()
+    checkpoints: int = count_field()
+    steps: int = count_field()
+    samples: int = count_field()
+    final_loss: float = field()
+    metrics: dict[str, float] = field()
+
+
+@message("verdict", "job")
+class Verdict(Wire):
+    job_id: bytes = digest_field()
+    round: int = count_field(1000)
+    shard: int = count_field(MAX_LIST)
+    attempt: int = count_field(1000)
+    worker: str = peer_field()
+    term: int = count_field()
+    accepted: bool = field()
+    reason: str = text_field(1024)
+    segments_checked: tuple[int, ...] = field()
+
+
+@message("aggregate", "job")
+class AggregatePublished(Wire):
+    job_id: bytes = digest_field()
+    round: int = count_field(1000)
+    term: int = count_field()
+    adapter_cid: str = cid_field()
+    method: str = enum_field(*AGGREGATION_METHODS)
+    shards: tuple[int, ...] = field()
+    samples: int = count_field()
+    final: bool = field()
+
+
+@message("cancel", "jobs")
+class JobCancel(Wire):
+    job_id: bytes = digest_field()
+    reason: str = text_field(1024)
+
+
+@record
+class CoordinatorTerm(Wire):
+    job_id: bytes = digest_field()
+    term: int = count_field()
+
+
+@message("heartbeat", "jobs")
+class Heartbeat(Wire):
+    seq: int = count_field()
+    active_shards: int = count_field(1024)
+    coordinating: tuple[CoordinatorTerm, ...] = field()
+
+
+Message = typing.Union[
+    JobAnnouncement, Capability, ShardClaim, ShardLease, ShardRelease, CheckpointCommit,
+    ShardReport, Verdict, AggregatePublished, JobCancel, Heartbeat,
+]
+
+
+def topic_for(msg: Any) -> str:
+    """The gossip topic a message must be published on."""
+    if MESSAGE_TOPICS[msg.TYPE] == "jobs":
+        return TOPIC_JOBS
+    return job_topic(msg.job_id)
+
+
+def decode_body(type_tag: str, body: Any) -> Any:
+    """Turn a verified envelope body into its message; CodecError for unknown types or bad fields."""
+    cls = MESSAGE_TYPES.get(type_tag)
+    if cls is None:
+        raise CodecError("unknown-type", f"message type {type_tag[:40]!r}")
+    return cls.from_wire(body, type_tag)
