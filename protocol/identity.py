@@ -9,7 +9,7 @@ multihash is the *identity* multihash (code 0x00) of those bytes; the text form 
 the multihash, which for Ed25519 always starts ``12D3KooW``.
 
 Key file rule: the file holds the protobuf ``PrivateKey { Type = Ed25519, Data = seed || pubkey }``
-(64 bytes of data, the layout go-libp2p and Kubo use), written with mode 0600 through a temp file
+(64 bytes of data, the layout go-libp2p and Kubo use; py-libp2p's 32-byte seed-only form is read too), written with mode 0600 through a temp file
 and rename so it is never half-written. Loading refuses a file that group or others can read.
 """
 
@@ -109,8 +109,11 @@ class Identity:
 
     @classmethod
     def from_private_key_protobuf(cls, data: bytes, where: str = "key") -> "Identity":
+        """Accept go-libp2p/Kubo's layout (seed || pubkey, 64 bytes) and py-libp2p's (seed, 32 bytes)."""
+        if len(data) == 36 and data[:4] == _PB_PRIVKEY_PREFIX[:3] + bytes([32]):
+            return cls(bytes(data[4:36]))
         if len(data) != 68 or data[:4] != _PB_PRIVKEY_PREFIX:
-            raise KeyFileError(f"{where}: not a libp2p Ed25519 private key (expected 68 bytes protobuf)")
+            raise KeyFileError(f"{where}: not a libp2p Ed25519 private key (expected a 68-byte protobuf)")
         ident = cls(bytes(data[4:36]))
         if ident.public_key != data[36:68]:
             raise KeyFileError(f"{where}: public half does not match the private seed")

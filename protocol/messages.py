@@ -234,7 +234,7 @@ def message(type_tag: str, topic: str):
     """Register a message class under its wire type tag and topic kind ("jobs" or "job")."""
 
     def wrap(cls):
-        cls = _float_fields(dataclass(frozen=True)(cls))
+        cls = dataclass(frozen=True)(_float_fields(cls))
         cls.TYPE = type_tag
         MESSAGE_TYPES[type_tag] = cls
         MESSAGE_TOPICS[type_tag] = topic
@@ -244,7 +244,7 @@ def message(type_tag: str, topic: str):
 
 
 def record(cls):
-    return _float_fields(dataclass(frozen=True)(cls))
+    return dataclass(frozen=True)(_float_fields(cls))
 
 
 MESSAGE_TYPES: dict[str, type] = {}

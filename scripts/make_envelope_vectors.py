@@ -1,0 +1,98 @@
+"""Write ipips/vectors/envelope-*.json: exact envelope bytes for fixed keys, nonces and times.
+
+Run it only when the envelope or message rules change on purpose; tests check that the code still
+reproduces the committed vectors byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from protocol.codec import canonical_encode  # noqa: E402
+from protocol.envelope import seal, signed_bytes  # noqa: E402
+from protocol.identity import Identity  # noqa: E402
+from protocol import messages as m  # noqa: E402
+
+OUT = Path(__file__).resolve().parent.parent / "ipips" / "vectors"
+NOW = 1_790_000_000.0
+
+
+def sample_terms(submitter: Identity) -> m.JobTerms:
+    return m.JobTerms(
+        name="demo-arith",
+        submitter=submitter.peer_id,
+        base_model="tiny-qwen2",
+        base_model_sha256=bytes(range(32)),
+        method="lora",
+        runtime="peft",
+        seed=1234,
+        shards=tuple(
+            m.ShardRef(i, "bafkreifjjcie6lypi6ny7amxnfftagclbuxndqonfipmb64f2km2devei4", 100, 12)
+            for i in range(2)
+        ),
+        validation_cid=None,
+        training=m.TrainingTerms(1, 0.001, 8, 1, 256, 0),
+        lora=m.LoraTerms(8, 16.0, 0.0, ("q_proj", "v_proj"), True),
+        proof=m.ProofTerms(10, 2, 1e-4),
+        rounds=2,
+        aggregation="exact",
+        min_accepted_fraction=1.0,
+        max_retries=2,
+        lease_seconds=120,
+        min_vram_gb=0.0,
+        deadline=1_790_086_400,
+        price_per_hour=0.5,
+        budget=10.0,
+        created=1_790_000_000,
+    )
+
+
+def main() -> None:
+    alice, bob = Identity(bytes([1]) * 32), Identity(bytes([2]) * 32)
+    terms = sample_terms(alice)
+    cases = [
+        ("heartbeat", alice, m.Heartbeat(7, 1, ())),
+        ("job", alice, m.JobAnnouncement.for_terms(terms)),
+        ("ckpt", bob, m.CheckpointCommit(terms.job_id(), 0, 1, 0, 20, 2, bytes(32), bytes([9]) * 32, 2.5, None)),
+    ]
+    vectors = []
+    for i, (name, who, msg) in enumerate(cases):
+        nonce = bytes([i]) * 16
+        data = seal(who, msg, now=NOW, nonce=nonce)
+        body = msg.to_wire()
+        sb = signed_bytes(1, msg.TYPE, who.public_key, int(NOW * 1000), nonce, body)
+        vectors.append({
+            "name": name,
+            "signer_seed_hex": who.seed.hex(),
+            "signer_peer_id": who.peer_id,
+            "timestamp_ms": int(NOW * 1000),
+            "nonce_hex": nonce.hex(),
+            "type": msg.TYPE,
+            "body_canonical_hex": canonical_encode(body).hex(),
+            "signed_bytes_hex": sb.hex(),
+            "envelope_hex": data.hex(),
+            "message_id_hex": __import__("hashlib").sha256(sb).hexdigest(),
+        })
+    doc = {
+        "description": "Envelopes sealed with fixed keys (seed = byte repeated 32 times), nonces and time; "
+        "see ipips/0001-envelope-identity.md. job_id of the 'job' case = sha256(b'infernet/job/v1\\x00' + "
+        "canonical terms).",
+        "now_s": NOW,
+        "job_id_hex": terms.job_id().hex(),
+        "vectors": vectors,
+    }
+    (OUT / "envelope-vectors.json").write_text(json.dumps(doc, indent=1) + "\n")
+    ids = {"description": "Ed25519 seeds and their libp2p peer IDs", "vectors": [
+        {"seed_hex": Identity(bytes([b]) * 32).seed.hex(), "public_key_hex": Identity(bytes([b]) * 32).public_key.hex(),
+         "peer_id": Identity(bytes([b]) * 32).peer_id} for b in (0, 1, 2, 255)
+    ]}
+    (OUT / "identity-vectors.json").write_text(json.dumps(ids, indent=1) + "\n")
+    print("wrote", OUT / "envelope-vectors.json", OUT / "identity-vectors.json")
+
+
+if __name__ == "__main__":
+    main()

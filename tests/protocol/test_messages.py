@@ -1,0 +1,103 @@
+"""Messages (ipips/0002): every type round-trips through its envelope; job IDs bind the terms."""
+
+import dataclasses
+
+import pytest
+
+from protocol import messages as m
+from protocol.envelope import open_envelope, seal
+from protocol.errors import CodecError
+from protocol.identity import Identity
+from scripts.make_envelope_vectors import sample_terms
+
+NOW = 1_790_000_000.0
+ALICE = Identity(bytes([1]) * 32)
+BOB = Identity(bytes([2]) * 32)
+CID = "bafkreifjjcie6lypi6ny7amxnfftagclbuxndqonfipmb64f2km2devei4"
+TERMS = sample_terms(ALICE)
+JOB = TERMS.job_id()
+
+
+def every_message():
+    return [
+        m.JobAnnouncement.for_terms(TERMS),
+        m.Capability(m.Hardware("cpu", "x86_64", 0.0, 24.0, 2), ("peft",), 0.2, True, True, 1, "0.1.0"),
+        m.ShardClaim(JOB, 0, 1),
+        m.ShardLease(JOB, 0, 1, 0, BOB.peer_id, 1, NOW + 120, None),
+        m.ShardRelease(JOB, 0, 1, 0, "dataset hash mismatch"),
+        m.CheckpointCommit(JOB, 0, 1, 0, 10, 1, bytes(32), bytes(32), 2.5, CID),
+        m.ShardReport(JOB, 0, 1, 0, CID, CID, bytes(32), 3, 30, 100, 1.25, {"val_loss": 1.5}),
+        m.Verdict(JOB, 0, 1, 0, BOB.peer_id, 1, True, "replayed 2 segments exactly", (0, 2)),
+        m.AggregatePublished(JOB, 0, 1, CID, "exact", (0, 1), 200, False),
+        m.JobCancel(JOB, "submitter cancelled"),
+        m.Heartbeat(3, 1, (m.CoordinatorTerm(JOB, 1),)),
+    ]
+
+
+def test_every_type_is_registered_and_round_trips_through_an_envelope():
+    msgs = every_message()
+    assert {type(x).TYPE for x in msgs} == set(m.MESSAGE_TYPES)
+    for msg in msgs:
+        opened = open_envelope(seal(BOB, msg, now=NOW), now=NOW)
+        assert opened.message == msg
+        assert type(opened.message) is type(msg)
+
+
+def test_topics():
+    assert m.topic_for(m.JobAnnouncement.for_terms(TERMS)) == m.TOPIC_JOBS
+    assert m.topic_for(m.ShardClaim(JOB, 0, 1)) == "infernet/v1/job/" + JOB.hex()
+    assert m.topic_for(m.Heartbeat(1, 0, ())) == m.TOPIC_JOBS
+
+
+def test_job_id_is_the_hash_of_the_terms_and_is_checked():
+    ann = m.JobAnnouncement.for_terms(TERMS)
+    changed = dataclasses.replace(TERMS, budget=11.0)
+    assert changed.job_id() != JOB
+    forged = m.JobAnnouncement(JOB, changed).to_wire()
+    with pytest.raises(CodecError, match="job_id: does not match"):
+        m.decode_body("job", forged)
+    assert m.decode_body("job", ann.to_wire()) == ann
+
+
+def test_ints_given_for_float_fields_are_normalised():
+    terms = dataclasses.replace(TERMS, budget=10)
+    assert isinstance(terms.budget, float)
+    assert terms.job_id() == JOB
+
+
+@pytest.mark.parametrize(
+    "patch, expected",
+    [
+        ({"shards": []}, "terms.shards: a job needs at least one shard"),
+        ({"aggregation": "mean"}, "terms.aggregation: expected one of fedavg, exact, svd, median, trimmed_mean"),
+        ({"submitter": "bob"}, "terms.submitter: not an Ed25519 peer ID"),
+        ({"validation_cid": "Qm123"}, "terms.validation_cid: invalid CID"),
+        ({"min_accepted_fraction": 1.5}, "terms.min_accepted_fraction: expected (0, 1]"),
+        ({"training": {"epochs": 1}}, "terms.training.learning_rate: missing field"),
+        ({"budget": float("inf")}, "terms.budget: expected a finite float"),
+    ],
+)
+def test_terms_errors_name_the_field(patch, expected):
+    wire = m.JobAnnouncement.for_terms(TERMS).to_wire()
+    wire["terms"].update(patch)
+    with pytest.raises(CodecError) as info:
+        m.decode_body("job", wire)
+    assert expected in str(info.value)
+
+
+def test_shard_indices_must_be_dense():
+    wire = m.JobAnnouncement.for_terms(TERMS).to_wire()
+    wire["terms"]["shards"][1]["index"] = 5
+    with pytest.raises(CodecError, match="indices must be 0..n-1"):
+        m.decode_body("job", wire)
+
+
+def test_lists_and_maps_are_bounded():
+    wire = m.Verdict(JOB, 0, 1, 0, BOB.peer_id, 1, True, "", ()).to_wire()
+    wire["segments_checked"] = list(range(m.MAX_LIST + 1))
+    with pytest.raises(CodecError, match="more than"):
+        m.decode_body("verdict", wire)
+    report = every_message()[6].to_wire()
+    report["metrics"] = {f"k{i}": 1.0 for i in range(m.MAX_MAP + 1)}
+    with pytest.raises(CodecError, match="more than"):
+        m.decode_body("report", report)
