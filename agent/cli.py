@@ -20,13 +20,20 @@ def build_parser() -> argparse.ArgumentParser:
         version=f"infernet-agent {__version__} (protocol v{PROTOCOL_VERSION})",
     )
     parser.add_argument("--verbose", action="store_true", help="show tracebacks and debug output")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("demo", help="run the demo network on loopback (1 submitter + 3 workers)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    parser.parse_args(argv)
-    parser.print_help()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if args.command == "demo":
+        print("infernet: the demo network is not available in this build yet", file=sys.stderr)
+        return 2
     return 0
 
 
