@@ -1,0 +1,658 @@
+"""The job spec, ``infernet.train.yml``: parse, validate, and give its canonical form.
+
+Rules of this file (the document is ipips/0007-job-spec.md, the vectors ipips/vectors/jobspec-*.json):
+
+- Every key, its type, range and default is declared once, on the dataclass field that holds it
+  (``_key(default, rule)``). The parser, ``from_dict``, the template and the tests all read that
+  table; nothing else decides what a valid spec is.
+- YAML is read with a ``SafeLoader`` subclass and only ever *composed* (``yaml.compose``), never
+  constructed: we need each node's line for error messages, and no Python object is ever built
+  from a tag. Plain scalars are typed by the YAML 1.2 core schema, not PyYAML's YAML 1.1 one, so
+  ``2e-4`` is a number (PyYAML alone reads it as text) and ``no``/``on`` are text, not booleans.
+  Quoted scalars are always text: ``"true"`` or ``"8"`` where a bool or int is expected is an error.
+- Hostile input is bounded: at most ``MAX_SPEC_BYTES``, nesting at most ``MAX_DEPTH``, no aliases
+  (``*name``: the "billion laughs" blow-up needs them and a job spec never does), no tags beyond the
+  plain ones, no duplicate keys (YAML keeps the last one silently; we refuse to guess).
+- Every error is a ``SpecError`` whose ``str()`` is one line ``FILE:LINE: FIELD.PATH: message``.
+  The line is the value's for a bad value, the key's for an unknown or duplicate key, the section's
+  for a key missing from a section; a key missing from the top level has the file alone.
+- ``JobSpec.to_dict()`` is the canonical form: every key present, defaults filled in, numbers
+  declared as numbers always ``float``, integers always ``int``, lists as lists. The job
+  announcement hashes it (protocol/messages.py), so two specs that mean the same job give the same
+  dict: ``alpha: 16`` and ``alpha: 16.0`` both give ``16.0``, a hash in capitals is lowered.
+
+This module knows nothing of files beyond ``load_spec`` reading one, and nothing of the network.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from protocol.errors import SpecError
+
+MAX_SPEC_BYTES = 1 << 20  # a job spec is a page of settings; 1 MiB is generous
+MAX_DEPTH = 16  # the spec nests 3 deep; the cap keeps the recursive composer off the stack limit
+MAX_INT = 2**63 - 1  # every integer fits a signed 64-bit msgpack int
+MAX_TEXT = 1024  # characters in any one string value
+MAX_LIST = 256  # items in any one list
+
+SPEC_FILE_NAME = "infernet.train.yml"
+ROBUST_AGGREGATIONS = ("median", "trimmed_mean")
+MIN_SHARDS_FOR_ROBUST = 3  # a median or trimmed mean of two updates is just their mean
+
+
+# --- rules: what one value must be -------------------------------------------------------------
+
+
+class _Mismatch(Exception):
+    """A value broke its rule; the caller turns this into a located SpecError."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _describe(value: Any) -> str:
+    """How an offending value is quoted back in an error message."""
+    if value is None:
+        return "nothing"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if value == "":
+        return "an empty string"
+    if isinstance(value, str):
+        shown = repr(value if len(value) <= 60 else value[:57] + "...")
+        # "true" or "8" in quotes is text to YAML; say so, it is the usual mistake
+        return f"the string {shown}" if _plain_scalar_tag(value) != _STR else shown
+    if isinstance(value, dict):
+        return "a mapping" if value else "an empty mapping"
+    if isinstance(value, (list, tuple)):
+        return "a list" if value else "an empty list"
+    return type(value).__name__
+
+
+class _Rule:
+    expected: str  # completes "expected ..."
+
+    def check(self, value: Any) -> Any:
+        """Return the value in canonical type, or raise _Mismatch."""
+        raise NotImplementedError
+
+    def mismatch(self, value: Any) -> _Mismatch:
+        return _Mismatch(f"expected {self.expected}, got {_describe(value)}")
+
+
+class _Integer(_Rule):
+    def __init__(self, minimum: int) -> None:
+        self.minimum = minimum
+        self.expected = f"an integer >= {minimum}"
+
+    def check(self, value: Any) -> int:
+        if type(value) is not int or value < self.minimum:
+            raise self.mismatch(value)
+        if value > MAX_INT:
+            raise _Mismatch(f"expected an integer from {self.minimum} to {MAX_INT}, got {value}")
+        return value
+
+
+class _Number(_Rule):
+    """A finite real number within bounds; ``open_low``/``open_high`` exclude the bound itself."""
+
+    def __init__(self, low: float, high: float = math.inf, open_low: bool = False,
+                 open_high: bool = False) -> None:
+        self.low, self.high, self.open_low, self.open_high = low, high, open_low, open_high
+        if high == math.inf:
+            self.expected = "a positive number" if open_low and low == 0 else f"a number >= {low:g}"
+        else:
+            self.expected = (f"a number in {'(' if open_low else '['}{low:g}, "
+                             f"{high:g}{')' if open_high else ']'}")
+
+    def check(self, value: Any) -> float:
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise self.mismatch(value)
+        if value < self.low or (self.open_low and value == self.low):
+            raise self.mismatch(value)
+        if value > self.high or (self.open_high and value == self.high):
+            raise self.mismatch(value)
+        return float(value)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+class _Text(_Rule):
+    expected = "a non-empty string"
+
+    def check(self, value: Any) -> str:
+        if type(value) is not str or not value.strip():
+            raise self.mismatch(value)
+        if len(value) > MAX_TEXT:
+            raise _Mismatch(f"expected at most {MAX_TEXT} characters, got {len(value)}")
+        if _CONTROL.search(value):
+            raise _Mismatch(f"expected a single line of text, got {value[:60]!r}")
+        return value
+
+
+class _Choice(_Rule):
+    def __init__(self, *options: str) -> None:
+        self.options = options
+        self.expected = "one of " + ", ".join(repr(o) for o in options)
+
+    def check(self, value: Any) -> str:
+        if type(value) is not str or value not in self.options:
+            close = difflib.get_close_matches(str(value).lower(), self.options, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise _Mismatch(f"expected {self.expected}, got {_describe(value)}{hint}")
+        return value
+
+
+class _Flag(_Rule):
+    expected = "true or false"
+
+    def check(self, value: Any) -> bool:
+        if type(value) is not bool:
+            raise self.mismatch(value)
+        return value
+
+
+class _Sha256(_Rule):
+    expected = "64 hex digits (a sha256) or nothing"
+
+    def check(self, value: Any) -> str | None:
+        if value is None:
+            return None
+        if type(value) is not str or not re.fullmatch(r"[0-9a-fA-F]{64}", value):
+            raise self.mismatch(value)
+        return value.lower()
+
+
+class _TextList(_Rule):
+    expected = "a non-empty list of non-empty strings"
+
+    def check(self, value: Any) -> tuple[str, ...]:
+        if type(value) not in (list, tuple) or not value:
+            raise self.mismatch(value)
+        if len(value) > MAX_LIST:
+            raise _Mismatch(f"expected at most {MAX_LIST} items, got {len(value)}")
+        return tuple(value)  # items are checked one by one by the reader, to name their index
+
+
+# --- the spec: one dataclass per section, one field per key ------------------------------------
+
+
+def _key(default: Any, rule: _Rule, doc: str) -> Any:
+    """A key of the spec: its default (MISSING = required), the rule its value obeys, one line of doc."""
+    return field(default=default, metadata={"rule": rule, "doc": doc})
+
+
+def _section(cls: type, doc: str) -> Any:
+    """A section of the spec; required if any of its keys is (only ``input``, for its dataset)."""
+    metadata = {"section": cls, "doc": doc}
+    if any(f.default is MISSING for f in fields(cls)):
+        return field(metadata=metadata)
+    return field(default_factory=cls, metadata=metadata)
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputSpec:
+    dataset: str = _key(MISSING, _Text(), "local path, or the IPFS CID of the dataset")
+    format: str = _key("chatml", _Choice("chatml"), "record format of the dataset")
+    validation_split: float = _key(
+        0.0, _Number(0, 0.5, open_high=True),
+        "fraction held out before sharding, to validate aggregates")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingSpec:
+    epochs: int = _key(1, _Integer(1), "passes over its shard per round")
+    learning_rate: float = _key(2e-4, _Number(0, open_low=True), "optimizer learning rate")
+    batch_size: int = _key(4, _Integer(1), "examples per micro-batch")
+    gradient_accumulation_steps: int = _key(1, _Integer(1), "micro-batches per optimizer step")
+    max_seq_len: int = _key(512, _Integer(8), "tokens per example; longer ones are truncated")
+    max_steps: int = _key(0, _Integer(0), "optimizer steps per shard and round; 0 = no limit")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraSpec:
+    rank: int = _key(8, _Integer(1), "LoRA rank r")
+    alpha: float = _key(16.0, _Number(0, open_low=True), "LoRA scaling alpha (scale = alpha / rank)")
+    dropout: float = _key(0.0, _Number(0, 1, open_high=True), "dropout on the LoRA input")
+    target_modules: tuple[str, ...] = _key(
+        ("q_proj", "v_proj"), _TextList(), "names of the modules that get adapters")
+    # the dataclass default is the one for the default aggregation ("exact"); the parser derives it
+    freeze_a: bool = _key(True, _Flag(), "keep A at its seeded init (true when aggregation is exact)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResourcesSpec:
+    min_vram_gb: float = _key(0.0, _Number(0), "GPU memory a worker needs; 0 = CPU workers welcome")
+    max_runtime_hours: float = _key(24.0, _Number(0, open_low=True), "wall-clock limit of the job")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProofSpec:
+    checkpoint_every: int = _key(20, _Integer(1), "optimizer steps between committed checkpoints")
+    verify_segments: int = _key(2, _Integer(0), "segments a verifier replays per shard report")
+    tolerance: float = _key(0.01, _Number(0), "largest accepted replay difference")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BudgetSpec:
+    price_per_hour: float = _key(0.0, _Number(0), "offered per worker-hour; 0 = volunteer job")
+    total: float = _key(0.0, _Number(0), "most the submitter pays for the job; 0 = unpaid")
+
+
+AGGREGATIONS = ("fedavg", "exact", "svd", "median", "trimmed_mean")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    name: str = _key(MISSING, _Text(), "a label for people")
+    base_model: str = _key(MISSING, _Text(), "local path or hub name of the base model")
+    base_model_sha256: str | None = _key(None, _Sha256(), "sha256 of the base model's weights")
+    method: str = _key("lora", _Choice("lora", "qlora"), "adapter method")
+    runtime: str = _key("peft", _Choice("peft", "unsloth"), "training runtime")
+    seed: int = _key(0, _Integer(0), "job seed: LoRA A init and shuffles")
+    input: InputSpec = _section(InputSpec, "the dataset")
+    training: TrainingSpec = _section(TrainingSpec, "the optimizer, per shard and round")
+    lora: LoraSpec = _section(LoraSpec, "the adapter")
+    resources: ResourcesSpec = _section(ResourcesSpec, "what a worker needs")
+    shards: int = _key(1, _Integer(1), "parts the dataset is split into, one worker each")
+    rounds: int = _key(1, _Integer(1), "train-then-aggregate rounds")
+    aggregation: str = _key("exact", _Choice(*AGGREGATIONS), "how shard adapters are combined")
+    min_accepted_fraction: float = _key(
+        1.0, _Number(0, 1, open_low=True), "fraction of shards accepted before a round publishes")
+    max_retries: int = _key(2, _Integer(0), "extra attempts per shard after a lost lease")
+    proof: ProofSpec = _section(ProofSpec, "proof of training")
+    lease_seconds: int = _key(3600, _Integer(10), "how long a shard lease lasts")
+    budget: BudgetSpec = _section(BudgetSpec, "payment terms")
+
+    @property
+    def min_accepted_shards(self) -> int:
+        """Accepted shards a round needs to publish: ceil(fraction x shards), never below 1.
+
+        Rounded to 9 places first so that 0.1 x 10 is 1, not 2 (binary floats are slightly off).
+        """
+        return max(1, math.ceil(round(self.min_accepted_fraction * self.shards, 9)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The canonical form: plain dicts, lists, str, int, float, bool, None; every key present."""
+        return _to_plain(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> JobSpec:
+        """Validate a plain dict (missing keys take defaults) by the same rules as the YAML file."""
+        return _read_job(data, _Where("", {}, {}))
+
+
+def _to_plain(spec: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(spec):
+        value = getattr(spec, f.name)
+        if "section" in f.metadata:
+            out[f.name] = _to_plain(value)
+        elif isinstance(value, tuple):
+            out[f.name] = list(value)
+        else:
+            out[f.name] = value
+    return out
+
+
+# --- the template: what `infernet train init` writes ---------------------------------------------
+
+TEMPLATE = """\
+# infernet.train.yml: a LoRA fine-tuning job for the infernet network.
+# Only name, base_model and input.dataset are required; every other key is shown at its default.
+# Full reference: ipips/0007-job-spec.md. Quoted values are always text: write 8, not "8".
+
+name: my-adapter                  # a label for people; the job ID is a hash of the whole spec
+base_model: ./base-model          # local path, or a hub name such as org/model
+# base_model_sha256: <64 hex>     # sha256 of the base model's weights; workers refuse a mismatch.
+                                  # Unset by default; the submitter tooling may fill it in.
+method: lora                      # lora | qlora (qlora: 4-bit base model, needs a GPU and bitsandbytes)
+runtime: peft                     # peft (CPU or GPU) | unsloth (GPU only)
+seed: 0                           # job seed, same for every worker: LoRA A init, data shuffles
+
+input:
+  dataset: ./train.jsonl          # local path, or the IPFS CID of the dataset
+  format: chatml                  # chatml: JSON lines of {"messages": [{"role": ..., "content": ...}]}
+  validation_split: 0.0           # fraction held out before sharding to validate aggregates, in [0, 0.5)
+
+training:                         # what each worker does with its shard in each round
+  epochs: 1                       # passes over the shard per round, >= 1
+  learning_rate: 0.0002           # > 0
+  batch_size: 4                   # examples per micro-batch, >= 1
+  gradient_accumulation_steps: 1  # micro-batches per optimizer step, >= 1
+  max_seq_len: 512                # tokens per example, >= 8; longer examples are truncated
+  max_steps: 0                    # optimizer steps per shard and round; 0 = no limit (epochs decide)
+
+lora:
+  rank: 8                         # r, >= 1
+  alpha: 16                       # scaling alpha > 0; the update is scaled by alpha / rank
+  dropout: 0.0                    # in [0, 1); 0 keeps a verifier's replay exact
+  target_modules: [q_proj, v_proj]  # names of the modules that get adapters
+  # freeze_a: true                # keep A at its init from the seed; default true when
+                                  # aggregation is exact (then it must be true), else false
+
+resources:
+  min_vram_gb: 0                  # GPU memory a worker needs; 0 = CPU workers welcome
+  max_runtime_hours: 24           # wall-clock limit of the whole job, > 0
+
+shards: 1                         # parts the dataset is split into, one worker each, >= 1
+rounds: 1                         # train-then-aggregate rounds, >= 1
+aggregation: exact                # exact | svd | fedavg | median | trimmed_mean
+                                  #   exact: A frozen, B averaged by samples (exact for LoRA)
+                                  #   svd: average B.A by samples, re-factor by truncated SVD
+                                  #   fedavg: average A and B apart (a baseline: not exact)
+                                  #   median, trimmed_mean: robust to bad shards; need >= 3 accepted
+min_accepted_fraction: 1.0        # fraction of a round's shards accepted before it publishes, in (0, 1]
+max_retries: 2                    # extra attempts per shard after a failed, expired or rejected lease
+
+proof:                            # proof of training
+  checkpoint_every: 20            # optimizer steps between committed checkpoints, >= 1
+  verify_segments: 2              # segments a verifier replays per shard; 0 = no replay
+  tolerance: 0.01                 # largest accepted difference between replay and commitment, >= 0
+
+lease_seconds: 3600               # how long a worker holds a shard before it may be reassigned, >= 10
+
+budget:
+  price_per_hour: 0               # offered per worker-hour, >= 0; 0 = volunteer job
+  total: 0                        # most the submitter pays for the whole job, >= 0
+"""
+
+
+# --- reading a validated spec out of plain values ----------------------------------------------
+
+_Path = tuple[str | int, ...]
+
+
+def _dotted(path: _Path) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
+
+
+@dataclass
+class _Where:
+    """Turns a field path into a SpecError located at the right line of the source."""
+
+    source: str
+    value_lines: dict[_Path, int]
+    key_lines: dict[_Path, int]
+
+    def at(self, line: int | None) -> str:
+        if not self.source:
+            return ""
+        return f"{self.source}:{line}" if line else self.source
+
+    def bad_value(self, path: _Path, message: str) -> SpecError:
+        return SpecError(_dotted(path), message, self.at(self.value_lines.get(path)))
+
+    def bad_key(self, path: _Path, message: str) -> SpecError:
+        return SpecError(_dotted(path), message, self.at(self.key_lines.get(path)))
+
+    def missing(self, path: _Path) -> SpecError:
+        # the line of the section that lacks the key; the top level has no line to point at
+        return SpecError(_dotted(path), "required key is missing", self.at(self.key_lines.get(path[:-1])))
+
+
+def _all_key_paths(cls: type, prefix: str = "") -> dict[str, str]:
+    """key name -> dotted path, for every key and section of the spec (names are unique)."""
+    out: dict[str, str] = {}
+    for f in fields(cls):
+        out[f.name] = prefix + f.name
+        if "section" in f.metadata:
+            out.update(_all_key_paths(f.metadata["section"], f"{prefix}{f.name}."))
+    return out
+
+
+def _unknown_key_message(key: str, cls: type) -> str:
+    names = [f.name for f in fields(cls)]
+    everywhere = _all_key_paths(JobSpec)
+    if key in everywhere:  # a real key, in the wrong section
+        return f"unknown key here (did you mean '{everywhere[key]}'?)"
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    if close:
+        return f"unknown key (did you mean '{close[0]}'?)"
+    close = difflib.get_close_matches(key, list(everywhere), n=1, cutoff=0.6)
+    if close:
+        return f"unknown key here (did you mean '{everywhere[close[0]]}'?)"
+    return "unknown key (expected one of: " + ", ".join(sorted(names)) + ")"
+
+
+def _read_section(cls: type, value: Any, path: _Path, where: _Where,
+                  defaults: dict[str, Any] | None = None) -> Any:
+    if value is None:
+        value = {}  # a section whose keys are all commented out: all defaults
+    if not isinstance(value, dict):
+        if not path:
+            raise where.bad_value(path, "expected a mapping of job settings at the top level, "
+                                        f"got {_describe(value)}")
+        raise where.bad_value(path, f"expected a mapping, got {_describe(value)}")
+    names = {f.name for f in fields(cls)}
+    for key in value:
+        if not isinstance(key, str):
+            raise where.bad_value(path, f"keys must be names, got {_describe(key)}")
+        if key not in names:
+            raise where.bad_key(path + (key,), _unknown_key_message(key, cls))
+    kwargs: dict[str, Any] = {}
+    for f in fields(cls):
+        sub = path + (f.name,)
+        if "section" in f.metadata:
+            kwargs[f.name] = _read_section(f.metadata["section"], value.get(f.name), sub, where,
+                                           (defaults or {}).get(f.name))
+        elif f.name in value:
+            kwargs[f.name] = _read_value(f.metadata["rule"], value[f.name], sub, where)
+        elif defaults and f.name in defaults:
+            kwargs[f.name] = defaults[f.name]
+        elif f.default is MISSING:
+            raise where.missing(sub)
+    return cls(**kwargs)
+
+
+def _read_value(rule: _Rule, value: Any, path: _Path, where: _Where) -> Any:
+    try:
+        checked = rule.check(value)
+        if isinstance(rule, _TextList):
+            seen: set[str] = set()
+            for index, item in enumerate(checked):
+                _read_value(_Text(), item, path + (index,), where)
+                if item in seen:
+                    raise where.bad_value(path + (index,), f"duplicate {item!r}")
+                seen.add(item)
+        return checked
+    except _Mismatch as mismatch:
+        raise where.bad_value(path, mismatch.message) from None
+
+
+def _read_job(data: Any, where: _Where) -> JobSpec:
+    # freeze_a's default follows the aggregation, which is read before the sections are
+    aggregation = "exact"
+    if isinstance(data, dict) and "aggregation" in data:
+        aggregation = _read_value(_Choice(*AGGREGATIONS), data["aggregation"], ("aggregation",), where)
+    spec = _read_section(JobSpec, data, (), where,
+                         defaults={"lora": {"freeze_a": aggregation == "exact"}})
+    _check_across_fields(spec, where)
+    return spec
+
+
+def _check_across_fields(spec: JobSpec, where: _Where) -> None:
+    """Rules that tie two keys together (ipips/0007, "Rules across keys")."""
+    if spec.aggregation == "exact" and not spec.lora.freeze_a:
+        raise where.bad_value(("lora", "freeze_a"), "must be true when aggregation is 'exact' "
+                              "(averaging B alone is exact only if every worker keeps the same A)")
+    if spec.aggregation in ROBUST_AGGREGATIONS and spec.min_accepted_shards < MIN_SHARDS_FOR_ROBUST:
+        raise where.bad_value(("aggregation",), (
+            f"{spec.aggregation!r} needs at least {MIN_SHARDS_FOR_ROBUST} accepted shards per round, "
+            f"but shards: {spec.shards} with min_accepted_fraction: {spec.min_accepted_fraction:g} "
+            f"lets a round publish with {spec.min_accepted_shards}"))
+
+
+# --- reading YAML: compose nodes, type plain scalars by YAML 1.2 core --------------------------
+
+_YAML = "tag:yaml.org,2002:"
+_STR, _INT, _FLOAT, _BOOL, _NULL = (_YAML + t for t in ("str", "int", "float", "bool", "null"))
+_MAP, _SEQ = _YAML + "map", _YAML + "seq"
+
+_NULL_TEXT = re.compile(r"(?:~|null|Null|NULL|)\Z")
+_BOOL_TEXT = re.compile(r"(?:true|True|TRUE|false|False|FALSE)\Z")
+_INT_TEXT = re.compile(r"[-+]?[0-9]+\Z")
+_FLOAT_TEXT = re.compile(
+    r"(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))\Z")
+_MAX_INT_DIGITS = 30  # beyond any allowed value, and far below Python's int-parsing limit
+
+
+def _plain_scalar_tag(text: str) -> str:
+    """The tag YAML 1.2's core schema gives an unquoted scalar."""
+    for tag, pattern in ((_NULL, _NULL_TEXT), (_BOOL, _BOOL_TEXT), (_INT, _INT_TEXT),
+                         (_FLOAT, _FLOAT_TEXT)):
+        if pattern.match(text):
+            return tag
+    return _STR
+
+
+class _RefusedYAML(Exception):
+    """Valid YAML that a job spec does not allow (an alias, deep nesting)."""
+
+    def __init__(self, message: str, mark: yaml.Mark) -> None:
+        self.message, self.mark = message, mark
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """SafeLoader, composing only, with YAML 1.2 core scalars, no merge keys, no aliases, bounded depth."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.depth = 0
+
+    def resolve(self, kind: type, value: str | None, implicit: tuple[bool, bool]) -> str:
+        if kind is yaml.ScalarNode and implicit[0]:
+            return _plain_scalar_tag(value or "")
+        return super().resolve(kind, value, implicit)
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        if self.check_event(yaml.AliasEvent):
+            raise _RefusedYAML("YAML aliases (*name) are not allowed in a job spec",
+                               self.peek_event().start_mark)
+        if self.depth >= MAX_DEPTH:
+            raise _RefusedYAML(f"nested deeper than {MAX_DEPTH} levels", self.peek_event().start_mark)
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+def _scalar_value(node: yaml.ScalarNode) -> Any:
+    """The value of a scalar by its tag, resolved or explicit (``!!int "8"``); _Mismatch if it does not fit."""
+    text = node.value
+    if node.tag == _STR:
+        return text
+    if node.tag == _NULL and _NULL_TEXT.match(text):
+        return None
+    if node.tag == _BOOL and _BOOL_TEXT.match(text):
+        return text.lower() == "true"
+    if node.tag == _INT and _INT_TEXT.match(text):
+        if len(text.lstrip("+-")) > _MAX_INT_DIGITS:
+            raise _Mismatch(f"integer too large: {text[:30]}...")
+        return int(text)
+    if node.tag == _FLOAT and _FLOAT_TEXT.match(text):
+        lowered = text.lower()
+        return float(lowered.replace(".", "") if lowered.endswith(("inf", "nan")) else lowered)
+    if node.tag in (_NULL, _BOOL, _INT, _FLOAT):
+        raise _Mismatch(f"{text[:60]!r} is not a valid {_short_tag(node.tag)}")
+    raise _Mismatch(f"unsupported YAML tag {_short_tag(node.tag)}")
+
+
+def _short_tag(tag: str) -> str:
+    return "!!" + tag[len(_YAML):] if tag.startswith(_YAML) else tag
+
+
+def _node_value(node: yaml.Node, path: _Path, where: _Where) -> Any:
+    """Plain Python value of a node, recording the line of every value and key on the way."""
+    where.value_lines[path] = node.start_mark.line + 1
+    if isinstance(node, yaml.ScalarNode):
+        try:
+            return _scalar_value(node)
+        except _Mismatch as mismatch:
+            raise where.bad_value(path, mismatch.message) from None
+    if isinstance(node, yaml.SequenceNode) and node.tag == _SEQ:
+        return [_node_value(item, path + (i,), where) for i, item in enumerate(node.value)]
+    if isinstance(node, yaml.MappingNode) and node.tag == _MAP:
+        out: dict[str, Any] = {}
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                kind = "a list" if isinstance(key_node, yaml.SequenceNode) else "a mapping"
+                raise SpecError(_dotted(path), f"keys must be names, got {kind}",
+                                where.at(key_node.start_mark.line + 1))
+            key = key_node.value
+            key_path = path + (key,)
+            if key in out:
+                first = where.key_lines[key_path]
+                where.key_lines[key_path] = key_node.start_mark.line + 1
+                raise where.bad_key(key_path, f"duplicate key (first given at line {first})")
+            where.key_lines[key_path] = key_node.start_mark.line + 1
+            out[key] = _node_value(value_node, key_path, where)
+        return out
+    raise where.bad_value(path, f"unsupported YAML tag {_short_tag(node.tag)}")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def parse_spec(text: str, source: str = "<string>") -> JobSpec:
+    """Parse and validate the text of a job spec; ``source`` names it in error messages."""
+    if len(text) > MAX_SPEC_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
+        raise SpecError("", f"larger than {MAX_SPEC_BYTES} bytes", source)
+    where = _Where(source, {}, {})
+    loader = None
+    try:
+        loader = _SpecLoader(text)  # the reader rejects unprintable characters right here
+        root = loader.get_single_node()
+    except _RefusedYAML as refused:
+        raise SpecError("", refused.message, where.at(refused.mark.line + 1)) from None
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        problem = ", ".join(_one_line(p) for p in (error.context, error.problem) if p)
+        raise SpecError("", f"not valid YAML: {problem}", where.at(mark.line + 1 if mark else None)) from None
+    except yaml.reader.ReaderError as error:
+        line = text.count("\n", 0, error.position) + 1
+        raise SpecError("", f"not valid YAML: character #x{error.character:04x} is not allowed",
+                        where.at(line)) from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+    if root is None:
+        raise SpecError("", "expected a mapping of job settings at the top level, got an empty document",
+                        where.at(1))
+    return _read_job(_node_value(root, (), where), where)
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Read and validate a job spec file; every failure, including I/O, is a SpecError."""
+    source = str(path)
+    try:
+        with open(path, "rb") as file:
+            data = file.read(MAX_SPEC_BYTES + 1)
+    except OSError as error:
+        raise SpecError("", f"cannot read: {error.strerror or error}", source) from None
+    if len(data) > MAX_SPEC_BYTES:
+        raise SpecError("", f"larger than {MAX_SPEC_BYTES} bytes", source)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise SpecError("", f"not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start})",
+                        f"{source}:{line}") from None
+    return parse_spec(text, source)
