@@ -33,8 +33,9 @@ Checking (what we accept from peers; every block is hash-checked before it is us
   must equal the blocksize its parent gave it, so the bytes read always add up to the root's
   filesize; depth is at most ``MAX_DEPTH``.
 
-py-libp2p's MerkleDag is NOT Kubo's layout for files over one chunk (it writes leaf sizes as 0),
-so it must never be used to build or check DAGs; this module is the only place that does.
+py-libp2p's MerkleDag is NOT Kubo's layout for files over one chunk (it writes leaf links' Tsize
+as 0 and promotes a lone trailing subtree instead of wrapping it), so its CIDs differ from
+``ipfs add``: it must never be used to build or check DAGs; this module is the only place that does.
 """
 
 from __future__ import annotations
