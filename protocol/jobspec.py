@@ -3,8 +3,8 @@
 Rules of this file (the document is ipips/0007-job-spec.md, the vectors ipips/vectors/jobspec-*.json):
 
 - Every key, its type, range and default is declared once, on the dataclass field that holds it
-  (``_key(default, rule)``). The parser, ``from_dict``, the template and the tests all read that
-  table; nothing else decides what a valid spec is.
+  (``_key(default, rule)``): the parser and ``from_dict`` read that table, the tests hold the
+  template and the IPIP to it; nothing else decides what a valid spec is.
 - YAML is read with a ``SafeLoader`` subclass and only ever *composed* (``yaml.compose``), never
   constructed: we need each node's line for error messages, and no Python object is ever built
   from a tag. Plain scalars are typed by the YAML 1.2 core schema, not PyYAML's YAML 1.1 one, so
@@ -17,9 +17,11 @@ Rules of this file (the document is ipips/0007-job-spec.md, the vectors ipips/ve
   The line is the value's for a bad value, the key's for an unknown or duplicate key, the section's
   for a key missing from a section; a key missing from the top level has the file alone.
 - ``JobSpec.to_dict()`` is the canonical form: every key present, defaults filled in, numbers
-  declared as numbers always ``float``, integers always ``int``, lists as lists. The job
-  announcement hashes it (protocol/messages.py), so two specs that mean the same job give the same
-  dict: ``alpha: 16`` and ``alpha: 16.0`` both give ``16.0``, a hash in capitals is lowered.
+  declared as numbers always ``float``, integers always ``int``, lists as lists. The job terms
+  (protocol/messages.py) are built from it and hashed into the job ID, so two specs that mean the
+  same job give the same dict: ``alpha: 16`` and ``alpha: 16.0`` both give ``16.0``, a hash in
+  capitals is lowered. Upper bounds are the terms' own, so a valid spec can always be announced.
+- Rules tying keys together live in ``_check_across_fields`` and nowhere else.
 
 This module knows nothing of files beyond ``load_spec`` reading one, and nothing of the network.
 """
@@ -39,9 +41,13 @@ from protocol.errors import SpecError
 
 MAX_SPEC_BYTES = 1 << 20  # a job spec is a page of settings; 1 MiB is generous
 MAX_DEPTH = 16  # the spec nests 3 deep; the cap keeps the recursive composer off the stack limit
-MAX_INT = 2**63 - 1  # every integer fits a signed 64-bit msgpack int
-MAX_TEXT = 1024  # characters in any one string value
-MAX_LIST = 256  # items in any one list
+# Upper bounds match the job terms' (protocol/messages.py), so every valid spec can be announced;
+# tests/protocol/test_jobspec.py checks a spec at every maximum against them.
+MAX_INT = 2**53  # count fields of the terms; also exact in a float and in JSON
+MAX_NAME = 256  # characters of name, base_model and any text that goes into the terms
+MAX_PATH = 4096  # characters of input.dataset (a local path is replaced by shard CIDs on announcing)
+MAX_MODULES = 64  # target_modules: items, and characters per item
+MAX_SHARDS = 1024
 
 SPEC_FILE_NAME = "infernet.train.yml"
 ROBUST_AGGREGATIONS = ("median", "trimmed_mean")
@@ -64,6 +70,8 @@ def _describe(value: Any) -> str:
         return "nothing"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, int) and abs(value) >= 10**30:
+        return f"a {value.bit_length()}-bit integer"  # printing it could take a page, or fail
     if isinstance(value, (int, float)):
         return repr(value)
     if value == "":
@@ -91,15 +99,16 @@ class _Rule:
 
 
 class _Integer(_Rule):
-    def __init__(self, minimum: int) -> None:
-        self.minimum = minimum
-        self.expected = f"an integer >= {minimum}"
+    def __init__(self, minimum: int, maximum: int = MAX_INT) -> None:
+        self.minimum, self.maximum = minimum, maximum
+        self.expected = (f"an integer >= {minimum}" if maximum == MAX_INT
+                         else f"an integer from {minimum} to {maximum}")
 
     def check(self, value: Any) -> int:
         if type(value) is not int or value < self.minimum:
             raise self.mismatch(value)
-        if value > MAX_INT:
-            raise _Mismatch(f"expected an integer from {self.minimum} to {MAX_INT}, got {value}")
+        if value > self.maximum:
+            raise _Mismatch(f"expected an integer from {self.minimum} to {self.maximum}, got {_describe(value)}")
         return value
 
 
@@ -116,13 +125,19 @@ class _Number(_Rule):
                              f"{high:g}{')' if open_high else ']'}")
 
     def check(self, value: Any) -> float:
-        if type(value) not in (int, float) or not math.isfinite(value):
+        if type(value) not in (int, float):
             raise self.mismatch(value)
-        if value < self.low or (self.open_low and value == self.low):
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond any float
+            raise self.mismatch(value) from None
+        if not math.isfinite(number):
             raise self.mismatch(value)
-        if value > self.high or (self.open_high and value == self.high):
+        if number < self.low or (self.open_low and number == self.low):
             raise self.mismatch(value)
-        return float(value)
+        if number > self.high or (self.open_high and number == self.high):
+            raise self.mismatch(value)
+        return number
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -131,11 +146,14 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 class _Text(_Rule):
     expected = "a non-empty string"
 
+    def __init__(self, max_len: int = MAX_NAME) -> None:
+        self.max_len = max_len
+
     def check(self, value: Any) -> str:
         if type(value) is not str or not value.strip():
             raise self.mismatch(value)
-        if len(value) > MAX_TEXT:
-            raise _Mismatch(f"expected at most {MAX_TEXT} characters, got {len(value)}")
+        if len(value) > self.max_len:
+            raise _Mismatch(f"expected at most {self.max_len} characters, got {len(value)}")
         if _CONTROL.search(value):
             raise _Mismatch(f"expected a single line of text, got {value[:60]!r}")
         return value
@@ -180,74 +198,73 @@ class _TextList(_Rule):
     def check(self, value: Any) -> tuple[str, ...]:
         if type(value) not in (list, tuple) or not value:
             raise self.mismatch(value)
-        if len(value) > MAX_LIST:
-            raise _Mismatch(f"expected at most {MAX_LIST} items, got {len(value)}")
+        if len(value) > MAX_MODULES:
+            raise _Mismatch(f"expected at most {MAX_MODULES} items, got {len(value)}")
         return tuple(value)  # items are checked one by one by the reader, to name their index
 
 
 # --- the spec: one dataclass per section, one field per key ------------------------------------
 
 
-def _key(default: Any, rule: _Rule, doc: str) -> Any:
-    """A key of the spec: its default (MISSING = required), the rule its value obeys, one line of doc."""
-    return field(default=default, metadata={"rule": rule, "doc": doc})
+def _key(default: Any, rule: _Rule) -> Any:
+    """A key of the spec: its default (MISSING = required) and the rule its value obeys."""
+    return field(default=default, metadata={"rule": rule})
 
 
-def _section(cls: type, doc: str) -> Any:
+def _section(cls: type) -> Any:
     """A section of the spec; required if any of its keys is (only ``input``, for its dataset)."""
-    metadata = {"section": cls, "doc": doc}
     if any(f.default is MISSING for f in fields(cls)):
-        return field(metadata=metadata)
-    return field(default_factory=cls, metadata=metadata)
+        return field(metadata={"section": cls})
+    return field(default_factory=cls, metadata={"section": cls})
 
+
+# Meanings are in the TEMPLATE below and in ipips/0007; upper bounds are those of the job terms.
 
 @dataclass(frozen=True, kw_only=True)
 class InputSpec:
-    dataset: str = _key(MISSING, _Text(), "local path, or the IPFS CID of the dataset")
-    format: str = _key("chatml", _Choice("chatml"), "record format of the dataset")
-    validation_split: float = _key(
-        0.0, _Number(0, 0.5, open_high=True),
-        "fraction held out before sharding, to validate aggregates")
+    dataset: str = _key(MISSING, _Text(MAX_PATH))  # local path or CID
+    format: str = _key("chatml", _Choice("chatml"))
+    validation_split: float = _key(0.0, _Number(0, 0.5, open_high=True))
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingSpec:
-    epochs: int = _key(1, _Integer(1), "passes over its shard per round")
-    learning_rate: float = _key(2e-4, _Number(0, open_low=True), "optimizer learning rate")
-    batch_size: int = _key(4, _Integer(1), "examples per micro-batch")
-    gradient_accumulation_steps: int = _key(1, _Integer(1), "micro-batches per optimizer step")
-    max_seq_len: int = _key(512, _Integer(8), "tokens per example; longer ones are truncated")
-    max_steps: int = _key(0, _Integer(0), "optimizer steps per shard and round; 0 = no limit")
+    epochs: int = _key(1, _Integer(1, 10_000))
+    learning_rate: float = _key(2e-4, _Number(0, open_low=True))
+    batch_size: int = _key(4, _Integer(1, 65_536))
+    gradient_accumulation_steps: int = _key(1, _Integer(1, 65_536))
+    max_seq_len: int = _key(512, _Integer(8, 1 << 20))
+    max_steps: int = _key(0, _Integer(0))  # 0 = no limit
 
 
 @dataclass(frozen=True, kw_only=True)
 class LoraSpec:
-    rank: int = _key(8, _Integer(1), "LoRA rank r")
-    alpha: float = _key(16.0, _Number(0, open_low=True), "LoRA scaling alpha (scale = alpha / rank)")
-    dropout: float = _key(0.0, _Number(0, 1, open_high=True), "dropout on the LoRA input")
-    target_modules: tuple[str, ...] = _key(
-        ("q_proj", "v_proj"), _TextList(), "names of the modules that get adapters")
-    # the dataclass default is the one for the default aggregation ("exact"); the parser derives it
-    freeze_a: bool = _key(True, _Flag(), "keep A at its seeded init (true when aggregation is exact)")
+    rank: int = _key(8, _Integer(1, 4096))
+    alpha: float = _key(16.0, _Number(0, open_low=True))
+    dropout: float = _key(0.0, _Number(0, 1, open_high=True))
+    target_modules: tuple[str, ...] = _key(("q_proj", "v_proj"), _TextList())
+    # True is the default for the default aggregation ("exact"); the parser derives it from the
+    # aggregation actually chosen
+    freeze_a: bool = _key(True, _Flag())
 
 
 @dataclass(frozen=True, kw_only=True)
 class ResourcesSpec:
-    min_vram_gb: float = _key(0.0, _Number(0), "GPU memory a worker needs; 0 = CPU workers welcome")
-    max_runtime_hours: float = _key(24.0, _Number(0, open_low=True), "wall-clock limit of the job")
+    min_vram_gb: float = _key(0.0, _Number(0))
+    max_runtime_hours: float = _key(24.0, _Number(0, 8760, open_low=True))  # at most a year
 
 
 @dataclass(frozen=True, kw_only=True)
 class ProofSpec:
-    checkpoint_every: int = _key(20, _Integer(1), "optimizer steps between committed checkpoints")
-    verify_segments: int = _key(2, _Integer(0), "segments a verifier replays per shard report")
-    tolerance: float = _key(0.01, _Number(0), "largest accepted replay difference")
+    checkpoint_every: int = _key(20, _Integer(1))
+    verify_segments: int = _key(2, _Integer(0, 1024))
+    tolerance: float = _key(0.01, _Number(0))
 
 
 @dataclass(frozen=True, kw_only=True)
 class BudgetSpec:
-    price_per_hour: float = _key(0.0, _Number(0), "offered per worker-hour; 0 = volunteer job")
-    total: float = _key(0.0, _Number(0), "most the submitter pays for the job; 0 = unpaid")
+    price_per_hour: float = _key(0.0, _Number(0))
+    total: float = _key(0.0, _Number(0))
 
 
 AGGREGATIONS = ("fedavg", "exact", "svd", "median", "trimmed_mean")
@@ -255,25 +272,24 @@ AGGREGATIONS = ("fedavg", "exact", "svd", "median", "trimmed_mean")
 
 @dataclass(frozen=True, kw_only=True)
 class JobSpec:
-    name: str = _key(MISSING, _Text(), "a label for people")
-    base_model: str = _key(MISSING, _Text(), "local path or hub name of the base model")
-    base_model_sha256: str | None = _key(None, _Sha256(), "sha256 of the base model's weights")
-    method: str = _key("lora", _Choice("lora", "qlora"), "adapter method")
-    runtime: str = _key("peft", _Choice("peft", "unsloth"), "training runtime")
-    seed: int = _key(0, _Integer(0), "job seed: LoRA A init and shuffles")
-    input: InputSpec = _section(InputSpec, "the dataset")
-    training: TrainingSpec = _section(TrainingSpec, "the optimizer, per shard and round")
-    lora: LoraSpec = _section(LoraSpec, "the adapter")
-    resources: ResourcesSpec = _section(ResourcesSpec, "what a worker needs")
-    shards: int = _key(1, _Integer(1), "parts the dataset is split into, one worker each")
-    rounds: int = _key(1, _Integer(1), "train-then-aggregate rounds")
-    aggregation: str = _key("exact", _Choice(*AGGREGATIONS), "how shard adapters are combined")
-    min_accepted_fraction: float = _key(
-        1.0, _Number(0, 1, open_low=True), "fraction of shards accepted before a round publishes")
-    max_retries: int = _key(2, _Integer(0), "extra attempts per shard after a lost lease")
-    proof: ProofSpec = _section(ProofSpec, "proof of training")
-    lease_seconds: int = _key(3600, _Integer(10), "how long a shard lease lasts")
-    budget: BudgetSpec = _section(BudgetSpec, "payment terms")
+    name: str = _key(MISSING, _Text())
+    base_model: str = _key(MISSING, _Text())
+    base_model_sha256: str | None = _key(None, _Sha256())
+    method: str = _key("lora", _Choice("lora", "qlora"))
+    runtime: str = _key("peft", _Choice("peft", "unsloth"))
+    seed: int = _key(0, _Integer(0))
+    input: InputSpec = _section(InputSpec)
+    training: TrainingSpec = _section(TrainingSpec)
+    lora: LoraSpec = _section(LoraSpec)
+    resources: ResourcesSpec = _section(ResourcesSpec)
+    shards: int = _key(1, _Integer(1, MAX_SHARDS))
+    rounds: int = _key(1, _Integer(1, 1000))
+    aggregation: str = _key("exact", _Choice(*AGGREGATIONS))
+    min_accepted_fraction: float = _key(1.0, _Number(0, 1, open_low=True))
+    max_retries: int = _key(2, _Integer(0, 100))
+    proof: ProofSpec = _section(ProofSpec)
+    lease_seconds: int = _key(3600, _Integer(10))
+    budget: BudgetSpec = _section(BudgetSpec)
 
     @property
     def min_accepted_shards(self) -> int:
@@ -374,10 +390,19 @@ budget:
 _Path = tuple[str | int, ...]
 
 
+_PLAIN_NAME = re.compile(r"[\w<>-]{1,64}")
+
+
 def _dotted(path: _Path) -> str:
+    """``lora.target_modules[2]``; a key that is not a plain name is quoted: ``training['a b']``."""
     out = ""
     for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _PLAIN_NAME.fullmatch(part):
+            out += f"[{part[:40]!r}]"
+        else:
+            out += f".{part}" if out else part
     return out
 
 
@@ -416,17 +441,16 @@ def _all_key_paths(cls: type, prefix: str = "") -> dict[str, str]:
 
 
 def _unknown_key_message(key: str, cls: type) -> str:
-    names = [f.name for f in fields(cls)]
+    """Suggest the key meant: the same name in another section, else the closest name here or anywhere."""
     everywhere = _all_key_paths(JobSpec)
-    if key in everywhere:  # a real key, in the wrong section
+    if key in everywhere:
         return f"unknown key here (did you mean '{everywhere[key]}'?)"
-    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
-    if close:
-        return f"unknown key (did you mean '{close[0]}'?)"
-    close = difflib.get_close_matches(key, list(everywhere), n=1, cutoff=0.6)
-    if close:
-        return f"unknown key here (did you mean '{everywhere[close[0]]}'?)"
-    return "unknown key (expected one of: " + ", ".join(sorted(names)) + ")"
+    here = [f.name for f in fields(cls)]
+    candidates = here + [path for path in everywhere.values() if path not in here]
+    best = max(candidates, key=lambda name: difflib.SequenceMatcher(None, key, name).ratio())
+    if difflib.SequenceMatcher(None, key, best).ratio() >= 0.6:
+        return f"unknown key{'' if best in here else ' here'} (did you mean '{best}'?)"
+    return "unknown key (expected one of: " + ", ".join(sorted(here)) + ")"
 
 
 def _read_section(cls: type, value: Any, path: _Path, where: _Where,
@@ -465,7 +489,7 @@ def _read_value(rule: _Rule, value: Any, path: _Path, where: _Where) -> Any:
         if isinstance(rule, _TextList):
             seen: set[str] = set()
             for index, item in enumerate(checked):
-                _read_value(_Text(), item, path + (index,), where)
+                _read_value(_Text(MAX_MODULES), item, path + (index,), where)
                 if item in seen:
                     raise where.bad_value(path + (index,), f"duplicate {item!r}")
                 seen.add(item)
