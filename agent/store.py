@@ -1,0 +1,625 @@
+"""Persistence for one agent: a SQLite file in its data directory, and each job's signed ledger.
+
+Rules of this file:
+
+- One ``Store`` = one SQLite connection, used from the one thread the agent runs in (trio's).
+  Calls are plain and blocking; each is a small transaction whose cost is one fsync (a few ms),
+  so trio code calls them directly. ``close()`` when done (or use the Store as a context manager).
+- Durability. The database is in WAL mode with ``synchronous=FULL`` on every commit: when a
+  method returns, what it wrote is on disk and survives ``kill -9`` of the agent and a power loss.
+  (WAL alone makes a commit survive ``kill -9``; FULL adds the fsync that survives power loss.
+  Commits are rare enough that every one gets it, not only reports, verdicts, aggregates and the
+  ledger.) A crash mid-call leaves the database as it was before the call: each method is one
+  transaction, and ``with store.transaction():`` makes several calls one commit (a report and its
+  ledger entry, say); inner calls run in savepoints, so a failing one undoes only itself unless
+  its error leaves the block, which undoes the whole block.
+- What is stored. ``jobs``: the terms as canonical msgpack (``JobTerms.to_wire``), our role, the
+  state name, round and coordinator term. ``shards``: the current view of each (job, round, shard).
+  ``envelopes``: every signed envelope we accepted, byte for byte as received, keyed by message ID,
+  so that a successor coordinator can rebuild a job from its own store. ``leases``, ``reports``,
+  ``verdicts``, ``aggregates``: decoded columns of those envelopes for queries; the bytes stay in
+  ``envelopes``. ``ledger``: the per-job event log below. ``schema_version``: one row.
+- Evidence is verified on the way in and on the way out. ``record`` checks an envelope's signature
+  and body again before storing it (the receive-time rules, clock window and replay, are the
+  receiver's business and not a property of stored evidence); every read re-checks the signature
+  and the message ID, so the store never hands back a message that does not verify.
+- The ledger (ipips/0008-ledger.md). Per job, entries seq 0, 1, 2, ... each the canonical msgpack
+  map ``{job_id, seq, prev, time, peer, kind, data, signer}``; ``prev`` is the hash of entry
+  seq-1 (32 zero bytes for seq 0); ``hash = sha256(LEDGER_DOMAIN + entry)`` and the signature is
+  Ed25519 over the same bytes by ``signer``. ``peer`` is who acted, ``signer`` who wrote it down:
+  entries are signed by this agent's identity when appended, by other peers when imported.
+  ``verify_ledger`` raises ``LedgerError`` naming the first bad seq (gap, broken chain, bad
+  signature, malformed entry, stored columns that disagree with the entry).
+- Only parameterised SQL; table and column names come from constants in this file.
+- A database written by a newer schema is refused with an error naming the file and both versions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from protocol.codec import canonical_encode, decode_canonical
+from protocol.envelope import MAX_ENVELOPE_BYTES, Opened, open_envelope
+from protocol.errors import CodecError, KeyFileError
+from protocol.identity import Identity, peer_id_from_public_key, public_key_from_peer_id, verify_signature
+from protocol.messages import JobTerms
+
+SCHEMA_VERSION = 1
+STORE_FILENAME = "agent.sqlite3"
+ROLES = ("submitter", "worker", "coordinator", "observer")
+
+LEDGER_DOMAIN = b"infernet/ledger/v1\x00"
+ZERO_HASH = bytes(32)
+MAX_ENTRY_BYTES = 64 * 1024
+_ENTRY_FIELDS = ("job_id", "seq", "prev", "time", "peer", "kind", "data", "signer")
+
+LEDGER_KINDS: dict[str, tuple[str, ...]] = {
+    "announced": ("submitter", "model", "parameters", "shards", "price_per_hour", "budget"),
+    "coordinator": ("term",),
+    "lease": ("round", "shard", "attempt", "worker", "expires_at"),
+    "checkpoint": ("round", "shard", "attempt", "step", "loss"),
+    "report": ("round", "shard", "attempt", "worker", "adapter_cid", "duration", "samples", "hardware",
+               "price_per_hour"),
+    "verdict": ("round", "shard", "attempt", "worker", "accepted", "reason"),
+    "aggregate": ("round", "adapter_cid", "method", "shards"),
+    "done": (),
+    "cancel": ("reason",),
+    "failed": ("reason",),
+}
+"""Each ledger kind and the keys its ``data`` map must hold (more keys are allowed)."""
+
+_SCHEMA = (
+    "CREATE TABLE schema_version (version INTEGER NOT NULL)",
+    """CREATE TABLE jobs (
+        job_id BLOB PRIMARY KEY, terms BLOB NOT NULL, role TEXT NOT NULL, state TEXT NOT NULL,
+        round INTEGER NOT NULL, coordinator_term INTEGER NOT NULL,
+        created REAL NOT NULL, updated REAL NOT NULL)""",
+    """CREATE TABLE shards (
+        job_id BLOB NOT NULL, round INTEGER NOT NULL, shard INTEGER NOT NULL, state TEXT NOT NULL,
+        attempt INTEGER NOT NULL, worker TEXT, lease_expires REAL, updated REAL NOT NULL,
+        PRIMARY KEY (job_id, round, shard))""",
+    """CREATE TABLE envelopes (
+        message_id BLOB PRIMARY KEY, type TEXT NOT NULL, signer TEXT NOT NULL, job_id BLOB,
+        ts_ms INTEGER NOT NULL, received REAL NOT NULL, data BLOB NOT NULL)""",
+    "CREATE INDEX envelopes_by_job ON envelopes (job_id, ts_ms)",
+    """CREATE TABLE leases (
+        message_id BLOB PRIMARY KEY REFERENCES envelopes, job_id BLOB NOT NULL, round INTEGER NOT NULL,
+        shard INTEGER NOT NULL, attempt INTEGER NOT NULL, worker TEXT NOT NULL, term INTEGER NOT NULL,
+        expires_at REAL NOT NULL, coordinator TEXT NOT NULL)""",
+    "CREATE INDEX leases_by_shard ON leases (job_id, round, shard, attempt)",
+    """CREATE TABLE reports (
+        message_id BLOB PRIMARY KEY REFERENCES envelopes, job_id BLOB NOT NULL, round INTEGER NOT NULL,
+        shard INTEGER NOT NULL, attempt INTEGER NOT NULL, worker TEXT NOT NULL, adapter_cid TEXT NOT NULL,
+        samples INTEGER NOT NULL, final_loss REAL NOT NULL)""",
+    "CREATE INDEX reports_by_shard ON reports (job_id, round, shard, attempt)",
+    """CREATE TABLE verdicts (
+        message_id BLOB PRIMARY KEY REFERENCES envelopes, job_id BLOB NOT NULL, round INTEGER NOT NULL,
+        shard INTEGER NOT NULL, attempt INTEGER NOT NULL, worker TEXT NOT NULL, term INTEGER NOT NULL,
+        accepted INTEGER NOT NULL, coordinator TEXT NOT NULL)""",
+    "CREATE INDEX verdicts_by_shard ON verdicts (job_id, round, shard, attempt)",
+    """CREATE TABLE aggregates (
+        message_id BLOB PRIMARY KEY REFERENCES envelopes, job_id BLOB NOT NULL, round INTEGER NOT NULL,
+        term INTEGER NOT NULL, adapter_cid TEXT NOT NULL, method TEXT NOT NULL, shards BLOB NOT NULL,
+        samples INTEGER NOT NULL, final INTEGER NOT NULL, coordinator TEXT NOT NULL)""",
+    "CREATE INDEX aggregates_by_round ON aggregates (job_id, round)",
+    """CREATE TABLE ledger (
+        job_id BLOB NOT NULL, seq INTEGER NOT NULL, kind TEXT NOT NULL, signer BLOB NOT NULL,
+        entry BLOB NOT NULL, signature BLOB NOT NULL, hash BLOB NOT NULL,
+        PRIMARY KEY (job_id, seq))""",
+)
+
+# The typed tables that envelopes of these message types are also indexed in.
+_MESSAGE_TABLES = {"lease": "leases", "report": "reports", "verdict": "verdicts", "aggregate": "aggregates"}
+
+
+class StoreError(Exception):
+    """The store refused an operation or a file; the message names the file, job or record."""
+
+
+class LedgerError(StoreError):
+    """A ledger entry is invalid. ``seq`` is the first bad entry (None if the entry has no readable seq)."""
+
+    def __init__(self, job_id: bytes, seq: Optional[int], problem: str) -> None:
+        self.job_id = job_id
+        self.seq = seq
+        self.problem = problem
+        job = f" of job {job_id.hex()[:16]}" if job_id else ""
+        where = f"seq {seq}" if seq is not None else "entry"
+        super().__init__(f"ledger{job}: {where}: {problem}")
+
+
+# -- records -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class JobRecord:
+    job_id: bytes
+    terms: JobTerms
+    role: str
+    state: str
+    round: int
+    coordinator_term: int
+    created: float
+    updated: float
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    job_id: bytes
+    round: int
+    shard: int
+    state: str
+    attempt: int
+    worker: Optional[str]
+    lease_expires: Optional[float]
+    updated: float
+
+
+@dataclass(frozen=True)
+class StoredMessage:
+    """A verified envelope from the store: ``data`` is the envelope exactly as received."""
+
+    message_id: bytes
+    signer: str
+    timestamp_ms: int
+    received: float
+    data: bytes = field(repr=False)
+    message: Any = field(repr=False)
+
+    @property
+    def type(self) -> str:
+        return self.message.TYPE
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One signed ledger entry. ``encoded`` is the canonical map that is hashed and signed."""
+
+    job_id: bytes
+    seq: int
+    prev: bytes
+    time: float
+    peer: str
+    kind: str
+    data: dict
+    signer: bytes
+    signature: bytes = field(repr=False)
+    encoded: bytes = field(repr=False)
+    hash: bytes = field(repr=False)
+
+    @property
+    def signer_peer_id(self) -> str:
+        return peer_id_from_public_key(self.signer)
+
+    @classmethod
+    def create(cls, identity: Identity, job_id: bytes, seq: int, prev: bytes, time: float, peer: str,
+               kind: str, data: dict) -> "LedgerEntry":
+        """Build and sign a new entry; StoreError if a field is invalid."""
+        wire = {"job_id": job_id, "seq": seq, "prev": prev, "time": float(time), "peer": peer,
+                "kind": kind, "data": data, "signer": identity.public_key}
+        problem = _entry_problem(wire)
+        if problem is None:
+            try:
+                encoded = canonical_encode(wire)
+            except CodecError as exc:
+                problem = f"data cannot be encoded: {exc}"
+        if problem is None and len(encoded) > MAX_ENTRY_BYTES:
+            problem = f"entry is {len(encoded)} bytes > {MAX_ENTRY_BYTES}"
+        if problem is not None:
+            raise LedgerError(job_id, seq, f"{kind}: {problem}")
+        signed = LEDGER_DOMAIN + encoded
+        return cls(job_id, seq, prev, float(time), peer, kind, data, identity.public_key,
+                   identity.sign(signed), encoded, hashlib.sha256(signed).digest())
+
+    @classmethod
+    def decode(cls, encoded: bytes, signature: bytes) -> "LedgerEntry":
+        """Read untrusted entry bytes and their signature; LedgerError unless both are valid."""
+        try:
+            wire = decode_canonical(encoded, max_bytes=MAX_ENTRY_BYTES)
+        except CodecError as exc:
+            raise LedgerError(b"", None, f"not a canonical entry: {exc}") from None
+        job_id = wire.get("job_id") if isinstance(wire, dict) else None
+        job_id = job_id if isinstance(job_id, bytes) else b""
+        seq = wire.get("seq") if isinstance(wire, dict) else None
+        seq = seq if isinstance(seq, int) and not isinstance(seq, bool) else None
+        problem = _entry_problem(wire)
+        if problem is not None:
+            raise LedgerError(job_id, seq, problem)
+        signed = LEDGER_DOMAIN + encoded
+        if not verify_signature(wire["signer"], signed, signature):
+            raise LedgerError(job_id, seq, f"bad signature (signer {peer_id_from_public_key(wire['signer'])})")
+        return cls(job_id, seq, wire["prev"], wire["time"], wire["peer"], wire["kind"], wire["data"],
+                   wire["signer"], signature, bytes(encoded), hashlib.sha256(signed).digest())
+
+
+def _entry_problem(wire: Any) -> Optional[str]:
+    """What is wrong with an entry map's shape, or None."""
+    if not isinstance(wire, dict):
+        return "entry is not a map"
+    missing = [k for k in _ENTRY_FIELDS if k not in wire]
+    if missing:
+        return f"missing field {missing[0]!r}"
+    extra = sorted(set(wire) - set(_ENTRY_FIELDS))
+    if extra:
+        return f"unknown field {extra[0][:40]!r}"
+    for name in ("job_id", "prev", "signer"):
+        if not isinstance(wire[name], bytes) or len(wire[name]) != 32:
+            return f"{name}: expected 32 bytes"
+    seq, time = wire["seq"], wire["time"]
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        return "seq: expected a non-negative integer"
+    if not isinstance(time, float) or not math.isfinite(time):
+        return "time: expected a finite float"
+    if not isinstance(wire["peer"], str):
+        return "peer: expected a peer ID"
+    try:
+        public_key_from_peer_id(wire["peer"])
+    except KeyFileError:
+        return f"peer: not an Ed25519 peer ID: {wire['peer'][:60]!r}"
+    kind, data = wire["kind"], wire["data"]
+    if kind not in LEDGER_KINDS:
+        return f"kind: expected one of {', '.join(LEDGER_KINDS)}, got {str(kind)[:40]!r}"
+    if not isinstance(data, dict):
+        return "data: expected a map"
+    absent = [k for k in LEDGER_KINDS[kind] if k not in data]
+    if absent:
+        return f"data.{absent[0]}: missing (a {kind} entry records {', '.join(LEDGER_KINDS[kind])})"
+    return None
+
+
+def announced_data(terms: JobTerms) -> dict:
+    """The ``data`` of an "announced" ledger entry: who asked for what model, with which parameters, at what price."""
+    return {
+        "name": terms.name,
+        "submitter": terms.submitter,
+        "model": terms.base_model,
+        "model_sha256": terms.base_model_sha256,
+        "parameters": {
+            "method": terms.method, "runtime": terms.runtime, "seed": terms.seed, "rounds": terms.rounds,
+            "aggregation": terms.aggregation, "training": terms.training.to_wire(), "lora": terms.lora.to_wire(),
+        },
+        "shards": len(terms.shards),
+        "price_per_hour": terms.price_per_hour,
+        "budget": terms.budget,
+    }
+
+
+# -- the store ---------------------------------------------------------------------------------------
+
+class Store:
+    """The agent's database. ``identity`` signs the ledger entries this agent appends."""
+
+    def __init__(self, path: str | Path, identity: Identity) -> None:
+        self.path = Path(path)
+        self.identity = identity
+        self._depth = 0
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(self.path), isolation_level=None)
+        try:
+            self._open()
+        except sqlite3.DatabaseError as exc:
+            self._db.close()
+            raise StoreError(f"{self.path}: not a usable infernet store: {exc}") from None
+        except BaseException:
+            self._db.close()
+            raise
+
+    @classmethod
+    def in_data_dir(cls, data_dir: str | Path, identity: Identity) -> "Store":
+        return cls(Path(data_dir) / STORE_FILENAME, identity)
+
+    def _open(self) -> None:
+        db = self._db
+        mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode.lower() != "wal":
+            raise StoreError(f"{self.path}: SQLite refused WAL mode (got {mode!r}); use a local disk")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("PRAGMA foreign_keys=ON")
+        db.execute("PRAGMA busy_timeout=5000")  # a CLI reading the store may hold it briefly
+        with self.transaction():
+            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if not tables:
+                for statement in _SCHEMA:
+                    db.execute(statement)
+                db.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+                return
+            if "schema_version" not in tables:
+                raise StoreError(f"{self.path}: not an infernet store (a SQLite file without schema_version)")
+            row = db.execute("SELECT version FROM schema_version").fetchone()
+            version = row[0] if row else None
+            if isinstance(version, int) and version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"{self.path}: written by a newer infernet-agent (schema version {version}, this one "
+                    f"reads up to {SCHEMA_VERSION}); upgrade the agent or use another data directory")
+            if version != SCHEMA_VERSION:
+                raise StoreError(f"{self.path}: unknown schema version {version!r}")
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Make every store call inside the block one commit (fsynced); an error leaving the block undoes all."""
+        savepoint = f"sp{self._depth}"
+        if self._depth == 0:
+            self._db.execute("BEGIN IMMEDIATE")
+        else:
+            self._db.execute(f"SAVEPOINT {savepoint}")
+        self._depth += 1
+        try:
+            yield
+        except BaseException:
+            self._depth -= 1
+            if self._depth == 0:
+                self._db.execute("ROLLBACK")
+            else:
+                self._db.execute(f"ROLLBACK TO {savepoint}")
+                self._db.execute(f"RELEASE {savepoint}")
+            raise
+        self._depth -= 1
+        if self._depth > 0:
+            self._db.execute(f"RELEASE {savepoint}")
+            return
+        try:
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:  # a failed COMMIT can leave the transaction open
+                self._db.execute("ROLLBACK")
+            raise
+
+    def _rows(self, sql: str, params: tuple = ()) -> list[tuple]:
+        """Run a query to the end. A half-read cursor (kept alive by an exception's traceback, say) would
+        hold an old read snapshot: later reads would not see new commits and WAL checkpoints would stall."""
+        return self._db.execute(sql, params).fetchall()
+
+    def _one(self, sql: str, params: tuple) -> Optional[tuple]:
+        rows = self._rows(sql, params)
+        return rows[0] if rows else None
+
+    # -- jobs ----------------------------------------------------------------------------------------
+
+    def add_job(self, terms: JobTerms, role: str, now: float, *, state: str = "ANNOUNCED", round: int = 1,
+                coordinator_term: int = 0) -> JobRecord:
+        """Store a job we take part in; a job already stored is returned unchanged."""
+        _check_role(role)
+        job_id = terms.job_id()
+        with self.transaction():
+            self._db.execute(
+                "INSERT OR IGNORE INTO jobs (job_id, terms, role, state, round, coordinator_term, created, updated)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (job_id, canonical_encode(terms.to_wire()), role, state, round, coordinator_term, now, now))
+        return self.job(job_id)
+
+    def update_job(self, job_id: bytes, now: float, *, role: Optional[str] = None, state: Optional[str] = None,
+                   round: Optional[int] = None, coordinator_term: Optional[int] = None) -> JobRecord:
+        """Change the given fields of a stored job."""
+        if role is not None:
+            _check_role(role)
+        changes = {"role": role, "state": state, "round": round, "coordinator_term": coordinator_term}
+        changes = {k: v for k, v in changes.items() if v is not None}
+        changes["updated"] = now
+        assignments = ", ".join(f"{column} = ?" for column in changes)  # column names from the dict above
+        with self.transaction():
+            cur = self._db.execute(f"UPDATE jobs SET {assignments} WHERE job_id = ?", (*changes.values(), job_id))
+            if cur.rowcount == 0:
+                raise StoreError(f"{self.path}: no job {job_id.hex()[:16]} in the store")
+        return self.job(job_id)
+
+    def job(self, job_id: bytes) -> Optional[JobRecord]:
+        row = self._one(
+            "SELECT job_id, terms, role, state, round, coordinator_term, created, updated FROM jobs WHERE job_id = ?",
+            (job_id,))
+        return None if row is None else self._job_record(row)
+
+    def jobs(self) -> list[JobRecord]:
+        rows = self._rows(
+            "SELECT job_id, terms, role, state, round, coordinator_term, created, updated FROM jobs ORDER BY created, rowid")
+        return [self._job_record(row) for row in rows]
+
+    def _job_record(self, row: tuple) -> JobRecord:
+        job_id, blob, *rest = row
+        try:
+            terms = JobTerms.from_wire(decode_canonical(blob, max_bytes=MAX_ENVELOPE_BYTES), "terms")
+        except CodecError as exc:
+            raise StoreError(f"{self.path}: stored terms of job {job_id.hex()[:16]} are corrupt: {exc}") from None
+        if terms.job_id() != job_id:
+            raise StoreError(f"{self.path}: stored terms of job {job_id.hex()[:16]} do not hash to its ID")
+        return JobRecord(job_id, terms, *rest)
+
+    # -- shards --------------------------------------------------------------------------------------
+
+    def set_shard(self, job_id: bytes, round: int, shard: int, state: str, now: float, *, attempt: int = 0,
+                  worker: Optional[str] = None, lease_expires: Optional[float] = None) -> ShardRecord:
+        """Record the current state of one shard in one round (replacing the previous one)."""
+        with self.transaction():
+            self._db.execute(
+                "INSERT INTO shards (job_id, round, shard, state, attempt, worker, lease_expires, updated)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (job_id, round, shard) DO UPDATE SET"
+                " state = excluded.state, attempt = excluded.attempt, worker = excluded.worker,"
+                " lease_expires = excluded.lease_expires, updated = excluded.updated",
+                (job_id, round, shard, state, attempt, worker, lease_expires, now))
+        return ShardRecord(job_id, round, shard, state, attempt, worker, lease_expires, now)
+
+    def shards(self, job_id: bytes, round: Optional[int] = None) -> list[ShardRecord]:
+        rows = self._rows(
+            "SELECT job_id, round, shard, state, attempt, worker, lease_expires, updated FROM shards"
+            " WHERE job_id = ? AND (? IS NULL OR round = ?) ORDER BY round, shard", (job_id, round, round))
+        return [ShardRecord(*row) for row in rows]
+
+    # -- signed envelopes ----------------------------------------------------------------------------
+
+    def record(self, data: bytes, now: float) -> StoredMessage:
+        """Store an accepted envelope (any type) as received, and index leases, reports, verdicts and
+        aggregates in their tables. Its signature and body are checked again; a duplicate is a no-op."""
+        try:
+            opened = _reopen(data)
+        except CodecError as exc:
+            raise StoreError(f"refusing to store an envelope that does not verify: {exc}") from None
+        env, msg = opened.envelope, opened.message
+        message_id, signer = env.message_id, env.signer
+        with self.transaction():
+            cur = self._db.execute(
+                "INSERT OR IGNORE INTO envelopes (message_id, type, signer, job_id, ts_ms, received, data)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (message_id, env.type, signer, getattr(msg, "job_id", None), env.timestamp_ms, now, bytes(data)))
+            if cur.rowcount == 0:
+                return self._messages("SELECT e.message_id, e.ts_ms, e.received, e.data FROM envelopes e"
+                                      " WHERE e.message_id = ?", (message_id,))[0]
+            if env.type == "lease":
+                self._db.execute(
+                    "INSERT INTO leases (message_id, job_id, round, shard, attempt, worker, term, expires_at,"
+                    " coordinator) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (message_id, msg.job_id, msg.round, msg.shard, msg.attempt, msg.worker, msg.term,
+                     msg.expires_at, signer))
+            elif env.type == "report":
+                self._db.execute(
+                    "INSERT INTO reports (message_id, job_id, round, shard, attempt, worker, adapter_cid, samples,"
+                    " final_loss) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (message_id, msg.job_id, msg.round, msg.shard, msg.attempt, signer, msg.adapter_cid,
+                     msg.samples, msg.final_loss))
+            elif env.type == "verdict":
+                self._db.execute(
+                    "INSERT INTO verdicts (message_id, job_id, round, shard, attempt, worker, term, accepted,"
+                    " coordinator) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (message_id, msg.job_id, msg.round, msg.shard, msg.attempt, msg.worker, msg.term,
+                     msg.accepted, signer))
+            elif env.type == "aggregate":
+                self._db.execute(
+                    "INSERT INTO aggregates (message_id, job_id, round, term, adapter_cid, method, shards, samples,"
+                    " final, coordinator) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (message_id, msg.job_id, msg.round, msg.term, msg.adapter_cid, msg.method,
+                     canonical_encode(list(msg.shards)), msg.samples, msg.final, signer))
+        return StoredMessage(message_id, signer, env.timestamp_ms, now, bytes(data), msg)
+
+    def envelopes(self, job_id: Optional[bytes] = None, type: Optional[str] = None) -> list[StoredMessage]:
+        """Accepted envelopes, oldest signer timestamp first; filtered by job and/or type tag."""
+        return self._messages(
+            "SELECT e.message_id, e.ts_ms, e.received, e.data FROM envelopes e"
+            " WHERE (? IS NULL OR e.job_id = ?) AND (? IS NULL OR e.type = ?) ORDER BY e.ts_ms, e.rowid",
+            (job_id, job_id, type, type))
+
+    def leases(self, job_id: bytes, round: Optional[int] = None) -> list[StoredMessage]:
+        return self._typed("lease", job_id, round)
+
+    def reports(self, job_id: bytes, round: Optional[int] = None) -> list[StoredMessage]:
+        return self._typed("report", job_id, round)
+
+    def verdicts(self, job_id: bytes, round: Optional[int] = None) -> list[StoredMessage]:
+        return self._typed("verdict", job_id, round)
+
+    def aggregates(self, job_id: bytes, round: Optional[int] = None) -> list[StoredMessage]:
+        return self._typed("aggregate", job_id, round)
+
+    def _typed(self, type_tag: str, job_id: bytes, round: Optional[int]) -> list[StoredMessage]:
+        table = _MESSAGE_TABLES[type_tag]
+        return self._messages(
+            f"SELECT e.message_id, e.ts_ms, e.received, e.data FROM {table} t JOIN envelopes e USING (message_id)"
+            " WHERE t.job_id = ? AND (? IS NULL OR t.round = ?) ORDER BY t.rowid", (job_id, round, round))
+
+    def _messages(self, sql: str, params: tuple) -> list[StoredMessage]:
+        out = []
+        for message_id, ts_ms, received, data in self._rows(sql, params):
+            try:
+                opened = open_envelope(data, now=ts_ms / 1000.0)
+            except CodecError as exc:
+                opened, problem = None, str(exc)
+            else:
+                problem = None if opened.envelope.message_id == message_id else "its message ID changed"
+            if problem is not None:
+                raise StoreError(f"{self.path}: stored envelope {message_id.hex()[:16]} does not verify: {problem}")
+            out.append(StoredMessage(message_id, opened.signer, ts_ms, received, data, opened.message))
+        return out
+
+    # -- the ledger ----------------------------------------------------------------------------------
+
+    def append_event(self, job_id: bytes, kind: str, data: dict, now: float, *,
+                     peer: Optional[str] = None) -> LedgerEntry:
+        """Append an entry signed by this agent; ``peer`` (who acted) defaults to this agent."""
+        if not isinstance(job_id, bytes) or len(job_id) != 32:
+            raise StoreError(f"append_event: job_id must be 32 bytes, got {job_id!r:.60}")
+        with self.transaction():
+            seq, prev = self._ledger_head(job_id)
+            entry = LedgerEntry.create(self.identity, job_id, seq, prev, now, peer or self.identity.peer_id,
+                                       kind, data)
+            self._insert_entry(entry)
+        return entry
+
+    def import_entry(self, encoded: bytes, signature: bytes) -> LedgerEntry:
+        """Append another peer's entry; it must verify and chain onto our last entry of that job.
+        An entry already stored (same seq, same hash) is a no-op."""
+        entry = LedgerEntry.decode(encoded, signature)
+        with self.transaction():
+            row = self._one("SELECT hash FROM ledger WHERE job_id = ? AND seq = ?", (entry.job_id, entry.seq))
+            if row is not None:
+                if row[0] == entry.hash:
+                    return entry
+                raise LedgerError(entry.job_id, entry.seq, "conflicts with the entry stored at that seq (fork)")
+            seq, prev = self._ledger_head(entry.job_id)
+            if entry.seq != seq:
+                raise LedgerError(entry.job_id, entry.seq, f"cannot import: the next local seq is {seq}")
+            if entry.prev != prev:
+                raise LedgerError(entry.job_id, entry.seq, f"prev does not match the hash of local seq {seq - 1}")
+            self._insert_entry(entry)
+        return entry
+
+    def ledger(self, job_id: bytes) -> list[LedgerEntry]:
+        """The job's entries in seq order, each checked on its own (signature, shape); see verify_ledger."""
+        return [LedgerEntry.decode(entry, signature) for entry, signature in self._rows(
+            "SELECT entry, signature FROM ledger WHERE job_id = ? ORDER BY seq", (job_id,))]
+
+    def verify_ledger(self, job_id: bytes) -> int:
+        """Check the job's whole ledger; return its length or raise LedgerError naming the first bad seq."""
+        prev = ZERO_HASH
+        rows = self._rows(
+            "SELECT seq, kind, signer, entry, signature, hash FROM ledger WHERE job_id = ? ORDER BY seq", (job_id,))
+        count = 0
+        for expected, (seq, kind, signer, encoded, signature, stored_hash) in enumerate(rows):
+            if seq != expected:
+                raise LedgerError(job_id, expected, f"missing (the next stored entry is seq {seq})")
+            try:
+                entry = LedgerEntry.decode(encoded, signature)
+            except LedgerError as exc:
+                raise LedgerError(job_id, seq, exc.problem) from None
+            if entry.job_id != job_id or entry.seq != seq:
+                raise LedgerError(job_id, seq, f"entry names job {entry.job_id.hex()[:16]} seq {entry.seq}")
+            if entry.prev != prev:
+                raise LedgerError(job_id, seq, "broken chain: prev is not the hash of the entry before")
+            if (kind, signer, stored_hash) != (entry.kind, entry.signer, entry.hash):
+                raise LedgerError(job_id, seq, "stored kind/signer/hash columns disagree with the entry")
+            prev = entry.hash
+            count += 1
+        return count
+
+    def _ledger_head(self, job_id: bytes) -> tuple[int, bytes]:
+        """The next seq of a job's ledger and the hash it must chain to."""
+        row = self._one("SELECT seq, hash FROM ledger WHERE job_id = ? ORDER BY seq DESC LIMIT 1", (job_id,))
+        return (0, ZERO_HASH) if row is None else (row[0] + 1, row[1])
+
+    def _insert_entry(self, entry: LedgerEntry) -> None:
+        self._db.execute(
+            "INSERT INTO ledger (job_id, seq, kind, signer, entry, signature, hash) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (entry.job_id, entry.seq, entry.kind, entry.signer, entry.encoded, entry.signature, entry.hash))
+
+
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise StoreError(f"role: expected one of {', '.join(ROLES)}, got {role!r:.40}")
+
+
+def _reopen(data: bytes) -> Opened:
+    """Verify an envelope's signature and body regardless of the clock: its own timestamp is 'now'."""
+    raw = decode_canonical(data, max_bytes=MAX_ENVELOPE_BYTES)
+    ts = raw.get("ts") if isinstance(raw, dict) else None
+    now = ts / 1000.0 if isinstance(ts, int) and not isinstance(ts, bool) else 0.0
+    return open_envelope(data, now=now)
