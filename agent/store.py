@@ -424,7 +424,8 @@ class Store:
 
     def jobs(self) -> list[JobRecord]:
         rows = self._rows(
-            "SELECT job_id, terms, role, state, round, coordinator_term, created, updated FROM jobs ORDER BY created, rowid")
+            "SELECT job_id, terms, role, state, round, coordinator_term, created, updated FROM jobs"
+            " ORDER BY created, rowid")
         return [self._job_record(row) for row in rows]
 
     def _job_record(self, row: tuple) -> JobRecord:

@@ -394,8 +394,8 @@ def write_vectors(path) -> None:
         entries = [store.append_event(VECTOR_JOB, kind, data, time, peer=peer)
                    for kind, data, peer, time in vector_events()]
     doc = {
-        "description": "Ledger entries of one job appended by a store whose identity has seed 0x05 * 32; "
-                       "see ipips/0008-ledger.md. hash = sha256(domain || entry), signature = Ed25519(domain || entry).",
+        "description": "Ledger entries of one job appended by a store whose identity has seed 0x05 * 32; see "
+                       "ipips/0008-ledger.md. hash = sha256(domain || entry), signature = Ed25519(domain || entry).",
         "domain_hex": LEDGER_DOMAIN.hex(),
         "signer_seed_hex": VECTOR_SIGNER.seed.hex(),
         "signer_public_key_hex": VECTOR_SIGNER.public_key.hex(),
