@@ -10,7 +10,8 @@ Rules of this file (the document is ipips/0007-job-spec.md, the vectors ipips/ve
   from a tag. Plain scalars are typed by the YAML 1.2 core schema, not PyYAML's YAML 1.1 one, so
   ``2e-4`` is a number (PyYAML alone reads it as text) and ``no``/``on`` are text, not booleans.
   Quoted scalars are always text: ``"true"`` or ``"8"`` where a bool or int is expected is an error.
-- Hostile input is bounded: at most ``MAX_SPEC_BYTES``, nesting at most ``MAX_DEPTH``, no aliases
+- Hostile input is bounded: at most ``MAX_SPEC_BYTES``, ``MAX_NODES`` values nested at most
+  ``MAX_DEPTH`` deep (so parsing stops early, whatever the input), no aliases
   (``*name``: the "billion laughs" blow-up needs them and a job spec never does), no tags beyond the
   plain ones, no duplicate keys (YAML keeps the last one silently; we refuse to guess).
 - Every error is a ``SpecError`` whose ``str()`` is one line ``FILE:LINE: FIELD.PATH: message``.
@@ -41,6 +42,7 @@ from protocol.errors import SpecError
 
 MAX_SPEC_BYTES = 1 << 20  # a job spec is a page of settings; 1 MiB is generous
 MAX_DEPTH = 16  # the spec nests 3 deep; the cap keeps the recursive composer off the stack limit
+MAX_NODES = 2000  # a full spec has ~150; pure-Python YAML takes ~20 s for 1 MiB of tiny nodes
 # Upper bounds match the job terms' (protocol/messages.py), so every valid spec can be announced;
 # tests/protocol/test_jobspec.py checks a spec at every maximum against them.
 MAX_INT = 2**53  # count fields of the terms; also exact in a float and in JSON
@@ -553,11 +555,12 @@ class _RefusedYAML(Exception):
 
 
 class _SpecLoader(yaml.SafeLoader):
-    """SafeLoader, composing only, with YAML 1.2 core scalars, no merge keys, no aliases, bounded depth."""
+    """SafeLoader, composing only, with YAML 1.2 core scalars, no merge keys, no aliases, bounded size."""
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self.depth = 0
+        self.nodes = 0
 
     def resolve(self, kind: type, value: str | None, implicit: tuple[bool, bool]) -> str:
         if kind is yaml.ScalarNode and implicit[0]:
@@ -570,6 +573,9 @@ class _SpecLoader(yaml.SafeLoader):
                                self.peek_event().start_mark)
         if self.depth >= MAX_DEPTH:
             raise _RefusedYAML(f"nested deeper than {MAX_DEPTH} levels", self.peek_event().start_mark)
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            raise _RefusedYAML(f"more than {MAX_NODES} YAML values", self.peek_event().start_mark)
         self.depth += 1
         try:
             return super().compose_node(parent, index)

@@ -69,7 +69,7 @@ def test_invalid_vectors_cover_every_error_class():
     names = " ".join(c["name"] for c in INVALID["cases"])
     for kind in ("not YAML", "top level", "missing", "wrong type", "out of range", "bad enum",
                  "did-you-mean", "duplicate key", "boolean given as a string", "alias bomb",
-                 "nesting", "tag", "cross-field"):
+                 "too many values", "nesting", "tag", "cross-field"):
         assert kind in names, kind
 
 
