@@ -1,0 +1,347 @@
+"""LoRA adapter aggregation: small pure functions over (adapter, num_samples) pairs.
+
+An adapter is a peft state dict, name -> tensor, as in `adapter_model.safetensors`: for every
+adapted module a `...lora_A.weight` of shape (r, in) and a `...lora_B.weight` of shape (out, r),
+whose product B·A (times the scale alpha/r, the same for every worker of a job) is the update
+added to the frozen base weight. Every rule here takes a list of (adapter, num_samples) pairs,
+returns a new adapter with exactly the input keys (so it saves as a peft adapter), never mutates
+its inputs, computes in float32 (float64 inputs stay float64) and returns the input dtype.
+
+Why averaging A and B separately is not averaging the updates: the weighted mean of the
+updates is Σ wᵢ·BᵢAᵢ, but the product of the means is (Σ wᵢBᵢ)(Σ wⱼAⱼ) = Σᵢⱼ wᵢwⱼ·BᵢAⱼ, which
+mixes in cross terms BᵢAⱼ of factors that were never trained together. The factorisation is not
+even unique (BA = (BG)(G⁻¹A) for any invertible G), so averaging factors averages arbitrary
+coordinates: two workers with B=[1], A=[1] and B=[-1], A=[-1] made the same update 1, yet
+mean(B)·mean(A) = 0.
+
+What each rule guarantees (wᵢ = nᵢ / Σ nⱼ):
+  fedavg        the weighted mean of every tensor, A and B separately. The naive baseline other
+                systems ship: its product is NOT the mean update (unless all A or all B agree).
+  exact         for FFA-LoRA, where A is frozen from the job seed and identical on every worker:
+                returns that A and the weighted mean of B, so B̄·A = Σ wᵢ·BᵢA exactly (up to
+                float rounding). Raises if any A differs from adapter 0's A (no tolerance).
+  svd           the best rank-r approximation (Eckart–Young) of the mean update Σ wᵢ·BᵢAᵢ,
+                factored back as B' (out, r), A' (r, in) with balanced singular values; exact
+                whenever r >= the rank of the mean update, always so when r >= K·r_in. Computed
+                through QR of the thin stacked factors, never forming the out×in matrix.
+                If r differs from the input rank, the caller must keep the adapter's scale:
+                write lora_alpha' = lora_alpha·r/r_in (alpha/√r under rsLoRA) in the config.
+  median        coordinate-wise median of every tensor (mean of the two middle values for an
+                even count, as numpy does); robust to fewer than half arbitrary adapters.
+  trimmed_mean  coordinate-wise mean after dropping the k = floor(trim_ratio·K) largest and
+                smallest values of every coordinate (scipy's trim_mean rule); with the default
+                0.1 and fewer than 10 adapters nothing is dropped.
+The robust rules are naive like fedavg (factors, not updates) and ignore sample counts on
+purpose: a dishonest peer could claim any count.
+
+Tensors that are not LoRA factors (modules_to_save, DoRA magnitudes) are trained directly, so
+fedavg, exact and svd give them the weighted mean (which is the mean update for them) and the
+robust rules apply their own rule. Inputs are checked before anything is returned, and every
+error is an AggregationError naming the adapter (by position), key or module at fault.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from numbers import Integral, Real
+
+import torch
+
+Adapter = Mapping[str, torch.Tensor]
+Pairs = Sequence[tuple[Adapter, int]]
+
+# The name of the factor in a peft key, and its partner: `q_proj.lora_A.weight` for linear
+# layers, `embed_tokens.lora_embedding_A` for embeddings (whose update is (B·A)ᵀ, still B·A).
+_PARTNER_OF_A = {"lora_A": "lora_B", "lora_embedding_A": "lora_embedding_B"}
+_A_OF_PARTNER = {b: a for a, b in _PARTNER_OF_A.items()}
+
+
+class AggregationError(ValueError):
+    """Adapters that cannot be aggregated; the message names the adapter, key or module."""
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One adapted module: its path and the keys of its A (r, in) and B (out, r) factors."""
+
+    name: str
+    a_key: str
+    b_key: str
+
+
+@dataclass(frozen=True)
+class _Checked:
+    adapters: list[Adapter]
+    weights: list[float]  # nᵢ / Σ nⱼ
+    modules: list[LoraModule]
+    other_keys: list[str]  # keys that are not LoRA factors
+
+
+# --- the rules ---------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def fedavg(pairs: Pairs) -> dict[str, torch.Tensor]:
+    """Sample-weighted mean of every tensor, A and B separately (naive: not the mean update)."""
+    checked = _check_pairs(pairs)
+    return {key: _weighted_mean(checked, key) for key in checked.adapters[0]}
+
+
+@torch.no_grad()
+def exact(pairs: Pairs) -> dict[str, torch.Tensor]:
+    """FFA-LoRA: every A must be identical; returns that A and the weighted mean of B."""
+    checked = _check_pairs(pairs)
+    result = {key: _weighted_mean(checked, key) for key in checked.other_keys}
+    for module in checked.modules:
+        a_first = checked.adapters[0][module.a_key]
+        _require_finite(a_first, f"adapter 0: {module.a_key}")
+        for index, adapter in enumerate(checked.adapters[1:], start=1):
+            if not torch.equal(adapter[module.a_key], a_first):
+                raise AggregationError(
+                    f"exact: module {module.name}: lora_A of adapter {index} differs from "
+                    f"adapter 0's; exact aggregation needs A frozen from the job seed (use svd)"
+                )
+        result[module.a_key] = a_first.clone()
+        result[module.b_key] = _weighted_mean(checked, module.b_key)
+    return _in_input_order(checked, result)
+
+
+@torch.no_grad()
+def svd(pairs: Pairs, rank: int | None = None) -> dict[str, torch.Tensor]:
+    """Mean update Σ wᵢ·BᵢAᵢ re-factored to rank r (default: input rank) by thin QR + SVD."""
+    checked = _check_pairs(pairs)
+    if rank is not None and (not isinstance(rank, Integral) or isinstance(rank, bool) or rank < 1):
+        raise AggregationError(f"svd: rank must be a positive integer, got {rank!r}")
+    result = {key: _weighted_mean(checked, key) for key in checked.other_keys}
+    for module in checked.modules:
+        b_new, a_new = _refactor_mean_update(checked, module, rank)
+        result[module.a_key] = a_new
+        result[module.b_key] = b_new
+    return _in_input_order(checked, result)
+
+
+@torch.no_grad()
+def median(pairs: Pairs) -> dict[str, torch.Tensor]:
+    """Coordinate-wise median of every tensor (robust, naive like fedavg; counts ignored)."""
+    checked = _check_pairs(pairs)
+    count = len(checked.adapters)
+
+    def median_of(key: str) -> torch.Tensor:
+        ordered = _stacked(checked, key).sort(dim=0).values
+        middle = (ordered[(count - 1) // 2] + ordered[count // 2]) / 2
+        return middle.to(checked.adapters[0][key].dtype)
+
+    return {key: median_of(key) for key in checked.adapters[0]}
+
+
+@torch.no_grad()
+def trimmed_mean(pairs: Pairs, trim_ratio: float = 0.1) -> dict[str, torch.Tensor]:
+    """Coordinate-wise mean without the floor(trim_ratio·K) extremes each side (counts ignored)."""
+    checked = _check_pairs(pairs)
+    if not isinstance(trim_ratio, Real) or isinstance(trim_ratio, bool) or not 0 <= trim_ratio < 0.5:
+        raise AggregationError(f"trimmed_mean: trim_ratio must be in [0, 0.5), got {trim_ratio!r}")
+    count = len(checked.adapters)
+    cut = int(trim_ratio * count)
+
+    def trimmed_mean_of(key: str) -> torch.Tensor:
+        ordered = _stacked(checked, key).sort(dim=0).values
+        return ordered[cut : count - cut].mean(dim=0).to(checked.adapters[0][key].dtype)
+
+    return {key: trimmed_mean_of(key) for key in checked.adapters[0]}
+
+
+METHODS: dict[str, Callable[..., dict[str, torch.Tensor]]] = {
+    "fedavg": fedavg,
+    "exact": exact,
+    "svd": svd,
+    "median": median,
+    "trimmed_mean": trimmed_mean,
+}
+
+
+def aggregate(
+    method: str, pairs: Pairs, *, rank: int | None = None, trim_ratio: float = 0.1
+) -> dict[str, torch.Tensor]:
+    """Aggregate (adapter, num_samples) pairs with the rule named `method` (see METHODS)."""
+    if method not in METHODS:
+        raise AggregationError(f"unknown aggregation method {method!r}; known: {', '.join(METHODS)}")
+    if method == "svd":
+        return svd(pairs, rank=rank)
+    if rank is not None:
+        raise AggregationError(f"rank applies only to the svd method, not to {method}")
+    if method == "trimmed_mean":
+        return trimmed_mean(pairs, trim_ratio=trim_ratio)
+    return METHODS[method](pairs)
+
+
+# --- arithmetic --------------------------------------------------------------------------------
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # float32 at least, so bf16/fp16 adapters are summed without losing the small updates.
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _weighted_mean(checked: _Checked, key: str) -> torch.Tensor:
+    tensors = [adapter[key] for adapter in checked.adapters]
+    compute = _compute_dtype(tensors[0].dtype)
+    # One preallocated output, accumulated in place: one pass over each input, no temporaries.
+    total = torch.mul(tensors[0].to(compute), checked.weights[0])
+    for tensor, weight in zip(tensors[1:], checked.weights[1:]):
+        total.add_(tensor.to(compute), alpha=weight)
+    # With positive weights a NaN or Inf anywhere in the inputs reaches the mean, so checking
+    # the mean (1/K of the data) is enough; the inputs are only scanned to name the culprit.
+    if not _is_finite(total):
+        for index, tensor in enumerate(tensors):
+            _require_finite(tensor, f"adapter {index}: {key}")
+        raise AggregationError(f"{key}: the weighted mean overflowed {compute}")
+    return total.to(tensors[0].dtype)
+
+
+def _stacked(checked: _Checked, key: str) -> torch.Tensor:
+    tensors = [adapter[key] for adapter in checked.adapters]
+    stack = torch.stack([t.to(_compute_dtype(t.dtype)) for t in tensors])
+    if not _is_finite(stack):
+        for index, tensor in enumerate(tensors):
+            _require_finite(tensor, f"adapter {index}: {key}")
+    return stack
+
+
+def _refactor_mean_update(
+    checked: _Checked, module: LoraModule, rank: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best rank-r factors B' (out, r), A' (r, in) of Σ wᵢ·BᵢAᵢ, never forming out×in."""
+    a_factors = [adapter[module.a_key] for adapter in checked.adapters]
+    b_factors = [adapter[module.b_key] for adapter in checked.adapters]
+    for index, (a, b) in enumerate(zip(a_factors, b_factors)):
+        _require_finite(a, f"adapter {index}: {module.a_key}")
+        _require_finite(b, f"adapter {index}: {module.b_key}")
+    dtype = a_factors[0].dtype
+    compute = _compute_dtype(dtype)
+    # Σ wᵢ·BᵢAᵢ = [w₁B₁ | … | w_KB_K] · [A₁; …; A_K] = Bs·As, with Bs (out, Kr) and As (Kr, in).
+    b_stack = torch.cat([b.to(compute) * w for b, w in zip(b_factors, checked.weights)], dim=1)
+    a_stack = torch.cat([a.to(compute) for a in a_factors], dim=0)
+    # Bs = Qb·Rb and Asᵀ = Qa·Ra, so Bs·As = Qb·(Rb·Raᵀ)·Qaᵀ: the SVD of the small core
+    # M = Rb·Raᵀ = U·S·Vᵀ gives the SVD of the mean update, Qb·U · S · (Qa·V)ᵀ.
+    q_b, r_b = torch.linalg.qr(b_stack)
+    q_a, r_a = torch.linalg.qr(a_stack.T)
+    u, s, vh = torch.linalg.svd(r_b @ r_a.T, full_matrices=False)
+    rank_in = a_factors[0].shape[0]
+    rank_out = rank_in if rank is None else rank
+    if rank_out > s.shape[0]:
+        raise AggregationError(
+            f"svd: rank {rank_out} exceeds the largest rank the mean update of module "
+            f"{module.name} can have: min(out, in, K·r) = {s.shape[0]}"
+        )
+    root = s[:rank_out].sqrt()
+    b_new = q_b @ (u[:, :rank_out] * root)
+    a_new = (root[:, None] * vh[:rank_out]) @ q_a.T
+    return b_new.to(dtype), a_new.to(dtype)
+
+
+def _is_finite(tensor: torch.Tensor) -> bool:
+    # aminmax propagates NaN and is several times faster than isfinite().all() on CPU.
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return math.isfinite(low.item()) and math.isfinite(high.item())
+
+
+def _require_finite(tensor: torch.Tensor, where: str) -> None:
+    if not _is_finite(tensor):
+        raise AggregationError(f"{where}: contains NaN or Inf")
+
+
+def _in_input_order(checked: _Checked, result: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key: result[key] for key in checked.adapters[0]}
+
+
+# --- input checks ------------------------------------------------------------------------------
+
+
+def _check_pairs(pairs: Pairs) -> _Checked:
+    """Every adapter has the same keys, shapes, dtypes and ranks; every count is positive."""
+    if not isinstance(pairs, Sequence) or len(pairs) == 0:
+        raise AggregationError("no adapters to aggregate: expected a non-empty list of (adapter, num_samples)")
+    adapters: list[Adapter] = []
+    counts: list[int] = []
+    for index, pair in enumerate(pairs):
+        if not isinstance(pair, Sequence) or len(pair) != 2:
+            raise AggregationError(f"pair {index}: expected (adapter, num_samples), got {type(pair).__name__}")
+        adapter, count = pair
+        if not isinstance(adapter, Mapping) or len(adapter) == 0:
+            raise AggregationError(f"adapter {index}: expected a non-empty dict of name -> tensor")
+        if not isinstance(count, Integral) or isinstance(count, bool) or count <= 0:
+            raise AggregationError(f"adapter {index}: num_samples must be a positive integer, got {count!r}")
+        adapters.append(adapter)
+        counts.append(int(count))
+
+    first = adapters[0]
+    for key, tensor in first.items():
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            what = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise AggregationError(f"adapter 0: {key}: expected a floating-point tensor, got {what}")
+    modules, other_keys = _lora_modules(first)
+
+    for index, adapter in enumerate(adapters[1:], start=1):
+        missing, extra = first.keys() - adapter.keys(), adapter.keys() - first.keys()
+        if missing or extra:
+            raise AggregationError(
+                f"adapter {index}: keys differ from adapter 0's: "
+                f"missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]}"
+            )
+        for key, tensor in adapter.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise AggregationError(f"adapter {index}: {key}: expected a tensor, got {type(tensor).__name__}")
+        for module in modules:
+            a, a_first = adapter[module.a_key], first[module.a_key]
+            if a.dim() == 2 and a.shape[0] != a_first.shape[0]:
+                raise AggregationError(
+                    f"adapter {index}: module {module.name} has rank {a.shape[0]}, "
+                    f"adapter 0 has rank {a_first.shape[0]}"
+                )
+        for key, tensor in adapter.items():
+            if tensor.shape != first[key].shape or tensor.dtype != first[key].dtype:
+                raise AggregationError(
+                    f"adapter {index}: {key}: {tuple(tensor.shape)} {tensor.dtype}, "
+                    f"adapter 0 has {tuple(first[key].shape)} {first[key].dtype}"
+                )
+
+    total = sum(counts)
+    return _Checked(adapters, [count / total for count in counts], modules, other_keys)
+
+
+def _lora_modules(adapter: Adapter) -> tuple[list[LoraModule], list[str]]:
+    """Pair every lora_A key with its lora_B key; the keys left over are not LoRA factors."""
+    modules: list[LoraModule] = []
+    paired: set[str] = set()
+    for key in adapter:
+        parts = key.split(".")
+        a_at = [i for i, part in enumerate(parts) if part in _PARTNER_OF_A]
+        b_at = [i for i, part in enumerate(parts) if part in _A_OF_PARTNER]
+        if b_at and not a_at:
+            a_key = ".".join(parts[: b_at[-1]] + [_A_OF_PARTNER[parts[b_at[-1]]]] + parts[b_at[-1] + 1 :])
+            if a_key not in adapter:
+                raise AggregationError(f"{key}: lora_B without its lora_A ({a_key} is missing)")
+        if not a_at:
+            continue
+        at = a_at[-1]
+        b_key = ".".join(parts[:at] + [_PARTNER_OF_A[parts[at]]] + parts[at + 1 :])
+        name = ".".join(parts[:at])
+        if b_key not in adapter:
+            raise AggregationError(f"{key}: lora_A without its lora_B ({b_key} is missing)")
+        a, b = adapter[key], adapter[b_key]
+        if a.dim() != 2 or b.dim() != 2:
+            raise AggregationError(
+                f"module {name}: expected 2-D factors, got lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}"
+            )
+        if a.shape[0] != b.shape[1]:
+            raise AggregationError(
+                f"module {name}: lora_A has rank {a.shape[0]} but lora_B has rank {b.shape[1]}"
+            )
+        modules.append(LoraModule(name, key, b_key))
+        paired.update((key, b_key))
+    return modules, [key for key in adapter if key not in paired]
+
