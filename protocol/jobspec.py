@@ -51,7 +51,7 @@ MAX_PATH = 4096  # characters of input.dataset (a local path is replaced by shar
 MAX_MODULES = 64  # target_modules: items, and characters per item
 MAX_SHARDS = 1024
 
-SPEC_FILE_NAME = "infernet.train.yml"
+SPEC_FILE_NAME = "infernet.train.yml"  # what `infernet train init` writes
 ROBUST_AGGREGATIONS = ("median", "trimmed_mean")
 MIN_SHARDS_FOR_ROBUST = 3  # a median or trimmed mean of two updates is just their mean
 
@@ -76,9 +76,9 @@ def _describe(value: Any) -> str:
         return f"a {value.bit_length()}-bit integer"  # printing it could take a page, or fail
     if isinstance(value, (int, float)):
         return repr(value)
-    if value == "":
-        return "an empty string"
     if isinstance(value, str):
+        if not value:
+            return "an empty string"
         shown = repr(value if len(value) <= 60 else value[:57] + "...")
         # "true" or "8" in quotes is text to YAML; say so, it is the usual mistake
         return f"the string {shown}" if _plain_scalar_tag(value) != _STR else shown
@@ -168,7 +168,8 @@ class _Choice(_Rule):
 
     def check(self, value: Any) -> str:
         if type(value) is not str or value not in self.options:
-            close = difflib.get_close_matches(str(value).lower(), self.options, n=1, cutoff=0.6)
+            close = (difflib.get_close_matches(value.lower(), self.options, n=1, cutoff=0.6)
+                     if isinstance(value, str) else [])
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise _Mismatch(f"expected {self.expected}, got {_describe(value)}{hint}")
         return value

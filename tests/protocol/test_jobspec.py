@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from protocol import jobspec
 from protocol import messages as m
 from protocol.cid import RAW, CID
+from protocol.codec import canonical_encode
 from protocol.errors import SpecError
 from protocol.identity import Identity
 from protocol.jobspec import TEMPLATE, JobSpec, load_spec, parse_spec
@@ -81,6 +82,16 @@ def test_error_carries_path_and_location_apart():
 
 
 # --- defaults and cross-field rules ------------------------------------------------------------
+
+
+def test_specs_that_mean_the_same_job_encode_the_same():
+    written = parse_spec("name: a\nbase_model: b\ninput: {dataset: c}\nlora: {alpha: 16, freeze_a: true}\n"
+                         "base_model_sha256: " + "AB" * 32 + "\nresources: {min_vram_gb: 0}\n")
+    implied = JobSpec.from_dict({"name": "a", "base_model": "b", "input": {"dataset": "c"},
+                                 "lora": {"alpha": 16.0}, "base_model_sha256": "ab" * 32})
+    assert canonical_encode(written.to_dict()) == canonical_encode(implied.to_dict())
+    other = JobSpec.from_dict({**implied.to_dict(), "seed": 1})
+    assert canonical_encode(other.to_dict()) != canonical_encode(implied.to_dict())
 
 
 def test_freeze_a_default_follows_the_aggregation():
