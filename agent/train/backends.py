@@ -1,0 +1,95 @@
+"""Training backends behind one small interface: train a shard, report checkpoints, write the adapter.
+
+Rules of this file:
+- A backend has a ``name`` and ``train(request, on_checkpoint) -> TrainResult``; a worker picks
+  one with ``select_backend(runtime)`` from the job's ``runtime`` and never looks inside.
+- "peft" runs in this process on torch (CPU or CUDA; bf16 where the GPU supports it).
+- "unsloth" needs a CUDA GPU and must be imported before transformers/peft, and its install pins
+  its own torch/transformers, so it runs as a child process (``unsloth_runner``) with the Python
+  of its own environment (``INFERNET_UNSLOTH_PYTHON``, default this interpreter). The child
+  writes checkpoint events and the result as ``EVENT_PREFIX``/``RESULT_PREFIX`` JSON lines on
+  stdout; anything else it prints is passed through to our stderr.
+- Selecting unsloth without a GPU fails at once with one line, before any work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from agent.train.config import TrainError
+from agent.train.recorder import CheckpointEvent, OnCheckpoint
+from agent.train.run import TrainRequest, TrainResult, train_shard
+
+EVENT_PREFIX = "INFERNET-EVENT "
+RESULT_PREFIX = "INFERNET-RESULT "
+ERROR_PREFIX = "INFERNET-ERROR "
+
+
+class Backend(Protocol):
+    name: str
+
+    def train(self, request: TrainRequest, on_checkpoint: OnCheckpoint | None = None) -> TrainResult: ...
+
+
+class PeftBackend:
+    name = "peft"
+
+    def train(self, request: TrainRequest, on_checkpoint: OnCheckpoint | None = None) -> TrainResult:
+        return train_shard(request, on_checkpoint, backend="peft")
+
+
+class UnslothBackend:
+    name = "unsloth"
+
+    def __init__(self, python: str | None = None):
+        self.python = python or os.environ.get("INFERNET_UNSLOTH_PYTHON", sys.executable)
+
+    def train(self, request: TrainRequest, on_checkpoint: OnCheckpoint | None = None) -> TrainResult:
+        request.run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", suffix=".json", dir=request.run_dir, delete=False) as handle:
+            json.dump(request.to_json(), handle)
+        try:
+            return self._run(Path(handle.name), on_checkpoint)
+        finally:
+            os.unlink(handle.name)
+
+    def _run(self, request_path: Path, on_checkpoint: OnCheckpoint | None) -> TrainResult:
+        child = subprocess.Popen(
+            [self.python, "-m", "agent.train.unsloth_runner", str(request_path)],
+            stdout=subprocess.PIPE, text=True, bufsize=1,
+        )
+        result, error = None, None
+        assert child.stdout is not None
+        with child:
+            for line in child.stdout:
+                if line.startswith(EVENT_PREFIX):
+                    if on_checkpoint is not None:
+                        on_checkpoint(CheckpointEvent.from_json(json.loads(line[len(EVENT_PREFIX):])))
+                elif line.startswith(RESULT_PREFIX):
+                    result = TrainResult.from_json(json.loads(line[len(RESULT_PREFIX):]))
+                elif line.startswith(ERROR_PREFIX):
+                    error = line[len(ERROR_PREFIX):].strip()
+                else:
+                    sys.stderr.write(line)
+        if result is None:
+            raise TrainError(error or f"unsloth runner exited with status {child.returncode} and no result")
+        return result
+
+
+def select_backend(runtime: str) -> Backend:
+    """The backend for a job's ``runtime``; TrainError when this machine cannot run it."""
+    if runtime == "peft":
+        return PeftBackend()
+    if runtime == "unsloth":
+        if not torch.cuda.is_available():
+            raise TrainError("runtime unsloth needs a CUDA GPU; none found — use runtime: peft")
+        return UnslothBackend()
+    raise TrainError(f"unknown runtime {runtime!r} (known: peft, unsloth)")

@@ -1,0 +1,134 @@
+"""TrainConfig: every setting one shard's training reads, in one frozen dataclass.
+
+Rules of this file:
+- Field names are the job spec's (protocol/jobspec.py) so ``from_spec`` is a plain copy; the spec
+  decides what a job trains, these fields only carry it into agent/train.
+- Settings that are the worker's own choice (threads, device, dtype, packing, logging) live here
+  too, with defaults; they never change which samples a step sees, only how fast and on what.
+  ``threads`` is always explicit: it is passed to ``torch.set_num_threads`` and recorded in the
+  proof header, because it changes float results.
+- ``max_steps = 0`` means "as many steps as ``epochs`` passes over the shard take".
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+METHODS = ("lora", "qlora")
+RUNTIMES = ("peft", "unsloth")
+DTYPES = ("auto", "float32", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class TrainError(Exception):
+    """Training cannot run as asked; ``str()`` is the one line to show the operator."""
+
+
+def _default_threads() -> int:
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    base_model: str = ""
+    base_model_sha256: str | None = None
+    method: str = "lora"
+    runtime: str = "peft"
+    seed: int = 0
+    # input
+    validation_split: float = 0.0
+    # training
+    epochs: int = 1
+    learning_rate: float = 2e-4
+    batch_size: int = 4
+    gradient_accumulation_steps: int = 1
+    max_seq_len: int = 512
+    max_steps: int = 0
+    # lora
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+    freeze_a: bool = True
+    # proof
+    checkpoint_every: int = 20
+    verify_segments: int = 2
+    tolerance: float | None = None
+    # the worker's own choices
+    threads: int = field(default_factory=_default_threads)
+    device: str = "auto"
+    dtype: str = "auto"
+    packing: bool = False
+    log_every: int = 10
+    skip_bad_lines: bool = False
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.method in METHODS, f"method must be one of {METHODS}"),
+            (self.runtime in RUNTIMES, f"runtime must be one of {RUNTIMES}"),
+            (self.dtype in DTYPES, f"dtype must be one of {DTYPES}"),
+            (self.device in DEVICES, f"device must be one of {DEVICES}"),
+            (self.batch_size >= 1 and self.gradient_accumulation_steps >= 1, "batch sizes must be >= 1"),
+            (self.checkpoint_every >= 1, "checkpoint_every must be >= 1"),
+            (self.threads >= 1, "threads must be >= 1"),
+            (self.max_seq_len >= 8, "max_seq_len must be >= 8"),
+            (self.epochs >= 1 and self.max_steps >= 0, "epochs must be >= 1 and max_steps >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise TrainError(f"train config: {message}")
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.batch_size * self.gradient_accumulation_steps
+
+    def total_steps(self, n_examples: int) -> int:
+        """Optimizer steps for one shard: ``max_steps`` if set, else ``epochs`` passes (rounded up)."""
+        if self.max_steps:
+            return self.max_steps
+        return max(1, -(-self.epochs * n_examples // self.samples_per_step))
+
+    @classmethod
+    def from_spec(cls, spec: Any, **local: Any) -> "TrainConfig":
+        """Copy the training settings of a JobSpec (read duck-typed); ``local`` sets worker choices."""
+        return cls(
+            base_model=spec.base_model,
+            base_model_sha256=spec.base_model_sha256,
+            method=spec.method,
+            runtime=spec.runtime,
+            seed=spec.seed,
+            validation_split=spec.input.validation_split,
+            epochs=spec.training.epochs,
+            learning_rate=spec.training.learning_rate,
+            batch_size=spec.training.batch_size,
+            gradient_accumulation_steps=spec.training.gradient_accumulation_steps,
+            max_seq_len=spec.training.max_seq_len,
+            max_steps=spec.training.max_steps,
+            rank=spec.lora.rank,
+            alpha=spec.lora.alpha,
+            dropout=spec.lora.dropout,
+            target_modules=tuple(spec.lora.target_modules),
+            freeze_a=spec.lora.freeze_a,
+            checkpoint_every=spec.proof.checkpoint_every,
+            verify_segments=spec.proof.verify_segments,
+            tolerance=spec.proof.tolerance,
+            **local,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["target_modules"] = list(self.target_modules)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def with_(self, **changes: Any) -> "TrainConfig":
+        return replace(self, **changes)

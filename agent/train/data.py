@@ -1,0 +1,257 @@
+"""ChatML JSONL in, token ids with assistant-only labels out; deterministic shards and batches.
+
+Rules of this file:
+- A dataset is JSONL, one record per line: ``{"messages": [{"role": "system"|"user"|"assistant",
+  "content": str}, ...], "meta": {...}}``; other top-level keys are ignored, blank lines skipped.
+  A record needs at least one assistant message. A bad line raises DataError ``FILE:LINE: problem``;
+  with ``skip_bad=True`` bad lines are counted and skipped instead.
+- Records are rendered with the tokenizer's own chat template. Labels are the token ids of the
+  assistant turns and -100 everywhere else: from the template's ``{% generation %}`` mask when it
+  has one, else by rendering each conversation prefix and taking the tokens each assistant turn
+  adds. Sequences are cut at ``max_seq_len``; a record left with no assistant token is dropped
+  (counted, deterministic, so every machine drops the same ones).
+- Packing (optional) concatenates whole examples, in order, into sequences of at most
+  ``max_seq_len`` tokens; attention is not masked between packed examples.
+- Splits and sample order come from SHA-256 of (domain, seed, index), never from a library RNG,
+  so they are identical on every machine and every version: ``split_dataset`` (validation, then
+  N near-equal shards) and ``step_samples`` (which examples optimizer step s uses; each epoch is
+  a fresh permutation and steps run on across epoch boundaries).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Sequence
+
+from protocol.errors import ProtocolError
+
+ROLES = ("system", "user", "assistant")
+IGNORE_INDEX = -100
+MAX_LINE_BYTES = 16 << 20
+
+
+class DataError(ProtocolError):
+    """A dataset line is not a valid ChatML record; ``str()`` is ``FILE:LINE: problem``."""
+
+    def __init__(self, location: str, problem: str) -> None:
+        self.location = location
+        self.problem = problem
+        super().__init__(f"{location}: {problem}")
+
+
+@dataclass(frozen=True)
+class Record:
+    line: int
+    messages: tuple[dict[str, str], ...]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ChatmlFile:
+    path: str
+    records: list[Record]
+    skipped: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+def _check_record(obj: Any) -> tuple[tuple[dict[str, str], ...], dict[str, Any]]:
+    """The record's messages and meta, or ValueError with the problem in a few words."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    messages = obj.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ValueError('"messages" must be a non-empty list')
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be an object")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError("no assistant message to learn from")
+    meta = obj.get("meta", {})
+    if not isinstance(meta, dict):
+        raise ValueError('"meta" must be an object')
+    return tuple({"role": m["role"], "content": m["content"]} for m in messages), meta
+
+
+def read_chatml(path: str | Path, *, skip_bad: bool = False) -> ChatmlFile:
+    """Parse a ChatML JSONL file; DataError on the first bad line unless ``skip_bad``."""
+    out = ChatmlFile(str(path), [])
+    try:
+        handle = open(path, "rb")
+    except OSError as error:
+        raise DataError(str(path), f"cannot read: {error.strerror or error}") from None
+    with handle:
+        for number, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            try:
+                if len(raw) > MAX_LINE_BYTES:
+                    raise ValueError(f"line longer than {MAX_LINE_BYTES} bytes")
+                messages, meta = _check_record(json.loads(raw.decode("utf-8")))
+            except UnicodeDecodeError:
+                problem = "not UTF-8 text"
+            except json.JSONDecodeError as error:
+                problem = f"not valid JSON ({error.msg} at column {error.colno})"
+            except ValueError as error:
+                problem = str(error)
+            else:
+                out.records.append(Record(number, messages, meta))
+                continue
+            if not skip_bad:
+                raise DataError(f"{path}:{number}", problem)
+            out.skipped += 1
+            out.problems.append(f"{path}:{number}: {problem}")
+    return out
+
+
+def write_chatml(path: str | Path, records: Sequence[Record | dict]) -> None:
+    """Write records as ChatML JSONL (one compact JSON object per line)."""
+    with open(path, "w", encoding="utf-8") as handle:
+        for record in records:
+            if isinstance(record, Record):
+                record = {"messages": list(record.messages), "meta": record.meta}
+            handle.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
+
+
+# --- tokenization -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Example:
+    input_ids: tuple[int, ...]
+    labels: tuple[int, ...]
+
+    @property
+    def n_label_tokens(self) -> int:
+        return sum(1 for label in self.labels if label != IGNORE_INDEX)
+
+
+def _assistant_mask(tokenizer: Any, messages: Sequence[dict[str, str]]) -> tuple[list[int], list[int]]:
+    template = tokenizer.chat_template or ""
+    if "generation" in template:
+        out = tokenizer.apply_chat_template(
+            list(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        return list(out["input_ids"]), list(out["assistant_masks"])
+    # no {% generation %} block: each assistant turn is what it adds to the rendered prefix
+    ids = list(tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=True)["input_ids"])
+    mask = [0] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(
+            list(messages[:i]), tokenize=True, return_dict=True, add_generation_prompt=True)["input_ids"]
+        upto = tokenizer.apply_chat_template(list(messages[: i + 1]), tokenize=True, return_dict=True)["input_ids"]
+        for position in range(len(before), min(len(upto), len(ids))):
+            mask[position] = 1
+    return ids, mask
+
+
+def tokenize(tokenizer: Any, records: Sequence[Record], max_seq_len: int) -> tuple[list[Example], int]:
+    """Examples with assistant-only labels, cut at ``max_seq_len``; and how many were dropped empty."""
+    examples, dropped = [], 0
+    for record in records:
+        ids, mask = _assistant_mask(tokenizer, record.messages)
+        ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+        labels = tuple(token if keep else IGNORE_INDEX for token, keep in zip(ids, mask))
+        if all(label == IGNORE_INDEX for label in labels):
+            dropped += 1
+            continue
+        examples.append(Example(tuple(ids), labels))
+    return examples, dropped
+
+
+def pack(examples: Sequence[Example], max_seq_len: int) -> list[Example]:
+    """Concatenate whole examples in order into sequences of at most ``max_seq_len`` tokens."""
+    packed: list[Example] = []
+    ids: list[int] = []
+    labels: list[int] = []
+    for example in examples:
+        if ids and len(ids) + len(example.input_ids) > max_seq_len:
+            packed.append(Example(tuple(ids), tuple(labels)))
+            ids, labels = [], []
+        ids.extend(example.input_ids)
+        labels.extend(example.labels)
+    if ids:
+        packed.append(Example(tuple(ids), tuple(labels)))
+    return packed
+
+
+# --- deterministic order ------------------------------------------------------------------------
+
+
+def _keyed_order(domain: bytes, seed: int, salt: int, n: int) -> list[int]:
+    prefix = domain + struct.pack("<QQ", seed, salt)
+    return sorted(range(n), key=lambda i: hashlib.sha256(prefix + struct.pack("<Q", i)).digest())
+
+
+@dataclass(frozen=True)
+class Split:
+    validation: tuple[int, ...]
+    shards: tuple[tuple[int, ...], ...]
+
+
+def split_dataset(n_records: int, n_shards: int, validation_fraction: float, seed: int) -> Split:
+    """Record indices for the validation split and each shard; each list in ascending order.
+
+    Records are ordered by SHA-256("infernet/split/v1", seed, 0, index); the first
+    round(fraction * n) go to validation, the rest into ``n_shards`` contiguous near-equal parts
+    (the first ``rest % n_shards`` parts one record longer).
+    """
+    if n_shards < 1 or not 0 <= validation_fraction < 1:
+        raise ValueError("need n_shards >= 1 and 0 <= validation_fraction < 1")
+    order = _keyed_order(b"infernet/split/v1\0", seed, 0, n_records)
+    n_validation = round(validation_fraction * n_records)
+    validation, rest = order[:n_validation], order[n_validation:]
+    base, extra = divmod(len(rest), n_shards)
+    shards, start = [], 0
+    for j in range(n_shards):
+        end = start + base + (1 if j < extra else 0)
+        shards.append(tuple(sorted(rest[start:end])))
+        start = end
+    return Split(tuple(sorted(validation)), tuple(shards))
+
+
+@lru_cache(maxsize=8)
+def epoch_order(n_examples: int, seed: int, epoch: int) -> tuple[int, ...]:
+    """The permutation of a shard's examples for one epoch."""
+    return tuple(_keyed_order(b"infernet/epoch/v1\0", seed, epoch, n_examples))
+
+
+def step_samples(n_examples: int, samples_per_step: int, seed: int, step: int) -> list[int]:
+    """Example indices optimizer step ``step`` (0-based) uses, in micro-batch order."""
+    if n_examples < 1:
+        raise ValueError("a shard needs at least one example")
+    out = []
+    for position in range(step * samples_per_step, (step + 1) * samples_per_step):
+        epoch, offset = divmod(position, n_examples)
+        out.append(epoch_order(n_examples, seed, epoch)[offset])
+    return out
+
+
+@dataclass
+class PreparedShard:
+    """A shard's training examples and what was left out on the way."""
+
+    examples: list[Example]
+    records: int
+    skipped_lines: int
+    dropped_examples: int
+
+
+def prepare_examples(path: str | Path, tokenizer: Any, *, max_seq_len: int, packing: bool = False,
+                     skip_bad: bool = False) -> PreparedShard:
+    """Read, tokenize and (optionally) pack a ChatML file: exactly what a step's indices refer to."""
+    chatml = read_chatml(path, skip_bad=skip_bad)
+    examples, dropped = tokenize(tokenizer, chatml.records, max_seq_len)
+    if packing:
+        examples = pack(examples, max_seq_len)
+    return PreparedShard(examples, len(chatml.records), chatml.skipped, dropped)

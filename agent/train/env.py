@@ -1,0 +1,52 @@
+"""The facts about this process that change float results, recorded in every proof header.
+
+Rules of this file:
+- ``environment()`` returns exactly the keys of protocol.proof.DETERMINISM_FIELDS. Two runs with
+  equal values on CPU in float32 reproduce each other bit for bit (measured: a segment resumed in
+  another process matches exactly); with different thread counts or CPU instruction sets results
+  drift by ~1e-6..1e-5 relative after 50 steps.
+- ``STRICT_CPU_ENV`` pins oneMKL and ATen to the AVX2 code paths (``MKL_CBWR=AVX2,STRICT``,
+  ``ATEN_CPU_CAPABILITY=avx2``), which made AVX2 and AVX-512 machines agree bit for bit at a
+  0-35 % speed cost. These variables act only when set before torch is imported, so a process
+  is started with them (``strict_cpu_env()`` for a child's environment); they cannot be switched
+  on later, only recorded.
+- The thread count is set explicitly (``set_threads``) and recorded, never left to torch's guess.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+STRICT_CPU_ENV = {"MKL_CBWR": "AVX2,STRICT", "ATEN_CPU_CAPABILITY": "avx2"}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def strict_cpu_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``base`` (default: os.environ) with the strict CPU determinism variables set."""
+    env = dict(os.environ if base is None else base)
+    env.update(STRICT_CPU_ENV)
+    return env
+
+
+def set_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def environment(device: str, dtype: torch.dtype, backend: str) -> dict[str, str | int]:
+    import peft
+    import transformers
+
+    return {
+        "torch": torch.__version__,
+        "peft": peft.__version__,
+        "transformers": transformers.__version__,
+        "device": "cpu" if device == "cpu" else f"cuda:{torch.cuda.get_device_name()}",
+        "dtype": DTYPE_NAMES[dtype],
+        "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "mkl_cbwr": os.environ.get("MKL_CBWR", ""),
+        "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", ""),
+        "backend": backend,
+    }

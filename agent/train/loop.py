@@ -1,0 +1,141 @@
+"""The training loop: one deterministic optimizer step at a time, the same code for train and replay.
+
+Rules of this file:
+- ``LoraSession.step(s)`` is a pure function of (adapter, optimizer state, shard, config, s): it
+  reseeds torch from SHA-256("infernet/step-rng/v1", seed, s) first (so dropout never depends on
+  what ran before), takes the examples ``data.step_samples`` names, runs
+  ``gradient_accumulation_steps`` micro-batches of ``batch_size``, and makes one AdamW step. This
+  is what lets a verifier resume from any checkpoint and land on the same bits.
+- The loss of a step is the mean cross-entropy over all its label tokens (token-weighted across
+  micro-batches), computed here from the logits, not by the model.
+- AdamW, weight decay 0, constant learning rate, gradient norm clipped to ``max_grad_norm``.
+  Only LoRA parameters train; with ``freeze_a`` only the B matrices.
+- Optimizer state is exported as named tensors ``<adapter tensor name>.<exp_avg|exp_avg_sq|step>``
+  so it can be hashed and stored as safetensors, and imported back exactly.
+- No I/O here: the recorder (recorder.py) and the run (run.py) decide what to save and when.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from agent.train.config import TrainConfig
+from agent.train.data import IGNORE_INDEX, Example, step_samples
+from agent.train.model import adapter_state, peft_name
+
+
+def step_seed(seed: int, step: int) -> int:
+    digest = hashlib.sha256(b"infernet/step-rng/v1\0" + struct.pack("<QQ", seed, step)).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def collate(examples: Sequence[Example], pad_id: int, device: str) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids, attention_mask and labels (-100 on padding)."""
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, example in enumerate(examples):
+        n = len(example.input_ids)
+        ids[row, :n] = torch.tensor(example.input_ids)
+        labels[row, :n] = torch.tensor(example.labels)
+        mask[row, :n] = 1
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
+
+
+def token_loss_sum(model: Any, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Sum of next-token cross-entropy over the label tokens of a batch."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+        batch["labels"][:, 1:].reshape(-1),
+        ignore_index=IGNORE_INDEX, reduction="sum",
+    )
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int  # optimizer steps done after this one (1-based)
+    indices: tuple[int, ...]
+    loss: float
+    tokens: int  # non-padding input tokens processed
+
+
+class LoraSession:
+    """A LoRA-wrapped model, its AdamW and one shard's examples."""
+
+    def __init__(self, model: Any, examples: Sequence[Example], config: TrainConfig, *, device: str,
+                 dtype: torch.dtype, pad_id: int):
+        if not examples:
+            raise ValueError("a shard needs at least one example with assistant tokens")
+        self.model = model
+        self.examples = list(examples)
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.pad_id = pad_id
+        self.parameters = {peft_name(n): p for n, p in model.named_parameters() if p.requires_grad}
+        self.optimizer = torch.optim.AdamW(
+            list(self.parameters.values()), lr=config.learning_rate, weight_decay=0.0, foreach=False)
+
+    def step(self, step: int) -> StepResult:
+        """Optimizer step number ``step`` (0-based) of this shard."""
+        config = self.config
+        torch.manual_seed(step_seed(config.seed, step))
+        indices = step_samples(len(self.examples), config.samples_per_step, config.seed, step)
+        label_tokens = sum(self.examples[i].n_label_tokens for i in indices)
+        self.model.train()
+        loss_total, tokens = 0.0, 0
+        for start in range(0, len(indices), config.batch_size):
+            batch = collate([self.examples[i] for i in indices[start:start + config.batch_size]],
+                            self.pad_id, self.device)
+            loss_sum = token_loss_sum(self.model, batch)
+            (loss_sum / label_tokens).backward()
+            loss_total += loss_sum.item()
+            tokens += int(batch["attention_mask"].sum())
+        if config.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(self.parameters.values(), config.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(step + 1, tuple(indices), loss_total / label_tokens, tokens)
+
+    @torch.no_grad()
+    def evaluate(self, examples: Sequence[Example]) -> float:
+        """Mean token loss over ``examples`` with dropout off."""
+        self.model.eval()
+        total, count = 0.0, 0
+        for start in range(0, len(examples), self.config.batch_size):
+            chunk = examples[start:start + self.config.batch_size]
+            total += token_loss_sum(self.model, collate(chunk, self.pad_id, self.device)).item()
+            count += sum(e.n_label_tokens for e in chunk)
+        return total / max(count, 1)
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        return adapter_state(self.model)
+
+    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, parameter in self.parameters.items():
+            for key, value in self.optimizer.state.get(parameter, {}).items():
+                out[f"{name}.{key}"] = value.detach().to("cpu").contiguous()
+        return out
+
+    def load_optimizer_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Restore state written by ``optimizer_tensors`` (empty: a fresh optimizer)."""
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for index, name in enumerate(self.parameters):
+            entries = {key: tensors[f"{name}.{key}"] for key in ("step", "exp_avg", "exp_avg_sq")
+                       if f"{name}.{key}" in tensors}
+            if entries:
+                state[index] = {k: v.clone() for k, v in entries.items()}
+        used = sum(len(entries) for entries in state.values())
+        if used != len(tensors):
+            raise ValueError(f"optimizer state has {len(tensors) - used} tensors that fit no trainable parameter")
+        groups = self.optimizer.state_dict()["param_groups"]
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -1,0 +1,183 @@
+"""Base model identity and loading, the seeded LoRA, and adapter tensors as proof records.
+
+Rules of this file:
+- A base model is a local directory or a hub name; both load through
+  ``AutoModelForCausalLM.from_pretrained`` (a hub name only from the local hub cache here).
+- ``base_model_sha256`` identifies the weights: SHA-256 over the lines ``"<sha256 hex>  <relative
+  path>\\n"`` of ``config.json`` and every ``*.safetensors`` file, sorted by relative path (the
+  ``sha256sum`` format, so ``cd model && sha256sum config.json *.safetensors | sort -k2 |
+  sha256sum`` reproduces it). The tokenizer is not part of it.
+- LoRA A matrices are drawn from the job seed, not from the global RNG: module ``name`` gets
+  U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (peft's default range) from a CPU generator seeded with
+  SHA-256("infernet/lora-a/v1", seed, name). So every worker starts from the same A whatever else
+  it ran first, and with ``freeze_a`` A never moves: averaging B is then the exact average of
+  the updates B A. B starts at zero, as in peft.
+- Adapter and optimizer tensors are named as in peft's saved adapter files (no ".default"),
+  hashed through protocol.proof.tensor_set_hash, and stored as safetensors, never pickle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from protocol.proof import TensorRecord, tensor_set_hash
+
+ADAPTER_NAME = "default"
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def resolve_model_dir(path_or_name: str) -> Path:
+    """The local directory of a base model: the path itself, or the hub cache's snapshot."""
+    path = Path(path_or_name).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(path_or_name, local_files_only=True))
+
+
+def base_model_sha256(path_or_name: str) -> str:
+    """Content hash of a base model's config.json and *.safetensors (see the module docstring)."""
+    root = resolve_model_dir(path_or_name)
+    files = sorted([root / "config.json", *root.rglob("*.safetensors")], key=lambda p: p.relative_to(root).as_posix())
+    listing = hashlib.sha256()
+    for file in files:
+        digest = hashlib.sha256()
+        with open(file, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+        listing.update(f"{digest.hexdigest()}  {file.relative_to(root).as_posix()}\n".encode())
+    return listing.hexdigest()
+
+
+def pick_device(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device cuda requested but no CUDA GPU is available")
+    return requested
+
+
+def pick_dtype(requested: str, device: str) -> torch.dtype:
+    """float32 on CPU (bf16 there is slow and not reproducible), bf16 on GPUs that support it."""
+    if requested == "auto":
+        if device == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[requested]
+
+
+def load_tokenizer(path_or_name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(resolve_model_dir(path_or_name)))
+
+
+def load_base_model(path_or_name: str, *, device: str, dtype: torch.dtype, quantize_4bit: bool) -> Any:
+    """The base causal LM, frozen; 4-bit NF4 through bitsandbytes when ``quantize_4bit`` (QLoRA)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if quantize_4bit:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        kwargs["device_map"] = {"": device}
+    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(path_or_name)), **kwargs)
+    if not quantize_4bit:
+        model.to(device)
+    model.requires_grad_(False)
+    return model
+
+
+def lora_a_seed(seed: int, module_name: str) -> int:
+    digest = hashlib.sha256(b"infernet/lora-a/v1\0" + struct.pack("<Q", seed) + module_name.encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def add_lora(model: Any, *, rank: int, alpha: float, dropout: float, target_modules: tuple[str, ...],
+             seed: int, freeze_a: bool) -> Any:
+    """Wrap ``model`` in a peft LoRA whose A comes from ``seed`` (see the module docstring)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
+        bias="none", task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(model, config)
+    seed_lora_a(model, seed)
+    if freeze_a:
+        for name, parameter in model.named_parameters():
+            if ".lora_A." in name:
+                parameter.requires_grad_(False)
+    return model
+
+
+@torch.no_grad()
+def seed_lora_a(model: Any, seed: int) -> None:
+    for name, module in model.named_modules():
+        if not name.endswith(f"lora_A.{ADAPTER_NAME}"):
+            continue
+        weight = module.weight
+        generator = torch.Generator().manual_seed(lora_a_seed(seed, peft_name(name)))
+        bound = 1.0 / math.sqrt(weight.shape[1])
+        values = torch.rand(weight.shape, generator=generator, dtype=torch.float32) * (2 * bound) - bound
+        weight.copy_(values.to(weight.dtype))
+
+
+def peft_name(name: str) -> str:
+    """A parameter or module name as peft writes it in adapter files (the adapter name removed)."""
+    return name.replace(f".{ADAPTER_NAME}.", ".").removesuffix(f".{ADAPTER_NAME}")
+
+
+def adapter_state(model: Any) -> dict[str, torch.Tensor]:
+    """The adapter's tensors (A and B, trainable or not) on CPU, named as in adapter files."""
+    from peft import get_peft_model_state_dict
+
+    return {name: t.detach().to("cpu").contiguous() for name, t in get_peft_model_state_dict(model).items()}
+
+
+def load_adapter_state(model: Any, tensors: Mapping[str, torch.Tensor]) -> None:
+    from peft import set_peft_model_state_dict
+
+    expected = set(adapter_state(model))
+    if set(tensors) != expected:
+        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        raise ValueError(f"adapter tensors do not fit the model (missing {missing[:3]}, unexpected {extra[:3]})")
+    set_peft_model_state_dict(model, dict(tensors))
+
+
+def tensor_records(tensors: Mapping[str, torch.Tensor]) -> list[TensorRecord]:
+    records = []
+    for name, tensor in tensors.items():
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+        records.append(TensorRecord(name, SAFETENSORS_DTYPES[tensor.dtype], tuple(tensor.shape), data))
+    return records
+
+
+def tensors_hash(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """protocol.proof.tensor_set_hash of named torch tensors (host byte order is little-endian)."""
+    return tensor_set_hash(tensor_records(tensors))
+
+
+def save_adapter(directory: Path, model: Any, tensors: Mapping[str, torch.Tensor]) -> None:
+    """adapter_config.json + adapter_model.safetensors, the layout peft.PeftModel.from_pretrained reads."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(dict(tensors), str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    model.peft_config[ADAPTER_NAME].save_pretrained(str(directory))

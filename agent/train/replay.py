@@ -1,0 +1,132 @@
+"""Replay verifier: re-run one committed segment from its start checkpoint and judge it.
+
+Rules of this file:
+- The verifier trusts nothing it is handed: the chain must hash to the claimed head
+  (Commitment.check), the start checkpoint must hash to the adapter and optimizer hashes the chain
+  committed for the segment start, and the end checkpoint (used only to measure distances) to
+  those of the segment end. A mismatch is a rejected verdict, not an exception.
+- The replay uses the job's settings (TrainConfig from the spec), the seed from the commitment
+  header, and the worker's recorded thread count and dtype, then runs the steps of the segment
+  through the same LoraSession as training. The shard must be the one the job assigned (the caller
+  fetched it by CID); a different shard shows up as a batch or state mismatch.
+- Judging is protocol.proof.judge_replay with protocol.proof.acceptance_tolerance: exact hash
+  equality when worker and verifier environments match (CPU, float32), else per-tensor relative
+  L2 ``|replay - worker| / |worker|`` over adapter and optimizer tensors within the tolerance.
+- ``python -m agent.train.replay`` runs one verification in its own process and prints the
+  verdict as one JSON object; the exit status is 0 when accepted, 1 when rejected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from agent.train.config import TrainConfig
+from agent.train.env import environment
+from agent.train.model import base_model_sha256, load_tokenizer, tensors_hash
+from agent.train.recorder import read_checkpoint
+from agent.train.run import load_shard, open_session, pad_token_id
+from protocol.errors import ProofError
+from protocol.proof import (
+    ChainLink, Commitment, SegmentVerdict, acceptance_tolerance, batches_digest, judge_replay,
+)
+
+
+def relative_l2(replayed: dict[str, torch.Tensor], committed: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per tensor ``||replayed - committed|| / ||committed||`` (absolute when ``committed`` is zero)."""
+    out = {}
+    for name, reference in committed.items():
+        other = replayed.get(name)
+        if other is None or other.shape != reference.shape:
+            out[name] = float("inf")
+            continue
+        reference, other = reference.double(), other.double()
+        norm = reference.norm().item()
+        out[name] = (other - reference).norm().item() / (norm if norm > 0 else 1.0)
+    out.update({name: float("inf") for name in replayed if name not in committed})
+    return out
+
+
+def _rejected(index: int, reason: str) -> SegmentVerdict:
+    return SegmentVerdict(index, False, False, float("inf"), reason)
+
+
+def verify_segment(commitment: Commitment, index: int, *, start: Path, shard: Path, config: TrainConfig,
+                   end: Path | None = None, claimed_head: bytes | None = None) -> SegmentVerdict:
+    """Replay segment ``index`` of ``commitment`` from checkpoint directory ``start`` and judge it."""
+    try:
+        commitment.check(claimed_head)
+        start_step, adapter_hash, optimizer_hash = commitment.segment_start(index)
+    except ProofError as error:
+        return _rejected(index, str(error))
+    header, committed = commitment.header, commitment.links[index]
+    adapter, optimizer, _ = read_checkpoint(start)
+    if tensors_hash(adapter) != adapter_hash or tensors_hash(optimizer) != optimizer_hash:
+        return _rejected(index, f"start checkpoint {start.name} does not match the committed hashes at step {start_step}")
+    named = {base_model_sha256(config.base_model), (config.base_model_sha256 or header.base_model_sha256).lower()}
+    if named != {header.base_model_sha256}:
+        return _rejected(index, "the proof names a different base model than the job")
+    config = config.with_(seed=header.seed, threads=int(header.environment.get("threads", config.threads)),
+                          dtype=str(header.environment.get("dtype", config.dtype)))
+
+    tokenizer = load_tokenizer(config.base_model)
+    examples = load_shard(config, tokenizer, shard).examples
+    session = open_session(config, examples, pad_id=pad_token_id(tokenizer), initial_adapter=adapter)
+    session.load_optimizer_tensors(optimizer)
+    steps, losses = [], []
+    for step in range(start_step, committed.step):
+        result = session.step(step)
+        steps.append(result.indices)
+        losses.append(result.loss)
+    replay_adapter, replay_optimizer = session.adapter_tensors(), session.optimizer_tensors()
+    replayed = ChainLink(
+        step=committed.step, adapter_hash=tensors_hash(replay_adapter),
+        optimizer_hash=tensors_hash(replay_optimizer), batches_digest=batches_digest(steps),
+        loss=sum(losses) / len(losses),
+    )
+    verifier_env = environment(session.device, session.dtype, "peft")
+    tolerance = acceptance_tolerance(header.environment, verifier_env, config.tolerance)
+    distances = None
+    if end is not None and tolerance > 0 and replayed.adapter_hash != committed.adapter_hash:
+        end_adapter, end_optimizer, _ = read_checkpoint(end)
+        if tensors_hash(end_adapter) != committed.adapter_hash or tensors_hash(end_optimizer) != committed.optimizer_hash:
+            return _rejected(index, f"end checkpoint {end.name} does not match the committed hashes")
+        distances = relative_l2(replay_adapter, end_adapter)
+        distances.update(relative_l2(replay_optimizer, end_optimizer))
+    return judge_replay(index, committed, replayed, tolerance, distances)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m agent.train.replay", description=__doc__.splitlines()[0])
+    parser.add_argument("--proof", type=Path, required=True, help="proof.json of the worker's run")
+    parser.add_argument("--segment", type=int, required=True, help="segment index to replay")
+    parser.add_argument("--checkpoints", type=Path, required=True, help="directory holding step-* checkpoints")
+    parser.add_argument("--shard", type=Path, required=True, help="the shard's ChatML JSONL")
+    parser.add_argument("--config", type=Path, required=True, help="train_config.json with the job's settings")
+    args = parser.parse_args(argv)
+
+    from agent.train.recorder import checkpoint_name
+
+    try:
+        commitment = Commitment.from_json(json.loads(args.proof.read_text()))
+        start_step, _, _ = commitment.segment_start(args.segment)
+    except (OSError, ValueError, ProofError) as error:
+        print(json.dumps({"accepted": False, "reason": f"{args.proof}: {error}"}))
+        return 1
+    config = TrainConfig.from_json(json.loads(args.config.read_text()))
+    end = args.checkpoints / checkpoint_name(commitment.links[args.segment].step)
+    started = time.time()
+    verdict = verify_segment(commitment, args.segment, start=args.checkpoints / checkpoint_name(start_step),
+                             end=end if end.is_dir() else None, shard=args.shard, config=config)
+    print(json.dumps({**asdict(verdict), "seconds": time.time() - started}))
+    return 0 if verdict.accepted else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""Train one shard into a run directory: data, model, loop, proof recorder, outputs.
+
+Rules of this file:
+- ``train_shard(request, on_checkpoint)`` is the whole job of a worker's training step; it knows
+  nothing of the network. The request carries the job identity only to bind it into the proof.
+- Order of work: set threads, pick device and dtype, check the base model hash against the job's
+  (before any training), tokenize, build the seeded LoRA, write the frozen spec, then train.
+- The run directory holds:
+      infernet.train.yml    the job spec as received (or the train config, if there was none)
+      train_config.json     the exact TrainConfig, including the worker's own choices
+      metrics.jsonl         one JSON object per logging step
+      proof.json            the commitment: header, links, head (rewritten at each checkpoint)
+      checkpoints/step-*/   see recorder.py
+      checkpoint-final/     adapter_config.json + adapter_model.safetensors (stock peft layout)
+      result.json           the TrainResult
+      README.md             what was trained, on what, when, how long, final loss
+- ``build_lora_model`` is the only place that differs between backends: "peft" loads through
+  transformers + peft; "unsloth" through unsloth's FastLanguageModel, valid only in a process that
+  imported unsloth first (unsloth_runner.py). Both then get the same seeded A and the same loop.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from agent.train.config import TrainConfig, TrainError
+from agent.train.data import Example, PreparedShard, prepare_examples
+from agent.train.env import environment, set_threads
+from agent.train.loop import LoraSession
+from agent.train.model import (
+    add_lora, base_model_sha256, load_adapter_state, load_base_model, load_tokenizer, pick_device,
+    pick_dtype, save_adapter, seed_lora_a, tensors_hash,
+)
+from agent.train.recorder import OnCheckpoint, ProofRecorder
+from protocol.proof import CommitmentHeader
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """One shard to train: the config, the files, and who/what the proof is about."""
+
+    config: TrainConfig
+    shard: Path
+    run_dir: Path
+    validation: Path | None = None
+    initial_adapter: Path | None = None
+    job_id: bytes = bytes(32)
+    round: int = 1
+    shard_index: int = 0
+    attempt: int = 0
+    worker: str = "local"
+    spec_text: str | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "config": self.config.to_json(), "shard": str(self.shard), "run_dir": str(self.run_dir),
+            "validation": str(self.validation) if self.validation else None,
+            "initial_adapter": str(self.initial_adapter) if self.initial_adapter else None,
+            "job_id": self.job_id.hex(), "round": self.round, "shard_index": self.shard_index,
+            "attempt": self.attempt, "worker": self.worker, "spec_text": self.spec_text,
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "TrainRequest":
+        optional = lambda key: Path(obj[key]) if obj.get(key) else None  # noqa: E731
+        return cls(
+            config=TrainConfig.from_json(obj["config"]), shard=Path(obj["shard"]), run_dir=Path(obj["run_dir"]),
+            validation=optional("validation"), initial_adapter=optional("initial_adapter"),
+            job_id=bytes.fromhex(obj["job_id"]), round=obj["round"], shard_index=obj["shard_index"],
+            attempt=obj["attempt"], worker=obj["worker"], spec_text=obj.get("spec_text"),
+        )
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    run_dir: Path
+    adapter_dir: Path
+    head: bytes
+    steps: int
+    checkpoints: int
+    samples: int
+    tokens: int
+    final_loss: float
+    validation_loss: float | None
+    initial_validation_loss: float | None
+    train_seconds: float
+    load_seconds: float
+    skipped_lines: int
+    dropped_examples: int
+    environment: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.train_seconds if self.train_seconds else 0.0
+
+    def to_json(self) -> dict:
+        data = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        data.update(run_dir=str(self.run_dir), adapter_dir=str(self.adapter_dir), head=self.head.hex())
+        return data
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "TrainResult":
+        data = dict(obj)
+        data.update(run_dir=Path(obj["run_dir"]), adapter_dir=Path(obj["adapter_dir"]),
+                    head=bytes.fromhex(obj["head"]))
+        return cls(**data)
+
+
+def build_lora_model(config: TrainConfig, device: str, dtype: torch.dtype, backend: str) -> Any:
+    """The base model with a seeded LoRA attached, ready for LoraSession."""
+    if backend == "unsloth":
+        from unsloth import FastLanguageModel  # the process imported unsloth before transformers
+
+        model, _ = FastLanguageModel.from_pretrained(
+            config.base_model, max_seq_length=config.max_seq_len, dtype=dtype,
+            load_in_4bit=config.method == "qlora")
+        model = FastLanguageModel.get_peft_model(
+            model, r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
+            target_modules=list(config.target_modules), bias="none", random_state=config.seed,
+            use_gradient_checkpointing=False)
+        seed_lora_a(model, config.seed)
+        if config.freeze_a:
+            for name, parameter in model.named_parameters():
+                if ".lora_A." in name:
+                    parameter.requires_grad_(False)
+        return model
+    model = load_base_model(config.base_model, device=device, dtype=dtype, quantize_4bit=config.method == "qlora")
+    if config.method == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return add_lora(model, rank=config.rank, alpha=config.alpha, dropout=config.dropout,
+                    target_modules=config.target_modules, seed=config.seed, freeze_a=config.freeze_a)
+
+
+def open_session(config: TrainConfig, examples: list[Example], *, pad_id: int, backend: str = "peft",
+                 initial_adapter: dict[str, torch.Tensor] | None = None) -> LoraSession:
+    """Threads set, model built, initial adapter loaded: a session at step 0 of its segment."""
+    set_threads(config.threads)
+    device = pick_device(config.device)
+    dtype = pick_dtype(config.dtype, device)
+    model = build_lora_model(config, device, dtype, backend)
+    if initial_adapter is not None:
+        load_adapter_state(model, initial_adapter)
+    return LoraSession(model, examples, config, device=device, dtype=dtype, pad_id=pad_id)
+
+
+def load_shard(config: TrainConfig, tokenizer: Any, path: Path) -> PreparedShard:
+    return prepare_examples(path, tokenizer, max_seq_len=config.max_seq_len, packing=config.packing,
+                            skip_bad=config.skip_bad_lines)
+
+
+def check_base_model(config: TrainConfig) -> str:
+    """The base model's sha256; TrainError if the job names a different one."""
+    actual = base_model_sha256(config.base_model)
+    if config.base_model_sha256 and actual != config.base_model_sha256.lower():
+        raise TrainError(
+            f"base model {config.base_model}: sha256 {actual[:16]}... but the job names "
+            f"{config.base_model_sha256[:16]}... (a different model)")
+    return actual
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None,
+                backend: str = "peft") -> TrainResult:
+    """Train ``request.shard`` into ``request.run_dir``; see the module docstring."""
+    config = request.config
+    started = time.time()
+    started_at = datetime.now(timezone.utc)
+    base_hash = check_base_model(config)
+    tokenizer = load_tokenizer(config.base_model)
+    shard = load_shard(config, tokenizer, request.shard)
+    validation = load_shard(config, tokenizer, request.validation).examples if request.validation else []
+    initial = load_file(str(request.initial_adapter / "adapter_model.safetensors")) if request.initial_adapter else None
+    session = open_session(config, shard.examples, pad_id=pad_token_id(tokenizer), backend=backend,
+                           initial_adapter=initial)
+    run_dir = request.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "infernet.train.yml").write_text(
+        request.spec_text if request.spec_text is not None
+        else "# no job spec was given; the train config this run used:\n"
+        + yaml.safe_dump(config.to_json(), sort_keys=True))
+    (run_dir / "train_config.json").write_text(json.dumps(config.to_json(), indent=2, sort_keys=True) + "\n")
+
+    header = CommitmentHeader(
+        job_id=request.job_id, round=request.round, shard=request.shard_index, attempt=request.attempt,
+        worker=request.worker, base_model_sha256=base_hash, seed=config.seed,
+        checkpoint_every=config.checkpoint_every, initial_adapter_hash=tensors_hash(session.adapter_tensors()),
+        environment=environment(session.device, session.dtype, backend),
+    )
+    total_steps = config.total_steps(len(shard.examples))
+    recorder = ProofRecorder(header, run_dir, total_steps, on_checkpoint)
+    recorder.start(session)
+    initial_validation = session.evaluate(validation) if validation else None
+    load_seconds = time.time() - started
+
+    train_started = time.time()
+    tokens = 0
+    window_losses: list[float] = []
+    last_loss = float("nan")
+    validation_loss = initial_validation
+    with open(run_dir / "metrics.jsonl", "w", encoding="utf-8") as metrics:
+        for step in range(total_steps):
+            result = session.step(step)
+            recorder.after_step(session, result.step, result.indices, result.loss)
+            tokens += result.tokens
+            window_losses.append(result.loss)
+            last_loss = result.loss
+            if result.step % config.log_every and result.step != total_steps:
+                continue
+            elapsed = time.time() - train_started
+            line = {"step": result.step, "loss": sum(window_losses) / len(window_losses),
+                    "learning_rate": config.learning_rate, "tokens": tokens,
+                    "tokens_per_s": tokens / elapsed if elapsed else 0.0, "elapsed_s": elapsed}
+            if validation:
+                validation_loss = session.evaluate(validation)
+                line["validation_loss"] = validation_loss
+            metrics.write(json.dumps(line) + "\n")
+            metrics.flush()
+            window_losses = []
+    train_seconds = time.time() - train_started
+
+    adapter_dir = run_dir / "checkpoint-final"
+    save_adapter(adapter_dir, session.model, session.adapter_tensors())
+    outcome = TrainResult(
+        run_dir=run_dir, adapter_dir=adapter_dir, head=recorder.head, steps=total_steps,
+        checkpoints=len(recorder.links), samples=total_steps * config.samples_per_step, tokens=tokens,
+        final_loss=last_loss, validation_loss=validation_loss, initial_validation_loss=initial_validation,
+        train_seconds=train_seconds, load_seconds=load_seconds, skipped_lines=shard.skipped_lines,
+        dropped_examples=shard.dropped_examples, environment=dict(header.environment),
+    )
+    (run_dir / "result.json").write_text(json.dumps(outcome.to_json(), indent=2, sort_keys=True) + "\n")
+    (run_dir / "README.md").write_text(_readme(request, outcome, shard, base_hash, started_at))
+    return outcome
+
+
+def _readme(request: TrainRequest, result: TrainResult, shard: PreparedShard, base_hash: str,
+            started_at: datetime) -> str:
+    config = request.config
+    finished_at = datetime.now(timezone.utc)
+    validation = (f"{result.initial_validation_loss:.4f} -> {result.validation_loss:.4f}"
+                  if result.validation_loss is not None else "no validation split")
+    return f"""# LoRA training run
+
+- **Base model**: `{config.base_model}` (sha256 `{base_hash}`)
+- **Method**: {config.method} via {result.environment.get("backend")}, rank {config.rank}, alpha {config.alpha}, \
+dropout {config.dropout}, targets {", ".join(config.target_modules)}, A {"frozen (FFA-LoRA)" if config.freeze_a else "trained"}
+- **Data**: `{request.shard}`: {shard.records} records, {len(shard.examples)} examples \
+({shard.skipped_lines} bad lines skipped, {shard.dropped_examples} dropped with no assistant tokens)
+- **Job**: `{request.job_id.hex()}` round {request.round}, shard {request.shard_index}, attempt {request.attempt}, worker `{request.worker}`
+- **When**: {started_at.isoformat(timespec="seconds")} to {finished_at.isoformat(timespec="seconds")} \
+({(finished_at - started_at).total_seconds():.1f} s; training {result.train_seconds:.1f} s, \
+{result.tokens_per_second:.0f} tokens/s)
+- **Steps**: {result.steps} x {config.batch_size} x {config.gradient_accumulation_steps} examples, \
+learning rate {config.learning_rate}, seed {config.seed}
+- **Final training loss**: {result.final_loss:.4f}; validation loss {validation}
+- **Proof**: {result.checkpoints} checkpoints every {config.checkpoint_every} steps, chain head `{result.head.hex()}`
+- **Environment**: {", ".join(f"{k}={v}" for k, v in sorted(result.environment.items()))}
+
+The adapter is in `checkpoint-final/` (load with `peft.PeftModel.from_pretrained(base, "checkpoint-final")`);
+`metrics.jsonl` has one line per logging step, `proof.json` the checkpoint hash chain.
+"""

@@ -1,0 +1,143 @@
+"""Training a shard on CPU: the loss falls, outputs are complete and loadable by stock peft."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from agent.train.backends import PeftBackend, UnslothBackend, select_backend
+from agent.train.config import TrainConfig, TrainError
+from agent.train.model import adapter_state, add_lora, load_base_model, tensors_hash
+from agent.train.run import TrainRequest, train_shard
+from protocol.proof import Commitment
+
+
+def test_validation_loss_falls(trained_run):
+    _, result, _ = trained_run
+    assert result.steps == 30
+    assert result.validation_loss < result.initial_validation_loss - 0.5, result
+
+
+def test_run_directory_layout(trained_run):
+    request, result, _ = trained_run
+    run = request.run_dir
+    for name in ("infernet.train.yml", "train_config.json", "metrics.jsonl", "proof.json", "result.json", "README.md",
+                 "checkpoint-final/adapter_config.json", "checkpoint-final/adapter_model.safetensors"):
+        assert (run / name).is_file(), name
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [10, 20, 30]
+    assert all({"loss", "tokens_per_s", "validation_loss"} <= m.keys() for m in metrics)
+    readme = (run / "README.md").read_text()
+    assert str(request.shard) in readme and f"{result.final_loss:.4f}" in readme and result.head.hex() in readme
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step-000000", "step-000010", "step-000020", "step-000030"]
+    pickles = [p for p in run.rglob("*") if p.suffix in (".bin", ".pt", ".pth", ".pkl", ".ckpt")]
+    assert pickles == []
+
+
+def test_checkpoint_events_match_the_proof_and_the_files(trained_run):
+    request, result, events = trained_run
+    commitment = Commitment.from_json(json.loads((request.run_dir / "proof.json").read_text()))
+    commitment.check(result.head)
+    assert [e.step for e in events] == [10, 20, 30]
+    assert [e.link for e in events] == list(commitment.links)
+    assert events[-1].head == result.head
+    assert commitment.header.worker == "12D3KooWTestWorker" and commitment.header.environment["threads"] == 1
+    for event in events:
+        assert tensors_hash(load_file(str(event.path / "adapter_model.safetensors"))) == event.link.adapter_hash
+        assert tensors_hash(load_file(str(event.path / "optimizer.safetensors"))) == event.link.optimizer_hash
+    initial = load_file(str(request.run_dir / "checkpoints/step-000000/adapter_model.safetensors"))
+    assert tensors_hash(initial) == commitment.header.initial_adapter_hash
+
+
+def test_final_adapter_loads_with_stock_peft_and_changes_outputs(trained_run, tiny_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    _, result, _ = trained_run
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.tensor([[1, 80, 90, 100, 2, 201, 1]])
+    with torch.no_grad():
+        before = base(input_ids=ids).logits
+        tuned = PeftModel.from_pretrained(base, result.adapter_dir)
+        after = tuned(input_ids=ids).logits
+    assert (after - before).abs().max() > 1e-2
+
+
+def test_lora_a_is_seeded_identical_and_stays_frozen(trained_run, base_config):
+    _, result, _ = trained_run
+    fresh = adapter_state(add_lora(
+        load_base_model(base_config.base_model, device="cpu", dtype=torch.float32, quantize_4bit=False),
+        rank=8, alpha=16.0, dropout=0.0, target_modules=base_config.target_modules, seed=base_config.seed,
+        freeze_a=True))
+    torch.manual_seed(12345)  # the global RNG must not matter
+    other_seed = adapter_state(add_lora(
+        load_base_model(base_config.base_model, device="cpu", dtype=torch.float32, quantize_4bit=False),
+        rank=8, alpha=16.0, dropout=0.0, target_modules=base_config.target_modules, seed=base_config.seed + 1,
+        freeze_a=True))
+    trained = load_file(str(result.adapter_dir / "adapter_model.safetensors"))
+    a_names = [n for n in trained if ".lora_A." in n]
+    assert len(a_names) == 4 * 7
+    for name in a_names:
+        assert torch.equal(trained[name], fresh[name])
+        assert not torch.equal(fresh[name], other_seed[name])
+    assert all(fresh[n].abs().max() == 0 for n in fresh if ".lora_B." in n)
+
+
+def test_wrong_base_model_hash_is_one_line_error(tmp_path, base_config, demo_files):
+    config = base_config.with_(base_model_sha256="ab" * 32, max_steps=1)
+    with pytest.raises(TrainError, match="sha256 .* but the job names abababab"):
+        train_shard(TrainRequest(config, demo_files["shard1"], tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_backend_selection():
+    assert isinstance(select_backend("peft"), PeftBackend)
+    if not torch.cuda.is_available():
+        with pytest.raises(TrainError) as caught:
+            select_backend("unsloth")
+        assert str(caught.value) == "runtime unsloth needs a CUDA GPU; none found — use runtime: peft"
+
+
+def test_unsloth_child_failure_comes_back_as_one_line(tmp_path, base_config, demo_files):
+    """The real runner in a child process; without unsloth installed it reports why and exits."""
+    pytest.importorskip("torch")
+    try:
+        import unsloth  # noqa: F401
+        pytest.skip("unsloth is importable here; the failure path is not reachable")
+    except (ImportError, NotImplementedError):
+        pass
+    request = TrainRequest(base_config.with_(runtime="unsloth", max_steps=1), demo_files["shard1"], tmp_path / "run")
+    with pytest.raises(TrainError, match="runtime unsloth is not usable here"):
+        UnslothBackend().train(request)
+
+
+def test_config_from_jobspec(tiny_model_dir):
+    from protocol.jobspec import parse_spec
+
+    spec = parse_spec(f"""
+name: demo
+base_model: {tiny_model_dir}
+method: qlora
+seed: 42
+input: {{dataset: data.jsonl, validation_split: 0.1}}
+training: {{epochs: 2, learning_rate: 1e-3, batch_size: 2, gradient_accumulation_steps: 3, max_seq_len: 64, max_steps: 0}}
+lora: {{rank: 4, alpha: 8, dropout: 0.1, target_modules: [q_proj, k_proj], freeze_a: true}}
+proof: {{checkpoint_every: 5, verify_segments: 3, tolerance: 0.001}}
+""", "spec.yml")
+    config = TrainConfig.from_spec(spec, threads=3)
+    assert (config.method, config.seed, config.validation_split, config.epochs, config.learning_rate) == (
+        "qlora", 42, 0.1, 2, 1e-3)
+    assert (config.batch_size, config.gradient_accumulation_steps, config.max_seq_len, config.samples_per_step) == (
+        2, 3, 64, 6)
+    assert (config.rank, config.alpha, config.dropout, config.target_modules, config.freeze_a) == (
+        4, 8.0, 0.1, ("q_proj", "k_proj"), True)
+    assert (config.checkpoint_every, config.verify_segments, config.tolerance, config.threads) == (5, 3, 0.001, 3)
+    assert config.total_steps(100) == 34  # 2 epochs x 100 examples / 6 per step, rounded up
+    duck = SimpleNamespace(**{k: getattr(spec, k) for k in ("base_model", "base_model_sha256", "method", "runtime",
+                                                            "seed", "input", "training", "lora", "proof")})
+    assert TrainConfig.from_spec(duck, threads=3) == config
