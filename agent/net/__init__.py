@@ -1,0 +1,1 @@
+"""The agent's network room: libp2p host, signed gossip, DHT discovery (see network.py)."""

@@ -1,0 +1,265 @@
+"""Signed gossip: GossipSub v1.1 topics whose every message is a checked envelope.
+
+Rules of this file:
+- Every message on a subscribed topic passes ``Gossip._validate`` at every hop before py-libp2p
+  delivers or forwards it. It applies the envelope rules of protocol/envelope.py (size, version,
+  signature, skew, replay) with ``expected_signer`` = the libp2p message source (``from``, itself
+  covered by py-libp2p's strict message signing), then checks that the message type belongs on the
+  topic it came on (``protocol.messages.topic_for``). A message that fails is dropped, never
+  forwarded, and counted against the peer that handed it to us (``invalid``, ``reasons``); a peer
+  with ``blacklist_after`` invalid messages is blacklisted (py-libp2p drops its traffic).
+- The validator is synchronous and never raises: py-libp2p checks "seen" and marks "seen" around it
+  without a checkpoint in between only when it is synchronous, and an exception escaping it would
+  cancel the whole pubsub service.
+- Library defaults that would eat our own traffic are off: the heartbeat is ``heartbeat_interval``
+  (1 s, not 120 s), and GossipSub's spam protection (10 msg/s per topic and forwarder, counting our
+  own publishes) is replaced by our own token bucket per remote forwarder (``max_rate``).
+- Validated messages go straight into a channel of ours per topic (``delivery_buffer`` slots),
+  bypassing py-libp2p's 32-slot subscription channel, which drops silently when a burst outruns
+  its reader. When ours fills, the drop is counted (``dropped``) and logged, never silent.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+from libp2p.peer.id import ID
+from libp2p.pubsub.gossipsub import PROTOCOL_ID as GOSSIPSUB_V10
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11 as GOSSIPSUB_V11
+from libp2p.pubsub.gossipsub import GossipSub
+from libp2p.pubsub.pubsub import Pubsub
+
+from agent.net.host import Host
+from protocol.envelope import Envelope, ReplayCache, open_envelope, seal
+from protocol.errors import CodecError
+from protocol.messages import topic_for
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GossipConfig:
+    heartbeat_interval: int = 1  # seconds; py-libp2p's default of 120 s leaves meshes unrepaired for minutes
+    degree: int = 6
+    degree_low: int = 4
+    degree_high: int = 12
+    max_rate: float = 200.0  # messages per second accepted from one remote forwarder ...
+    max_burst: float = 400.0  # ... with this much burst
+    blacklist_after: int = 50  # invalid messages before a peer is blacklisted
+    delivery_buffer: int = 4096  # our per-topic channel (py-libp2p's holds 32)
+
+
+@dataclass(frozen=True)
+class Received:
+    """A verified message as delivered to a subscriber."""
+
+    topic: str
+    message: Any
+    envelope: Envelope
+    forwarder: str  # the peer that handed it to us
+
+    @property
+    def signer(self) -> str:
+        return self.envelope.signer
+
+
+class _TokenBuckets:
+    """Per-peer token bucket: ``rate`` tokens per second, at most ``burst`` saved up."""
+
+    MAX_PEERS = 4096
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = rate, burst
+        self._state: dict[str, tuple[float, float]] = {}
+
+    def allow(self, peer: str, now: float) -> bool:
+        tokens, last = self._state.get(peer, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - last) * self.rate)
+        if len(self._state) > self.MAX_PEERS:  # forget idle peers (their bucket is full anyway)
+            self._state = {p: s for p, s in self._state.items() if now - s[1] < self.burst / self.rate}
+        if tokens < 1.0:
+            self._state[peer] = (tokens, now)
+            return False
+        self._state[peer] = (tokens - 1.0, now)
+        return True
+
+
+class _GuardedPubsub(Pubsub):
+    """Pubsub whose per-message task cannot take the service down, delivering into our channels.
+
+    ``notify_subscriptions`` hands each validated message to ``deliver`` (Gossip._deliver) instead
+    of py-libp2p's 32-slot subscription channel, which drops silently when full.
+
+    py-libp2p runs ``push_msg`` for each received message as a service task; an exception there
+    (e.g. a malformed ``key`` field in a peer's RPC reaching ``deserialize_public_key``) cancels
+    the whole Pubsub service. Errors from remote messages are counted and dropped instead.
+    """
+
+    remote_errors: int = 0
+    deliver: Callable[[Any], None]
+
+    def notify_subscriptions(self, publish_message: Any) -> None:
+        self.deliver(publish_message)
+
+    async def push_msg(self, msg_forwarder: ID, msg: Any) -> None:
+        if msg_forwarder == self.my_id:
+            await super().push_msg(msg_forwarder, msg)
+            return
+        try:
+            await super().push_msg(msg_forwarder, msg)
+        except Exception as exc:  # noqa: BLE001
+            self.remote_errors += 1
+            log.debug("dropped a message from %s that broke py-libp2p: %r", msg_forwarder, exc)
+
+
+class Subscription:
+    """Verified messages of one topic, in arrival order."""
+
+    def __init__(self, topic: str, buffer: int) -> None:
+        self.topic = topic
+        self._send, self._receive = trio.open_memory_channel[Received](buffer)
+
+    async def receive(self) -> Received:
+        return await self._receive.receive()
+
+    def receive_nowait(self) -> Received:
+        """The next message if one is waiting; trio.WouldBlock otherwise."""
+        return self._receive.receive_nowait()
+
+    def __aiter__(self) -> AsyncIterator[Received]:
+        return self._receive.__aiter__()
+
+
+class Gossip:
+    """Publish and receive signed messages over ``host`` (register before ``host.run``)."""
+
+    STASH_MAX = 8192
+
+    def __init__(self, host: Host, config: GossipConfig = GossipConfig(), *,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.host = host
+        self.config = config
+        self.clock = clock
+        self.router = GossipSub(
+            [GOSSIPSUB_V11, GOSSIPSUB_V10],
+            degree=config.degree,
+            degree_low=config.degree_low,
+            degree_high=config.degree_high,
+            heartbeat_interval=config.heartbeat_interval,
+            spam_protection_enabled=False,
+        )
+        self.pubsub = _GuardedPubsub(host.libp2p, self.router)
+        self.pubsub.deliver = self._deliver
+        host.add_service(self.pubsub)
+        self._my_id = host.libp2p.get_id()
+        self._replay = ReplayCache()
+        self._rate = _TokenBuckets(config.max_rate, config.max_burst)
+        # verified messages waiting for the drain task, by py-libp2p message ID
+        self._stash: OrderedDict[bytes, Received] = OrderedDict()
+        self._subscriptions: dict[str, Subscription] = {}
+        self.invalid: Counter[str] = Counter()  # envelope-rule violations, per forwarding peer
+        self.reasons: Counter[str] = Counter()  # ... per reason tag (CodecError.reason)
+        self.rate_limited: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()  # per topic: our delivery buffer was full
+
+    async def wait_ready(self, timeout: float = 10.0) -> None:
+        with trio.fail_after(timeout):
+            await self.pubsub.wait_until_ready()
+
+    # -- publishing -------------------------------------------------------------------------------
+
+    async def publish(self, message: Any) -> bytes:
+        """Sign ``message``, publish it on its topic, and return its envelope message ID."""
+        now = self.clock()
+        data = seal(self.host.identity, message, now=now)
+        message_id = open_envelope(data, now=now).envelope.message_id
+        await self.pubsub.publish(topic_for(message), data)
+        return message_id
+
+    # -- subscribing ------------------------------------------------------------------------------
+
+    async def subscribe(self, topic: str) -> Subscription:
+        """Join ``topic``; verified messages arrive on the returned Subscription (one per topic)."""
+        if topic in self._subscriptions:
+            return self._subscriptions[topic]
+        self.pubsub.set_topic_validator(topic, self._validator_for(topic), False)
+        sub = Subscription(topic, self.config.delivery_buffer)
+        self._subscriptions[topic] = sub
+        await self.pubsub.subscribe(topic)
+        return sub
+
+    async def unsubscribe(self, topic: str) -> None:
+        sub = self._subscriptions.pop(topic, None)
+        if sub is not None:
+            await self.pubsub.unsubscribe(topic)
+            self.pubsub.remove_topic_validator(topic)
+            sub._send.close()
+
+    def peers_on(self, topic: str) -> set[str]:
+        """Peers we know are subscribed to ``topic``."""
+        return {p.to_base58() for p in self.pubsub.peer_topics.get(topic, ())}
+
+    def mesh_peers(self, topic: str) -> set[str]:
+        return {p.to_base58() for p in self.router.mesh.get(topic, ())}
+
+    def _deliver(self, msg: Any) -> None:
+        """Hand a validated message to its topic's subscriber (called by py-libp2p, synchronously)."""
+        received = self._stash.pop(self.pubsub.get_message_id(msg), None)
+        if received is None:
+            return  # validated before the stash overflowed, or not by us; never unchecked
+        sub = self._subscriptions.get(received.topic)
+        if sub is None:
+            return
+        try:
+            sub._send.send_nowait(received)
+        except trio.WouldBlock:
+            self.dropped[received.topic] += 1
+            log.warning("gossip %s: subscriber is %d messages behind; dropped one",
+                        received.topic, self.config.delivery_buffer)
+
+    # -- validation -------------------------------------------------------------------------------
+
+    def _validator_for(self, topic: str) -> Callable[[ID, Any], bool]:
+        def validate(forwarder: ID, msg: Any) -> bool:
+            try:
+                return self._validate(topic, forwarder, msg)
+            except Exception as exc:  # noqa: BLE001 - see the rules at the top
+                log.error("gossip validator failed on a message from %s: %r", forwarder, exc)
+                return self._reject(forwarder.to_base58(), "internal-error")
+
+        return validate
+
+    def _validate(self, topic: str, forwarder: ID, msg: Any) -> bool:
+        fwd = forwarder.to_base58()
+        now = self.clock()
+        if forwarder != self._my_id and not self._rate.allow(fwd, time.monotonic()):
+            self.rate_limited[fwd] += 1
+            return False
+        if len(msg.topicIDs) != 1:
+            return self._reject(fwd, "multi-topic")
+        source = ID(msg.from_id).to_base58()
+        try:
+            opened = open_envelope(msg.data, now=now, replay=self._replay, expected_signer=source)
+        except CodecError as exc:
+            log.debug("gossip %s: rejected a message from %s: %s", topic, fwd, exc)
+            return self._reject(fwd, exc.reason)
+        if topic_for(opened.message) != topic:
+            return self._reject(fwd, "wrong-topic")
+        self._stash[self.pubsub.get_message_id(msg)] = Received(topic, opened.message, opened.envelope, fwd)
+        while len(self._stash) > self.STASH_MAX:
+            self._stash.popitem(last=False)
+        return True
+
+    def _reject(self, peer: str, reason: str) -> bool:
+        self.invalid[peer] += 1
+        self.reasons[reason] += 1
+        if peer != self.host.peer_id and self.invalid[peer] == self.config.blacklist_after:
+            log.warning("gossip: blacklisting %s after %d invalid messages", peer, self.invalid[peer])
+            self.pubsub.add_to_blacklist(ID.from_base58(peer))
+        return False

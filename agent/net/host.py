@@ -1,0 +1,187 @@
+"""The agent's libp2p host: one identity, TCP, Noise, Yamux, guarded stream handlers, owned tasks.
+
+Rules of this file:
+- The host's key is the agent's ``protocol.identity.Identity``: the libp2p peer ID of every
+  connection is the peer ID that signs the agent's envelopes (tests/net/test_identity_interop.py).
+- Security is Noise only. py-libp2p 0.8.1 offers plaintext, secio and TLS by default when no
+  ``sec_opt`` is given; we never offer those. The muxer is Yamux only.
+- Addresses come from config as multiaddr text; a bad one is a ``NetConfigError`` naming the field,
+  its index and the text (``bootstrap[1]: '/ip4/1.2.3.4/tcp/x': invalid multiaddr (...)``).
+- Every inbound stream goes through one ``HandlerGuard`` installed in front of py-libp2p's protocol
+  negotiation, so library handlers (pubsub, DHT, identify, Bitswap) are guarded too.
+- Every long-running task belongs to ``Host.nursery``, which ``Host.run`` owns. The nursery is the
+  innermost layer: leaving ``run`` cancels the agent's tasks first, then stops the py-libp2p services
+  (in reverse order of ``add_service``), then closes the listeners and connections.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.tools.anyio_service.context import background_trio_service
+
+from agent.net.errors import NetConfigError, NetError
+from agent.net.streams import HandlerGuard, StreamHandler
+from protocol.identity import Identity
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
+
+
+@dataclass(frozen=True)
+class NetConfig:
+    """Network settings of one agent. Addresses are multiaddr text, parsed when the Host is built."""
+
+    listen: tuple[str, ...] = DEFAULT_LISTEN
+    announce: tuple[str, ...] = ()
+    bootstrap: tuple[str, ...] = ()
+    connect_timeout: float = 10.0
+
+
+def parse_multiaddr(text: str, where: str) -> multiaddr.Multiaddr:
+    """Parse one multiaddr; ``where`` names the config field (``"listen[0]"``) for the error."""
+    if not isinstance(text, str) or not text.startswith("/"):
+        raise NetConfigError(f"{where}: {text!r}: invalid multiaddr (must start with '/')")
+    try:
+        return multiaddr.Multiaddr(text)
+    except Exception as exc:  # the multiaddr library raises several unrelated types
+        raise NetConfigError(f"{where}: {text!r}: invalid multiaddr ({exc})") from None
+
+
+def parse_peer_multiaddr(text: str, where: str) -> PeerInfo:
+    """Parse a multiaddr that ends in ``/p2p/<peer id>`` (a bootstrap peer) into a PeerInfo."""
+    addr = parse_multiaddr(text, where)
+    try:
+        return info_from_p2p_addr(addr)
+    except Exception as exc:
+        raise NetConfigError(f"{where}: {text!r}: needs a trailing /p2p/<peer id> ({exc})") from None
+
+
+def peer_id_text(peer: ID | str) -> str:
+    return peer if isinstance(peer, str) else peer.to_base58()
+
+
+def to_libp2p_id(peer: ID | str) -> ID:
+    return peer if isinstance(peer, ID) else ID.from_base58(peer)
+
+
+class Host:
+    """The agent's libp2p host. Build it, let Gossip/Discovery register their services, then ``run``."""
+
+    def __init__(self, identity: Identity, config: NetConfig = NetConfig()) -> None:
+        self._listen = [parse_multiaddr(t, f"listen[{i}]") for i, t in enumerate(config.listen)]
+        announce = [parse_multiaddr(t, f"announce[{i}]") for i, t in enumerate(config.announce)]
+        self.bootstrap_peers = [parse_peer_multiaddr(t, f"bootstrap[{i}]") for i, t in enumerate(config.bootstrap)]
+        if not self._listen:
+            raise NetConfigError("listen: at least one listen address is needed")
+        self.identity = identity
+        self.config = config
+        self.libp2p = _build_libp2p_host(identity, self._listen, announce)
+        if self.libp2p.get_id().to_base58() != identity.peer_id:  # a py-libp2p change would show here
+            raise NetError("py-libp2p derived a different peer ID from the agent's key")
+        self.guard = HandlerGuard()
+        self._services: list[Any] = []
+        self._nursery: trio.Nursery | None = None
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    @property
+    def nursery(self) -> trio.Nursery:
+        """The nursery that owns the agent's network tasks; exists while ``run`` is active."""
+        if self._nursery is None:
+            raise NetError("the host is not running")
+        return self._nursery
+
+    def add_service(self, service: Any) -> None:
+        """A py-libp2p Service (Pubsub, KadDHT) to run, in registration order, while the host runs."""
+        if self._nursery is not None:
+            raise NetError("services must be added before the host runs")
+        self._services.append(service)
+
+    @asynccontextmanager
+    async def run(self) -> AsyncIterator["Host"]:
+        """Listen, start the services, open the task nursery; undo all of it, innermost first, on exit."""
+        async with self.libp2p.run(listen_addrs=self._listen):
+            network = self.libp2p.get_network()
+            network.set_stream_handler(self.guard.wrap(network.common_stream_handler, name="inbound"))
+            async with AsyncExitStack() as services:
+                for service in self._services:
+                    await services.enter_async_context(background_trio_service(service))
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    try:
+                        yield self
+                    finally:
+                        self._nursery = None
+                        nursery.cancel_scope.cancel()
+
+    def addrs(self) -> list[str]:
+        """Dialable addresses of this host, each ending in /p2p/<peer id>."""
+        out = []
+        for addr in self.libp2p.get_addrs():
+            text = str(addr)
+            out.append(text if "/p2p/" in text else f"{text}/p2p/{self.peer_id}")
+        return out
+
+    def connected_peers(self) -> list[str]:
+        return [p.to_base58() for p in self.libp2p.get_connected_peers()]
+
+    def set_handler(self, protocol: str, handler: StreamHandler, *, timeout: float | None) -> None:
+        """Register a handler for ``protocol``, guarded (see streams.py) and under ``timeout`` seconds."""
+        self.libp2p.set_stream_handler(protocol, self.guard.wrap(handler, name=protocol, timeout=timeout))
+
+    async def connect(self, peer: PeerInfo, *, timeout: float | None = None) -> None:
+        """Dial ``peer`` (no-op when already connected); NetError naming the peer on failure."""
+        if peer.peer_id == self.libp2p.get_id() or peer.peer_id in self.libp2p.get_connected_peers():
+            return
+        limit = timeout or self.config.connect_timeout
+        try:
+            with trio.fail_after(limit):
+                await self.libp2p.connect(peer)
+        except trio.TooSlowError:
+            raise NetError(f"connect to {peer.peer_id.to_base58()}: no connection within {limit:.0f} s") from None
+        except Exception as exc:
+            raise NetError(f"connect to {peer.peer_id.to_base58()}: {type(exc).__name__}: {exc}") from None
+
+    async def open_stream(self, peer: ID | str, protocols: Sequence[str], *, timeout: float = 10.0) -> Any:
+        """Open a stream to a connected or known peer; NetError naming the peer and protocol on failure."""
+        try:
+            with trio.fail_after(timeout):
+                return await self.libp2p.new_stream(to_libp2p_id(peer), list(protocols))
+        except trio.TooSlowError:
+            raise NetError(f"open {protocols[0]} to {peer_id_text(peer)}: no stream within {timeout:.0f} s") from None
+        except Exception as exc:
+            raise NetError(f"open {protocols[0]} to {peer_id_text(peer)}: {type(exc).__name__}: {exc}") from None
+
+
+def _build_libp2p_host(identity: Identity, listen: list[multiaddr.Multiaddr],
+                       announce: list[multiaddr.Multiaddr]) -> Any:
+    key_pair = create_new_key_pair(identity.seed)
+    # The Noise static key is a fresh X25519 key per host run; the identity key signs it in the
+    # Noise handshake payload, so the remote learns (and checks) our Ed25519 peer ID.
+    noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
+    return new_host(
+        key_pair=key_pair,
+        sec_opt={NOISE_PROTOCOL_ID: noise},
+        muxer_opt={YAMUX_PROTOCOL_ID: Yamux},
+        listen_addrs=listen,
+        announce_addrs=announce or None,
+    )

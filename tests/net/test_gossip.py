@@ -1,0 +1,158 @@
+"""Discovery through the DHT and signed gossip among real agents on loopback.
+
+Six agents start from one bootstrap address, find the training agents through the DHT's workers
+key, and gossip. A misbehaving agent (its own validator removed, so its py-libp2p publishes raw
+bytes) sends forged, tampered, replayed, expired, oversize and misplaced messages: none reaches
+anyone, each is counted against it, and no honest agent is ever blamed for forwarding one.
+"""
+
+import time
+
+import msgpack
+import pytest
+import trio
+
+from agent.net.gossip import GossipConfig
+from protocol.codec import canonical_encode, decode_canonical
+from protocol.envelope import MAX_ENVELOPE_BYTES, seal
+from protocol.identity import Identity
+from protocol.messages import TOPIC_JOBS, Heartbeat, ShardClaim
+from tests.net.conftest import agents, wait_until
+
+pytestmark = pytest.mark.network
+
+
+def heartbeat(seq: int) -> Heartbeat:
+    return Heartbeat(seq=seq, active_shards=0, coordinating=())
+
+
+async def drain(sub, seconds: float) -> list:
+    """Everything ``sub`` receives within ``seconds``."""
+    got = []
+    with trio.move_on_after(seconds):
+        while True:
+            got.append(await sub.receive())
+    return got
+
+
+def waiting(sub) -> list:
+    """Everything already queued on ``sub``."""
+    got = []
+    while True:
+        try:
+            got.append(sub.receive_nowait())
+        except trio.WouldBlock:
+            return got
+
+
+async def mesh_ready(nets, topic: str, timeout: float = 15.0) -> None:
+    """Every agent knows at least one subscriber of ``topic`` and has it in its mesh."""
+    await wait_until(lambda: all(n.gossip.mesh_peers(topic) for n in nets), timeout=timeout)
+
+
+async def test_six_agents_find_each_other_through_the_dht_and_gossip_reaches_all():
+    async with agents(6) as nets:
+        boot, workers = nets[0], nets[1:]
+        # the workers know only the bootstrap address; they advertise under the workers key
+        async with trio.open_nursery() as nursery:
+            for net in workers:
+                nursery.start_soon(net.discovery.advertise_worker)
+        everyone = {n.peer_id for n in workers}
+        for net in nets:
+            with trio.fail_after(20):
+                found = set(await net.discovery.find_workers())
+            assert found == everyone - {net.peer_id}, f"{net.peer_id} found {len(found)} workers"
+            assert everyone - {net.peer_id} <= set(net.host.connected_peers())
+
+        subs = [await n.gossip.subscribe(TOPIC_JOBS) for n in nets]
+        await mesh_ready(nets, TOPIC_JOBS)
+        sender = nets[3]
+        await sender.gossip.publish(heartbeat(42))
+        for net, sub in zip(nets, subs):
+            with trio.fail_after(10):
+                got = await sub.receive()
+            assert got.message == heartbeat(42)
+            assert got.signer == sender.peer_id
+        assert all(not n.gossip.invalid for n in nets)
+
+
+async def test_a_new_agent_finds_running_workers_knowing_only_the_bootstrap():
+    async with agents(4) as nets:
+        for net in nets[1:3]:
+            await net.discovery.advertise_worker()
+        newcomer = nets[3]  # never advertised, never listed by anyone
+        with trio.fail_after(20):
+            found = set(await newcomer.discovery.find_workers())
+        assert found == {nets[1].peer_id, nets[2].peer_id}
+
+
+async def test_invalid_messages_reach_no_one_and_count_against_the_sender():
+    async with agents(6) as nets:
+        honest, bad = nets[:5], nets[5]
+        subs = [await n.gossip.subscribe(TOPIC_JOBS) for n in honest]
+        await bad.gossip.subscribe(TOPIC_JOBS)
+        async with trio.open_nursery() as nursery:
+            for net in nets:
+                nursery.start_soon(net.discovery.advertise_worker)
+        async with trio.open_nursery() as nursery:
+            for net in nets:
+                nursery.start_soon(net.discovery.find_workers)
+        await mesh_ready(nets, TOPIC_JOBS)
+        await wait_until(lambda: bad.peer_id in set().union(*(n.gossip.mesh_peers(TOPIC_JOBS) for n in honest)),
+                         timeout=10)
+        # the misbehaving agent publishes raw bytes: remove its own validator
+        bad.gossip.pubsub.remove_topic_validator(TOPIC_JOBS)
+        raw_publish = bad.gossip.pubsub.publish
+        now = time.time()
+
+        first = seal(bad.host.identity, heartbeat(1), now=now)
+        tampered = decode_canonical(seal(bad.host.identity, heartbeat(3), now=now), max_bytes=MAX_ENVELOPE_BYTES)
+        tampered["b"]["seq"] = 4  # the body changed after signing
+        claim = ShardClaim(job_id=bytes(32), round=0, shard=0)
+        oversize = msgpack.packb({"v": 1, "pad": b"\0" * MAX_ENVELOPE_BYTES})
+        bad_messages = {
+            "replayed": first,
+            "wrong-signer": seal(Identity.generate(), heartbeat(2), now=now),  # forged: not the sender's key
+            "bad-signature": canonical_encode(tampered),
+            "oversize": oversize,
+            "expired": seal(bad.host.identity, heartbeat(5), now=now - 3600),
+            "wrong-topic": seal(bad.host.identity, claim, now=now),
+            "malformed": b"\xc1not msgpack",
+        }
+        await raw_publish(TOPIC_JOBS, first)  # valid: delivered once
+        for data in bad_messages.values():
+            await raw_publish(TOPIC_JOBS, data)
+        await raw_publish(TOPIC_JOBS, seal(bad.host.identity, heartbeat(99), now=time.time()))
+
+        delivered = []
+        for sub in subs:
+            got = []
+            with trio.fail_after(10):
+                while not got or got[-1].message.seq != 99:
+                    got.append(await sub.receive())
+            delivered.append(got)
+        await trio.sleep(1.5)  # time for anything that raced behind the marker
+        for sub, got in zip(subs, delivered):
+            got += waiting(sub)
+            assert [r.message.seq for r in got] == [1, 99]
+        blamed = sum(n.gossip.invalid[bad.peer_id] for n in honest)
+        assert blamed >= len(bad_messages)
+        reasons = sum((n.gossip.reasons for n in honest), start=type(honest[0].gossip.reasons)())
+        assert set(bad_messages) <= set(reasons), reasons
+        for net in honest:  # no honest agent ever forwarded an invalid message
+            assert all(net.gossip.invalid[other.peer_id] == 0 for other in honest)
+
+
+async def test_own_bursts_are_not_eaten_and_floods_are_rate_limited():
+    async with agents(2, gossip_config=GossipConfig(max_rate=20.0, max_burst=20.0)) as (a, b):
+        sub_a = await a.gossip.subscribe(TOPIC_JOBS)
+        sub_b = await b.gossip.subscribe(TOPIC_JOBS)
+        await mesh_ready([a, b], TOPIC_JOBS)
+        for seq in range(60):  # py-libp2p's default spam protection would drop all but 10 of these
+            await a.gossip.publish(heartbeat(seq))
+        mine = await drain(sub_a, 1.0)
+        assert [r.message.seq for r in mine] == list(range(60))  # our own publishes all delivered locally
+        theirs = await drain(sub_b, 2.0)
+        assert 20 <= len(theirs) < 60  # b accepts a's burst, then its token bucket refills at 20/s
+        assert b.gossip.rate_limited[a.peer_id] > 0
+        assert not b.gossip.invalid

@@ -1,0 +1,81 @@
+"""A peer that misbehaves on purpose cannot break an agent's host.
+
+py-libp2p 0.8.1 lets an exception escape a stream handler into the connection's task tree, stalls
+a connection on an escaped StreamEOF, and keeps unclosed streams. Every handler here is guarded;
+this test throws each kind of misbehaviour at one agent and then checks it still serves streams
+and gossip, counted the failures against the misbehaving peer, and kept no stream open.
+"""
+
+import pytest
+import trio
+from libp2p.network.stream.exceptions import StreamEOF
+
+from agent.net.streams import FrameReader, frame
+from protocol.cid import varint_encode
+from protocol.messages import TOPIC_JOBS, Heartbeat
+from tests.net.conftest import agents, wait_until
+
+pytestmark = pytest.mark.network
+
+
+async def test_misbehaving_peer_cannot_break_the_host():
+    async with agents(2) as (a, b):
+        async def raises(stream):
+            raise RuntimeError("handler bug")
+
+        async def raises_eof(stream):
+            raise StreamEOF()
+
+        async def reads_forever(stream):
+            await stream.read(1)
+            await trio.sleep_forever()
+
+        async def echo_frame(stream):
+            request = await FrameReader(stream).read_frame(1024, "echo request")
+            await stream.write(frame(request[::-1]))
+
+        a.host.set_handler("/test/raise/1", raises, timeout=5)
+        a.host.set_handler("/test/eof/1", raises_eof, timeout=5)
+        a.host.set_handler("/test/slow/1", reads_forever, timeout=0.5)
+        a.host.set_handler("/test/echo/1", echo_frame, timeout=5)
+        a_conn = a.host.libp2p.get_network().get_connections(b.host.libp2p.get_id())[0]
+        streams_before = len(a_conn.get_streams())
+
+        async def send(protocol: str, payload: bytes, *, close: bool = True) -> None:
+            """Misbehave; a's side may reset the stream before we are done, which is fine."""
+            try:
+                stream = await b.host.open_stream(a.peer_id, [protocol])
+                await stream.write(payload)
+                if close:
+                    await stream.close()
+            except Exception:
+                pass
+
+        await send("/test/raise/1", b"x")
+        await send("/test/eof/1", b"x")
+        await send("/test/slow/1", b"x", close=False)  # then goes silent
+        await send("/test/echo/1", varint_encode(1 << 40))  # length prefix far over the limit
+        await send("/test/echo/1", varint_encode(100) + b"short")  # frame cut off
+        await send("/test/echo/1", b"\xff" * 12)  # varint that never ends
+        await send("/meshsub/1.1.0", varint_encode(8) + b"\xff" * 8)  # garbage pubsub RPC
+        await send("/ipfs/kad/1.0.0", varint_encode(6) + b"\x0a\xff\xff\xff\xff\x0f")  # garbage DHT RPC
+
+        b_id = b.peer_id
+        await wait_until(lambda: a.host.guard.errors[b_id] >= 5 and a.host.guard.timeouts[b_id] >= 1, timeout=10)
+
+        # a still serves streams ...
+        stream = await b.host.open_stream(a.peer_id, ["/test/echo/1"])
+        await stream.write(frame(b"hello"))
+        with trio.fail_after(5):
+            assert await FrameReader(stream).read_frame(1024) == b"olleh"
+        await stream.close()
+        # ... and gossip, over the same connection
+        sub = await a.gossip.subscribe(TOPIC_JOBS)
+        await b.gossip.subscribe(TOPIC_JOBS)
+        await wait_until(lambda: a.gossip.mesh_peers(TOPIC_JOBS) and b.gossip.mesh_peers(TOPIC_JOBS), timeout=10)
+        await b.gossip.publish(Heartbeat(seq=1, active_shards=0, coordinating=()))
+        with trio.fail_after(10):
+            assert (await sub.receive()).message.seq == 1
+        assert a.host.libp2p.get_network().get_connections(b.host.libp2p.get_id())[0] is a_conn
+        # no stream of the misbehaviour is left open on a's side (gossip added at most its own)
+        await wait_until(lambda: len(a_conn.get_streams()) <= streams_before + 1, timeout=5)
