@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -33,6 +34,7 @@ from protocol.errors import ProtocolError
 ROLES = ("system", "user", "assistant")
 IGNORE_INDEX = -100
 MAX_LINE_BYTES = 16 << 20
+GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 class DataError(ProtocolError):
@@ -136,8 +138,7 @@ class Example:
 
 
 def _assistant_mask(tokenizer: Any, messages: Sequence[dict[str, str]]) -> tuple[list[int], list[int]]:
-    template = tokenizer.chat_template or ""
-    if "generation" in template:
+    if GENERATION_BLOCK.search(tokenizer.chat_template or ""):
         out = tokenizer.apply_chat_template(
             list(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         return list(out["input_ids"]), list(out["assistant_masks"])

@@ -1,0 +1,109 @@
+"""Replay verification: an honest segment passes in a fresh process; tampering and skipping fail."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from agent.train.env import strict_cpu_env
+from agent.train.replay import verify_segment
+from protocol.proof import ChainLink, Commitment
+from tests.conftest import REPO_ROOT
+
+
+def commitment_of(run_dir: Path) -> Commitment:
+    return Commitment.from_json(json.loads((run_dir / "proof.json").read_text()))
+
+
+def replay_in_child(run_dir: Path, shard: Path, segment: int, env: dict | None = None) -> tuple[int, dict]:
+    child = subprocess.run(
+        [sys.executable, "-m", "agent.train.replay", "--proof", str(run_dir / "proof.json"),
+         "--segment", str(segment), "--checkpoints", str(run_dir / "checkpoints"), "--shard", str(shard),
+         "--config", str(run_dir / "train_config.json")],
+        capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=240,
+    )
+    return child.returncode, json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def test_segment_replays_exactly_in_a_fresh_process(trained_run):
+    request, _, _ = trained_run
+    status, verdict = replay_in_child(request.run_dir, request.shard, 1)
+    assert (status, verdict["accepted"], verdict["exact"]) == (0, True, True), verdict
+
+
+def test_honest_segment_passes_in_process(trained_run):
+    request, result, _ = trained_run
+    checkpoints = request.run_dir / "checkpoints"
+    verdict = verify_segment(commitment_of(request.run_dir), 0, start=checkpoints / "step-000000",
+                             shard=request.shard, config=request.config, claimed_head=result.head)
+    assert verdict.accepted and verdict.exact, verdict
+
+
+def test_tampered_start_checkpoint_fails(trained_run, tmp_path):
+    request, _, _ = trained_run
+    start = tmp_path / "step-000010"
+    shutil.copytree(request.run_dir / "checkpoints" / "step-000010", start)
+    tensors = load_file(str(start / "adapter_model.safetensors"))
+    name = next(n for n in sorted(tensors) if ".lora_B." in n)
+    tensors[name] = tensors[name] + 1e-6
+    save_file(tensors, str(start / "adapter_model.safetensors"))
+    verdict = verify_segment(commitment_of(request.run_dir), 1, start=start, shard=request.shard, config=request.config)
+    assert not verdict.accepted and "does not match the committed hashes" in verdict.reason
+
+
+def test_skipped_segment_fails(trained_run):
+    """A worker that skips segment 2's training and recommits segment 1's state is caught by its replay."""
+    request, _, _ = trained_run
+    honest = commitment_of(request.run_dir)
+    last, before = honest.links[2], honest.links[1]
+    fake_link = ChainLink(step=last.step, adapter_hash=before.adapter_hash, optimizer_hash=before.optimizer_hash,
+                          batches_digest=last.batches_digest, loss=last.loss)
+    fake = Commitment(honest.header, honest.links[:2] + (fake_link,))
+    fake.check()  # the fake chain is well formed: only a replay can tell
+    checkpoints = request.run_dir / "checkpoints"
+    verdict = verify_segment(fake, 2, start=checkpoints / "step-000020", shard=request.shard, config=request.config)
+    assert not verdict.accepted and "differs" in verdict.reason, verdict
+    # the segments before it still verify
+    assert verify_segment(fake, 1, start=checkpoints / "step-000010", shard=request.shard,
+                          config=request.config).accepted
+
+
+def test_wrong_shard_fails(trained_run, demo_files):
+    request, _, _ = trained_run
+    verdict = verify_segment(commitment_of(request.run_dir), 1, start=request.run_dir / "checkpoints" / "step-000010",
+                             shard=demo_files["shard1"], config=request.config)
+    assert not verdict.accepted
+
+
+def test_other_environment_is_judged_by_distance(trained_run):
+    """Header claims 2 threads and strict MKL: the verifier replays that way, so bits may drift,
+    and the segment passes only within the fp32 tolerance, measured against the end checkpoint."""
+    request, _, _ = trained_run
+    honest = commitment_of(request.run_dir)
+    environment = {**honest.header.environment, "threads": 2, "mkl_cbwr": "AVX2,STRICT"}
+    claimed = Commitment(replace(honest.header, environment=environment), honest.links)
+    checkpoints = request.run_dir / "checkpoints"
+    config = request.config.with_(tolerance=None)
+    verdict = verify_segment(claimed, 1, start=checkpoints / "step-000010", end=checkpoints / "step-000020",
+                             shard=request.shard, config=config)
+    assert verdict.accepted, verdict
+    assert verdict.exact or 0 < verdict.max_distance <= 1e-4
+    torch.set_num_threads(1)
+
+
+@pytest.mark.slow
+def test_replay_under_strict_cpu_env_in_a_fresh_process(trained_run):
+    """A verifier started with MKL_CBWR/ATEN_CPU_CAPABILITY pinned differs in environment from the
+    worker: it must accept by tolerance (or exactly, if the bits happen to agree)."""
+    request, _, _ = trained_run
+    status, verdict = replay_in_child(request.run_dir, request.shard, 2, env=strict_cpu_env())
+    assert status == 0 and verdict["accepted"], verdict
+    assert verdict["exact"] or verdict["max_distance"] <= 1e-4
