@@ -22,15 +22,15 @@ Rules of this file:
   never invalid, so a caller can tick every job it knows, finished or not.
 
 Shards. Each round, every shard goes OPEN -> LEASED -> REPORTED -> ACCEPTED. A lease belongs to one
-worker and one *attempt*; attempts of a shard are numbered 1, 2, 3... over the whole job (never
-reused, not even in a later round), so a late message of an old attempt can never pass for the
-current one. An attempt that ends badly (released, lease expired, report rejected, no verdict in
-time) is a *retry*: the shard reopens while the round has attempts left, else it is FAILED for the
-round. A round allows ``max_retries + 1`` leases per shard, and every waiting state has a timer, so
-no shard can be held forever by a silent worker or a silent verifier.
+worker and one *attempt*: each lease of a shard in a round is the next attempt, numbered 1, 2, ...
+up to ``max_retries + 1``. Every shard event names its round, shard and attempt, as the wire
+messages do, so a late message of an earlier attempt or round never passes for the current one. An
+attempt that ends badly (released, lease expired, report rejected, no verdict in time) is a
+*retry*: the shard reopens while attempts are left, else it is FAILED for the round. Every waiting
+state has a timer, so no shard can be held forever by a silent worker or a silent verifier.
 
 Jobs. ANNOUNCED -> TRAINING (first lease) -> VERIFYING (no shard OPEN or LEASED) -> AGGREGATING
-(every shard ACCEPTED or FAILED, and at least ``required_accepted`` accepted) -> the aggregate is
+(every shard ACCEPTED or FAILED, and at least ``min_accepted_shards`` accepted) -> the aggregate is
 published -> TRAINING for the next round (every shard reopens with a fresh retry budget) or DONE
 after the last. The job FAILS as soon as the acceptance rule can no longer hold, when its deadline
 passes, or when a published aggregate does not appear within ``lease_seconds`` of the Aggregate
@@ -50,11 +50,8 @@ from enum import Enum
 
 from protocol.errors import SpecError, StateError
 
-MAX_SHARDS = 65_536
-"""Most shards a job may have: the machine holds one record per shard, and job specs come from peers."""
-
-REQUIRED_ACCEPTED_EPSILON = 1e-9
-"""``min_accepted_fraction * shards`` is a float product; 0.7 * 10 must mean 7, not 7.000000000000001."""
+MAX_SHARDS = 1024
+"""Most shards a job may have, as in protocol/jobspec.py: the machine holds one record per shard."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,11 +83,11 @@ SETTLED_SHARD_PHASES = frozenset({ShardPhase.ACCEPTED, ShardPhase.FAILED})
 
 @dataclass(frozen=True)
 class JobConfig:
-    """The job spec's lifecycle fields (same names as ``infernet.train.yml``) and an absolute deadline."""
+    """The job spec's lifecycle fields (names and defaults of ``infernet.train.yml``) and an absolute deadline."""
 
     shards: int
     rounds: int = 1
-    lease_seconds: float = 600.0
+    lease_seconds: float = 3600.0
     max_retries: int = 2
     min_accepted_fraction: float = 1.0
     deadline: float | None = None
@@ -109,10 +106,13 @@ class JobConfig:
             _check_number("deadline", self.deadline)
 
     @property
-    def required_accepted(self) -> int:
-        """Accepted shards a round needs: ceil(min_accepted_fraction * shards), at least 1."""
-        product = self.min_accepted_fraction * self.shards
-        return max(1, math.ceil(product - REQUIRED_ACCEPTED_EPSILON))
+    def min_accepted_shards(self) -> int:
+        """Accepted shards a round needs: ceil(min_accepted_fraction x shards), at least 1.
+
+        The rule of JobSpec.min_accepted_shards: the product is rounded to 9 decimal places first,
+        so that 0.7 x 10 is 7 and not 8 (the float product is 7.000000000000001).
+        """
+        return max(1, math.ceil(round(self.min_accepted_fraction * self.shards, 9)))
 
     @property
     def attempts_per_round(self) -> int:
@@ -124,8 +124,7 @@ class JobConfig:
 class ShardState:
     index: int
     phase: ShardPhase = ShardPhase.OPEN
-    attempt: int = 0  # number of this shard's latest lease in the job; 0 before the first
-    tries: int = 0  # leases granted this round; at most config.attempts_per_round
+    attempt: int = 0  # leases granted this round: the current lease's number; 0 before the first
     worker: str | None = None  # lease holder while LEASED/REPORTED; the accepted worker when ACCEPTED
     expires_at: float | None = None  # lease expiry (LEASED) or end of the verification window (REPORTED)
 
@@ -162,6 +161,7 @@ def new_job(config: JobConfig) -> JobState:
 class LeaseGranted:
     """The coordinator leased ``shard`` to ``worker`` (a peer ID); the machine numbers the attempt."""
 
+    round: int
     shard: int
     worker: str
 
@@ -170,6 +170,7 @@ class LeaseGranted:
 class CheckpointSeen:
     """The lease holder committed a proof-of-training checkpoint: a sign of life that extends the lease."""
 
+    round: int
     shard: int
     worker: str
     attempt: int
@@ -179,6 +180,7 @@ class CheckpointSeen:
 class ReportReceived:
     """The lease holder handed in its trained adapter for this attempt."""
 
+    round: int
     shard: int
     worker: str
     attempt: int
@@ -188,6 +190,7 @@ class ReportReceived:
 class Released:
     """The lease holder gave the shard back before reporting (the attempt is spent)."""
 
+    round: int
     shard: int
     worker: str
     attempt: int
@@ -197,6 +200,7 @@ class Released:
 class VerdictGiven:
     """Verification of the reported attempt finished."""
 
+    round: int
     shard: int
     attempt: int
     accepted: bool
@@ -228,6 +232,7 @@ Event = LeaseGranted | CheckpointSeen | ReportReceived | Released | VerdictGiven
 
 @dataclass(frozen=True)
 class PublishLease:
+    round: int
     shard: int
     worker: str
     attempt: int
@@ -236,6 +241,7 @@ class PublishLease:
 
 @dataclass(frozen=True)
 class ExtendLease:
+    round: int
     shard: int
     worker: str
     attempt: int
@@ -244,6 +250,7 @@ class ExtendLease:
 
 @dataclass(frozen=True)
 class StartVerification:
+    round: int
     shard: int
     worker: str
     attempt: int
@@ -252,12 +259,14 @@ class StartVerification:
 
 @dataclass(frozen=True)
 class ReopenShard:
+    round: int
     shard: int
     reason: str
 
 
 @dataclass(frozen=True)
 class FailShard:
+    round: int
     shard: int
     reason: str
 
@@ -406,7 +415,7 @@ def _fire_timers(job: JobState, now: float) -> tuple[JobState, tuple[Action, ...
         if shard.expires_at is None or now < shard.expires_at:
             continue
         timer = ShardInput.LEASE_EXPIRED if shard.phase is ShardPhase.LEASED else ShardInput.VERIFICATION_EXPIRED
-        shards[shard.index], done = _shard_step(shard, timer, job.config, now)
+        shards[shard.index], done = _shard_step(job, shard, timer, now)
         actions.extend(done)
     if not actions:
         return job, ()
@@ -423,15 +432,17 @@ def _apply(job: JobState, event: Event, now: float) -> tuple[JobState, tuple[Act
     if isinstance(event, AggregatePublished):
         return _publish(job, event)
     shard, shard_input, worker, attempt, reason = _shard_event(job, event)
-    new_shard, actions = _shard_step(shard, shard_input, job.config, now, worker, attempt, reason)
+    new_shard, actions = _shard_step(job, shard, shard_input, now, worker, attempt, reason)
     shards = job.shards[: shard.index] + (new_shard,) + job.shards[shard.index + 1 :]
     return replace(job, shards=shards, phase=target), actions
 
 
 def _shard_event(job: JobState, event: Event) -> tuple[ShardState, ShardInput, str | None, int | None, str]:
-    """Check an event's fields and name its shard input: (shard, input, worker, attempt, reason)."""
-    index = event.shard
-    _check_int("shard", index, 0, len(job.shards) - 1, error=StateError)
+    """Check a shard event's fields and name its input: (shard, input, worker, attempt, reason)."""
+    _check_int("round", event.round, 1, None, error=StateError)
+    _check_int("shard", event.shard, 0, len(job.shards) - 1, error=StateError)
+    if event.round != job.round:
+        raise StateError(f"{type(event).__name__} for round {event.round}, but the job is in round {job.round}")
     worker = attempt = None
     if not isinstance(event, VerdictGiven):  # a verdict comes from the verifier, not from a worker
         worker = event.worker
@@ -455,13 +466,13 @@ def _shard_event(job: JobState, event: Event) -> tuple[ShardState, ShardInput, s
         _check_str("reason", event.reason, allow_empty=True)
         shard_input = ShardInput.ACCEPT if event.accepted else ShardInput.REJECT
         reason = f"attempt {attempt} rejected: {event.reason or 'no reason given'}"
-    return job.shards[index], shard_input, worker, attempt, reason
+    return job.shards[event.shard], shard_input, worker, attempt, reason
 
 
 def _shard_step(
+    job: JobState,
     shard: ShardState,
     shard_input: ShardInput,
-    config: JobConfig,
     now: float,
     worker: str | None = None,
     attempt: int | None = None,
@@ -476,21 +487,18 @@ def _shard_step(
     if shard_input is not ShardInput.LEASE and worker is not None and worker != shard.worker:
         raise StateError(f"shard {shard.index}: {worker} does not hold the lease of attempt {shard.attempt}")
 
-    i = shard.index
+    config, r, i = job.config, job.round, shard.index
     if shard_input is ShardInput.LEASE:
         expires = now + config.lease_seconds
-        leased = replace(
-            shard, phase=target, attempt=shard.attempt + 1, tries=shard.tries + 1, worker=worker, expires_at=expires
-        )
-        return leased, (PublishLease(i, worker, leased.attempt, expires),)
+        leased = replace(shard, phase=target, attempt=shard.attempt + 1, worker=worker, expires_at=expires)
+        return leased, (PublishLease(r, i, worker, leased.attempt, expires),)
     if shard_input is ShardInput.CHECKPOINT:
         expires = max(shard.expires_at, now + config.lease_seconds)  # a clock step back never shortens a lease
-        return replace(shard, expires_at=expires), (ExtendLease(i, shard.worker, shard.attempt, expires),)
+        return replace(shard, expires_at=expires), (ExtendLease(r, i, shard.worker, shard.attempt, expires),)
     if shard_input is ShardInput.REPORT:
         expires = now + config.lease_seconds
-        return replace(shard, phase=target, expires_at=expires), (
-            StartVerification(i, shard.worker, shard.attempt, expires),
-        )
+        verifying = replace(shard, phase=target, expires_at=expires)
+        return verifying, (StartVerification(r, i, shard.worker, shard.attempt, expires),)
     if shard_input is ShardInput.ACCEPT:
         return replace(shard, phase=target, expires_at=None), ()
     # target is RETRY
@@ -498,10 +506,10 @@ def _shard_step(
         reason = f"lease of attempt {shard.attempt} expired"
     elif shard_input is ShardInput.VERIFICATION_EXPIRED:
         reason = f"no verdict on attempt {shard.attempt} in time"
-    if shard.tries < config.attempts_per_round:
-        return replace(shard, phase=ShardPhase.OPEN, worker=None, expires_at=None), (ReopenShard(i, reason),)
-    reason = f"{reason}; no attempts left ({shard.tries} of {config.attempts_per_round} used)"
-    return replace(shard, phase=ShardPhase.FAILED, worker=None, expires_at=None), (FailShard(i, reason),)
+    if shard.attempt < config.attempts_per_round:
+        return replace(shard, phase=ShardPhase.OPEN, worker=None, expires_at=None), (ReopenShard(r, i, reason),)
+    reason = f"{reason}; no attempts left ({shard.attempt} of {config.attempts_per_round} used)"
+    return replace(shard, phase=ShardPhase.FAILED, worker=None, expires_at=None), (FailShard(r, i, reason),)
 
 
 def _read_shards(
@@ -512,12 +520,12 @@ def _read_shards(
         return job, actions
     total = len(job.shards)
     failed = job.count(ShardPhase.FAILED)
-    required = job.config.required_accepted
+    required = job.config.min_accepted_shards
     if total - failed < required:
         reason = f"round {job.round}: only {total - failed} of {total} shards can still be accepted, {required} required"
         ended, end_actions = _end(job, JobPhase.FAILED, reason)
         return ended, actions + end_actions
-    if job.count(ShardPhase.ACCEPTED) + failed == total:
+    if all(s.phase in SETTLED_SHARD_PHASES for s in job.shards):
         expires = now + job.config.lease_seconds
         accepted = tuple(s.index for s in job.shards if s.phase is ShardPhase.ACCEPTED)
         aggregating = replace(job, phase=JobPhase.AGGREGATING, expires_at=expires)
@@ -534,9 +542,7 @@ def _publish(job: JobState, event: AggregatePublished) -> tuple[JobState, tuple[
     published = job.published + (event.cid,)
     if job.round == job.config.rounds:
         return replace(job, phase=JobPhase.DONE, published=published, expires_at=None), (Done(event.cid),)
-    reopened = tuple(
-        replace(s, phase=ShardPhase.OPEN, tries=0, worker=None, expires_at=None) for s in job.shards
-    )
+    reopened = tuple(ShardState(index=s.index) for s in job.shards)
     next_round = job.round + 1
     return (
         replace(job, phase=JobPhase.TRAINING, round=next_round, shards=reopened, published=published, expires_at=None),

@@ -72,7 +72,7 @@ def run(job: JobState, *timed_events: tuple[float, object]) -> tuple[JobState, t
 
 def leased(config: JobConfig, worker: str = "w1", now: float = 0.0) -> JobState:
     """A job whose shard 0 is leased (attempt 1) to ``worker`` at ``now``."""
-    job, _ = step(new_job(config), LeaseGranted(0, worker), now)
+    job, _ = step(new_job(config), LeaseGranted(1, 0, worker), now)
     return job
 
 
@@ -88,25 +88,25 @@ def test_new_job_is_announced_with_every_shard_open():
 
 
 def test_first_lease_starts_training_and_numbers_the_attempt():
-    job, actions = step(new_job(JobConfig(shards=2, lease_seconds=60)), LeaseGranted(1, "w1"), 100.0)
+    job, actions = step(new_job(JobConfig(shards=2, lease_seconds=60)), LeaseGranted(1, 1, "w1"), 100.0)
     assert job.phase is JobPhase.TRAINING
     assert phases(job) == [OPEN, LEASED]
     shard = job.shards[1]
-    assert (shard.worker, shard.attempt, shard.tries, shard.expires_at) == ("w1", 1, 1, 160.0)
-    assert actions == (PublishLease(1, "w1", 1, 160.0),)
+    assert (shard.worker, shard.attempt, shard.expires_at) == ("w1", 1, 160.0)
+    assert actions == (PublishLease(1, 1, "w1", 1, 160.0),)
 
 
 def test_a_leased_shard_cannot_be_leased_again():
     job = leased(JobConfig(shards=1))
     with pytest.raises(StateError, match="shard 0 is LEASED"):
-        step(job, LeaseGranted(0, "w2"), 1.0)
+        step(job, LeaseGranted(1, 0, "w2"), 1.0)
 
 
 def test_checkpoint_from_the_holder_extends_the_lease():
     job = leased(JobConfig(shards=1, lease_seconds=60))
-    job, actions = step(job, CheckpointSeen(0, "w1", 1), 50.0)
+    job, actions = step(job, CheckpointSeen(1, 0, "w1", 1), 50.0)
     assert job.shards[0].expires_at == 110.0
-    assert actions == (ExtendLease(0, "w1", 1, 110.0),)
+    assert actions == (ExtendLease(1, 0, "w1", 1, 110.0),)
     job, _ = step(job, Tick(), 100.0)  # past the first expiry, before the extended one
     assert job.shards[0].phase is LEASED
 
@@ -114,26 +114,26 @@ def test_checkpoint_from_the_holder_extends_the_lease():
 def test_checkpoint_from_another_worker_is_rejected():
     job = leased(JobConfig(shards=1))
     with pytest.raises(StateError, match="w2 does not hold the lease"):
-        step(job, CheckpointSeen(0, "w2", 1), 1.0)
+        step(job, CheckpointSeen(1, 0, "w2", 1), 1.0)
 
 
 def test_report_from_the_holder_starts_verification():
     job = leased(JobConfig(shards=2, lease_seconds=60))
-    job, actions = step(job, ReportReceived(0, "w1", 1), 10.0)
+    job, actions = step(job, ReportReceived(1, 0, "w1", 1), 10.0)
     assert phases(job) == [REPORTED, OPEN]
     assert job.phase is JobPhase.TRAINING  # shard 1 still waits for a worker
-    assert actions == (StartVerification(0, "w1", 1, 70.0),)
+    assert actions == (StartVerification(1, 0, "w1", 1, 70.0),)
 
 
 def test_job_verifies_once_no_shard_is_open_or_leased():
     job = leased(JobConfig(shards=1))
-    job, _ = step(job, ReportReceived(0, "w1", 1), 10.0)
+    job, _ = step(job, ReportReceived(1, 0, "w1", 1), 10.0)
     assert job.phase is JobPhase.VERIFYING
 
 
 def test_accepting_every_shard_starts_aggregation():
     job = leased(JobConfig(shards=1, lease_seconds=60))
-    job, actions = run(job, (10.0, ReportReceived(0, "w1", 1)), (20.0, VerdictGiven(0, 1, True)))
+    job, actions = run(job, (10.0, ReportReceived(1, 0, "w1", 1)), (20.0, VerdictGiven(1, 0, 1, True)))
     assert job.phase is JobPhase.AGGREGATING
     assert job.shards[0].phase is ACCEPTED and job.shards[0].worker == "w1"
     assert actions == (Aggregate(1, (0,), 80.0),)
@@ -141,15 +141,15 @@ def test_accepting_every_shard_starts_aggregation():
 
 def test_rejected_report_reopens_while_attempts_remain():
     job = leased(JobConfig(shards=1, max_retries=1))
-    job, actions = run(job, (10.0, ReportReceived(0, "w1", 1)), (20.0, VerdictGiven(0, 1, False, "loss mismatch")))
+    job, actions = run(job, (10.0, ReportReceived(1, 0, "w1", 1)), (20.0, VerdictGiven(1, 0, 1, False, "loss mismatch")))
     assert job.shards[0].phase is OPEN and job.shards[0].worker is None
     assert job.phase is JobPhase.TRAINING
-    assert actions == (ReopenShard(0, "attempt 1 rejected: loss mismatch"),)
+    assert actions == (ReopenShard(1, 0, "attempt 1 rejected: loss mismatch"),)
 
 
 def test_rejected_report_fails_the_shard_when_no_attempt_is_left():
     job = leased(JobConfig(shards=2, max_retries=0, min_accepted_fraction=0.5))
-    job, actions = run(job, (10.0, ReportReceived(0, "w1", 1)), (20.0, VerdictGiven(0, 1, False)))
+    job, actions = run(job, (10.0, ReportReceived(1, 0, "w1", 1)), (20.0, VerdictGiven(1, 0, 1, False)))
     assert phases(job) == [SHARD_FAILED, OPEN]
     assert job.phase is JobPhase.TRAINING  # one shard of two still suffices
     assert [type(a) for a in actions] == [FailShard]
@@ -161,7 +161,7 @@ def test_lease_expiry_reopens_the_shard_at_exactly_the_expiry_time():
     assert job.shards[0].phase is LEASED and actions == ()
     job, actions = step(job, Tick(), 60.0)
     assert job.shards[0].phase is OPEN
-    assert actions == (ReopenShard(0, "lease of attempt 1 expired"),)
+    assert actions == (ReopenShard(1, 0, "lease of attempt 1 expired"),)
 
 
 def test_lease_expiry_without_attempts_left_fails_the_shard_and_the_job():
@@ -175,52 +175,52 @@ def test_lease_expiry_without_attempts_left_fails_the_shard_and_the_job():
 def test_an_event_after_the_expiry_meets_the_reopened_shard():
     job = leased(JobConfig(shards=1, lease_seconds=60, max_retries=1))
     with pytest.raises(StateError, match="shard 0 is OPEN"):
-        step(job, ReportReceived(0, "w1", 1), 61.0)
+        step(job, ReportReceived(1, 0, "w1", 1), 61.0)
 
 
 def test_release_reopens_and_spends_the_attempt():
     job = leased(JobConfig(shards=1, max_retries=1))
-    job, actions = step(job, Released(0, "w1", 1), 5.0)
-    assert job.shards[0].phase is OPEN and job.shards[0].tries == 1
-    assert actions == (ReopenShard(0, "released by w1"),)
-    job, _ = run(job, (6.0, LeaseGranted(0, "w2")), (7.0, Released(0, "w2", 2)))
+    job, actions = step(job, Released(1, 0, "w1", 1), 5.0)
+    assert job.shards[0].phase is OPEN and job.shards[0].attempt == 1
+    assert actions == (ReopenShard(1, 0, "released by w1"),)
+    job, _ = run(job, (6.0, LeaseGranted(1, 0, "w2")), (7.0, Released(1, 0, "w2", 2)))
     assert job.shards[0].phase is SHARD_FAILED and job.phase is JobPhase.FAILED
 
 
 def test_release_by_someone_else_is_rejected():
     job = leased(JobConfig(shards=1))
     with pytest.raises(StateError, match="w2 does not hold the lease"):
-        step(job, Released(0, "w2", 1), 5.0)
+        step(job, Released(1, 0, "w2", 1), 5.0)
 
 
 def test_verification_window_expiry_counts_as_a_failed_attempt():
     job = leased(JobConfig(shards=1, lease_seconds=60, max_retries=1))
-    job, _ = step(job, ReportReceived(0, "w1", 1), 10.0)
+    job, _ = step(job, ReportReceived(1, 0, "w1", 1), 10.0)
     job, actions = step(job, Tick(), 70.0)
     assert job.shards[0].phase is OPEN and job.phase is JobPhase.TRAINING
-    assert actions == (ReopenShard(0, "no verdict on attempt 1 in time"),)
+    assert actions == (ReopenShard(1, 0, "no verdict on attempt 1 in time"),)
 
 
 def test_stale_attempt_is_rejected_after_a_new_lease():
     job = leased(JobConfig(shards=1, lease_seconds=60, max_retries=2))
-    job, _ = run(job, (60.0, Tick()), (61.0, LeaseGranted(0, "w1")))
+    job, _ = run(job, (60.0, Tick()), (61.0, LeaseGranted(1, 0, "w1")))
     assert job.shards[0].attempt == 2
     with pytest.raises(StateError, match="attempt 1 is stale, the current attempt is 2"):
-        step(job, ReportReceived(0, "w1", 1), 62.0)
-    job, _ = step(job, ReportReceived(0, "w1", 2), 62.0)
+        step(job, ReportReceived(1, 0, "w1", 1), 62.0)
+    job, _ = step(job, ReportReceived(1, 0, "w1", 2), 62.0)
     with pytest.raises(StateError, match="attempt 1 is stale"):
-        step(job, VerdictGiven(0, 1, True), 63.0)
+        step(job, VerdictGiven(1, 0, 1, True), 63.0)
 
 
 def test_acceptance_rule_aggregates_the_accepted_shards_only():
-    config = JobConfig(shards=4, max_retries=0, min_accepted_fraction=0.5)  # 2 of 4 required
+    config = JobConfig(shards=4, lease_seconds=600, max_retries=0, min_accepted_fraction=0.5)  # 2 of 4 required
     job = new_job(config)
     for i in range(4):
-        job, _ = step(job, LeaseGranted(i, f"w{i}"), 0.0)
-        job, _ = step(job, ReportReceived(i, f"w{i}", 1), 1.0)
-    job, _ = run(job, (2.0, VerdictGiven(0, 1, False)), (2.0, VerdictGiven(1, 1, True)), (2.0, VerdictGiven(2, 1, False)))
+        job, _ = step(job, LeaseGranted(1, i, f"w{i}"), 0.0)
+        job, _ = step(job, ReportReceived(1, i, f"w{i}", 1), 1.0)
+    job, _ = run(job, (2.0, VerdictGiven(1, 0, 1, False)), (2.0, VerdictGiven(1, 1, 1, True)), (2.0, VerdictGiven(1, 2, 1, False)))
     assert job.phase is JobPhase.VERIFYING
-    job, actions = step(job, VerdictGiven(3, 1, True), 3.0)
+    job, actions = step(job, VerdictGiven(1, 3, 1, True), 3.0)
     assert job.phase is JobPhase.AGGREGATING
     assert actions == (Aggregate(1, (1, 3), 603.0),)
 
@@ -229,8 +229,8 @@ def test_job_fails_as_soon_as_the_acceptance_rule_cannot_hold():
     config = JobConfig(shards=4, max_retries=0, min_accepted_fraction=0.75)  # 3 of 4 required
     job = new_job(config)
     for i in range(2):
-        job, _ = step(job, LeaseGranted(i, f"w{i}"), 0.0)
-        job, _ = step(job, Released(i, f"w{i}", 1), 0.0)
+        job, _ = step(job, LeaseGranted(1, i, f"w{i}"), 0.0)
+        job, _ = step(job, Released(1, i, f"w{i}", 1), 0.0)
     assert job.phase is JobPhase.FAILED
     assert "only 2 of 4 shards can still be accepted, 3 required" in job.reason
 
@@ -239,17 +239,17 @@ def test_job_fails_as_soon_as_the_acceptance_rule_cannot_hold():
     ("fraction", "shards", "required"),
     [(0.7, 10, 7), (1.0, 3, 3), (0.5, 3, 2), (0.34, 3, 2), (0.01, 3, 1), (0.1, 30, 3), (1e-12, 1, 1)],
 )
-def test_required_accepted_is_the_ceiling_of_fraction_times_shards(fraction, shards, required):
-    assert JobConfig(shards=shards, min_accepted_fraction=fraction).required_accepted == required
+def test_min_accepted_shards_is_the_ceiling_of_fraction_times_shards(fraction, shards, required):
+    assert JobConfig(shards=shards, min_accepted_fraction=fraction).min_accepted_shards == required
 
 
 def complete_round(job: JobState, now: float) -> JobState:
     """Lease, report and accept every shard of the current round."""
     for shard in job.shards:
-        job, _ = step(job, LeaseGranted(shard.index, "w"), now)
+        job, _ = step(job, LeaseGranted(job.round, shard.index, "w"), now)
         attempt = job.shards[shard.index].attempt
-        job, _ = step(job, ReportReceived(shard.index, "w", attempt), now)
-        job, _ = step(job, VerdictGiven(shard.index, attempt, True), now)
+        job, _ = step(job, ReportReceived(job.round, shard.index, "w", attempt), now)
+        job, _ = step(job, VerdictGiven(job.round, shard.index, attempt, True), now)
     return job
 
 
@@ -259,21 +259,21 @@ def test_publishing_a_round_reopens_every_shard_for_the_next():
     assert actions == (StartRound(2),)
     assert job.phase is JobPhase.TRAINING and job.round == 2
     assert phases(job) == [OPEN, OPEN]
-    assert [s.tries for s in job.shards] == [0, 0]  # the retry budget is per round
-    assert [s.attempt for s in job.shards] == [1, 1]  # attempt numbers are never reused
+    assert [s.attempt for s in job.shards] == [0, 0]  # attempts are counted per round
     assert job.published == ("bafy-round-1",)
     job = complete_round(job, 2.0)
-    assert [s.attempt for s in job.shards] == [2, 2]
     job, actions = step(job, AggregatePublished(2, "bafy-round-2"), 3.0)
     assert job.phase is JobPhase.DONE and actions == (Done("bafy-round-2"),)
     assert job.published == ("bafy-round-1", "bafy-round-2")
 
 
-def test_an_old_rounds_attempt_is_stale_in_the_next_round():
+def test_an_event_of_an_earlier_round_is_rejected():
     job = complete_round(new_job(JobConfig(shards=1, rounds=2)), 0.0)
-    job, _ = run(job, (1.0, AggregatePublished(1, "c1")), (2.0, LeaseGranted(0, "w")))
-    with pytest.raises(StateError, match="attempt 1 is stale"):
-        step(job, ReportReceived(0, "w", 1), 3.0)
+    job, _ = run(job, (1.0, AggregatePublished(1, "c1")), (2.0, LeaseGranted(2, 0, "w")))
+    with pytest.raises(StateError, match="ReportReceived for round 1, but the job is in round 2"):
+        step(job, ReportReceived(1, 0, "w", 1), 3.0)
+    job, _ = step(job, ReportReceived(2, 0, "w", 1), 3.0)
+    assert job.shards[0].phase is REPORTED
 
 
 def test_aggregate_for_another_round_is_rejected():
@@ -299,13 +299,13 @@ def test_deadline_fails_the_job_whatever_its_phase():
 def test_deadline_passed_before_an_event_rejects_the_event():
     job = new_job(JobConfig(shards=1, deadline=30.0))
     with pytest.raises(StateError, match="job is FAILED"):
-        step(job, LeaseGranted(0, "w1"), 31.0)
+        step(job, LeaseGranted(1, 0, "w1"), 31.0)
 
 
 @pytest.mark.parametrize("phase_steps", [0, 1, 2, 3])
 def test_cancel_ends_a_live_job_in_any_phase(phase_steps):
     job = new_job(JobConfig(shards=1))
-    moves = [LeaseGranted(0, "w"), ReportReceived(0, "w", 1), VerdictGiven(0, 1, True)]
+    moves = [LeaseGranted(1, 0, "w"), ReportReceived(1, 0, "w", 1), VerdictGiven(1, 0, 1, True)]
     for event in moves[:phase_steps]:
         job, _ = step(job, event, 1.0)
     job, actions = step(job, Cancel(), 2.0)
@@ -316,7 +316,7 @@ def test_cancel_ends_a_live_job_in_any_phase(phase_steps):
 def test_terminal_jobs_accept_ticks_and_reject_everything_else():
     job, _ = step(new_job(JobConfig(shards=1)), Cancel("changed my mind"), 0.0)
     assert step(job, Tick(), 1e12) == (job, ())
-    for event in (Cancel(), LeaseGranted(0, "w"), AggregatePublished(1, "c")):
+    for event in (Cancel(), LeaseGranted(1, 0, "w"), AggregatePublished(1, "c")):
         with pytest.raises(StateError, match="job is CANCELLED"):
             step(job, event, 1.0)
 
@@ -324,16 +324,19 @@ def test_terminal_jobs_accept_ticks_and_reject_everything_else():
 @pytest.mark.parametrize(
     "event",
     [
-        LeaseGranted(1, "w"),
-        LeaseGranted(-1, "w"),
-        LeaseGranted(True, "w"),
-        LeaseGranted("0", "w"),
-        LeaseGranted(0, ""),
-        LeaseGranted(0, None),
-        CheckpointSeen(0, "w1", 0),
-        CheckpointSeen(0, "w1", "1"),
-        VerdictGiven(0, 1, "yes"),
-        VerdictGiven(0, 1, True, None),
+        LeaseGranted(1, 1, "w"),
+        LeaseGranted(1, -1, "w"),
+        LeaseGranted(1, True, "w"),
+        LeaseGranted(1, "0", "w"),
+        LeaseGranted(2, 0, "w"),
+        LeaseGranted(0, 0, "w"),
+        LeaseGranted(None, 0, "w"),
+        LeaseGranted(1, 0, ""),
+        LeaseGranted(1, 0, None),
+        CheckpointSeen(1, 0, "w1", 0),
+        CheckpointSeen(1, 0, "w1", "1"),
+        VerdictGiven(1, 0, 1, "yes"),
+        VerdictGiven(1, 0, 1, True, None),
         "not an event",
         None,
     ],
@@ -432,16 +435,17 @@ configs = st.builds(
     deadline=st.one_of(st.none(), st.floats(50.0, 5000.0)),
 )
 
+round_ = st.one_of(st.integers(0, 4), st.sampled_from([None, "1", True]))
 index = st.one_of(st.integers(-1, MAX_SHARDS_DRAWN), st.sampled_from([True, None, "0", 1.5, 10**20]))
 worker = st.one_of(st.sampled_from(WORKERS), st.sampled_from(["", None, 7]))
 attempt = st.one_of(st.integers(-1, 6), st.sampled_from([None, "1", True]))
 arbitrary_events = st.one_of(
-    st.builds(LeaseGranted, index, worker),
-    st.builds(CheckpointSeen, index, worker, attempt),
-    st.builds(ReportReceived, index, worker, attempt),
-    st.builds(Released, index, worker, attempt),
-    st.builds(VerdictGiven, index, attempt, st.one_of(st.booleans(), st.just("yes")), st.sampled_from(["", "bad", None])),
-    st.builds(AggregatePublished, st.one_of(st.integers(0, 4), st.just("1")), st.sampled_from(["cid", "", None])),
+    st.builds(LeaseGranted, round_, index, worker),
+    st.builds(CheckpointSeen, round_, index, worker, attempt),
+    st.builds(ReportReceived, round_, index, worker, attempt),
+    st.builds(Released, round_, index, worker, attempt),
+    st.builds(VerdictGiven, round_, index, attempt, st.one_of(st.booleans(), st.just("yes")), st.sampled_from(["", "bad", None])),
+    st.builds(AggregatePublished, round_, st.sampled_from(["cid", "", None])),
     st.builds(Cancel, st.sampled_from([None, 7])),
     st.sampled_from([None, "junk", b"junk"]),
 )
@@ -452,7 +456,7 @@ class History:
 
     def __init__(self) -> None:
         self.accepted: set[tuple[int, int]] = set()  # (round, shard)
-        self.lease_holder: dict[tuple[int, int], str] = {}  # (shard, attempt) -> worker
+        self.lease_holder: dict[tuple[int, int, int], str] = {}  # (round, shard, attempt) -> worker
 
     def check(self, old: JobState, new: JobState, actions: tuple, now: float) -> None:
         config = new.config
@@ -460,11 +464,12 @@ class History:
             assert new == old and actions == (), "a terminal job never changes"
             return
         for before, after in zip(old.shards, new.shards):
-            assert after.tries <= config.attempts_per_round, "a round allows max_retries + 1 leases per shard"
-            assert after.attempt >= before.attempt, "attempt numbers never go back"
+            assert after.attempt <= config.attempts_per_round, "a round allows max_retries + 1 leases per shard"
+            if new.round == old.round:
+                assert after.attempt >= before.attempt, "attempt numbers never go back within a round"
             if after.phase in (LEASED, REPORTED):
                 assert after.worker is not None and after.expires_at is not None
-                holder = self.lease_holder.setdefault((after.index, after.attempt), after.worker)
+                holder = self.lease_holder.setdefault((new.round, after.index, after.attempt), after.worker)
                 assert holder == after.worker, "a lease is held by one worker only"
             if after.phase is ACCEPTED and before.phase is not ACCEPTED:
                 key = (new.round, after.index)
@@ -474,16 +479,16 @@ class History:
             if expired and not new.terminal:
                 assert after.attempt > before.attempt or after.phase in (OPEN, SHARD_FAILED), "expiry reopens or fails"
             if after.phase is SHARD_FAILED and before.phase is not SHARD_FAILED:
-                assert after.tries == config.attempts_per_round, "a shard fails only once its attempts are spent"
+                assert after.attempt == config.attempts_per_round, "a shard fails only once its attempts are spent"
         if new.phase is JobPhase.AGGREGATING and old.phase is not JobPhase.AGGREGATING:
             assert all(s.phase in (ACCEPTED, SHARD_FAILED) for s in new.shards)
-            assert new.count(ACCEPTED) >= config.required_accepted, "aggregate only when the acceptance rule holds"
+            assert new.count(ACCEPTED) >= config.min_accepted_shards, "aggregate only when the acceptance rule holds"
             (aggregate,) = [a for a in actions if isinstance(a, Aggregate)]
             assert aggregate.accepted_shards == tuple(s.index for s in new.shards if s.phase is ACCEPTED)
         if new.round != old.round or new.phase is JobPhase.DONE:
             assert old.phase is JobPhase.AGGREGATING, "a round ends only by publishing its aggregate"
             assert len(new.published) == old.round
-        if len(new.shards) - new.count(SHARD_FAILED) < config.required_accepted:
+        if len(new.shards) - new.count(SHARD_FAILED) < config.min_accepted_shards:
             assert new.terminal, "a job whose acceptance rule cannot hold has ended"
         if not new.terminal and new.phase is not JobPhase.ANNOUNCED:
             live = any(s.phase in (OPEN, LEASED) for s in new.shards)
@@ -498,7 +503,7 @@ def drive_to_the_end(job: JobState, now: float) -> JobState:
     for _ in range(job.config.attempts_per_round + 1):
         for shard in job.shards:
             if not job.terminal and job.shards[shard.index].phase is OPEN:
-                job, _ = step(job, LeaseGranted(shard.index, "idler"), now)
+                job, _ = step(job, LeaseGranted(job.round, shard.index, "idler"), now)
         now += 10 * job.config.lease_seconds
         job, _ = step(job, Tick(), now)
     return job
@@ -531,19 +536,19 @@ class JobRun(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 20), worker=st.sampled_from(WORKERS))
     def lease(self, pick: int, worker: str) -> None:
         shards = self.shards_in(OPEN)
-        self.feed(LeaseGranted(shards[pick % len(shards)].index, worker))
+        self.feed(LeaseGranted(self.job.round, shards[pick % len(shards)].index, worker))
 
     @precondition(lambda self: self.shards_in(LEASED))
     @rule(pick=st.integers(0, 20), kind=st.sampled_from([ReportReceived, ReportReceived, CheckpointSeen, Released]))
     def lease_holder_acts(self, pick: int, kind: type) -> None:
         shard = self.shards_in(LEASED)[pick % len(self.shards_in(LEASED))]
-        self.feed(kind(shard.index, shard.worker, shard.attempt))
+        self.feed(kind(self.job.round, shard.index, shard.worker, shard.attempt))
 
     @precondition(lambda self: self.shards_in(REPORTED))
     @rule(pick=st.integers(0, 20), accepted=st.sampled_from([True, True, True, False]))
     def verdict(self, pick: int, accepted: bool) -> None:
         shard = self.shards_in(REPORTED)[pick % len(self.shards_in(REPORTED))]
-        self.feed(VerdictGiven(shard.index, shard.attempt, accepted, "" if accepted else "bad"))
+        self.feed(VerdictGiven(self.job.round, shard.index, shard.attempt, accepted, "" if accepted else "bad"))
 
     @precondition(lambda self: self.job.phase is JobPhase.AGGREGATING)
     @rule()
@@ -597,10 +602,10 @@ def test_a_job_whose_shards_all_fail_ends_failed(config):
     while not job.terminal:
         for shard in job.shards:
             if job.shards[shard.index].phase is OPEN and not job.terminal:
-                job, _ = step(job, LeaseGranted(shard.index, "w"), now)
+                job, _ = step(job, LeaseGranted(1, shard.index, "w"), now)
                 attempt = job.shards[shard.index].attempt
-                job, _ = step(job, ReportReceived(shard.index, "w", attempt), now)
-                job, _ = step(job, VerdictGiven(shard.index, attempt, False, "bad"), now)
+                job, _ = step(job, ReportReceived(1, shard.index, "w", attempt), now)
+                job, _ = step(job, VerdictGiven(1, shard.index, attempt, False, "bad"), now)
         now += 1.0
     assert job.phase is JobPhase.FAILED
     assert job.round == 1 and job.published == ()
