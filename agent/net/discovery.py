@@ -27,6 +27,7 @@ from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.peer.peerstore import PeerStoreError
 
 from agent.net.errors import NetError
 from agent.net.host import Host
@@ -129,6 +130,19 @@ class Discovery:
             fresh = {p for p in closer if p not in queried and p != me and p not in candidates}
             if fresh:
                 candidates = sort_peer_ids_by_distance(key, candidates + list(fresh))
+
+    async def find_peer(self, peer: str, *, timeout: float = QUERY_TIMEOUT) -> PeerInfo | None:
+        """Addresses of ``peer``: from the peerstore if known, else a DHT lookup (None if not found)."""
+        peer_id = ID.from_base58(peer)
+        try:
+            addrs = self.host.libp2p.get_peerstore().addrs(peer_id)
+        except PeerStoreError:  # py-libp2p raises for a peer it has never heard of
+            addrs = []
+        if addrs:
+            return PeerInfo(peer_id, addrs)
+        with trio.move_on_after(timeout):
+            return await self.dht.find_peer(peer_id)
+        return None
 
     async def find_workers(self, *, count: int = 50, timeout: float = 15.0, connect: bool = True) -> list[str]:
         """Peer IDs of training agents found through the DHT; dial them unless ``connect=False``."""

@@ -9,6 +9,10 @@ Rules of this file:
   its index and the text (``bootstrap[1]: '/ip4/1.2.3.4/tcp/x': invalid multiaddr (...)``).
 - Every inbound stream goes through one ``HandlerGuard`` installed in front of py-libp2p's protocol
   negotiation, so library handlers (pubsub, DHT, identify, Bitswap) are guarded too.
+- A Yamux frame, once its write has begun, is written whole: ``_shield_yamux_frame_writes`` (below).
+  In py-libp2p 0.8.1 a frame write cancelled half-way (a deadline, a nursery cancelling a task whose
+  stream read was sending a window update) leaves half a frame or a skipped Noise nonce on the
+  wire, and every later frame on that connection fails authentication: the connection dies.
 - Every long-running task belongs to ``Host.nursery``, which ``Host.run`` owns. The nursery is the
   innermost layer: leaving ``run`` cancels the agent's tasks first, then stops the py-libp2p services
   (in reverse order of ``add_service``), then closes the listeners and connections.
@@ -32,6 +36,7 @@ from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.exceptions import MuxedConnUnavailable
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service.context import background_trio_service
 
@@ -170,6 +175,37 @@ class Host:
             raise NetError(f"open {protocols[0]} to {peer_id_text(peer)}: no stream within {timeout:.0f} s") from None
         except Exception as exc:
             raise NetError(f"open {protocols[0]} to {peer_id_text(peer)}: {type(exc).__name__}: {exc}") from None
+
+
+FRAME_WRITE_TIMEOUT = 60.0  # a peer that takes no bytes for this long has a dead connection
+
+
+def _shield_yamux_frame_writes() -> None:
+    """Make every Yamux frame write uncancellable once begun, bounded by FRAME_WRITE_TIMEOUT.
+
+    A frame that cannot be written within the timeout means the connection is beyond saving
+    (part of a frame may be on the wire): it is closed, and the writer gets MuxedConnUnavailable.
+    """
+    write_frame = Yamux._write_frame
+    if getattr(write_frame, "infernet_shielded", False):
+        return
+
+    async def shielded_write_frame(self: Yamux, data: bytes) -> None:
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(FRAME_WRITE_TIMEOUT) as stuck:
+                await write_frame(self, data)
+            if stuck.cancelled_caught:
+                with trio.move_on_after(2):
+                    await self.close()
+        if stuck.cancelled_caught:
+            raise MuxedConnUnavailable(f"yamux frame write to {self.peer_id} stuck for {FRAME_WRITE_TIMEOUT:.0f} s")
+        await trio.lowlevel.checkpoint()  # deliver a cancellation that arrived during the write
+
+    shielded_write_frame.infernet_shielded = True  # type: ignore[attr-defined]
+    Yamux._write_frame = shielded_write_frame  # type: ignore[method-assign]
+
+
+_shield_yamux_frame_writes()
 
 
 def _build_libp2p_host(identity: Identity, listen: list[multiaddr.Multiaddr],

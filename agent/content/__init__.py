@@ -1,0 +1,1 @@
+"""The agent's content room: on-disk blockstore, fetch/serve by CID (our stream protocol, Bitswap, IPFS daemon)."""

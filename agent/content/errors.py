@@ -1,0 +1,23 @@
+"""Errors of the content room. Each names the CID it is about and what went wrong."""
+
+from __future__ import annotations
+
+from agent.net.errors import NetError
+
+
+class ContentError(NetError):
+    """A content operation failed (bad input file, block missing from the store, ...)."""
+
+
+class FetchError(ContentError):
+    """A fetch could not complete. ``cid`` is the root asked for; ``missing`` the subtree roots
+    still needed when it stopped (the first one is where it stopped); ``attempts`` one line per
+    provider tried."""
+
+    def __init__(self, cid: str, reason: str, *, missing: list[str] = (), attempts: list[str] = ()) -> None:
+        self.cid = cid
+        self.missing = list(missing)
+        self.attempts = list(attempts)
+        where = f"; missing {len(self.missing)} subtree(s) from block {self.missing[0]}" if self.missing else ""
+        tried = f" [{'; '.join(self.attempts)}]" if self.attempts else ""
+        super().__init__(f"fetch {cid}: {reason}{where}{tried}")

@@ -1,0 +1,232 @@
+"""/infernet/blocks/1.0.0: a file's DAG streamed over one stream, checked block by block.
+
+Wire (one stream per request; uvarint is unsigned LEB128):
+    client → server: uvarint(n) + n bytes, n ≤ MAX_REQUEST_BYTES: canonical msgpack
+                     ``{"want": [CID bytes, ...]}`` with 1..MAX_WANTS entries; then the client
+                     closes its write side.
+    server → client: for each wanted CID in order, every block of its DAG in DFS pre-order (root
+                     first, links in file order), each as ``uvarint(len(block) + 1) + block``.
+                     ``uvarint(0)`` means "I do not have the next block"; the server stops there.
+                     The server closes the stream after the last block.
+
+Rules of this file:
+- The client never trusts the order or the bytes: it knows which CID must come next (a
+  ``StreamVerifier``), and every block is hash-checked and structure-checked on arrival, before it
+  is stored or its bytes are written out. A block that fails stops the stream with a CIDError naming
+  the CID; the verifier is left where it was, so another provider can continue from there.
+- Resuming is asking for ``StreamVerifier.remaining()``: the subtrees not yet received, next first.
+- Every length is bounded before it is read (request ≤ MAX_REQUEST_BYTES, a block ≤ MAX_BLOCK_SIZE);
+  every read and write has a deadline (``idle_timeout``), so a silent peer costs one timeout.
+- The server walks its own blockstore and serves whatever it holds under the wanted CIDs; it stops at
+  the first block it lacks, so a client never waits for a block that will not come.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from agent.content.blockstore import BlockStore
+from agent.net.errors import PeerProtocolError
+from agent.net.host import Host
+from agent.net.streams import FrameReader, remote_peer
+from protocol.cid import CID, varint_encode
+from protocol.codec import canonical_encode, decode_canonical
+from protocol.errors import CIDError, CodecError
+from protocol.unixfs import MAX_BLOCK_SIZE, StreamVerifier, child_cids
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "/infernet/blocks/1.0.0"
+MAX_REQUEST_BYTES = 64 * 1024
+MAX_WANTS = 1024
+IDLE_TIMEOUT = 30.0
+PIPELINE_DEPTH = 4  # blocks in flight between the network task and the checking task (each side)
+NOT_HAVE = varint_encode(0)
+
+
+def encode_request(wants: list[CID]) -> bytes:
+    body = canonical_encode({"want": [cid.to_bytes() for cid in wants]})
+    return varint_encode(len(body)) + body
+
+
+def decode_request(body: bytes, peer: str) -> list[CID]:
+    """The wanted CIDs of a request body; PeerProtocolError naming the peer if malformed."""
+    try:
+        request = decode_canonical(body, max_bytes=MAX_REQUEST_BYTES)
+        if not isinstance(request, dict) or set(request) != {"want"}:
+            raise CodecError("bad-request", "expected a map with exactly the key 'want'")
+        wants = request["want"]
+        if not isinstance(wants, list) or not 1 <= len(wants) <= MAX_WANTS:
+            raise CodecError("bad-request", f"'want' must list 1..{MAX_WANTS} CIDs")
+        if not all(isinstance(w, bytes) for w in wants):
+            raise CodecError("bad-request", "'want' entries must be CID bytes")
+        return [CID.from_bytes(w) for w in wants]
+    except (CodecError, CIDError) as exc:
+        raise PeerProtocolError(f"{PROTOCOL} request from {peer}: {exc}") from None
+
+
+class BlockServer:
+    """Serves the blockstore's DAGs on PROTOCOL. ``block`` is the one place bytes are read."""
+
+    def __init__(self, store: BlockStore, *, idle_timeout: float = IDLE_TIMEOUT) -> None:
+        self.store = store
+        self.idle_timeout = idle_timeout
+        self.blocks_served = 0
+        self.bytes_served = 0
+
+    def install(self, host: Host) -> None:
+        # no total deadline: a large file takes long; every read and write has its own
+        host.set_handler(PROTOCOL, self.handle, timeout=None)
+
+    def block(self, cid: CID) -> bytes | None:
+        return self.store.get_unchecked(cid)  # hash-checked by _checked_block
+
+    def _checked_block(self, cid: CID) -> tuple[bytes, list[CID]] | None:
+        """The block and its children, or None if absent or failing its hash (never served)."""
+        data = self.block(cid)
+        if data is None:
+            return None
+        try:
+            return data, child_cids(cid, data)
+        except CIDError as exc:  # our store was edited or rotted on disk
+            log.error("%s: not serving %s: %s", PROTOCOL, cid, exc)
+            return None
+
+    async def handle(self, stream: Any) -> None:
+        peer = remote_peer(stream)
+        reader = FrameReader(stream, chunk=MAX_REQUEST_BYTES)
+        with trio.fail_after(self.idle_timeout):
+            wants = decode_request(await reader.read_frame(MAX_REQUEST_BYTES, f"{PROTOCOL} request"), peer)
+        # a walker task reads and hash-checks blocks in worker threads (hashlib and file reads
+        # release the GIL) while this task writes the previous ones: disk and network overlap
+        send, receive = trio.open_memory_channel[bytes | None](PIPELINE_DEPTH)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._walk, wants, send)
+            async with receive:
+                async for data in receive:
+                    with trio.fail_after(self.idle_timeout):
+                        if data is None:
+                            await stream.write(NOT_HAVE)
+                            break
+                        await stream.write(varint_encode(len(data) + 1) + data)
+                    self.blocks_served += 1
+                    self.bytes_served += len(data)
+            nursery.cancel_scope.cancel()
+
+    async def _walk(self, wants: list[CID], send: trio.MemorySendChannel) -> None:
+        """DFS pre-order over the wanted DAGs; None after the last block we have, if one is missing."""
+        async with send:
+            pending = list(reversed(wants))
+            while pending:
+                found = await trio.to_thread.run_sync(self._checked_block, pending.pop())
+                if found is None:
+                    await send.send(None)
+                    return
+                data, children = found
+                pending.extend(reversed(children))
+                await send.send(data)
+
+
+async def fetch_from_peer(
+    host: Host,
+    peer: str,
+    verifier: StreamVerifier,
+    on_block: Callable[[CID, bytes, bytes], None],
+    *,
+    idle_timeout: float = IDLE_TIMEOUT,
+) -> bool:
+    """Stream the verifier's remaining subtrees from ``peer``, feeding every block through it.
+
+    ``on_block(cid, block, payload)`` runs for each verified block (store it, write its payload).
+    Returns True when the file is complete, False when the peer said it lacks the next block.
+    Raises NetError (no stream), PeerProtocolError (broken or silent stream) or CIDError (a block
+    that does not match its CID, named in the message); the verifier keeps its position.
+    """
+    while not verifier.done:
+        remaining = verifier.remaining()
+        wants = remaining[:MAX_WANTS]
+        untouched = len(remaining) - len(wants)  # subtrees left for a later request
+        if not await _fetch_batch(host, peer, verifier, wants, untouched, on_block, idle_timeout):
+            return False
+    return True
+
+
+def first_error(group: BaseExceptionGroup) -> BaseException:
+    """The exception that failed a nursery (the others in it are cancellations it caused)."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            return first_error(exc)
+        if not isinstance(exc, trio.Cancelled):
+            return exc
+    return group
+
+
+async def _fetch_batch(host: Host, peer: str, verifier: StreamVerifier, wants: list[CID], untouched: int,
+                       on_block: Callable[[CID, bytes, bytes], None], idle_timeout: float) -> bool:
+    """One request: True when the wanted subtrees are complete, False if the peer lacks a block."""
+    stream = await host.open_stream(peer, [PROTOCOL], timeout=idle_timeout)
+    ok = False
+    try:
+        with trio.fail_after(idle_timeout):
+            await stream.write(encode_request(wants))
+            await stream.close()  # a half-close: the request is complete
+        # this task reads frames; a checker task verifies, stores and writes them out in worker
+        # threads (hashing and file writes release the GIL), so receiving and checking overlap
+        send, receive = trio.open_memory_channel[bytes](PIPELINE_DEPTH)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_check_blocks, verifier, on_block, receive)
+                async with send:
+                    lacks = await _read_blocks(FrameReader(stream), peer, send, idle_timeout)
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
+        if len(verifier.remaining()) > untouched:
+            if lacks:
+                return False
+            raise PeerProtocolError(f"{PROTOCOL}: {peer} ended the stream before block {verifier.expected()}")
+        ok = True
+        return True
+    finally:
+        with trio.move_on_after(2):
+            try:
+                await (stream.close() if ok else stream.reset())
+            except Exception:
+                pass
+
+
+async def _read_blocks(reader: FrameReader, peer: str, send: trio.MemorySendChannel, idle_timeout: float) -> bool:
+    """Forward frames until the stream ends; True if the peer said it lacks the next block."""
+    while True:
+        try:
+            with trio.fail_after(idle_timeout):
+                if await reader.at_eof():
+                    return False
+                n = await reader.read_uvarint(f"{PROTOCOL} block length")
+                if n == 0:
+                    return True
+                if n - 1 > MAX_BLOCK_SIZE:
+                    raise PeerProtocolError(f"{PROTOCOL}: {peer} announced a {n - 1} byte block "
+                                            f"(limit {MAX_BLOCK_SIZE})")
+                data = await reader.read_exactly(n - 1, f"{PROTOCOL} block")
+        except trio.TooSlowError:
+            raise PeerProtocolError(f"{PROTOCOL}: {peer} sent nothing for {idle_timeout:.0f} s") from None
+        await send.send(data)
+
+
+async def _check_blocks(verifier: StreamVerifier, on_block: Callable[[CID, bytes, bytes], None],
+                        receive: trio.MemoryReceiveChannel) -> None:
+    async with receive:
+        async for data in receive:
+            # CIDError names the CID; a rejected block leaves the verifier where it was
+            await trio.to_thread.run_sync(_feed, verifier, on_block, data)
+
+
+def _feed(verifier: StreamVerifier, on_block: Callable[[CID, bytes, bytes], None], data: bytes) -> None:
+    cid = verifier.expected()
+    if cid is None:
+        raise CIDError(f"file {verifier.root} is complete; the peer sent more blocks")
+    on_block(cid, data, verifier.feed(data))

@@ -1,0 +1,250 @@
+"""Content by CID: add files to the blockstore and provide them; fetch files from providers.
+
+Rules of this file:
+- ``add_file`` chunks a file with protocol/unixfs (CIDv1, raw leaves: the CID ``ipfs add
+  --cid-version=1`` prints), stores every block, and provides the root in the DHT. With an IPFS
+  daemon configured, the file is also added there, and the daemon's CID must equal ours.
+- ``fetch`` produces ``out_path`` only when the whole DAG has arrived and been verified; until then
+  the bytes go to a temp file next to it, renamed into place at the end (never a half-written file).
+  Order of sources: blocks already in the local store (so an interrupted fetch resumes where it was),
+  then each provider in turn (explicit ones first, then the DHT's), over /infernet/blocks/1.0.0 or
+  Bitswap, then the IPFS daemon if one is configured. Every block passes one ``StreamVerifier`` whatever
+  its source; a provider that dies, stalls, or sends a bad block is left, and the next continues from
+  the same position.
+- Every wait has a deadline: the whole fetch (``timeout``), each provider lookup, each stream read.
+  A fetch that cannot complete raises FetchError naming the root, the first missing block and why
+  each provider failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from agent.content.bitswap import BitswapExchange
+from agent.content.blockstore import BlockStore
+from agent.content.errors import ContentError, FetchError
+from agent.content.exchange import BlockServer, fetch_from_peer
+from agent.content.ipfs_daemon import IpfsDaemon
+from agent.net.discovery import Discovery
+from agent.net.errors import NetError
+from agent.net.host import Host, parse_peer_multiaddr
+from protocol.cid import CID, parse_cid
+from protocol.errors import CIDError
+from protocol.unixfs import Block, StreamVerifier, import_file
+
+log = logging.getLogger(__name__)
+
+VIA_BLOCKS = "blocks"
+VIA_BITSWAP = "bitswap"
+
+
+@dataclass
+class FetchReport:
+    """What a completed fetch did: where the blocks came from."""
+
+    cid: CID
+    path: Path
+    size: int
+    local_blocks: int = 0
+    fetched_blocks: int = 0
+    providers_used: list[str] = field(default_factory=list)
+    attempts: list[str] = field(default_factory=list)
+
+
+class ContentService:
+    """The agent's content room over a running ``host`` and ``discovery``."""
+
+    def __init__(self, host: Host, discovery: Discovery, store: BlockStore, *,
+                 ipfs: IpfsDaemon | None = None, idle_timeout: float = 30.0,
+                 max_file_size: int | None = None) -> None:
+        self.host = host
+        self.discovery = discovery
+        self.store = store
+        self.ipfs = ipfs
+        self.idle_timeout = idle_timeout
+        self.max_file_size = max_file_size
+        self.server = BlockServer(store, idle_timeout=idle_timeout)
+        self.server.install(host)
+        self.bitswap = BitswapExchange(host, store)
+
+    async def start(self) -> None:
+        """Start serving over Bitswap (needs the running host's nursery)."""
+        await self.bitswap.start()
+
+    async def stop(self) -> None:
+        await self.bitswap.stop()
+
+    # -- adding -----------------------------------------------------------------------------------
+
+    async def add_file(self, path: str | os.PathLike[str], *, provide: bool = True) -> CID:
+        """Chunk, store and (by default) provide a file; return its root CID."""
+        path = Path(path)
+        if not path.is_file():
+            raise ContentError(f"add {path}: not a readable file")
+
+        def import_in_thread() -> CID:
+            with open(path, "rb") as fh:
+                # our own import's blocks are correct by construction: no second hash
+                return import_file(fh, cid_version=1, on_block=self._store_own_block)
+
+        root = await trio.to_thread.run_sync(import_in_thread)
+        if self.ipfs is not None:
+            await self.ipfs.add_file(path, expected=root)
+        if provide:
+            await self.discovery.provide(root)
+        return root
+
+    async def add_bytes(self, data: bytes, *, provide: bool = True) -> CID:
+        import io
+
+        root = await trio.to_thread.run_sync(
+            lambda: import_file(io.BytesIO(data), cid_version=1, on_block=self._store_own_block))
+        if provide:
+            await self.discovery.provide(root)
+        return root
+
+    def _store_own_block(self, block: Block) -> None:
+        self.store.put_verified(block.cid, block.data)
+
+    # -- fetching ---------------------------------------------------------------------------------
+
+    async def fetch(self, cid: CID | str, out_path: str | os.PathLike[str], *, timeout: float = 600.0,
+                    providers: Sequence[str] = (), via: str = VIA_BLOCKS, use_dht: bool = True) -> FetchReport:
+        """Fetch the file ``cid`` into ``out_path`` (see the rules above).
+
+        ``providers`` are peer IDs or /p2p/ multiaddrs to try before the DHT's providers.
+        """
+        root = parse_cid(cid) if isinstance(cid, str) else cid
+        if via not in (VIA_BLOCKS, VIA_BITSWAP):
+            raise ValueError(f"via must be {VIA_BLOCKS!r} or {VIA_BITSWAP!r}")
+        out_path = Path(out_path)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out_path.with_name(f".{out_path.name}.part{os.getpid()}")
+        verifier = StreamVerifier(root, max_file_size=self.max_file_size)
+        report = FetchReport(root, out_path, 0)
+        try:
+            with open(tmp, "wb") as out:
+                def on_block(block_cid: CID, data: bytes, payload: bytes) -> None:
+                    self.store.put_verified(block_cid, data)
+                    out.write(payload)
+                    report.size += len(payload)
+                    report.fetched_blocks += 1
+
+                with trio.move_on_after(timeout) as deadline:
+                    self._resume_from_store(verifier, out, report)
+                    if not verifier.done:
+                        await self._fetch_remote(verifier, on_block, report, providers, via, use_dht)
+                if not verifier.done:
+                    reason = (f"not complete within {timeout:.0f} s" if deadline.cancelled_caught
+                              else "no source could supply the rest")
+                    raise FetchError(str(root), reason, missing=[str(c) for c in verifier.remaining()],
+                                     attempts=report.attempts)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, out_path)
+            return report
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _resume_from_store(self, verifier: StreamVerifier, out: Any, report: FetchReport) -> None:
+        while (cid := verifier.expected()) is not None:
+            data = self.store.get(cid)
+            if data is None:
+                return
+            try:
+                payload = verifier.feed(data)
+            except CIDError as exc:  # hash-valid block, invalid DAG: the root names a bad file
+                raise FetchError(str(verifier.root), str(exc)) from None
+            out.write(payload)
+            report.size += len(payload)
+            report.local_blocks += 1
+
+    async def _fetch_remote(self, verifier: StreamVerifier, on_block: Any, report: FetchReport,
+                            providers: Sequence[str], via: str, use_dht: bool) -> None:
+        tried: set[str] = set()
+        for peer in await self._candidates(verifier.root, providers, use_dht, report):
+            if verifier.done:
+                return
+            if peer in tried or peer == self.host.peer_id:
+                continue
+            tried.add(peer)
+            before = report.fetched_blocks
+            try:
+                if via == VIA_BITSWAP:
+                    await self.bitswap.fetch_from_peer(peer, verifier, on_block, idle_timeout=self.idle_timeout)
+                else:
+                    await fetch_from_peer(self.host, peer, verifier, on_block, idle_timeout=self.idle_timeout)
+                if not verifier.done:
+                    report.attempts.append(f"{peer}: lacks block {verifier.expected()}")
+            except (NetError, CIDError) as exc:
+                report.attempts.append(f"{peer}: {exc}")
+                log.info("fetch %s: %s", verifier.root, report.attempts[-1])
+            if report.fetched_blocks > before:
+                report.providers_used.append(peer)
+        if not verifier.done and self.ipfs is not None:
+            try:
+                await self.ipfs.fetch_blocks(verifier, on_block)
+                report.providers_used.append("ipfs-daemon")
+            except ContentError as exc:
+                report.attempts.append(f"ipfs daemon: {exc}")
+
+    async def _candidates(self, root: CID, providers: Sequence[str], use_dht: bool,
+                          report: FetchReport) -> Iterable[str]:
+        peers: list[str] = []
+        for i, text in enumerate(providers):
+            if text.startswith("/"):
+                info = parse_peer_multiaddr(text, f"providers[{i}]")
+                try:
+                    await self.host.connect(info, timeout=self.idle_timeout)
+                except NetError as exc:
+                    report.attempts.append(str(exc))
+                    continue
+                peers.append(info.peer_id.to_base58())
+            else:
+                if text not in self.host.connected_peers():
+                    info = await self.discovery.find_peer(text)
+                    if info is None:
+                        report.attempts.append(f"{text}: no known address")
+                        continue
+                    try:
+                        await self.host.connect(info, timeout=self.idle_timeout)
+                    except NetError as exc:
+                        report.attempts.append(str(exc))
+                        continue
+                peers.append(text)
+        if use_dht:
+            for info in await self.discovery.find_providers(root, timeout=self.idle_timeout):
+                if info.addrs:
+                    try:
+                        await self.host.connect(info, timeout=self.idle_timeout)
+                    except NetError as exc:
+                        report.attempts.append(str(exc))
+                        continue
+                peers.append(info.peer_id.to_base58())
+        return peers
+
+
+@asynccontextmanager
+async def open_content(host: Host, discovery: Discovery, data_dir: str | os.PathLike[str], *,
+                       ipfs_api: str | None = None, idle_timeout: float = 30.0,
+                       max_file_size: int | None = None) -> AsyncIterator[ContentService]:
+    """The content room of a running network; blocks live in ``<data_dir>/blocks``."""
+    store = BlockStore(Path(data_dir) / "blocks")
+    ipfs = IpfsDaemon(ipfs_api) if ipfs_api else None
+    service = ContentService(host, discovery, store, ipfs=ipfs, idle_timeout=idle_timeout,
+                             max_file_size=max_file_size)
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()
+        if ipfs is not None:
+            ipfs.close()
