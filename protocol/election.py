@@ -1,0 +1,146 @@
+"""Coordinator election: rendezvous hashing of the job ID over the live eligible peers, with terms.
+
+Everything that decides who coordinates a job lives here. This file does not know who runs it: a
+peer feeds it its own view (which peers are live and eligible, what coordinator messages it saw)
+and gets back who the coordinator is and in which term. Pure: no I/O, no clock (``now`` is passed
+in), immutable values.
+
+Rules of this file:
+
+- Score. ``score(peer, job) = sha256(b"infernet/election/v1\\x00" + job_id + peer_id_bytes)`` read
+  as a big-endian unsigned integer. ``job_id`` is the 32-byte job digest; ``peer_id_bytes`` is the
+  binary peer ID (the identity multihash of the protobuf public key, 38 bytes for Ed25519; its
+  base58btc text is the ``12D3KooW...`` string).
+- Rank. Peers sorted by score, highest first (ties, which need a sha256 collision, go to the
+  smaller peer ID bytes). The coordinator of a job is the first of the ranking among the *eligible
+  live* peers: peers that advertised they can coordinate, minus those silent for
+  ``MISSED_HEARTBEATS`` heartbeat intervals. Rendezvous hashing means that removing a peer moves only
+  the jobs it coordinated (each to its runner-up), and adding one moves only the jobs it now wins.
+- Terms. A peer's view of a job is (term, coordinator). Term 0 has no coordinator. Whenever the
+  view's winner changes (the coordinator fell silent, a higher-ranked peer appeared), the term goes
+  up by exactly 1. Every coordinator message (lease, verdict, aggregate) carries the term it was
+  sent in, and is checked against the view:
+    * term < view term: stale (an old or deposed coordinator), ignored;
+    * term = view term: accepted only from the view's coordinator;
+    * term > view term: the receiver's view is behind; it adopts (term, signer) if the signer is an
+      eligible live peer in its view, else ignores the message. A coordinator that adopts a higher
+      term held by another peer has been deposed and steps down.
+  Terms therefore never decrease. Peers with the same live view compute the same coordinator;
+  while views differ, terms may climb until they agree, which is safe because a stale term never
+  passes.
+- Errors. A malformed job ID or peer ID, a stale or conflicting term: ``StateError``, nothing else.
+
+The document is ``ipips/0006-election-aggregation.md``; ``ipips/vectors/election-*.json`` are
+checked by the tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+
+from protocol.errors import KeyFileError, StateError
+from protocol.identity import peer_id_bytes, public_key_from_peer_id
+
+ELECTION_DOMAIN = b"infernet/election/v1\x00"
+JOB_ID_LEN = 32
+HEARTBEAT_SECONDS = 10.0
+"""How often a live peer gossips a Heartbeat."""
+MISSED_HEARTBEATS = 3
+"""A peer silent for this many heartbeat intervals is no longer live."""
+
+
+def _peer_id_binary(peer_id: str) -> bytes:
+    """The binary peer ID behind a ``12D3KooW...`` string."""
+    if not isinstance(peer_id, str):
+        raise StateError(f"peer ID must be a string, got {type(peer_id).__name__}")
+    return _decode_peer_id(peer_id)
+
+
+@functools.lru_cache(maxsize=4096)  # a ranking decodes every peer once per job
+def _decode_peer_id(peer_id: str) -> bytes:
+    try:
+        return peer_id_bytes(public_key_from_peer_id(peer_id))
+    except KeyFileError as exc:
+        raise StateError(f"election: {exc}") from None
+
+
+def _check_job_id(job_id: bytes) -> None:
+    if not isinstance(job_id, bytes) or len(job_id) != JOB_ID_LEN:
+        raise StateError(f"job ID must be {JOB_ID_LEN} bytes, got {job_id!r:.80}")
+
+
+def election_score(job_id: bytes, peer_id: str) -> int:
+    """The peer's rendezvous score for the job: sha256 of domain, job ID and binary peer ID."""
+    _check_job_id(job_id)
+    digest = hashlib.sha256(ELECTION_DOMAIN + job_id + _peer_id_binary(peer_id)).digest()
+    return int.from_bytes(digest, "big")
+
+
+def rank_peers(job_id: bytes, peers: Iterable[str]) -> tuple[str, ...]:
+    """The peers in election order for the job: highest score first, each peer once."""
+    _check_job_id(job_id)
+    unique = set(peers)
+    return tuple(sorted(unique, key=lambda p: (-election_score(job_id, p), _peer_id_binary(p))))
+
+
+def elect(job_id: bytes, live: Iterable[str]) -> str | None:
+    """The coordinator among the eligible live peers, or None when there is none."""
+    ranking = rank_peers(job_id, live)
+    return ranking[0] if ranking else None
+
+
+def live_peers(
+    last_heartbeat: Mapping[str, float],
+    now: float,
+    heartbeat_seconds: float = HEARTBEAT_SECONDS,
+    missed_heartbeats: int = MISSED_HEARTBEATS,
+) -> frozenset[str]:
+    """Peers heard from within the last ``missed_heartbeats`` heartbeat intervals."""
+    silence = missed_heartbeats * heartbeat_seconds
+    return frozenset(peer for peer, seen in last_heartbeat.items() if now - seen < silence)
+
+
+@dataclass(frozen=True)
+class Coordination:
+    """One peer's view of who coordinates a job, and in which term."""
+
+    job_id: bytes
+    term: int = 0
+    coordinator: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_job_id(self.job_id)
+
+    def follow_view(self, live: Iterable[str]) -> Coordination:
+        """Re-elect over the eligible live peers; a new winner starts the next term."""
+        winner = elect(self.job_id, live)
+        if winner == self.coordinator:
+            return self
+        return replace(self, term=self.term + 1, coordinator=winner)
+
+    def check_message(self, signer: str, term: int, live: Iterable[str]) -> Coordination:
+        """The view after a coordinator message signed by ``signer`` in ``term``; StateError if it is
+        stale or not from the term's coordinator (the message must then be ignored)."""
+        if isinstance(term, bool) or not isinstance(term, int) or term < 1:
+            raise StateError(f"coordinator term must be an integer >= 1, got {term!r}")
+        _peer_id_binary(signer)
+        if term < self.term:
+            raise StateError(f"stale term {term}: the job is in term {self.term} (coordinator {self.coordinator})")
+        if term == self.term:
+            if signer != self.coordinator:
+                raise StateError(f"term {term} belongs to {self.coordinator}, not {signer}")
+            return self
+        if signer not in set(live):
+            raise StateError(f"term {term} claimed by {signer}, which is not an eligible live peer")
+        return replace(self, term=term, coordinator=signer)
+
+    def is_coordinator(self, peer_id: str) -> bool:
+        return self.coordinator is not None and self.coordinator == peer_id
+
+
+def stepped_down(before: Coordination, after: Coordination, me: str) -> bool:
+    """True when ``me`` coordinated in ``before`` and no longer does in ``after``."""
+    return before.is_coordinator(me) and not after.is_coordinator(me)

@@ -1,0 +1,242 @@
+"""Coordinator election: the score's exact bytes, the IPIP vectors, rendezvous properties (agreement,
+minimal movement), and the term rules."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol.election import (
+    ELECTION_DOMAIN,
+    Coordination,
+    elect,
+    election_score,
+    live_peers,
+    rank_peers,
+    stepped_down,
+)
+from protocol.errors import StateError
+from protocol.identity import Identity, peer_id_bytes
+
+VECTORS = Path(__file__).resolve().parents[2] / "ipips" / "vectors"
+IDENTITIES = [Identity(bytes([i]) * 32) for i in range(1, 13)]
+PEERS = [identity.peer_id for identity in IDENTITIES]
+JOB = hashlib.sha256(b"a job").digest()
+
+peer_sets = st.sets(st.sampled_from(PEERS), min_size=1)
+job_ids = st.binary(min_size=32, max_size=32)
+
+
+def test_score_is_sha256_of_domain_job_and_binary_peer_id_big_endian():
+    identity = IDENTITIES[0]
+    digest = hashlib.sha256(b"infernet/election/v1\x00" + JOB + peer_id_bytes(identity.public_key)).digest()
+    assert ELECTION_DOMAIN == b"infernet/election/v1\x00"
+    assert election_score(JOB, identity.peer_id) == int.from_bytes(digest, "big")
+
+
+def test_ranking_is_by_score_highest_first():
+    ranking = rank_peers(JOB, PEERS)
+    scores = [election_score(JOB, p) for p in ranking]
+    assert scores == sorted(scores, reverse=True)
+    assert sorted(ranking) == sorted(PEERS)
+    assert elect(JOB, PEERS) == ranking[0]
+
+
+def test_no_live_peer_means_no_coordinator():
+    assert elect(JOB, []) is None
+    assert Coordination(JOB).follow_view([]) == Coordination(JOB)
+
+
+@pytest.mark.parametrize("job_id", [b"short", b"x" * 33, "a" * 32, None])
+def test_malformed_job_ids_raise_state_error(job_id):
+    with pytest.raises(StateError, match="job ID must be 32 bytes"):
+        elect(job_id, PEERS)
+
+
+@pytest.mark.parametrize("peer", ["", "not a peer id", "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", 7, None])
+def test_malformed_peer_ids_raise_state_error(peer):
+    with pytest.raises(StateError):
+        rank_peers(JOB, [PEERS[0], peer])
+
+
+# -- vectors -----------------------------------------------------------------------------------
+
+
+def test_election_ranking_vectors():
+    vector = json.loads((VECTORS / "election-ranking.json").read_text())
+    assert bytes.fromhex(vector["domain_hex"]) == ELECTION_DOMAIN
+    peers = []
+    for entry in vector["peers"]:
+        identity = Identity(bytes.fromhex(entry["seed_hex"]))
+        assert identity.peer_id == entry["peer_id"]
+        assert peer_id_bytes(identity.public_key).hex() == entry["peer_id_bytes_hex"]
+        peers.append(identity.peer_id)
+    assert len(vector["jobs"]) >= 3
+    for job in vector["jobs"]:
+        job_id = bytes.fromhex(job["job_id_hex"])
+        for peer, score_hex in job["scores_hex"].items():
+            assert election_score(job_id, peer) == int(score_hex, 16), (job["job_id_hex"], peer)
+        assert list(rank_peers(job_id, peers)) == job["ranking"]
+        assert elect(job_id, peers) == job["coordinator"]
+        assert elect(job_id, set(peers) - {job["coordinator"]}) == job["without_first"]
+
+
+def test_election_terms_vector():
+    vector = json.loads((VECTORS / "election-terms.json").read_text())
+    job_id = bytes.fromhex(vector["job_id_hex"])
+    view = Coordination(job_id)
+    for number, item in enumerate(vector["steps"], start=1):
+        before = view
+        if item["kind"] == "view":
+            view = view.follow_view(item["live"])
+        elif item.get("error"):
+            with pytest.raises(StateError):
+                view.check_message(item["signer"], item["term"], item["live"])
+        else:
+            view = view.check_message(item["signer"], item["term"], item["live"])
+        assert (view.term, view.coordinator) == (item["expect_term"], item["expect_coordinator"]), number
+        assert view.term >= before.term
+
+
+# -- rendezvous properties -----------------------------------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(job_id=job_ids, live=peer_sets, seed=st.randoms(use_true_random=False))
+def test_peers_with_the_same_live_view_agree(job_id, live, seed):
+    """Whatever order each peer learnt its view in, they elect the same coordinator and ranking."""
+    shuffled = list(live)
+    seed.shuffle(shuffled)
+    assert rank_peers(job_id, shuffled) == rank_peers(job_id, sorted(live))
+    assert elect(job_id, shuffled + shuffled[:1]) == elect(job_id, frozenset(live))
+
+
+@settings(max_examples=60, deadline=None)
+@given(jobs=st.lists(job_ids, min_size=1, max_size=30, unique=True), live=peer_sets.filter(lambda s: len(s) >= 2))
+def test_removing_the_coordinator_moves_only_its_jobs(jobs, live):
+    before = {job: rank_peers(job, live) for job in jobs}
+    removed = before[jobs[0]][0]
+    for job, ranking in before.items():
+        after = elect(job, live - {removed})
+        if ranking[0] == removed:
+            assert after == ranking[1], "a job of the removed peer goes to its runner-up"
+        else:
+            assert after == ranking[0], "every other job keeps its coordinator"
+
+
+@settings(max_examples=60, deadline=None)
+@given(jobs=st.lists(job_ids, min_size=1, max_size=30, unique=True), live=peer_sets, newcomer=st.sampled_from(PEERS))
+def test_adding_a_peer_moves_only_the_jobs_it_now_wins(jobs, live, newcomer):
+    live = live - {newcomer}
+    for job in jobs:
+        before = elect(job, live)
+        after = elect(job, live | {newcomer})
+        assert after in (before, newcomer)
+        if after == newcomer and before is not None:
+            assert election_score(job, newcomer) > election_score(job, before)
+
+
+def test_jobs_spread_evenly_over_peers():
+    """Rendezvous hashing balances load: 3000 fixed jobs over 12 peers, each coordinates 250 +- 25%."""
+    jobs = [hashlib.sha256(b"balance %d" % n).digest() for n in range(3000)]
+    load = Counter(elect(job, PEERS) for job in jobs)
+    assert set(load) == set(PEERS)
+    assert all(187 <= count <= 313 for count in load.values()), load
+
+
+# -- liveness ----------------------------------------------------------------------------------
+
+
+def test_a_peer_silent_for_missed_heartbeats_is_no_longer_live():
+    last = {PEERS[0]: 100.0, PEERS[1]: 71.0, PEERS[2]: 70.0}
+    assert live_peers(last, now=100.0, heartbeat_seconds=10.0, missed_heartbeats=3) == {PEERS[0], PEERS[1]}
+
+
+# -- terms -------------------------------------------------------------------------------------
+
+
+def test_losing_the_coordinator_starts_the_next_term_with_the_runner_up():
+    ranking = rank_peers(JOB, PEERS[:4])
+    view = Coordination(JOB).follow_view(PEERS[:4])
+    assert (view.term, view.coordinator) == (1, ranking[0])
+    assert view.follow_view(PEERS[:4]) is view  # same winner, same term
+    view = view.follow_view(set(PEERS[:4]) - {ranking[0]})
+    assert (view.term, view.coordinator) == (2, ranking[1])
+
+
+def test_stale_term_messages_are_rejected():
+    live = PEERS[:4]
+    ranking = rank_peers(JOB, live)
+    view = Coordination(JOB).follow_view(live)  # term 1: the first-ranked peer
+    view = view.follow_view(set(live) - {ranking[0]})  # term 2: it fell silent, the runner-up
+    view = view.follow_view(live)  # term 3: it is back
+    assert (view.term, view.coordinator) == (3, ranking[0])
+    with pytest.raises(StateError, match="stale term 2"):
+        view.check_message(ranking[1], 2, live)
+    assert view.check_message(ranking[0], 3, live) is view
+
+
+def test_only_the_terms_coordinator_may_speak_in_it():
+    live = PEERS[:4]
+    view = Coordination(JOB).follow_view(live)
+    other = next(p for p in live if p != view.coordinator)
+    with pytest.raises(StateError, match="term 1 belongs to"):
+        view.check_message(other, 1, live)
+
+
+def test_a_deposed_coordinator_steps_down_on_a_higher_term():
+    live = PEERS[:4]
+    me = Coordination(JOB).follow_view(live)
+    successor = rank_peers(JOB, live)[1]
+    after = me.check_message(successor, me.term + 1, live)
+    assert after.coordinator == successor and after.term == me.term + 1
+    assert stepped_down(me, after, me.coordinator)
+    assert not stepped_down(me, after, successor)
+
+
+def test_a_higher_term_from_a_peer_outside_the_view_is_ignored():
+    view = Coordination(JOB).follow_view(PEERS[:4])
+    with pytest.raises(StateError, match="not an eligible live peer"):
+        view.check_message(PEERS[5], 7, PEERS[:4])
+
+
+@pytest.mark.parametrize("term", [0, -1, True, "2", 1.0, None])
+def test_malformed_terms_are_rejected(term):
+    with pytest.raises(StateError, match="term must be an integer"):
+        Coordination(JOB).check_message(PEERS[0], term, PEERS)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    job_id=job_ids,
+    moves=st.lists(
+        st.one_of(
+            st.tuples(st.just("view"), peer_sets),
+            st.tuples(st.just("message"), st.sampled_from(PEERS), st.integers(0, 8), peer_sets),
+        ),
+        max_size=30,
+    ),
+)
+def test_terms_never_decrease_and_stale_terms_never_pass(job_id, moves):
+    view = Coordination(job_id)
+    for move in moves:
+        before = view
+        if move[0] == "view":
+            view = view.follow_view(move[1])
+            assert view.coordinator == elect(job_id, move[1]), "a view change elects the view's winner"
+            assert view.term == before.term + (view.coordinator != before.coordinator)
+            continue
+        _, signer, term, live = move
+        try:
+            view = view.check_message(signer, term, live)
+        except StateError:
+            continue
+        assert term >= before.term, "a stale term never passes"
+        assert view.term == term and view.coordinator == signer
+        assert term == before.term or signer in live, "a higher term is adopted only from a live peer"
