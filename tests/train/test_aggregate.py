@@ -142,10 +142,23 @@ def test_svd_at_the_input_rank_is_the_best_rank_r_approximation_of_the_mean_upda
         u, s, vh = np.linalg.svd(numpy_mean_update(arrays, counts, name))
         best = (u[:, :4] * s[:4]) @ vh[:4]
         np.testing.assert_allclose(product(result, name), best, rtol=1e-9, atol=1e-9)
-        # balanced factors: both carry √S, so BᵀB = AAᵀ = diag(S)
+        # A' = Vᵀ has orthonormal rows and B' = U·S carries the singular values
         b, a = result[f"{name}.lora_B.weight"].numpy(), result[f"{name}.lora_A.weight"].numpy()
-        np.testing.assert_allclose(b.T @ b, np.diag(s[:4]), atol=1e-9)
-        np.testing.assert_allclose(a @ a.T, np.diag(s[:4]), atol=1e-9)
+        np.testing.assert_allclose(a @ a.T, np.eye(4), atol=1e-9)
+        np.testing.assert_allclose(b.T @ b, np.diag(s[:4] ** 2), atol=1e-9)
+
+
+def test_svd_of_untrained_adapters_keeps_a_trainable(rng):
+    # peft starts B at zero: the mean update is null, and A' must still be usable next round.
+    arrays = [make_adapter(rng, rank=4) for _ in range(3)]
+    for arrays_i in arrays:
+        for name in module_names():
+            arrays_i[f"{name}.lora_B.weight"][:] = 0.0
+    result = svd([(to_torch(a), 1) for a in arrays])
+    for name in module_names():
+        assert not result[f"{name}.lora_B.weight"].any()
+        a = result[f"{name}.lora_A.weight"].numpy()
+        np.testing.assert_allclose(a @ a.T, np.eye(4), atol=1e-9)
 
 
 def test_svd_in_float32_keeps_the_dtype_and_matches_to_float_tolerance(rng):
@@ -219,6 +232,25 @@ def test_trimmed_mean_is_the_numpy_mean_without_the_extremes(rng, count, trim_ra
     for key in arrays[0]:
         ordered = np.sort(np.stack([a[key] for a in arrays]), axis=0)
         np.testing.assert_allclose(result[key].numpy(), ordered[cut : count - cut].mean(axis=0), rtol=1e-12)
+
+
+@pytest.mark.parametrize("count", range(1, 10))
+def test_robust_rules_sort_ties_and_every_count_like_numpy(rng, count):
+    arrays = [{"t": rng.integers(-2, 3, size=(6, 7)).astype(np.float64)} for _ in range(count)]
+    pairs = [(to_torch(a), 1) for a in arrays]
+    ordered = np.sort(np.stack([a["t"] for a in arrays]), axis=0)
+    np.testing.assert_array_equal(median(pairs)["t"].numpy(), np.median(ordered, axis=0))
+    cut = int(0.25 * count)
+    np.testing.assert_allclose(trimmed_mean(pairs, trim_ratio=0.25)["t"].numpy(), ordered[cut : count - cut].mean(axis=0))
+
+
+@pytest.mark.parametrize("position", range(8))
+@pytest.mark.parametrize("method", ["median", "trimmed_mean"])
+def test_robust_rules_find_a_nan_held_by_any_adapter(rng, position, method):
+    arrays = [{"t": rng.standard_normal((3, 4))} for _ in range(8)]
+    arrays[position]["t"][2, 1] = np.nan
+    with pytest.raises(AggregationError, match=rf"adapter {position}: t: contains NaN or Inf"):
+        aggregate(method, [(to_torch(a), 1) for a in arrays])
 
 
 def test_robust_rules_ignore_an_outlier_and_its_claimed_sample_count(rng):
