@@ -1,5 +1,6 @@
 """Job and shard state machines: one example per transition, the IPIP vectors, and properties over
-random event sequences (half of them well-formed for the current state, half arbitrary)."""
+random runs (a rule-based machine of workers, verifiers, the submitter, time passing, and arbitrary
+mostly malformed events), checked after every step."""
 
 from __future__ import annotations
 
