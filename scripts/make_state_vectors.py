@@ -1,0 +1,136 @@
+"""Write ipips/vectors/state-*.json: event sequences run through protocol.state, reviewed by hand."""
+import dataclasses, json, sys
+from pathlib import Path
+sys.path.insert(0, ".")
+from protocol.state import *
+from protocol.errors import StateError
+
+def ev(e):
+    return {"type": type(e).__name__, **dataclasses.asdict(e)}
+
+def act(a):
+    d = {k: v for k, v in dataclasses.asdict(a).items() if k != "reason"}
+    if "accepted_shards" in d: d["accepted_shards"] = list(d["accepted_shards"])
+    return {"type": type(a).__name__, **d}
+
+def make(name, description, config, steps):
+    job = new_job(JobConfig(**config))
+    out = []
+    for now, e in steps:
+        item = {"now": now, "event": ev(e)}
+        try:
+            job, actions = step(job, e, now)
+            item["actions"] = [act(a) for a in actions]
+        except StateError as exc:
+            item["error"] = True
+            item["why"] = str(exc)
+        item["job"] = job.phase.name
+        item["round"] = job.round
+        item["shards"] = [s.phase.name for s in job.shards]
+        out.append(item)
+    doc = {
+        "description": description,
+        "format": "Replay: job = new_job(config); for each step, step(job, event, now). A step with error: true must be refused with StateError and leave the state unchanged; 'why' is this implementation's message, not normative. Otherwise 'actions' are the actions returned, in order, without their human-readable 'reason' fields. After each step the job phase, round and shard phases must equal 'job', 'round' and 'shards'.",
+        "config": config,
+        "steps": out,
+    }
+    Path(f"ipips/vectors/state-{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+
+A, B, C = "12D3KooWAlice", "12D3KooWBob", "12D3KooWCarol"
+base = dict(shards=2, rounds=2, lease_seconds=60.0, max_retries=1, min_accepted_fraction=1.0, deadline=None)
+
+make("happy-path", "Two shards, two rounds, every report accepted: ANNOUNCED -> TRAINING -> VERIFYING -> AGGREGATING -> TRAINING (round 2) -> ... -> DONE. A checkpoint extends a lease; attempts are numbered per round, and an event naming the previous round is refused.", base, [
+    (0.0, LeaseGranted(1, 0, A)),
+    (1.0, LeaseGranted(1, 1, B)),
+    (30.0, CheckpointSeen(1, 0, A, 1)),
+    (55.0, ReportReceived(1, 1, B, 1)),
+    (80.0, ReportReceived(1, 0, A, 1)),
+    (90.0, VerdictGiven(1, 1, 1, True, "")),
+    (91.0, VerdictGiven(1, 0, 1, True, "")),
+    (100.0, AggregatePublished(1, "bafkround1")),
+    (101.0, LeaseGranted(2, 1, A)),
+    (102.0, LeaseGranted(2, 0, C)),
+    (105.0, ReportReceived(1, 0, C, 1)),
+    (110.0, ReportReceived(2, 0, C, 1)),
+    (111.0, ReportReceived(2, 1, A, 1)),
+    (112.0, VerdictGiven(2, 1, 1, True, "")),
+    (113.0, VerdictGiven(2, 0, 1, True, "")),
+    (120.0, AggregatePublished(2, "bafkround2")),
+    (121.0, Tick()),
+])
+
+make("expiry-and-retry", "Shard 0: its lease expires at exactly expires_at and it reopens; the second attempt is accepted. Shard 1: its report is rejected and it reopens; its second lease expires, which spends its last attempt (max_retries=1), so it FAILS. With min_accepted_fraction 0.5 one accepted shard of two suffices, so the round aggregates shard 0 alone.",
+     dict(shards=2, rounds=1, lease_seconds=60.0, max_retries=1, min_accepted_fraction=0.5, deadline=None), [
+    (0.0, LeaseGranted(1, 0, A)),
+    (0.0, LeaseGranted(1, 1, B)),
+    (10.0, ReportReceived(1, 1, B, 1)),
+    (59.0, Tick()),
+    (60.0, Tick()),
+    (61.0, LeaseGranted(1, 0, C)),
+    (62.0, VerdictGiven(1, 1, 1, False, "loss does not replay")),
+    (63.0, LeaseGranted(1, 1, A)),
+    (70.0, ReportReceived(1, 0, C, 2)),
+    (71.0, VerdictGiven(1, 0, 2, True, "")),
+    (123.0, Tick()),
+    (124.0, AggregatePublished(1, "bafkonly0")),
+])
+
+make("job-fails", "max_retries=0 and every shard required: one release fails the shard and the job at once; later events are refused.",
+     dict(shards=3, rounds=1, lease_seconds=60.0, max_retries=0, min_accepted_fraction=1.0, deadline=None), [
+    (0.0, LeaseGranted(1, 0, A)),
+    (1.0, LeaseGranted(1, 1, B)),
+    (2.0, Released(1, 1, B, 1)),
+    (3.0, LeaseGranted(1, 2, C)),
+    (4.0, Tick()),
+])
+
+make("timers", "Verification window and aggregation window: a report without a verdict within lease_seconds counts as a failed attempt; an aggregate not published within lease_seconds fails the job.",
+     dict(shards=1, rounds=1, lease_seconds=60.0, max_retries=1, min_accepted_fraction=1.0, deadline=None), [
+    (0.0, LeaseGranted(1, 0, A)),
+    (10.0, ReportReceived(1, 0, A, 1)),
+    (70.0, Tick()),
+    (71.0, LeaseGranted(1, 0, B)),
+    (80.0, ReportReceived(1, 0, B, 2)),
+    (90.0, VerdictGiven(1, 0, 2, True, "")),
+    (149.0, Tick()),
+    (150.0, Tick()),
+    (151.0, AggregatePublished(1, "bafktoolate")),
+])
+
+make("deadline", "The job deadline fails a live job at now >= deadline, whatever its phase; a terminal job refuses every event but Tick.",
+     dict(shards=2, rounds=1, lease_seconds=60.0, max_retries=2, min_accepted_fraction=1.0, deadline=100.0), [
+    (0.0, LeaseGranted(1, 0, A)),
+    (50.0, CheckpointSeen(1, 0, A, 1)),
+    (99.0, LeaseGranted(1, 1, B)),
+    (99.5, Tick()),
+    (100.0, Tick()),
+    (101.0, ReportReceived(1, 0, A, 1)),
+    (102.0, Cancel("too late")),
+])
+
+make("cancel", "The submitter cancels a job in TRAINING; the job is CANCELLED and accepts nothing more but ticks.",
+     dict(shards=2, rounds=3, lease_seconds=60.0, max_retries=2, min_accepted_fraction=1.0, deadline=None), [
+    (0.0, LeaseGranted(1, 0, A)),
+    (5.0, Cancel("cancelled by the submitter")),
+    (6.0, ReportReceived(1, 0, A, 1)),
+    (7.0, Tick()),
+])
+
+make("invalid-events", "Events from a peer that does not hold the lease, for a stale attempt, in the wrong state or malformed are refused (StateError) and leave the state unchanged.",
+     dict(shards=2, rounds=1, lease_seconds=60.0, max_retries=2, min_accepted_fraction=1.0, deadline=None), [
+    (0.0, LeaseGranted(1, 0, A)),
+    (1.0, LeaseGranted(1, 0, B)),
+    (2.0, CheckpointSeen(1, 0, B, 1)),
+    (3.0, ReportReceived(1, 0, A, 2)),
+    (4.0, Released(1, 1, A, 1)),
+    (5.0, VerdictGiven(1, 0, 1, True, "")),
+    (6.0, AggregatePublished(1, "bafk")),
+    (7.0, LeaseGranted(1, 2, A)),
+    (8.0, LeaseGranted(1, -1, A)),
+    (9.0, ReportReceived(1, 0, "", 1)),
+    (10.0, Released(1, 0, A, 1)),
+    (11.0, LeaseGranted(1, 0, A)),
+    (12.0, ReportReceived(1, 0, A, 1)),
+    (13.0, ReportReceived(1, 0, A, 2)),
+    (14.0, VerdictGiven(1, 0, 1, True, "")),
+])
