@@ -21,12 +21,10 @@ What each rule guarantees (wᵢ = nᵢ / Σ nⱼ):
                 returns that A and the weighted mean of B, so B̄·A = Σ wᵢ·BᵢA exactly (up to
                 float rounding). Raises if any A differs from adapter 0's A (no tolerance).
   svd           the best rank-r approximation (Eckart–Young) of the mean update Σ wᵢ·BᵢAᵢ,
-                factored back as B' (out, r) = U·S and A' (r, in) = Vᵀ; exact whenever r >= the
-                rank of the mean update, always so when r >= K·r_in. Computed through QR of the
-                thin stacked factors, never forming the out×in matrix. A' has orthonormal rows
-                and B' carries the singular values, like a fresh LoRA (A at unit scale, B holding
-                the update): splitting √S to both sides would return A' = 0 wherever the update
-                is null (an untrained module's B = 0), a direction no later round could train.
+                factored back as B' (out, r) = U·√S and A' (r, in) = √S·Vᵀ (IPIP-0006); exact
+                whenever r >= the rank of the mean update, always so when r >= K·r_in. Computed
+                through QR of the thin stacked factors, never forming the out×in matrix. Where
+                the update is null (an untrained module, B = 0) both factors come back zero.
                 If r differs from the input rank, the caller must keep the adapter's scale:
                 write lora_alpha' = lora_alpha·r/r_in (alpha/√r under rsLoRA) in the config.
   median        coordinate-wise median of every tensor (mean of the two middle values for an
@@ -226,7 +224,7 @@ def _sorted_coordinates(checked: _Checked, key: str) -> list[torch.Tensor]:
 def _refactor_mean_update(
     checked: _Checked, module: LoraModule, rank: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Best rank-r factors B' = U·S (out, r), A' = Vᵀ (r, in) of Σ wᵢ·BᵢAᵢ, never forming out×in."""
+    """Best rank-r factors B' = U·√S (out, r), A' = √S·Vᵀ (r, in) of Σ wᵢ·BᵢAᵢ, never forming out×in."""
     a_factors = [adapter[module.a_key] for adapter in checked.adapters]
     b_factors = [adapter[module.b_key] for adapter in checked.adapters]
     for index, (a, b) in enumerate(zip(a_factors, b_factors)):
@@ -234,11 +232,12 @@ def _refactor_mean_update(
         _require_finite(b, f"adapter {index}: {module.b_key}")
     dtype = a_factors[0].dtype
     compute = _compute_dtype(dtype)
-    # Σ wᵢ·BᵢAᵢ = [w₁B₁ | … | w_KB_K] · [A₁; …; A_K] = Bs·As, with Bs (out, Kr) and As (Kr, in).
-    b_stack = torch.cat([b.to(compute) * w for b, w in zip(b_factors, checked.weights)], dim=1)
-    a_stack = torch.cat([a.to(compute) for a in a_factors], dim=0)
+    # Σ wᵢ·BᵢAᵢ = [√w₁B₁ | … | √w_K B_K] · [√w₁A₁; …; √w_K A_K] = Bs·As, Bs (out, Kr), As (Kr, in).
+    roots = [math.sqrt(w) for w in checked.weights]
+    b_stack = torch.cat([b.to(compute) * root for b, root in zip(b_factors, roots)], dim=1)
+    a_stack = torch.cat([a.to(compute) * root for a, root in zip(a_factors, roots)], dim=0)
     # Bs = Qb·Rb and Asᵀ = Qa·Ra, so Bs·As = Qb·(Rb·Raᵀ)·Qaᵀ: the SVD of the small core
-    # M = Rb·Raᵀ = U·S·Vᵀ gives the SVD of the mean update, Qb·U · S · (Qa·V)ᵀ.
+    # Rb·Raᵀ = U·S·Vᵀ gives the SVD of the mean update, Qb·U · S · (Qa·V)ᵀ.
     q_b, r_b = torch.linalg.qr(b_stack)
     q_a, r_a = torch.linalg.qr(a_stack.T)
     u, s, vh = torch.linalg.svd(r_b @ r_a.T, full_matrices=False)
@@ -249,8 +248,9 @@ def _refactor_mean_update(
             f"svd: rank {rank_out} exceeds the largest rank the mean update of module "
             f"{module.name} can have: min(out, in, K·r) = {s.shape[0]}"
         )
-    b_new = q_b @ (u[:, :rank_out] * s[:rank_out])
-    a_new = vh[:rank_out] @ q_a.T
+    root = s[:rank_out].sqrt()
+    b_new = q_b @ (u[:, :rank_out] * root)
+    a_new = (root[:, None] * vh[:rank_out]) @ q_a.T
     return b_new.to(dtype), a_new.to(dtype)
 
 
