@@ -50,7 +50,7 @@ DTYPE_SIZES = {
 
 FP32_TOLERANCE = 1e-4
 """Default max relative L2 distance per tensor for float32 replays in differing environments."""
-HALF_TOLERANCE = 5e-2
+HALF_TOLERANCE = 1e-2
 """Default for bf16/fp16 training, which no environment reproduces bit for bit."""
 
 DETERMINISM_FIELDS = (
