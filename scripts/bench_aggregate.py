@@ -3,6 +3,8 @@
 Input: K=8 random float32 adapters shaped like a 7B model's rank-16 adapter (32 layers × q,k,v,o
 on a 4096×4096 base: lora_A 16×4096, lora_B 4096×16; 64 MiB each, 512 MiB in all). For `exact`
 the same adapters with every lora_A replaced by adapter 0's (FFA-LoRA: A frozen from the seed).
+Every rule reads all 512 MiB, so aggregate_read_floor (one torch pass summing every input) is
+printed too: fedavg's time over it shows how close to memory bandwidth it runs.
 
 Reference, measured in the same run: a plain numpy sample-weighted mean over the same tensors
 (a loop over keys of Σ wᵢ·xᵢ on zero-copy numpy views). Prints one JSON object per line:
@@ -16,6 +18,8 @@ Reference, measured in the same run: a plain numpy sample-weighted mean over the
                        mark through /proc/self/clear_refs (rss_source says so), or as the
                        ru_maxrss delta where that reset is refused (which then only sees growth
                        above the earlier peak).
+--threads defaults to 2 (the two cores of the dev machine); on a machine shared with other jobs
+use --threads 1: two intra-op threads stall at every op whenever the other core is taken.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agent.train.aggregate import aggregate  # noqa: E402
 
 FEDAVG_GOAL = 2.0
+NOTES = {"read_floor": "seconds of one torch pass reading every input (sum): the floor for any rule; "
+                       "ratio = reference/value"}
 BUDGET_S = 10.0  # no further repeats of a method once its runs have taken this long
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -117,6 +123,7 @@ def main() -> None:
 
     work = {
         "reference": lambda: numpy_weighted_mean(arrays, weights),
+        "read_floor": lambda: [tensor.sum() for adapter in adapters for tensor in adapter.values()],
         "fedavg": lambda: aggregate("fedavg", pairs),
         "exact": lambda: aggregate("exact", shared_a),
         "svd": lambda: aggregate("svd", pairs),
@@ -147,11 +154,13 @@ def main() -> None:
         figure = {"bench": f"aggregate_{method}", "value": round(elapsed, 4), "unit": "s",
                   "reference": round(reference, 4), "ratio": round(reference / elapsed, 3),
                   "goal": FEDAVG_GOAL if method == "fedavg" else None,
-                  "note": "value = seconds, ratio = reference/value (speedup)", **shape}
+                  "note": NOTES.get(method, "value = seconds, ratio = reference/value (speedup)"), **shape}
         if method == "trimmed_mean":
             figure["trim_ratio"] = args.trim_ratio
         print(json.dumps(figure), flush=True)
     for method, grown in peak.items():
+        if method == "read_floor":
+            continue
         figure = {"bench": f"aggregate_peak_rss_{method}", "value": round(grown, 1), "unit": "MiB",
                   "reference": round(reference_peak, 1), "ratio": round(reference_peak / grown, 3),
                   "goal": None, "note": "value = peak RSS growth incl. the result, ratio = reference/value",
