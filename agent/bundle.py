@@ -1,0 +1,97 @@
+"""Directories as single files: deterministic tar bundles of adapters and checkpoints.
+
+UnixFS here moves files, not directories, so a directory that must travel by CID (an adapter:
+``adapter_config.json`` + ``adapter_model.safetensors``; a training checkpoint) is packed into an
+uncompressed POSIX tar first. Rules of this file:
+- Packing is deterministic: entries sorted by name, regular files only, no subdirectories,
+  mtime 0, uid/gid 0, mode 0644, no user/group names. The same directory always gives the same
+  bytes, so the same CID.
+- Unpacking reads UNTRUSTED bytes: only plain file names (no '/', no '..', no links, no devices,
+  no duplicates), only the names the caller allows, at most ``max_bytes`` in total. It extracts
+  into a temporary sibling and renames it into place, so a failed unpack leaves nothing behind.
+  Anything wrong raises BundleError naming the bundle and the entry.
+- Tensors inside are safetensors; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tarfile
+from pathlib import Path
+
+ADAPTER_FILES = frozenset({"adapter_config.json", "adapter_model.safetensors"})
+CHECKPOINT_FILES = ADAPTER_FILES | {"optimizer.safetensors", "state.json"}
+DEFAULT_MAX_BYTES = 4 << 30
+
+
+class BundleError(Exception):
+    """A bundle could not be packed or is not a safe, well-formed bundle."""
+
+
+def pack_dir(directory: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """Pack the regular files of ``directory`` (no subdirectories) into a deterministic tar at ``out``."""
+    directory, out = Path(directory), Path(out)
+    files = sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
+    if not files:
+        raise BundleError(f"{directory}: nothing to pack")
+    tmp = out.with_name(f".{out.name}.partial")
+    with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for path in files:
+            info = tarfile.TarInfo(path.name)
+            info.size = path.stat().st_size
+            info.mtime = 0
+            info.mode = 0o644
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            with open(path, "rb") as fh:
+                tar.addfile(info, fh)
+    os.replace(tmp, out)
+    return out
+
+
+def unpack(bundle: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
+           allowed: frozenset[str] | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
+    """Safely extract ``bundle`` into ``out_dir`` (created; must not exist yet)."""
+    bundle, out_dir = Path(bundle), Path(out_dir)
+    staging = out_dir.with_name(f".{out_dir.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        seen: set[str] = set()
+        total = 0
+        try:
+            tar = tarfile.open(bundle, "r:")
+        except (tarfile.TarError, OSError) as exc:
+            raise BundleError(f"{bundle.name}: not a tar bundle ({exc})") from None
+        with tar:
+            try:
+                members = tar.getmembers()
+            except (tarfile.TarError, OSError) as exc:
+                raise BundleError(f"{bundle.name}: malformed tar ({exc})") from None
+            for member in members:
+                name = member.name
+                if not member.isreg():
+                    raise BundleError(f"{bundle.name}: entry {name[:80]!r} is not a regular file")
+                if "/" in name or "\\" in name or name in ("", ".", "..") or name.startswith("."):
+                    raise BundleError(f"{bundle.name}: entry {name[:80]!r} is not a plain file name")
+                if allowed is not None and name not in allowed:
+                    raise BundleError(f"{bundle.name}: unexpected entry {name[:80]!r} "
+                                      f"(expected {', '.join(sorted(allowed))})")
+                if name in seen:
+                    raise BundleError(f"{bundle.name}: entry {name!r} appears twice")
+                seen.add(name)
+                total += member.size
+                if total > max_bytes:
+                    raise BundleError(f"{bundle.name}: larger than {max_bytes} bytes")
+                src = tar.extractfile(member)
+                with open(staging / name, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.rename(staging, out_dir)
+        return out_dir
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+

@@ -1,0 +1,315 @@
+"""One running agent: identity, network, content, store, and the roles it plays.
+
+Rules of this file:
+- ``Agent.run`` owns everything: the network and content rooms are opened around one nursery in
+  which every task of the agent lives (gossip readers, heartbeats, ticks, the worker's claims and
+  shard trainings, the coordinator's verifications and aggregations). Leaving ``run`` (``stop()``,
+  cancellation or an error) ends them all.
+- Peers are known by their signed ``cap`` and ``heartbeat`` messages. A peer is *live* while its
+  heartbeats arrive (protocol/election.live_peers); coordinators are elected among live peers
+  that announced ``can_coordinate``.
+- Election view: a job's coordinator is elected once the job has been known for ``grace_seconds``
+  (so that peers whose views converged agree on term 1), and stays until it falls silent; then the
+  next peer by rendezvous takes the job with term + 1 (protocol/election.Coordination). A peer acts
+  as coordinator only while its own view says so.
+- Every job-topic message is recorded in the store before it is applied; every decision we make is
+  gossiped and applied to our mirror at once (agent/roles/job.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+import trio
+
+from agent import __version__
+from agent.content.service import ContentService, open_content
+from agent.net.host import NetConfig
+from agent.net.network import Network, open_network
+from agent.roles.coordinator import CoordinatorRole
+from agent.roles.job import JobView
+from agent.roles.submitter import SubmitterRole
+from agent.roles.worker import WorkerRole
+from agent.store import Store
+from protocol import messages as m
+from protocol.election import live_peers
+from protocol.identity import Identity
+
+log = logging.getLogger(__name__)
+
+MAX_JOBS_FOLLOWED = 256
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """How one agent runs. Field names are the keys of the operator's config file."""
+
+    home: Path
+    listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    bootstrap: tuple[str, ...] = ()
+    accept_training: bool = False
+    can_coordinate: bool = True
+    max_concurrent_shards: int = 1
+    allowed_base_models: tuple[str, ...] = ()  # empty: any base model we have locally
+    min_price_per_hour: float = 0.0
+    price_per_hour: float = 0.0
+    threads: int = 1
+    models: tuple[tuple[str, str], ...] = ()  # (base_model name in a job, local path)
+    heartbeat_seconds: float = 1.0
+    missed_heartbeats: int = 4
+    grace_seconds: float = 3.0
+    claim_interval: float = 1.0
+    fetch_timeout: float = 120.0
+    ipfs_api: str | None = None
+    misbehave: str | None = None  # test harness only: see agent/roles/worker.py MISBEHAVIOURS
+
+
+@dataclass
+class PeerInfo:
+    last_heartbeat: float
+    capability: m.Capability | None = None
+
+
+class Agent:
+    def __init__(self, identity: Identity, config: AgentConfig, *, clock: Callable[[], float] = time.time) -> None:
+        self.identity = identity
+        self.config = config
+        self.clock = clock
+        self.peer_id = identity.peer_id
+        self.peers: dict[str, PeerInfo] = {}
+        self.jobs: dict[bytes, JobView] = {}
+        self.net: Network | None = None
+        self.content: ContentService | None = None
+        self.store: Store | None = None
+        self.nursery: trio.Nursery | None = None
+        self.started_at = 0.0
+        self.worker = WorkerRole(self) if config.accept_training else None
+        self.coordinator = CoordinatorRole(self)
+        self.submitter = SubmitterRole(self)
+        self.job_events = trio.Event()  # set (and replaced) whenever a job's state changes
+        self._stopping = trio.Event()
+        self._heartbeat_seq = 0
+
+    # -- life cycle -----------------------------------------------------------------------------
+
+    @property
+    def work_dir(self) -> Path:
+        return self.config.home / "work"
+
+    def addrs(self) -> list[str]:
+        return self.net.host.addrs()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        home = self.config.home
+        home.mkdir(parents=True, exist_ok=True)
+        self.work_dir.mkdir(exist_ok=True)
+        net_config = NetConfig(listen=self.config.listen, bootstrap=self.config.bootstrap)
+        async with AsyncExitStack() as stack:
+            self.store = stack.enter_context(Store.in_data_dir(home, self.identity))
+            self.net = await stack.enter_async_context(open_network(self.identity, net_config, clock=self.clock))
+            self.content = await stack.enter_async_context(
+                open_content(self.net.host, self.net.discovery, home, ipfs_api=self.config.ipfs_api))
+            self.started_at = self.clock()
+            async with trio.open_nursery() as nursery:
+                self.nursery = nursery
+                jobs_topic = await self.net.gossip.subscribe(m.TOPIC_JOBS)
+                nursery.start_soon(self._read_jobs_topic, jobs_topic)
+                nursery.start_soon(self._heartbeats)
+                nursery.start_soon(self._ticks)
+                nursery.start_soon(partial(self.net.discovery.maintain, advertise=self.worker is not None, interval=10.0))
+                if self.worker is not None:
+                    nursery.start_soon(self.worker.claim_loop)
+                task_status.started(self)
+                await self._stopping.wait()
+                if self.worker is not None:
+                    await self.worker.release_all("the agent is shutting down")
+                nursery.cancel_scope.cancel()
+
+    # -- peers and election ----------------------------------------------------------------------
+
+    def capability(self) -> m.Capability:
+        import os
+
+        hardware = m.Hardware("cpu", "cpu", 0.0, _ram_gb(), os.cpu_count() or 1)
+        return m.Capability(hardware, ("peft",), self.config.price_per_hour, self.worker is not None,
+                            self.config.can_coordinate, self.config.max_concurrent_shards, __version__)
+
+    def eligible_coordinators(self) -> frozenset[str]:
+        """Live peers that said they can coordinate (ourselves included if we can)."""
+        now = self.clock()
+        live = live_peers({p: i.last_heartbeat for p, i in self.peers.items()}, now,
+                          self.config.heartbeat_seconds, self.config.missed_heartbeats)
+        eligible = {p for p in live if self.peers[p].capability and self.peers[p].capability.can_coordinate}
+        if self.config.can_coordinate:
+            eligible.add(self.peer_id)
+        return frozenset(eligible)
+
+    def update_election(self, view: JobView, now: float) -> None:
+        """Elect after the grace period; replace a coordinator that fell silent (term + 1)."""
+        if now - view.first_seen < self.config.grace_seconds or view.state.terminal:
+            return
+        eligible = self.eligible_coordinators()
+        current = view.coordination.coordinator
+        if current is None or current not in eligible:
+            before = view.coordination
+            view.coordination = view.coordination.follow_view(eligible)
+            if before.coordinator is not None and view.coordination.coordinator != before.coordinator:
+                log.info("job %s: coordinator %s went silent; %s takes over in term %d",
+                         view.job_id.hex()[:8], before.coordinator[-8:], (view.coordination.coordinator or "none")[-8:],
+                         view.coordination.term)
+                self.ledger(view.job_id, "coordinator", {"term": view.coordination.term,
+                                                         "coordinator": view.coordination.coordinator or ""})
+
+    def is_coordinator(self, view: JobView) -> bool:
+        return view.coordination.is_coordinator(self.peer_id) and \
+            self.clock() - view.first_seen >= self.config.grace_seconds
+
+    # -- gossip in ---------------------------------------------------------------------------------
+
+    async def publish(self, message: Any) -> None:
+        await self.net.gossip.publish(message)
+
+    async def _heartbeats(self) -> None:
+        await self.publish(self.capability())
+        last_cap = self.clock()
+        while True:
+            self._heartbeat_seq += 1
+            coordinating = tuple(m.CoordinatorTerm(v.job_id, v.coordination.term) for v in self.jobs.values()
+                                 if self.is_coordinator(v) and not v.state.terminal)
+            active = len(self.worker.active) if self.worker else 0
+            await self.publish(m.Heartbeat(self._heartbeat_seq, active, coordinating[:32]))
+            if self.clock() - last_cap > 30:
+                await self.publish(self.capability())
+                last_cap = self.clock()
+            await trio.sleep(self.config.heartbeat_seconds)
+
+    async def _read_jobs_topic(self, subscription: Any) -> None:
+        async for received in subscription:
+            msg, signer, now = received.message, received.signer, self.clock()
+            if isinstance(msg, m.Heartbeat):
+                info = self.peers.setdefault(signer, PeerInfo(now))
+                info.last_heartbeat = now
+                for entry in msg.coordinating:
+                    view = self.jobs.get(entry.job_id)
+                    if view is not None and signer != self.peer_id:
+                        view.check_coordinator(signer, entry.term, self.eligible_coordinators())
+            elif isinstance(msg, m.Capability):
+                self.peers.setdefault(signer, PeerInfo(now)).capability = msg
+            elif isinstance(msg, m.JobAnnouncement):
+                await self.follow_job(msg.terms, signer, received.envelope.to_bytes())
+            elif isinstance(msg, m.JobCancel):
+                view = self.jobs.get(msg.job_id)
+                if view is not None and signer == view.terms.submitter:
+                    self.apply_actions(view, view.step(_cancel(msg.reason), now))
+
+    async def follow_job(self, terms: m.JobTerms, signer: str, envelope: bytes | None = None) -> JobView | None:
+        """Start following a job we saw announced (once); subscribe to its topic."""
+        job_id = terms.job_id()
+        if job_id in self.jobs:
+            return self.jobs[job_id]
+        if signer != terms.submitter:
+            log.warning("job %s announced by %s, not its submitter; ignored", job_id.hex()[:8], signer[-8:])
+            return None
+        if len(self.jobs) >= MAX_JOBS_FOLLOWED:
+            return None
+        now = self.clock()
+        view = JobView(terms, now, self.peer_id)
+        self.jobs[job_id] = view
+        role = "submitter" if signer == self.peer_id else ("worker" if self.worker else "observer")
+        self.store.add_job(terms, role, now)
+        if envelope is not None:
+            self.store.record(envelope, now)
+        subscription = await self.net.gossip.subscribe(m.job_topic(job_id))
+        self.nursery.start_soon(self._read_job_topic, view, subscription)
+        if self.worker is not None:
+            self.worker.consider(view)
+        return view
+
+    async def _read_job_topic(self, view: JobView, subscription: Any) -> None:
+        async for received in subscription:
+            msg, signer, now = received.message, received.signer, self.clock()
+            self.store.record(received.envelope.to_bytes(), now)
+            if isinstance(msg, m.ShardClaim):
+                await self.coordinator.on_claim(view, msg, signer)
+                continue
+            actions = view.apply(msg, signer, now, self.eligible_coordinators())
+            if actions is None:
+                continue
+            self.apply_actions(view, actions)
+            if self.worker is not None and isinstance(msg, m.ShardLease) and msg.worker == self.peer_id:
+                self.worker.on_lease(view, msg)
+
+    def apply_actions(self, view: JobView, actions: tuple[Any, ...] | None) -> None:
+        """Carry out what the state machine asked for, in our roles; wake anyone waiting on the job."""
+        if actions is None:
+            return
+        self.store.update_job(view.job_id, self.clock(), state=view.state.phase.value, round=view.state.round,
+                              coordinator_term=view.coordination.term)
+        self.coordinator.on_actions(view, actions)
+        for action in actions:
+            kind = _LEDGER_KIND.get(type(action).__name__)
+            if kind is not None:
+                log.info("job %s: %s", view.job_id.hex()[:8], action)
+                self.ledger(view.job_id, kind, _action_data(action))
+        self.job_events.set()
+        self.job_events = trio.Event()
+
+    def ledger(self, job_id: bytes, kind: str, data: dict) -> None:
+        try:
+            self.store.append_event(job_id, kind, data, self.clock())
+        except Exception as exc:  # noqa: BLE001 - the ledger must never stop the agent
+            log.warning("ledger %s: %s", kind, exc)
+
+    async def _ticks(self) -> None:
+        from protocol.state import Tick
+
+        while True:
+            now = self.clock()
+            for view in list(self.jobs.values()):
+                was_coordinator = self.is_coordinator(view)
+                self.update_election(view, now)
+                self.apply_actions(view, view.step(Tick(), now))
+                if self.is_coordinator(view) and not was_coordinator:
+                    self.coordinator.take_over(view)
+            await trio.sleep(0.5)
+
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> None:
+        """Wait until ``predicate()`` holds, re-checked whenever a job changes; TooSlowError after ``timeout``."""
+        with trio.fail_after(timeout):
+            while not predicate():
+                with trio.move_on_after(1.0):
+                    await self.job_events.wait()
+
+
+_LEDGER_KIND = {"FailJob": "failed", "Done": "done", "CancelJob": "cancel"}
+
+
+def _cancel(reason: str) -> Any:
+    from protocol.state import Cancel
+
+    return Cancel(reason)
+
+
+def _action_data(action: Any) -> dict:
+    data = dict(action.__dict__)
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in data.items()
+            if isinstance(v, (int, float, str, tuple)) and not (isinstance(v, float) and not math.isfinite(v))}
+
+
+def _ram_gb() -> float:
+    try:
+        import os
+
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        return 0.0

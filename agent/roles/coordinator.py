@@ -1,0 +1,313 @@
+"""The coordinator role: leases, verification, aggregation — for the jobs we are elected to.
+
+Rules of this file:
+- We act for a job only while our election view names us (agent/node.py). Every decision is a
+  state-machine event (protocol/state.py) applied to our mirror first, then gossiped, signed, with
+  our term; the actions the machine returns tell us what to do next.
+- Which worker gets a lease is ours to decide: the shard it asked for if OPEN, else the lowest OPEN
+  one; never a second lease of this job to one worker; never a lease to a worker whose work in
+  this job was rejected.
+- A report is accepted only if: the adapter and proof bundles fetch and hash-check by CID; the proof
+  is about this job, round, shard, attempt, worker, base model and seed; its chain ends in the
+  reported head and passes through every head the worker gossiped; the adapter's tensors are finite,
+  have the job's rank and target modules, and hash to the chain's last adapter hash; and the
+  ``proof.verify_segments`` segments chosen from randomness drawn *after* the report arrived
+  replay within the proof rules (protocol/proof.py, agent/train/replay.py).
+- The aggregate of a round is the job's method over the accepted adapters weighted by samples
+  (agent/train/aggregate.py), published as an HF-layout adapter bundle by CID.
+- On taking a job over (failover) we resume what the mirror says is pending: verifications of
+  REPORTED shards and the aggregation of an AGGREGATING round.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from agent.bundle import ADAPTER_FILES, CHECKPOINT_FILES, pack_dir, unpack
+from agent.roles.job import JobView, run_torch, train_config
+from protocol import messages as m
+from protocol import state as st
+
+if TYPE_CHECKING:
+    from agent.node import Agent
+
+log = logging.getLogger(__name__)
+
+PROOF_FILES = frozenset({"proof.json", "checkpoints.json"})
+
+
+class Rejection(Exception):
+    """A report failed verification; the message is the verdict's reason."""
+
+
+class CoordinatorRole:
+    def __init__(self, agent: "Agent") -> None:
+        self.agent = agent
+        self._running: set[tuple] = set()
+        self._banned: dict[bytes, set[str]] = {}
+        self.accepted_adapters: dict[tuple[bytes, int, int], tuple[Path, int]] = {}
+
+    # -- leases -----------------------------------------------------------------------------------
+
+    async def on_claim(self, view: JobView, claim: m.ShardClaim, worker: str) -> None:
+        agent = self.agent
+        if not agent.is_coordinator(view) or claim.round != view.state.round:
+            return
+        if view.state.phase not in (st.JobPhase.ANNOUNCED, st.JobPhase.TRAINING):
+            return
+        if worker in self._banned.get(view.job_id, set()) or view.held_by(worker):
+            return
+        open_shards = view.open_shards()
+        if not open_shards:
+            return
+        shard = claim.shard if claim.shard in open_shards else open_shards[0]
+        now = agent.clock()
+        actions = view.step(st.LeaseGranted(view.state.round, shard, worker), now)
+        grant = next((a for a in actions or () if isinstance(a, st.PublishLease)), None)
+        if grant is None:
+            return
+        initial = view.state.published[-1] if view.state.round > 1 and view.state.published else None
+        lease = m.ShardLease(view.job_id, grant.round, grant.shard, grant.attempt, worker,
+                             view.coordination.term, float(grant.expires_at), initial)
+        view.leases[(grant.round, grant.shard, grant.attempt)] = lease
+        agent.apply_actions(view, actions)
+        await agent.publish(lease)
+        agent.ledger(view.job_id, "lease", {"round": grant.round, "shard": grant.shard, "attempt": grant.attempt,
+                                            "worker": worker, "expires_at": float(grant.expires_at)})
+
+    # -- reacting to the state machine -------------------------------------------------------------
+
+    def on_actions(self, view: JobView, actions: tuple[Any, ...]) -> None:
+        if not self.agent.is_coordinator(view):
+            return
+        for action in actions:
+            if isinstance(action, st.StartVerification):
+                self._start(("verify", view.job_id, action.round, action.shard, action.attempt),
+                            self._verify, view, action.round, action.shard, action.attempt)
+            elif isinstance(action, st.Aggregate):
+                self._start(("aggregate", view.job_id, action.round), self._aggregate, view, action)
+
+    def take_over(self, view: JobView) -> None:
+        """We just became this job's coordinator: resume what is pending."""
+        state = view.state
+        log.info("job %s: coordinating (term %d)", view.job_id.hex()[:8], view.coordination.term)
+        for shard in state.shards:
+            if shard.phase is st.ShardPhase.REPORTED:
+                self._start(("verify", view.job_id, state.round, shard.index, shard.attempt),
+                            self._verify, view, state.round, shard.index, shard.attempt)
+        if state.phase is st.JobPhase.AGGREGATING:
+            accepted = tuple(s.index for s in state.shards if s.phase is st.ShardPhase.ACCEPTED)
+            action = st.Aggregate(state.round, accepted, state.expires_at or math.inf)
+            self._start(("aggregate", view.job_id, state.round), self._aggregate, view, action)
+
+    def _start(self, key: tuple, fn: Any, *args: Any) -> None:
+        if key in self._running:
+            return
+        self._running.add(key)
+
+        async def run() -> None:
+            try:
+                await fn(*args)
+            except Exception as exc:  # noqa: BLE001 - one job's failure must not stop the agent
+                log.warning("job %s: %s failed: %s", args[0].job_id.hex()[:8], key[0], exc)
+            finally:
+                self._running.discard(key)
+
+        self.agent.nursery.start_soon(run)
+
+    # -- verification -------------------------------------------------------------------------------
+
+    async def _verify(self, view: JobView, rnd: int, shard: int, attempt: int) -> None:
+        agent = self.agent
+        report, worker = view.reports[(rnd, shard, attempt)]
+        work = agent.work_dir / view.job_id.hex()[:16] / f"verify-r{rnd}-s{shard}-a{attempt}"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        segments: tuple[int, ...] = ()
+        try:
+            segments, adapter_dir = await self._check_report(view, report, worker, work)
+            accepted, reason = True, f"replayed segments {list(segments)} within the proof rules"
+        except Rejection as exc:
+            accepted, reason = False, str(exc)[:1000]
+        except Exception as exc:  # noqa: BLE001 - a report we cannot even fetch or read is rejected
+            accepted, reason = False, f"could not verify: {type(exc).__name__}: {str(exc)[:900]}"
+        if not agent.is_coordinator(view):
+            return
+        if accepted:
+            self.accepted_adapters[(view.job_id, rnd, shard)] = (adapter_dir, report.samples)
+        else:
+            self._banned.setdefault(view.job_id, set()).add(worker)
+        log.info("job %s shard %d attempt %d: %s — %s", view.job_id.hex()[:8], shard, attempt,
+                 "accepted" if accepted else "REJECTED", reason)
+        verdict = m.Verdict(view.job_id, rnd, shard, attempt, worker, view.coordination.term, accepted,
+                            reason, segments)
+        actions = view.apply_decision(verdict, agent.clock())
+        if actions is None:
+            return
+        agent.apply_actions(view, actions)
+        await agent.publish(verdict)
+        agent.ledger(view.job_id, "verdict", {"round": rnd, "shard": shard, "attempt": attempt, "worker": worker,
+                                              "accepted": accepted, "reason": reason})
+
+    async def _check_report(self, view: JobView, report: m.ShardReport, worker: str,
+                            work: Path) -> tuple[tuple[int, ...], Path]:
+        from agent.train import base_model_sha256
+        from agent.train.model import tensors_hash
+        from agent.train.replay import verify_segment
+        from protocol.proof import Commitment, ProofError, chain_heads, segment_selection_seed, select_segments
+
+        agent, terms = self.agent, view.terms
+        timeout = agent.config.fetch_timeout
+        providers = [worker]
+        await agent.content.fetch(report.proof_cid, work / "proof.tar", timeout=timeout, providers=providers)
+        proof_dir = unpack(work / "proof.tar", work / "proof", allowed=PROOF_FILES, max_bytes=16 << 20)
+        try:
+            commitment = Commitment.from_json(json.loads((proof_dir / "proof.json").read_text()))
+            commitment.check(report.chain_head)
+        except (ProofError, ValueError) as exc:
+            raise Rejection(f"proof: {exc}") from None
+        header = commitment.header
+        expected = {"job_id": view.job_id, "round": report.round, "shard": report.shard,
+                    "attempt": report.attempt, "worker": worker, "seed": terms.seed,
+                    "checkpoint_every": terms.proof.checkpoint_every,
+                    "base_model_sha256": terms.base_model_sha256.hex()}
+        for name, value in expected.items():
+            if getattr(header, name) != value:
+                raise Rejection(f"proof header {name} is {str(getattr(header, name))[:70]!r}, expected {str(value)[:70]!r}")
+        if len(commitment.links) != report.checkpoints or not commitment.links:
+            raise Rejection(f"report says {report.checkpoints} checkpoints, the proof has {len(commitment.links)}")
+        heads = chain_heads(header.genesis(), commitment.links)
+        gossiped = view.commits.get((report.round, report.shard, report.attempt), [])
+        for commit in gossiped:
+            if commit.index >= len(heads) or heads[commit.index] != commit.chain_head:
+                raise Rejection(f"chain does not pass through the head gossiped at checkpoint {commit.index}")
+        try:
+            checkpoints = {int(k): v for k, v in json.loads((proof_dir / "checkpoints.json").read_text()).items()}
+        except (ValueError, AttributeError) as exc:
+            raise Rejection(f"checkpoints.json: {exc}") from None
+
+        await agent.content.fetch(report.adapter_cid, work / "adapter.tar", timeout=timeout, providers=providers)
+        adapter_dir = unpack(work / "adapter.tar", work / "adapter", allowed=ADAPTER_FILES, max_bytes=1 << 30)
+        adapter = await trio.to_thread.run_sync(_check_adapter, adapter_dir, terms)
+        if tensors_hash(adapter) != commitment.links[-1].adapter_hash:
+            raise Rejection("the adapter does not hash to the last committed checkpoint")
+
+        shard_path = work / "shard.jsonl"
+        await agent.content.fetch(terms.shards[report.shard].cid, shard_path, timeout=timeout,
+                                  providers=[terms.submitter, worker])
+        model_path = agent.worker.local_model(terms) if agent.worker else _local_model(agent, terms)
+        if model_path is None or await trio.to_thread.run_sync(base_model_sha256, model_path) != terms.base_model_sha256.hex():
+            raise RuntimeError(f"this coordinator does not hold base model {terms.base_model!r}")
+        config = train_config(terms, model_path, threads=agent.config.threads)
+        seed = segment_selection_seed(report.chain_head, os.urandom(16))
+        segments = select_segments(seed, len(commitment.links), terms.proof.verify_segments)
+        for index in segments:
+            start_step = 0 if index == 0 else commitment.links[index - 1].step
+            start = await self._checkpoint(checkpoints, start_step, work, providers)
+            end = await self._checkpoint(checkpoints, commitment.links[index].step, work, providers)
+            verdict = await trio.to_thread.run_sync(run_torch, partial(
+                verify_segment, commitment, index, start=start, end=end, shard=shard_path, config=config,
+                claimed_head=report.chain_head))
+            if not verdict.accepted:
+                raise Rejection(f"segment {index} does not replay: {verdict.reason}")
+        return segments, adapter_dir
+
+    async def _checkpoint(self, checkpoints: dict[int, str], step: int, work: Path, providers: list[str]) -> Path:
+        if step not in checkpoints:
+            raise Rejection(f"the proof lists no checkpoint for step {step}")
+        target = work / f"ckpt-{step}"
+        if not target.exists():
+            bundle = work / f"ckpt-{step}.tar"
+            await self.agent.content.fetch(checkpoints[step], bundle, timeout=self.agent.config.fetch_timeout,
+                                           providers=providers)
+            unpack(bundle, target, allowed=CHECKPOINT_FILES, max_bytes=1 << 30)
+        return target
+
+    # -- aggregation ------------------------------------------------------------------------------
+
+    async def _aggregate(self, view: JobView, action: st.Aggregate) -> None:
+        agent, terms = self.agent, view.terms
+        work = agent.work_dir / view.job_id.hex()[:16] / f"aggregate-r{action.round}"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        inputs = []
+        for shard in action.accepted_shards:
+            entry = self.accepted_adapters.get((view.job_id, action.round, shard))
+            if entry is None:  # verified by a coordinator before us: fetch the accepted adapter
+                attempt = view.shard(shard).attempt
+                report, _worker = view.reports[(action.round, shard, attempt)]
+                bundle = work / f"adapter-{shard}.tar"
+                await agent.content.fetch(report.adapter_cid, bundle, timeout=agent.config.fetch_timeout)
+                entry = (unpack(bundle, work / f"adapter-{shard}", allowed=ADAPTER_FILES), report.samples)
+            inputs.append(entry)
+        out = work / "adapter"
+        await trio.to_thread.run_sync(run_torch, _aggregate_adapters, terms.aggregation, inputs, out)
+        cid = await agent.content.add_file(pack_dir(out, work / "adapter.tar"))
+        if not agent.is_coordinator(view):
+            return
+        final = action.round == terms.rounds
+        published = m.AggregatePublished(view.job_id, action.round, view.coordination.term, str(cid),
+                                         terms.aggregation, tuple(action.accepted_shards),
+                                         sum(n for _, n in inputs), final)
+        actions = view.apply_decision(published, agent.clock())
+        if actions is None:
+            return
+        agent.apply_actions(view, actions)
+        await agent.publish(published)
+        agent.ledger(view.job_id, "aggregate", {"round": action.round, "adapter_cid": str(cid),
+                                                "method": terms.aggregation, "shards": list(action.accepted_shards)})
+        log.info("job %s: round %d aggregate %s (%s over shards %s)", view.job_id.hex()[:8], action.round, cid,
+                 terms.aggregation, list(action.accepted_shards))
+
+
+def _local_model(agent: "Agent", terms: m.JobTerms) -> str | None:
+    models = dict(agent.config.models)
+    return models.get(terms.base_model) or (terms.base_model if Path(terms.base_model).is_dir() else None)
+
+
+def _check_adapter(adapter_dir: Path, terms: m.JobTerms) -> dict:
+    """Load an untrusted adapter (safetensors only) and check it fits the job; Rejection if not."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        config = json.loads((adapter_dir / "adapter_config.json").read_text())
+        tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise Rejection(f"adapter does not load: {exc}") from None
+    if config.get("r") != terms.lora.rank:
+        raise Rejection(f"adapter rank {config.get('r')!r}, the job trains rank {terms.lora.rank}")
+    if sorted(config.get("target_modules") or []) != sorted(terms.lora.target_modules):
+        raise Rejection(f"adapter targets {config.get('target_modules')!r}, the job {list(terms.lora.target_modules)}")
+    if not tensors:
+        raise Rejection("adapter has no tensors")
+    for name, tensor in tensors.items():
+        if "lora_A" in name and tensor.shape[0] != terms.lora.rank or "lora_B" in name and tensor.shape[-1] != terms.lora.rank:
+            raise Rejection(f"{name}: shape {tuple(tensor.shape)} does not have rank {terms.lora.rank}")
+        if not bool(torch.isfinite(tensor.float()).all()):
+            raise Rejection(f"{name}: non-finite values")
+        if float(tensor.float().abs().max()) > 1e4:
+            raise Rejection(f"{name}: values out of bounds (|x| > 1e4)")
+    return tensors
+
+
+def _aggregate_adapters(method: str, inputs: list[tuple[Path, int]], out: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from agent.train.aggregate import aggregate
+
+    pairs = [(load_file(str(d / "adapter_model.safetensors")), n) for d, n in inputs]
+    merged = aggregate(method, pairs)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(merged, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(inputs[0][0] / "adapter_config.json", out / "adapter_config.json")

@@ -1,0 +1,168 @@
+"""JobView: one peer's mirror of a job, fed by the signed messages it sees on the job's topic.
+
+Rules of this file:
+- Every peer that follows a job keeps the same mirror: the protocol state machine
+  (protocol/state.py) driven by the job topic's messages, plus the messages themselves. The
+  coordinator's own decisions are applied when it makes them; every other peer applies them when
+  they arrive. So a successor coordinator already holds the job's state when it takes over.
+- Worker messages (``ckpt``, ``report``, ``release``) are applied by everyone. Coordinator
+  messages (``lease``, ``verdict``, ``aggregate``) only when their signer and term pass the
+  election view (protocol/election.py); echoes of our own decisions are skipped.
+- A message the state machine refuses (StateError) is dropped and counted, never raised: it is
+  untrusted input. No I/O here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.train.config import TrainConfig
+from protocol import messages as m
+from protocol import state as st
+from protocol.election import Coordination
+from protocol.errors import StateError
+
+log = logging.getLogger(__name__)
+
+Key = tuple[int, int, int]  # (round, shard, attempt)
+
+TORCH_LOCK = threading.Lock()
+"""Held while a thread trains or replays. Loading models through transformers is not thread-safe,
+so agents sharing one process (tests, the harness) take turns; an agent in its own process never waits."""
+
+
+def run_torch(fn, *args):
+    """Run ``fn(*args)`` under TORCH_LOCK (meant for trio.to_thread.run_sync)."""
+    import peft  # noqa: F401 - imported once here, not raced by several threads' lazy imports
+    import transformers  # noqa: F401
+
+    with TORCH_LOCK:
+        return fn(*args)
+
+
+def job_config(terms: m.JobTerms) -> st.JobConfig:
+    """The state machine's settings, read off the announced terms (deadline 0 = none)."""
+    return st.JobConfig(
+        shards=len(terms.shards), rounds=terms.rounds, lease_seconds=float(terms.lease_seconds),
+        max_retries=terms.max_retries, min_accepted_fraction=terms.min_accepted_fraction,
+        deadline=float(terms.deadline) if terms.deadline else None,
+    )
+
+
+def train_config(terms: m.JobTerms, base_model_path: str, **local: Any) -> TrainConfig:
+    """What agent/train needs from the terms; ``base_model_path`` is this peer's local copy."""
+    t, lora, proof = terms.training, terms.lora, terms.proof
+    return TrainConfig(
+        base_model=base_model_path, base_model_sha256=terms.base_model_sha256.hex(), method=terms.method,
+        runtime=terms.runtime, seed=terms.seed, epochs=t.epochs, learning_rate=t.learning_rate,
+        batch_size=t.batch_size, gradient_accumulation_steps=t.gradient_accumulation_steps,
+        max_seq_len=t.max_seq_len, max_steps=t.max_steps, rank=lora.rank, alpha=lora.alpha,
+        dropout=lora.dropout, target_modules=lora.target_modules, freeze_a=lora.freeze_a,
+        checkpoint_every=proof.checkpoint_every, verify_segments=proof.verify_segments,
+        tolerance=proof.tolerance, **local,
+    )
+
+
+@dataclass
+class JobView:
+    terms: m.JobTerms
+    first_seen: float
+    me: str
+    state: st.JobState = field(init=False)
+    coordination: Coordination = field(init=False)
+    leases: dict[Key, m.ShardLease] = field(default_factory=dict)
+    commits: dict[Key, list[m.CheckpointCommit]] = field(default_factory=lambda: defaultdict(list))
+    reports: dict[Key, tuple[m.ShardReport, str]] = field(default_factory=dict)
+    verdicts: dict[Key, m.Verdict] = field(default_factory=dict)
+    aggregates: dict[int, m.AggregatePublished] = field(default_factory=dict)
+    refused: Counter = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        self.job_id = self.terms.job_id()
+        self.state = st.new_job(job_config(self.terms))
+        self.coordination = Coordination(self.job_id)
+
+    # -- the state machine ---------------------------------------------------------------------
+
+    def step(self, event: Any, now: float) -> tuple[Any, ...] | None:
+        """Apply ``event``; return the actions, or None if the machine refused it."""
+        try:
+            self.state, actions = st.step(self.state, event, now)
+        except StateError as exc:
+            self.refused[type(event).__name__] += 1
+            log.debug("job %s: refused %s: %s", self.job_id.hex()[:8], event, exc)
+            return None
+        return actions
+
+    def shard(self, index: int) -> st.ShardState:
+        return self.state.shards[index]
+
+    def open_shards(self) -> list[int]:
+        return [s.index for s in self.state.shards if s.phase is st.ShardPhase.OPEN]
+
+    def held_by(self, worker: str) -> list[st.ShardState]:
+        busy = (st.ShardPhase.LEASED, st.ShardPhase.REPORTED)
+        return [s for s in self.state.shards if s.worker == worker and s.phase in busy]
+
+    def current_key(self, index: int) -> Key:
+        s = self.shard(index)
+        return (self.state.round, index, s.attempt)
+
+    # -- applying messages -----------------------------------------------------------------------
+
+    def check_coordinator(self, signer: str, term: int, eligible: frozenset[str]) -> bool:
+        """Does a coordinator message from ``signer`` in ``term`` pass our election view?"""
+        try:
+            self.coordination = self.coordination.check_message(signer, term, eligible)
+            return True
+        except StateError as exc:
+            self.refused["coordinator"] += 1
+            log.debug("job %s: ignored coordinator message: %s", self.job_id.hex()[:8], exc)
+            return False
+
+    def apply(self, msg: Any, signer: str, now: float, eligible: frozenset[str]) -> tuple[Any, ...] | None:
+        """Apply one verified job-topic message; return the state machine's actions (None if refused)."""
+        if isinstance(msg, m.CheckpointCommit):
+            actions = self.step(st.CheckpointSeen(msg.round, msg.shard, signer, msg.attempt), now)
+            if actions is not None:
+                self.commits[(msg.round, msg.shard, msg.attempt)].append(msg)
+            return actions
+        if isinstance(msg, m.ShardReport):
+            actions = self.step(st.ReportReceived(msg.round, msg.shard, signer, msg.attempt), now)
+            if actions is not None:
+                self.reports[(msg.round, msg.shard, msg.attempt)] = (msg, signer)
+            return actions
+        if isinstance(msg, m.ShardRelease):
+            return self.step(st.Released(msg.round, msg.shard, signer, msg.attempt), now)
+        if isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
+            if signer == self.me or not self.check_coordinator(signer, msg.term, eligible):
+                return None
+            return self.apply_decision(msg, now)
+        return None
+
+    def apply_decision(self, msg: Any, now: float) -> tuple[Any, ...] | None:
+        """Apply a coordinator's decision (ours when we make it, or a verified one from the network)."""
+        if isinstance(msg, m.ShardLease):
+            actions = self.step(st.LeaseGranted(msg.round, msg.shard, msg.worker), now)
+            if actions is not None:
+                granted = [a for a in actions if isinstance(a, st.PublishLease)]
+                if granted and granted[0].attempt != msg.attempt:
+                    log.warning("job %s: lease attempt %d, our mirror says %d", self.job_id.hex()[:8],
+                                msg.attempt, granted[0].attempt)
+                self.leases[(msg.round, msg.shard, msg.attempt)] = msg
+            return actions
+        if isinstance(msg, m.Verdict):
+            actions = self.step(st.VerdictGiven(msg.round, msg.shard, msg.attempt, msg.accepted, msg.reason), now)
+            if actions is not None:
+                self.verdicts[(msg.round, msg.shard, msg.attempt)] = msg
+            return actions
+        if isinstance(msg, m.AggregatePublished):
+            actions = self.step(st.AggregatePublished(msg.round, msg.adapter_cid), now)
+            if actions is not None:
+                self.aggregates[msg.round] = msg
+            return actions
+        return None

@@ -1,0 +1,102 @@
+"""The submitter role: turn a job spec and a dataset into an announced job, and follow it.
+
+Rules of this file:
+- The dataset is split deterministically (agent/train/data.split_dataset with the job seed): a
+  validation split, then ``shards`` near-equal shards. Each part is written as ChatML JSONL, added
+  to the content store (CIDv1, raw leaves) and provided in the DHT; the announcement names every
+  shard by CID with its record count and size, so workers can check what they fetch.
+- The base model's content hash is computed from our local copy; workers refuse a different one.
+- The job ID is the hash of the terms (protocol/messages.py). The announcement is re-gossiped with
+  a fresh envelope every ``reannounce_seconds`` until the job ends, so late joiners see it (an
+  envelope is only accepted for 300 s, IPIP-0001). We keep serving the shards while the job runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from protocol import messages as m
+
+if TYPE_CHECKING:
+    from agent.node import Agent
+    from agent.roles.job import JobView
+
+log = logging.getLogger(__name__)
+
+
+class SubmitterRole:
+    reannounce_seconds = 60.0
+
+    def __init__(self, agent: "Agent") -> None:
+        self.agent = agent
+
+    async def prepare_terms(self, spec: Any, dataset: Path, base_model_path: str, *,
+                            deadline: int | None = None) -> m.JobTerms:
+        """Shard ``dataset``, add the parts to the content store, and build the job's terms."""
+        from agent.train import base_model_sha256, split_dataset
+        from agent.train.data import read_chatml, write_chatml
+
+        agent = self.agent
+        records = (await trio.to_thread.run_sync(read_chatml, dataset)).records
+        split = split_dataset(len(records), spec.shards, spec.input.validation_split, spec.seed)
+        out = agent.work_dir / f"submit-{int(agent.clock() * 1000)}"
+        out.mkdir(parents=True)
+        shards = []
+        for index, indices in enumerate(split.shards):
+            path = out / f"shard-{index}.jsonl"
+            write_chatml(path, [records[i] for i in indices])
+            cid = await agent.content.add_file(path)
+            shards.append(m.ShardRef(index, str(cid), len(indices), path.stat().st_size))
+        validation_cid = None
+        if split.validation:
+            path = out / "validation.jsonl"
+            write_chatml(path, [records[i] for i in split.validation])
+            validation_cid = str(await agent.content.add_file(path))
+        model_hash = await trio.to_thread.run_sync(base_model_sha256, base_model_path)
+        now = int(agent.clock())
+        t, lora, proof = spec.training, spec.lora, spec.proof
+        return m.JobTerms(
+            name=spec.name, submitter=agent.peer_id, base_model=spec.base_model,
+            base_model_sha256=bytes.fromhex(model_hash), method=spec.method, runtime=spec.runtime, seed=spec.seed,
+            shards=tuple(shards), validation_cid=validation_cid,
+            training=m.TrainingTerms(t.epochs, t.learning_rate, t.batch_size, t.gradient_accumulation_steps,
+                                     t.max_seq_len, t.max_steps),
+            lora=m.LoraTerms(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules), lora.freeze_a),
+            proof=m.ProofTerms(proof.checkpoint_every, proof.verify_segments, proof.tolerance),
+            rounds=spec.rounds, aggregation=spec.aggregation, min_accepted_fraction=spec.min_accepted_fraction,
+            max_retries=spec.max_retries, lease_seconds=spec.lease_seconds,
+            min_vram_gb=spec.resources.min_vram_gb,
+            deadline=deadline if deadline is not None else now + int(spec.resources.max_runtime_hours * 3600),
+            price_per_hour=spec.budget.price_per_hour, budget=spec.budget.total, created=now,
+        )
+
+    async def announce(self, terms: m.JobTerms) -> "JobView":
+        """Gossip the job (and keep re-announcing it until it ends); return our view of it."""
+        from agent.store import announced_data
+
+        agent = self.agent
+        view = await agent.follow_job(terms, agent.peer_id)
+        agent.ledger(view.job_id, "announced", announced_data(terms))
+        await agent.publish(m.JobAnnouncement.for_terms(terms))
+        agent.nursery.start_soon(self._reannounce, view)
+        log.info("job %s announced: %s, %d shards x %d rounds", view.job_id.hex()[:8], terms.name,
+                 len(terms.shards), terms.rounds)
+        return view
+
+    async def _reannounce(self, view: "JobView") -> None:
+        while not view.state.terminal:
+            await trio.sleep(self.reannounce_seconds)
+            if not view.state.terminal:
+                await self.agent.publish(m.JobAnnouncement.for_terms(view.terms))
+
+    async def cancel(self, view: "JobView", reason: str) -> None:
+        from protocol.state import Cancel
+
+        await self.agent.publish(m.JobCancel(view.job_id, reason))
+        self.agent.apply_actions(view, view.step(Cancel(reason), self.agent.clock()))
+
+

@@ -1,0 +1,229 @@
+"""The worker role: take shards of jobs we opted into, train them, prove it, hand the adapter in.
+
+Rules of this file:
+- Only an agent that opted in (``accept_training``) has this role. A job is taken only if its base
+  model is one we hold locally (``models``) and allow (``allowed_base_models``), its price is at
+  least our minimum, and our hardware fits its resources.
+- We claim an OPEN shard while we hold fewer than ``max_concurrent_shards`` leases; the coordinator
+  decides. On a lease for us: fetch the shard by CID (every block hash-checked by the content
+  room), check the local base model's content hash against the job's, and only then train. A
+  mismatch gives the shard back with the reason (``release``).
+- Training runs in a worker thread (agent/train knows nothing of the network); each checkpoint
+  is packed, added to the content store and gossiped as a ``ckpt`` commitment as it happens, which
+  also extends our lease. The final adapter and the proof bundle go into the content store and
+  the ``report`` names their CIDs.
+- ``misbehave`` makes this worker Byzantine on purpose, for the test harness only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from agent.bundle import ADAPTER_FILES, pack_dir, unpack
+from agent.roles.job import JobView, run_torch, train_config
+from protocol import messages as m
+from protocol import state as st
+
+if TYPE_CHECKING:
+    from agent.node import Agent
+
+log = logging.getLogger(__name__)
+
+MISBEHAVIOURS = ("random_adapter", "forged_chain", "wrong_base")
+PROOF_FILE = "proof.json"
+CHECKPOINTS_FILE = "checkpoints.json"
+
+
+class WorkerRole:
+    def __init__(self, agent: "Agent") -> None:
+        self.agent = agent
+        self.candidates: dict[bytes, JobView] = {}
+        self.active: dict[tuple[bytes, int, int, int], m.ShardLease] = {}
+        self._last_claim: dict[bytes, float] = {}
+
+    # -- choosing jobs ----------------------------------------------------------------------------
+
+    def local_model(self, terms: m.JobTerms) -> str | None:
+        """Our local copy of the job's base model, or None if we don't hold it."""
+        models = dict(self.agent.config.models)
+        if terms.base_model in models:
+            return models[terms.base_model]
+        return terms.base_model if Path(terms.base_model).is_dir() else None
+
+    def refusal(self, terms: m.JobTerms) -> str | None:
+        """Why we won't take this job, or None if we will."""
+        config = self.agent.config
+        if config.allowed_base_models and terms.base_model not in config.allowed_base_models:
+            return f"base model {terms.base_model!r} is not in allowed_base_models"
+        if self.local_model(terms) is None:
+            return f"base model {terms.base_model!r} is not available locally"
+        if terms.price_per_hour < config.min_price_per_hour:
+            return f"price {terms.price_per_hour}/h is below our minimum {config.min_price_per_hour}/h"
+        if terms.min_vram_gb > 0:
+            return f"job needs {terms.min_vram_gb} GB of VRAM; this agent trains on the CPU"
+        if terms.runtime == "unsloth":
+            return "runtime unsloth needs a CUDA GPU; none found"
+        return None
+
+    def consider(self, view: JobView) -> None:
+        reason = self.refusal(view.terms)
+        if reason is None:
+            self.candidates[view.job_id] = view
+            log.info("job %s: will train (%s)", view.job_id.hex()[:8], view.terms.name)
+        else:
+            log.info("job %s: not taking it: %s", view.job_id.hex()[:8], reason)
+
+    # -- claiming ---------------------------------------------------------------------------------
+
+    async def claim_loop(self) -> None:
+        agent = self.agent
+        while True:
+            await trio.sleep(agent.config.claim_interval)
+            if len(self.active) >= agent.config.max_concurrent_shards:
+                continue
+            now = agent.clock()
+            for view in list(self.candidates.values()):
+                if view.state.terminal:
+                    self.candidates.pop(view.job_id, None)
+                    continue
+                if view.state.phase not in (st.JobPhase.ANNOUNCED, st.JobPhase.TRAINING):
+                    continue
+                if view.coordination.coordinator is None or view.held_by(agent.peer_id):
+                    continue
+                if any(k[0] == view.job_id for k in self.active):
+                    continue
+                open_shards = view.open_shards()
+                if not open_shards or now - self._last_claim.get(view.job_id, 0.0) < 2 * agent.config.claim_interval:
+                    continue
+                self._last_claim[view.job_id] = now
+                await agent.publish(m.ShardClaim(view.job_id, view.state.round, random.choice(open_shards)))
+                break
+
+    def on_lease(self, view: JobView, lease: m.ShardLease) -> None:
+        key = (view.job_id, lease.round, lease.shard, lease.attempt)
+        if key in self.active or len(self.active) >= self.agent.config.max_concurrent_shards:
+            return
+        self.active[key] = lease
+        self.agent.nursery.start_soon(self._run_shard, view, lease, key)
+
+    async def release_all(self, reason: str) -> None:
+        for (job_id, rnd, shard, attempt) in list(self.active):
+            with trio.move_on_after(2):
+                await self.agent.publish(m.ShardRelease(job_id, rnd, shard, attempt, reason))
+
+    # -- one shard --------------------------------------------------------------------------------
+
+    async def _run_shard(self, view: JobView, lease: m.ShardLease, key: tuple) -> None:
+        agent = self.agent
+        try:
+            await self._train_and_report(view, lease)
+        except Exception as exc:  # noqa: BLE001 - a failed shard must not stop the agent
+            log.warning("job %s shard %d: giving it back: %s", view.job_id.hex()[:8], lease.shard, exc)
+            with trio.move_on_after(5):
+                await agent.publish(m.ShardRelease(view.job_id, lease.round, lease.shard, lease.attempt,
+                                                   str(exc)[:1000] or type(exc).__name__))
+        finally:
+            self.active.pop(key, None)
+
+    async def _train_and_report(self, view: JobView, lease: m.ShardLease) -> None:
+        from agent.train import base_model_sha256
+        from agent.train.run import TrainRequest, train_shard
+
+        agent, terms = self.agent, view.terms
+        ref = terms.shards[lease.shard]
+        run_dir = agent.work_dir / view.job_id.hex()[:16] / f"r{lease.round}-s{lease.shard}-a{lease.attempt}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        shard_path = run_dir / "shard.jsonl"
+        await agent.content.fetch(ref.cid, shard_path, timeout=agent.config.fetch_timeout,
+                                  providers=[terms.submitter])
+        model_path = self.local_model(terms)
+        if agent.config.misbehave == "wrong_base":
+            from agent.train.tiny import tiny_model
+
+            model_path = str(await trio.to_thread.run_sync(tiny_model, agent.config.home / "models", 7))
+        else:
+            have = await trio.to_thread.run_sync(base_model_sha256, model_path)
+            if have != terms.base_model_sha256.hex():
+                raise RuntimeError(f"base model hash mismatch: local {terms.base_model!r} is {have[:16]}…, "
+                                   f"the job names {terms.base_model_sha256.hex()[:16]}…")
+        initial = None
+        if lease.initial_adapter_cid:
+            bundle = run_dir / "initial.tar"
+            await agent.content.fetch(lease.initial_adapter_cid, bundle, timeout=agent.config.fetch_timeout)
+            initial = unpack(bundle, run_dir / "initial", allowed=ADAPTER_FILES)
+        config = train_config(terms, model_path, threads=agent.config.threads, log_every=5)
+        if agent.config.misbehave == "wrong_base":
+            config = config.with_(base_model_sha256=None)
+        request = TrainRequest(config, shard_path, run_dir / "run", initial_adapter=initial, job_id=view.job_id,
+                               round=lease.round, shard_index=lease.shard, attempt=lease.attempt,
+                               worker=agent.peer_id)
+        checkpoint_cids: dict[int, str] = {}
+
+        async def commit(event: Any) -> None:
+            cid = await agent.content.add_file(pack_dir(event.path, event.path.with_suffix(".tar")), provide=False)
+            checkpoint_cids[event.step] = str(cid)
+            await agent.publish(m.CheckpointCommit(
+                view.job_id, lease.round, lease.shard, lease.attempt, event.step, event.index, event.head,
+                event.link.adapter_hash, float(event.link.loss), str(cid)))
+
+        def on_checkpoint(event: Any) -> None:
+            trio.from_thread.run(commit, event)
+
+        result = await trio.to_thread.run_sync(run_torch, train_shard, request, on_checkpoint)
+        genesis = request.run_dir / "checkpoints" / "step-000000"
+        checkpoint_cids[0] = str(await agent.content.add_file(pack_dir(genesis, genesis.with_suffix(".tar")),
+                                                              provide=False))
+        head = result.head
+        if agent.config.misbehave == "random_adapter":
+            _randomise_adapter(result.adapter_dir)
+        if agent.config.misbehave == "forged_chain":
+            head = _forge_chain(request.run_dir / PROOF_FILE)
+        adapter_cid = await agent.content.add_file(pack_dir(result.adapter_dir, run_dir / "adapter.tar"))
+        proof_dir = run_dir / "proof"
+        proof_dir.mkdir()
+        shutil.copy(request.run_dir / PROOF_FILE, proof_dir / PROOF_FILE)
+        (proof_dir / CHECKPOINTS_FILE).write_text(json.dumps({str(k): v for k, v in sorted(checkpoint_cids.items())}))
+        proof_cid = await agent.content.add_file(pack_dir(proof_dir, run_dir / "proof.tar"))
+        metrics = {"train_seconds": float(result.train_seconds), "tokens_per_s": float(result.tokens_per_second)}
+        if result.validation_loss is not None:
+            metrics["validation_loss"] = float(result.validation_loss)
+        await agent.publish(m.ShardReport(
+            view.job_id, lease.round, lease.shard, lease.attempt, str(adapter_cid), str(proof_cid), head,
+            result.checkpoints, result.steps, result.samples, float(result.final_loss), metrics))
+        agent.ledger(view.job_id, "report", {
+            "round": lease.round, "shard": lease.shard, "attempt": lease.attempt, "worker": agent.peer_id,
+            "adapter_cid": str(adapter_cid), "duration": float(result.train_seconds), "samples": result.samples,
+            "hardware": "cpu", "price_per_hour": agent.config.price_per_hour})
+        log.info("job %s shard %d: reported (loss %.3f, %d steps)", view.job_id.hex()[:8], lease.shard,
+                 result.final_loss, result.steps)
+
+
+def _randomise_adapter(adapter_dir: Path) -> None:
+    """Byzantine: replace the trained adapter with noise of the same shapes."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = adapter_dir / "adapter_model.safetensors"
+    tensors = {k: torch.randn_like(v) for k, v in load_file(str(path)).items()}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _forge_chain(proof_path: Path) -> bytes:
+    """Byzantine: claim different batches than were trained on, with a self-consistent chain."""
+    from dataclasses import replace
+
+    from protocol.proof import Commitment
+
+    commitment = Commitment.from_json(json.loads(proof_path.read_text()))
+    forged = tuple(replace(link, batches_digest=bytes(32)) for link in commitment.links)
+    commitment = Commitment(commitment.header, forged)
+    proof_path.write_text(json.dumps(commitment.to_json()))
+    return commitment.head

@@ -1,0 +1,73 @@
+"""A job travels the whole way between real agents: announce, lease, train, verify, aggregate, publish."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from agent.train.data import write_chatml
+from agent.train.tiny import demo_records
+from protocol import state as st
+from tests.roles.conftest import fast_spec, network
+
+pytestmark = pytest.mark.network
+
+
+def write_dataset(path, n=160):
+    write_chatml(path, demo_records(n, seed=5))
+    return path
+
+
+async def test_job_completes_and_aggregate_beats_base(tmp_path, tiny_model_dir):
+    dataset = write_dataset(tmp_path / "demo.jsonl")
+    async with network(tmp_path, tiny_model_dir) as (submitter, workers, _):
+        terms = await submitter.submitter.prepare_terms(fast_spec(), dataset, str(tiny_model_dir))
+        view = await submitter.submitter.announce(terms)
+        await submitter.wait_for(lambda: view.state.terminal, timeout=240)
+        assert view.state.phase is st.JobPhase.DONE, view.state.reason
+        assert set(view.aggregates) == {1, 2}
+        final = view.aggregates[2]
+        assert final.final and final.method == "exact" and sorted(final.shards) == [0, 1, 2, 3]
+        # every worker's mirror agrees
+        for w in workers:
+            await w.wait_for(lambda w=w: view.job_id in w.jobs and w.jobs[view.job_id].state.terminal, timeout=20)
+            assert w.jobs[view.job_id].state.published == view.state.published
+        out = tmp_path / "aggregate.tar"
+        await submitter.content.fetch(final.adapter_cid, out, timeout=30)
+    losses = await trio.to_thread.run_sync(_losses, tiny_model_dir, out, tmp_path, terms)
+    assert losses["adapter"] < losses["base"], losses
+
+
+def _losses(model_dir, bundle, tmp_path, terms):
+    """Validation loss of the base model and of base + the published adapter, via stock peft."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from agent.bundle import ADAPTER_FILES, unpack
+    from agent.roles.job import train_config
+    from agent.train.run import load_shard, pad_token_id
+    from agent.train.model import load_tokenizer
+
+    adapter_dir = unpack(bundle, tmp_path / "aggregate", allowed=ADAPTER_FILES)
+    tokenizer = load_tokenizer(str(model_dir))
+    val = tmp_path / "val.jsonl"
+    write_chatml(val, demo_records(48, seed=99))
+    config = train_config(terms, str(model_dir), threads=1)
+    examples = load_shard(config, tokenizer, val).examples
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
+
+    def loss(model):
+        model.eval()
+        total = n = 0.0
+        with torch.no_grad():
+            for ex in examples:
+                ids = torch.tensor([ex.input_ids])
+                labels = torch.tensor([ex.labels])
+                total += float(model(input_ids=ids, labels=labels).loss)
+                n += 1
+        return total / n
+
+    before = loss(base)
+    tuned = PeftModel.from_pretrained(base, str(adapter_dir))
+    return {"base": before, "adapter": loss(tuned)}
