@@ -103,6 +103,8 @@ def read_chatml(path: str | Path, *, skip_bad: bool = False) -> ChatmlFile:
                 problem = "not UTF-8 text"
             except json.JSONDecodeError as error:
                 problem = f"not valid JSON ({error.msg} at column {error.colno})"
+            except RecursionError:
+                problem = "JSON nested too deeply"
             except ValueError as error:
                 problem = str(error)
             else:

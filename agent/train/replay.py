@@ -20,17 +20,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
-from agent.train.config import TrainConfig
+from agent.train.config import DTYPES, TrainConfig
 from agent.train.env import environment
 from agent.train.model import base_model_sha256, load_tokenizer, tensors_hash
-from agent.train.recorder import read_checkpoint
+from agent.train.recorder import checkpoint_name, read_checkpoint
 from agent.train.run import load_shard, open_session, pad_token_id
 from protocol.errors import ProofError
 from protocol.proof import (
@@ -66,19 +68,29 @@ def verify_segment(commitment: Commitment, index: int, *, start: Path, shard: Pa
     except ProofError as error:
         return _rejected(index, str(error))
     header, committed = commitment.header, commitment.links[index]
-    adapter, optimizer, _ = read_checkpoint(start)
+    try:
+        adapter, optimizer, _ = read_checkpoint(start)
+    except (OSError, ValueError, SafetensorError) as error:
+        return _rejected(index, f"start checkpoint {start.name} is unreadable: {error}")
     if tensors_hash(adapter) != adapter_hash or tensors_hash(optimizer) != optimizer_hash:
         return _rejected(index, f"start checkpoint {start.name} does not match the committed hashes at step {start_step}")
     named = {base_model_sha256(config.base_model), (config.base_model_sha256 or header.base_model_sha256).lower()}
     if named != {header.base_model_sha256}:
         return _rejected(index, "the proof names a different base model than the job")
-    config = config.with_(seed=header.seed, threads=int(header.environment.get("threads", config.threads)),
-                          dtype=str(header.environment.get("dtype", config.dtype)))
+    dtype = header.environment.get("dtype")
+    if dtype not in DTYPES:
+        return _rejected(index, f"cannot replay training in dtype {dtype!r}")
+    # the worker's thread count, when this machine has that many cores (else the tolerance applies)
+    threads = min(int(header.environment.get("threads", config.threads)), os.cpu_count() or 1)
+    config = config.with_(seed=header.seed, threads=max(threads, 1), dtype=dtype)
 
     tokenizer = load_tokenizer(config.base_model)
     examples = load_shard(config, tokenizer, shard).examples
-    session = open_session(config, examples, pad_id=pad_token_id(tokenizer), initial_adapter=adapter)
-    session.load_optimizer_tensors(optimizer)
+    try:
+        session = open_session(config, examples, pad_id=pad_token_id(tokenizer), initial_adapter=adapter)
+        session.load_optimizer_tensors(optimizer)
+    except (ValueError, KeyError) as error:
+        return _rejected(index, f"start checkpoint {start.name} does not fit the model: {error}")
     steps, losses = [], []
     for step in range(start_step, committed.step):
         result = session.step(step)
@@ -94,7 +106,10 @@ def verify_segment(commitment: Commitment, index: int, *, start: Path, shard: Pa
     tolerance = acceptance_tolerance(header.environment, verifier_env, config.tolerance)
     distances = None
     if end is not None and tolerance > 0 and replayed.adapter_hash != committed.adapter_hash:
-        end_adapter, end_optimizer, _ = read_checkpoint(end)
+        try:
+            end_adapter, end_optimizer, _ = read_checkpoint(end)
+        except (OSError, ValueError, SafetensorError) as error:
+            return _rejected(index, f"end checkpoint {end.name} is unreadable: {error}")
         if tensors_hash(end_adapter) != committed.adapter_hash or tensors_hash(end_optimizer) != committed.optimizer_hash:
             return _rejected(index, f"end checkpoint {end.name} does not match the committed hashes")
         distances = relative_l2(replay_adapter, end_adapter)
@@ -110,9 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard", type=Path, required=True, help="the shard's ChatML JSONL")
     parser.add_argument("--config", type=Path, required=True, help="train_config.json with the job's settings")
     args = parser.parse_args(argv)
-
-    from agent.train.recorder import checkpoint_name
-
     try:
         commitment = Commitment.from_json(json.loads(args.proof.read_text()))
         start_step, _, _ = commitment.segment_start(args.segment)

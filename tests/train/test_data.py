@@ -38,6 +38,7 @@ def write_lines(path, lines):
     ('{"messages": [{"role": "user", "content": 3}]}', "messages[0].content must be a string"),
     ('{"messages": [{"role": "user", "content": "hi"}]}', "no assistant message"),
     ('{"messages": [{"role": "assistant", "content": "hi"}], "meta": []}', '"meta" must be an object'),
+    ("[" * 100000 + "]" * 100000, "nested too deeply"),
 ])
 def test_bad_line_names_file_line_and_problem(tmp_path, line, problem):
     path = write_lines(tmp_path / "data.jsonl", [json.dumps(GOOD), "", line, json.dumps(GOOD)])

@@ -10,7 +10,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from agent.train.env import strict_cpu_env
@@ -96,7 +95,6 @@ def test_other_environment_is_judged_by_distance(trained_run):
                              shard=request.shard, config=config)
     assert verdict.accepted, verdict
     assert verdict.exact or 0 < verdict.max_distance <= 1e-4
-    torch.set_num_threads(1)
 
 
 @pytest.mark.slow
@@ -107,3 +105,15 @@ def test_replay_under_strict_cpu_env_in_a_fresh_process(trained_run):
     status, verdict = replay_in_child(request.run_dir, request.shard, 2, env=strict_cpu_env())
     assert status == 0 and verdict["accepted"], verdict
     assert verdict["exact"] or verdict["max_distance"] <= 1e-4
+
+
+def test_unreadable_checkpoint_is_a_rejection_not_a_crash(trained_run, tmp_path):
+    request, _, _ = trained_run
+    start = tmp_path / "step-000010"
+    shutil.copytree(request.run_dir / "checkpoints" / "step-000010", start)
+    (start / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header")
+    verdict = verify_segment(commitment_of(request.run_dir), 1, start=start, shard=request.shard, config=request.config)
+    assert not verdict.accepted and "unreadable" in verdict.reason
+    shutil.rmtree(start)
+    verdict = verify_segment(commitment_of(request.run_dir), 1, start=start, shard=request.shard, config=request.config)
+    assert not verdict.accepted and "unreadable" in verdict.reason
