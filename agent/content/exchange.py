@@ -18,7 +18,9 @@ Rules of this file:
 - Every length is bounded before it is read (request ≤ MAX_REQUEST_BYTES, a block ≤ MAX_BLOCK_SIZE);
   every read and write has a deadline (``idle_timeout``), so a silent peer costs one timeout.
 - The server walks its own blockstore and serves whatever it holds under the wanted CIDs; it stops at
-  the first block it lacks, so a client never waits for a block that will not come.
+  the first block it lacks, so a client never waits for a block that will not come. It does not
+  re-hash what it serves (the store hash-checked every block on the way in; the client checks
+  every block on arrival).
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ from agent.content.blockstore import BlockStore
 from agent.net.errors import PeerProtocolError
 from agent.net.host import Host
 from agent.net.streams import FrameReader, remote_peer
-from protocol.cid import CID, varint_encode
+from protocol.cid import CID, RAW, varint_encode
 from protocol.codec import canonical_encode, decode_canonical
 from protocol.errors import CIDError, CodecError
-from protocol.unixfs import MAX_BLOCK_SIZE, StreamVerifier, child_cids
+from protocol.unixfs import MAX_BLOCK_SIZE, StreamVerifier, decode_node
 
 log = logging.getLogger(__name__)
 
@@ -83,16 +85,22 @@ class BlockServer:
         host.set_handler(PROTOCOL, self.handle, timeout=None)
 
     def block(self, cid: CID) -> bytes | None:
-        return self.store.get_unchecked(cid)  # hash-checked by _checked_block
+        return self.store.get_unchecked(cid)
 
-    def _checked_block(self, cid: CID) -> tuple[bytes, list[CID]] | None:
-        """The block and its children, or None if absent or failing its hash (never served)."""
+    def _block_and_links(self, cid: CID) -> tuple[bytes, list[CID]] | None:
+        """The block and its children's CIDs, or None if we lack it or cannot read its links.
+
+        Not re-hashed: the store checked it on the way in and the client checks it on arrival
+        (Kubo serves the same way, HashOnRead off). A block whose links do not decode is not served.
+        """
         data = self.block(cid)
         if data is None:
             return None
+        if cid.codec == RAW:
+            return data, []
         try:
-            return data, child_cids(cid, data)
-        except CIDError as exc:  # our store was edited or rotted on disk
+            return data, [link.cid for link in decode_node(data).links]
+        except CIDError as exc:
             log.error("%s: not serving %s: %s", PROTOCOL, cid, exc)
             return None
 
@@ -101,8 +109,8 @@ class BlockServer:
         reader = FrameReader(stream, chunk=MAX_REQUEST_BYTES)
         with trio.fail_after(self.idle_timeout):
             wants = decode_request(await reader.read_frame(MAX_REQUEST_BYTES, f"{PROTOCOL} request"), peer)
-        # a walker task reads and hash-checks blocks in worker threads (hashlib and file reads
-        # release the GIL) while this task writes the previous ones: disk and network overlap
+        # a walker task reads blocks in worker threads while this task writes the previous ones:
+        # disk and network overlap
         send, receive = trio.open_memory_channel[bytes | None](PIPELINE_DEPTH)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._walk, wants, send)
@@ -122,7 +130,7 @@ class BlockServer:
         async with send:
             pending = list(reversed(wants))
             while pending:
-                found = await trio.to_thread.run_sync(self._checked_block, pending.pop())
+                found = await trio.to_thread.run_sync(self._block_and_links, pending.pop())
                 if found is None:
                     await send.send(None)
                     return

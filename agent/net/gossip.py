@@ -14,6 +14,11 @@ Rules of this file:
 - Library defaults that would eat our own traffic are off: the heartbeat is ``heartbeat_interval``
   (1 s, not 120 s), and GossipSub's spam protection (10 msg/s per topic and forwarder, counting our
   own publishes) is replaced by our own token bucket per remote forwarder (``max_rate``).
+- py-libp2p drops an outbound RPC when a peer's 32-slot send queue is full (as go-libp2p-pubsub
+  does). Our own publishes wait for room instead (``publish_wait``); relayed messages can still be
+  dropped under a flood, and GossipSub's gossip (IHAVE/IWANT) repairs that within its window.
+- Delivery order is not promised: py-libp2p validates each received message in its own task, and
+  gossip may bring a message by another path. Consumers order by the messages' own fields.
 - Validated messages go straight into a channel of ours per topic (``delivery_buffer`` slots),
   bypassing py-libp2p's 32-slot subscription channel, which drops silently when a burst outruns
   its reader. When ours fills, the drop is counted (``dropped``) and logged, never silent.
@@ -53,6 +58,10 @@ class GossipConfig:
     max_burst: float = 400.0  # ... with this much burst
     blacklist_after: int = 50  # invalid messages before a peer is blacklisted
     delivery_buffer: int = 4096  # our per-topic channel (py-libp2p's holds 32)
+    publish_wait: float = 5.0  # longest a publish waits for room in peers' outbound queues
+
+
+QUEUE_HIGH_WATER = 24  # of py-libp2p's 32 outbound RPCs per peer
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,11 @@ class _GuardedPubsub(Pubsub):
     remote_errors: int = 0
     deliver: Callable[[Any], None]
 
+    async def stream_handler(self, stream: Any) -> None:
+        # py-libp2p reads each RPC's length prefix one byte per stream read, and every Yamux read
+        # may answer with a window update: buffered reads cut the frames per message several-fold
+        await super().stream_handler(BufferedReads(stream))
+
     def notify_subscriptions(self, publish_message: Any) -> None:
         self.deliver(publish_message)
 
@@ -116,6 +130,28 @@ class _GuardedPubsub(Pubsub):
         except Exception as exc:  # noqa: BLE001
             self.remote_errors += 1
             log.debug("dropped a message from %s that broke py-libp2p: %r", msg_forwarder, exc)
+
+
+class BufferedReads:
+    """A libp2p stream whose small reads are served from one larger read; all else delegated."""
+
+    CHUNK = 64 * 1024
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._buffer = b""
+        self._pos = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    async def read(self, n: int | None = None) -> bytes:
+        if self._pos == len(self._buffer):
+            self._buffer, self._pos = await self._stream.read(max(n or 0, self.CHUNK)), 0
+        end = len(self._buffer) if n is None else min(len(self._buffer), self._pos + n)
+        data = self._buffer[self._pos:end]
+        self._pos = end
+        return data
 
 
 class Subscription:
@@ -179,8 +215,15 @@ class Gossip:
         now = self.clock()
         data = seal(self.host.identity, message, now=now)
         message_id = open_envelope(data, now=now).envelope.message_id
+        await self._wait_for_queue_room()
         await self.pubsub.publish(topic_for(message), data)
         return message_id
+
+    async def _wait_for_queue_room(self) -> None:
+        """Back-pressure instead of loss: wait (bounded) while a peer's outbound queue is nearly full."""
+        with trio.move_on_after(self.config.publish_wait):
+            while any(len(queue) >= QUEUE_HIGH_WATER for queue in self.pubsub.peer_queues.values()):
+                await trio.sleep(0.002)
 
     # -- subscribing ------------------------------------------------------------------------------
 

@@ -63,8 +63,8 @@ async def test_a_corrupted_block_is_rejected_with_its_cid_and_the_fetch_resumes_
         class LyingServer(BlockServer):
             """Serves one corrupted block, after its own hash check (on purpose)."""
 
-            def _checked_block(self, cid):
-                block, children = super()._checked_block(cid)
+            def _block_and_links(self, cid):
+                block, children = super()._block_and_links(cid)
                 return (block[:-1] + bytes([block[-1] ^ 1]) if cid == bad.cid else block), children
 
         LyingServer(a_content.store).install(a.host)

@@ -79,3 +79,30 @@ async def test_misbehaving_peer_cannot_break_the_host():
         assert a.host.libp2p.get_network().get_connections(b.host.libp2p.get_id())[0] is a_conn
         # no stream of the misbehaviour is left open on a's side (gossip added at most its own)
         await wait_until(lambda: len(a_conn.get_streams()) <= streams_before + 1, timeout=5)
+
+
+async def test_cancelling_a_read_mid_transfer_does_not_kill_the_connection():
+    """py-libp2p sends Yamux window updates from inside stream reads; a read cancelled half-way
+    through that write used to leave half a frame on the wire and kill the connection."""
+    async with agents(2) as (a, b):
+        async def flood(stream):
+            for _ in range(64):
+                await stream.write(b"\0" * 65536)
+
+        async def echo(stream):
+            await stream.write(await stream.read(100))
+
+        a.host.set_handler("/test/flood/1", flood, timeout=10)
+        a.host.set_handler("/test/echo-raw/1", echo, timeout=10)
+        conn = b.host.libp2p.get_network().get_connections(a.host.libp2p.get_id())[0]
+        for attempt in range(20):
+            stream = await b.host.open_stream(a.peer_id, ["/test/flood/1"])
+            with trio.move_on_after(0.002 * (attempt + 1)):
+                while True:
+                    await stream.read(1 << 20)
+            await stream.reset()
+        stream = await b.host.open_stream(a.peer_id, ["/test/echo-raw/1"])
+        await stream.write(b"still alive")
+        with trio.fail_after(5):
+            assert await stream.read(100) == b"still alive"
+        assert b.host.libp2p.get_network().get_connections(a.host.libp2p.get_id())[0] is conn
