@@ -81,6 +81,8 @@ class CoordinatorRole:
         view.leases[(grant.round, grant.shard, grant.attempt)] = lease
         agent.apply_actions(view, actions)
         await agent.publish(lease)
+        if worker == agent.peer_id and agent.worker is not None:
+            agent.worker.on_lease(view, lease)  # our own echo is skipped by the mirror
         agent.ledger(view.job_id, "lease", {"round": grant.round, "shard": grant.shard, "attempt": grant.attempt,
                                             "worker": worker, "expires_at": float(grant.expires_at)})
 
