@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time

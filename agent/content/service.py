@@ -18,15 +18,17 @@ Rules of this file:
 
 from __future__ import annotations
 
+import io
 import logging
 import os
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import trio
+from libp2p.peer.peerinfo import PeerInfo
 
 from agent.content.bitswap import BitswapExchange
 from agent.content.blockstore import BlockStore
@@ -34,10 +36,11 @@ from agent.content.errors import ContentError, FetchError
 from agent.content.exchange import BlockServer, fetch_from_peer
 from agent.content.ipfs_daemon import IpfsDaemon
 from agent.net.discovery import Discovery
-from agent.net.errors import NetError
+from agent.net.errors import NetConfigError, NetError
 from agent.net.host import Host, parse_peer_multiaddr
 from protocol.cid import CID, parse_cid
-from protocol.errors import CIDError
+from protocol.errors import CIDError, KeyFileError
+from protocol.identity import public_key_from_peer_id
 from protocol.unixfs import Block, StreamVerifier, import_file
 
 log = logging.getLogger(__name__)
@@ -103,8 +106,6 @@ class ContentService:
         return root
 
     async def add_bytes(self, data: bytes, *, provide: bool = True) -> CID:
-        import io
-
         root = await trio.to_thread.run_sync(
             lambda: import_file(io.BytesIO(data), cid_version=1, on_block=self._store_own_block))
         if provide:
@@ -125,6 +126,7 @@ class ContentService:
         root = parse_cid(cid) if isinstance(cid, str) else cid
         if via not in (VIA_BLOCKS, VIA_BITSWAP):
             raise ValueError(f"via must be {VIA_BLOCKS!r} or {VIA_BITSWAP!r}")
+        sources = _parse_providers(providers)
         out_path = Path(out_path)
         out_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = out_path.with_name(f".{out_path.name}.part{os.getpid()}")
@@ -139,9 +141,10 @@ class ContentService:
                     report.fetched_blocks += 1
 
                 with trio.move_on_after(timeout) as deadline:
-                    self._resume_from_store(verifier, out, report)
+                    # in a thread: resuming a large file re-hashes every block it already has
+                    await trio.to_thread.run_sync(self._resume_from_store, verifier, out, report)
                     if not verifier.done:
-                        await self._fetch_remote(verifier, on_block, report, providers, via, use_dht)
+                        await self._fetch_remote(verifier, on_block, report, sources, via, use_dht)
                 if not verifier.done:
                     reason = (f"not complete within {timeout:.0f} s" if deadline.cancelled_caught
                               else "no source could supply the rest")
@@ -168,27 +171,17 @@ class ContentService:
             report.local_blocks += 1
 
     async def _fetch_remote(self, verifier: StreamVerifier, on_block: Any, report: FetchReport,
-                            providers: Sequence[str], via: str, use_dht: bool) -> None:
-        tried: set[str] = set()
-        for peer in await self._candidates(verifier.root, providers, use_dht, report):
+                            providers: list[tuple[str, PeerInfo | None]], via: str, use_dht: bool) -> None:
+        tried = {self.host.peer_id}
+        for peer, info in providers:
             if verifier.done:
                 return
-            if peer in tried or peer == self.host.peer_id:
-                continue
-            tried.add(peer)
-            before = report.fetched_blocks
-            try:
-                if via == VIA_BITSWAP:
-                    await self.bitswap.fetch_from_peer(peer, verifier, on_block, idle_timeout=self.idle_timeout)
-                else:
-                    await fetch_from_peer(self.host, peer, verifier, on_block, idle_timeout=self.idle_timeout)
-                if not verifier.done:
-                    report.attempts.append(f"{peer}: lacks block {verifier.expected()}")
-            except (NetError, CIDError) as exc:
-                report.attempts.append(f"{peer}: {exc}")
-                log.info("fetch %s: %s", verifier.root, report.attempts[-1])
-            if report.fetched_blocks > before:
-                report.providers_used.append(peer)
+            await self._try_provider(peer, info, verifier, on_block, report, via, tried)
+        if use_dht and not verifier.done:
+            for info in await self.discovery.find_providers(verifier.root, timeout=self.idle_timeout):
+                if verifier.done:
+                    return
+                await self._try_provider(info.peer_id.to_base58(), info, verifier, on_block, report, via, tried)
         if not verifier.done and self.ipfs is not None:
             try:
                 await self.ipfs.fetch_blocks(verifier, on_block)
@@ -196,40 +189,52 @@ class ContentService:
             except ContentError as exc:
                 report.attempts.append(f"ipfs daemon: {exc}")
 
-    async def _candidates(self, root: CID, providers: Sequence[str], use_dht: bool,
-                          report: FetchReport) -> Iterable[str]:
-        peers: list[str] = []
-        for i, text in enumerate(providers):
-            if text.startswith("/"):
-                info = parse_peer_multiaddr(text, f"providers[{i}]")
-                try:
-                    await self.host.connect(info, timeout=self.idle_timeout)
-                except NetError as exc:
-                    report.attempts.append(str(exc))
-                    continue
-                peers.append(info.peer_id.to_base58())
+    async def _try_provider(self, peer: str, info: PeerInfo | None, verifier: StreamVerifier, on_block: Any,
+                            report: FetchReport, via: str, tried: set[str]) -> None:
+        """Take as many blocks from ``peer`` as it will give; record why it stopped if incomplete."""
+        if peer in tried:
+            return
+        tried.add(peer)
+        before = report.fetched_blocks
+        try:
+            await self._reach(peer, info)
+            if via == VIA_BITSWAP:
+                await self.bitswap.fetch_from_peer(peer, verifier, on_block, idle_timeout=self.idle_timeout)
             else:
-                if text not in self.host.connected_peers():
-                    info = await self.discovery.find_peer(text)
-                    if info is None:
-                        report.attempts.append(f"{text}: no known address")
-                        continue
-                    try:
-                        await self.host.connect(info, timeout=self.idle_timeout)
-                    except NetError as exc:
-                        report.attempts.append(str(exc))
-                        continue
-                peers.append(text)
-        if use_dht:
-            for info in await self.discovery.find_providers(root, timeout=self.idle_timeout):
-                if info.addrs:
-                    try:
-                        await self.host.connect(info, timeout=self.idle_timeout)
-                    except NetError as exc:
-                        report.attempts.append(str(exc))
-                        continue
-                peers.append(info.peer_id.to_base58())
-        return peers
+                await fetch_from_peer(self.host, peer, verifier, on_block, idle_timeout=self.idle_timeout)
+            if not verifier.done:
+                report.attempts.append(f"{peer}: lacks block {verifier.expected()}")
+        except (NetError, CIDError) as exc:
+            report.attempts.append(f"{peer}: {exc}")
+            log.info("fetch %s: %s", verifier.root, report.attempts[-1])
+        if report.fetched_blocks > before:
+            report.providers_used.append(peer)
+
+    async def _reach(self, peer: str, info: PeerInfo | None) -> None:
+        """Be connected to ``peer``, dialing its known or DHT-found addresses (one deadline each)."""
+        if peer in self.host.connected_peers():
+            return
+        if info is None or not info.addrs:
+            info = await self.discovery.find_peer(peer)
+            if info is None:
+                raise NetError(f"no address known for {peer}")
+        await self.host.connect(info, timeout=self.idle_timeout)
+
+
+def _parse_providers(providers: Sequence[str]) -> list[tuple[str, PeerInfo | None]]:
+    """Peer IDs or /p2p/ multiaddrs → (peer ID, addresses if given); NetConfigError naming a bad one."""
+    out: list[tuple[str, PeerInfo | None]] = []
+    for i, text in enumerate(providers):
+        if text.startswith("/"):
+            info = parse_peer_multiaddr(text, f"providers[{i}]")
+            out.append((info.peer_id.to_base58(), info))
+        else:
+            try:
+                public_key_from_peer_id(text)
+            except KeyFileError as exc:
+                raise NetConfigError(f"providers[{i}]: {exc}") from None
+            out.append((text, None))
+    return out
 
 
 @asynccontextmanager

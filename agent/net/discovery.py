@@ -164,7 +164,10 @@ class Discovery:
     async def maintain(self, *, advertise: bool, interval: float = 30.0) -> None:
         """Forever: re-advertise (if ``advertise``) and re-discover workers every ``interval`` s."""
         while True:
-            if advertise:
-                await self.advertise_worker()
-            await self.find_workers()
+            try:
+                if advertise:
+                    await self.advertise_worker()
+                await self.find_workers()
+            except Exception as exc:  # noqa: BLE001 - a failed round must not end discovery
+                log.warning("discovery round failed: %r", exc)
             await trio.sleep(interval)

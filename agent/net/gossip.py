@@ -196,7 +196,7 @@ class Gossip:
         self._my_id = host.libp2p.get_id()
         self._replay = ReplayCache()
         self._rate = _TokenBuckets(config.max_rate, config.max_burst)
-        # verified messages waiting for the drain task, by py-libp2p message ID
+        # verified messages between validation and delivery, by py-libp2p message ID
         self._stash: OrderedDict[bytes, Received] = OrderedDict()
         self._subscriptions: dict[str, Subscription] = {}
         self.invalid: Counter[str] = Counter()  # envelope-rule violations, per forwarding peer

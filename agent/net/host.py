@@ -20,7 +20,6 @@ Rules of this file:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -43,8 +42,6 @@ from libp2p.tools.anyio_service.context import background_trio_service
 from agent.net.errors import NetConfigError, NetError
 from agent.net.streams import HandlerGuard, StreamHandler
 from protocol.identity import Identity
-
-log = logging.getLogger(__name__)
 
 DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
 

@@ -7,11 +7,13 @@ anyone, each is counted against it, and no honest agent is ever blamed for forwa
 """
 
 import time
+from functools import partial
 
 import msgpack
 import pytest
 import trio
 
+from agent.net.discovery import WORKERS_KEY, dht_key
 from agent.net.gossip import GossipConfig
 from protocol.codec import canonical_encode, decode_canonical
 from protocol.envelope import MAX_ENVELOPE_BYTES, seal
@@ -52,7 +54,7 @@ async def mesh_ready(nets, topic: str, timeout: float = 15.0) -> None:
 
 async def test_six_agents_find_each_other_through_the_dht_and_gossip_reaches_all():
     async with agents(6) as nets:
-        boot, workers = nets[0], nets[1:]
+        workers = nets[1:]  # nets[0] is the bootstrap peer
         # the workers know only the bootstrap address; they advertise under the workers key
         async with trio.open_nursery() as nursery:
             for net in workers:
@@ -84,6 +86,18 @@ async def test_a_new_agent_finds_running_workers_knowing_only_the_bootstrap():
         with trio.fail_after(20):
             found = set(await newcomer.discovery.find_workers())
         assert found == {nets[1].peer_id, nets[2].peer_id}
+
+
+async def test_maintenance_keeps_advertising_and_dialing_new_workers():
+    async with agents(4) as nets:
+        for net in nets[1:3]:
+            net.host.nursery.start_soon(partial(net.discovery.maintain, advertise=True, interval=0.5))
+        newcomer = nets[3]
+        newcomer.host.nursery.start_soon(partial(newcomer.discovery.maintain, advertise=False, interval=0.5))
+        workers = {nets[1].peer_id, nets[2].peer_id}
+        await wait_until(lambda: workers <= set(newcomer.host.connected_peers())
+                         and workers <= {p.peer_id.to_base58() for p in newcomer.discovery.dht.provider_store.get_providers(
+                             dht_key(WORKERS_KEY))}, timeout=20)
 
 
 async def test_invalid_messages_reach_no_one_and_count_against_the_sender():
