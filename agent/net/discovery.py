@@ -12,7 +12,8 @@ Rules of this file:
   local store alone as soon as that holds any record (ourselves included, once we provide the same
   key), which would hide every other provider; ``find_providers`` here merges the local records
   with an iterative network lookup.
-- Every query runs under a deadline; a peer that does not answer costs one query timeout.
+- Every query runs under a deadline; a peer that does not answer costs one query timeout. Every
+  inbound DHT stream runs under one too (``INBOUND_STREAM_TIMEOUT``).
 - ``maintain`` (a task in the host's nursery) re-advertises and re-discovers periodically and dials
   newly found workers, so gossip meshes form among agents that never listed each other.
 """
@@ -23,6 +24,7 @@ import logging
 from typing import Any
 
 import trio
+from libp2p.kad_dht.common import PROTOCOL_ID as KAD_PROTOCOL_ID
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 from libp2p.peer.id import ID
@@ -40,6 +42,7 @@ logging.getLogger("libp2p.kad_dht.kad_dht").setLevel(logging.ERROR)
 WORKERS_NAMESPACE = b"infernet/v1/workers"
 WORKERS_KEY = CID.for_block(WORKERS_NAMESPACE, RAW)
 QUERY_TIMEOUT = 5.0
+INBOUND_STREAM_TIMEOUT = 30.0
 ALPHA = 3
 
 
@@ -55,6 +58,9 @@ class Discovery:
         self.host = host
         self.dht = KadDHT(host.libp2p, DHTMode.SERVER)
         host.add_service(self.dht)
+        # py-libp2p serves at most 12 inbound DHT streams at once and puts no deadline on them, so
+        # a few silent streams would shut our DHT to everyone: each one gets a deadline
+        host.set_handler(KAD_PROTOCOL_ID, self.dht.handle_stream, timeout=INBOUND_STREAM_TIMEOUT)
         self._advertised: set[bytes] = set()
 
     async def bootstrap(self, *, timeout: float | None = None) -> list[str]:
