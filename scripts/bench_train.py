@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--checkpoint-every", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))

@@ -2,8 +2,9 @@
 
 Rules of this file:
 - No model hub is reachable here, so the demo base model is made, not downloaded: a byte-level
-  BPE tokenizer trained (tokenizers library) on a fixed corpus, and a Qwen2 model of about 0.9M
-  parameters initialised from ``seed``. Same seed and library versions give the same files and so
+  BPE tokenizer trained (tokenizers library) on a fixed corpus, and a Qwen2 model of about 1M
+  parameters initialised from ``seed``, its (untied) output matrix drawn wider than the default
+  so that an adapter alone can make confident predictions. Same seed and library versions give the same files and so
   the same ``base_model_sha256``.
 - The result is a plain Hugging Face directory (config.json, model.safetensors, tokenizer.json,
   tokenizer_config.json with the ChatML ``chat_template``), loaded like any real base model.
@@ -27,7 +28,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-TINY_VERSION = 2
+TINY_VERSION = 4
 VOCAB_SIZE = 1024
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
@@ -41,14 +42,14 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-EMBEDDING_STD = 0.25
+OUTPUT_EMBEDDING_STD = 0.2
 QWEN2_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 MODEL_DIMS = dict(
     vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    tie_word_embeddings=True, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, rms_norm_eps=1e-6,
 )
 
 COLOURS = {
@@ -144,9 +145,9 @@ def build_tiny_model(directory: str | Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     with torch.no_grad():
-        # wider than the 0.02 default: with tied embeddings that small, logits span only about
+        # wider than the 0.02 default: with an output matrix that small, logits span only about
         # +-2.5 after the final norm, and no adapter could push the loss below ~4.4 nats
-        model.get_input_embeddings().weight.normal_(0.0, EMBEDDING_STD)
+        model.get_output_embeddings().weight.normal_(0.0, OUTPUT_EMBEDDING_STD)
     torch.random.set_rng_state(generator_state)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
