@@ -63,7 +63,7 @@ class AgentConfig:
     threads: int = 1
     models: tuple[tuple[str, str], ...] = ()  # (base_model name in a job, local path)
     heartbeat_seconds: float = 1.0
-    missed_heartbeats: int = 4
+    missed_heartbeats: int = 5
     grace_seconds: float = 3.0
     claim_interval: float = 1.0
     fetch_timeout: float = 120.0
@@ -248,6 +248,8 @@ class Agent:
             self.apply_actions(view, actions)
             if self.worker is not None and isinstance(msg, m.ShardLease) and msg.worker == self.peer_id:
                 self.worker.on_lease(view, msg)
+            elif isinstance(msg, m.Verdict):
+                self.submitter.on_verdict(view, msg)
 
     def apply_actions(self, view: JobView, actions: tuple[Any, ...] | None) -> None:
         """Carry out what the state machine asked for, in our roles; wake anyone waiting on the job."""

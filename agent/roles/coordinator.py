@@ -6,7 +6,9 @@ Rules of this file:
   our term; the actions the machine returns tell us what to do next.
 - Which worker gets a lease is ours to decide: the shard it asked for if OPEN, else the lowest OPEN
   one; never a second lease of this job to one worker; never a lease to a worker whose work in
-  this job was rejected.
+  this job was rejected; never a lease to ourselves — a coordinator does not judge its own work,
+  and accepted work must outlive the coordinator (the worker, the submitter and the verifier
+  each hold a copy).
 - A report is accepted only if: the adapter and proof bundles fetch and hash-check by CID; the proof
   is about this job, round, shard, attempt, worker, base model and seed; its chain ends in the
   reported head and passes through every head the worker gossiped; the adapter's tensors are finite,
@@ -64,7 +66,7 @@ class CoordinatorRole:
             return
         if view.state.phase not in (st.JobPhase.ANNOUNCED, st.JobPhase.TRAINING):
             return
-        if worker in self._banned.get(view.job_id, set()) or view.held_by(worker):
+        if worker == agent.peer_id or worker in self._banned.get(view.job_id, set()) or view.held_by(worker):
             return
         open_shards = view.open_shards()
         if not open_shards:
@@ -81,8 +83,6 @@ class CoordinatorRole:
         view.leases[(grant.round, grant.shard, grant.attempt)] = lease
         agent.apply_actions(view, actions)
         await agent.publish(lease)
-        if worker == agent.peer_id and agent.worker is not None:
-            agent.worker.on_lease(view, lease)  # our own echo is skipped by the mirror
         agent.ledger(view.job_id, "lease", {"round": grant.round, "shard": grant.shard, "attempt": grant.attempt,
                                             "worker": worker, "expires_at": float(grant.expires_at)})
 
@@ -246,9 +246,10 @@ class CoordinatorRole:
             entry = self.accepted_adapters.get((view.job_id, action.round, shard))
             if entry is None:  # verified by a coordinator before us: fetch the accepted adapter
                 attempt = view.shard(shard).attempt
-                report, _worker = view.reports[(action.round, shard, attempt)]
+                report, worker = view.reports[(action.round, shard, attempt)]
                 bundle = work / f"adapter-{shard}.tar"
-                await agent.content.fetch(report.adapter_cid, bundle, timeout=agent.config.fetch_timeout)
+                await agent.content.fetch(report.adapter_cid, bundle, timeout=agent.config.fetch_timeout,
+                                          providers=[terms.submitter, worker])
                 entry = (unpack(bundle, work / f"adapter-{shard}", allowed=ADAPTER_FILES), report.samples)
             inputs.append(entry)
         out = work / "adapter"

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from protocol import messages as m
+from protocol.cid import parse_cid
 
 if TYPE_CHECKING:
     from agent.node import Agent
@@ -92,6 +93,23 @@ class SubmitterRole:
             await trio.sleep(self.reannounce_seconds)
             if not view.state.terminal:
                 await self.agent.publish(m.JobAnnouncement.for_terms(view.terms))
+
+    def on_verdict(self, view: "JobView", verdict: m.Verdict) -> None:
+        """Keep a copy of every accepted adapter of our job, so no accepted work is lost with its worker."""
+        if verdict.accepted and view.terms.submitter == self.agent.peer_id:
+            report, worker = view.reports.get((verdict.round, verdict.shard, verdict.attempt), (None, None))
+            if report is not None:
+                self.agent.nursery.start_soon(self._keep, view, report.adapter_cid, worker)
+
+    async def _keep(self, view: "JobView", cid: str, worker: str) -> None:
+        agent = self.agent
+        out = agent.work_dir / view.job_id.hex()[:16] / "accepted" / f"{cid}.tar"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            await agent.content.fetch(cid, out, timeout=agent.config.fetch_timeout, providers=[worker])
+            await agent.net.discovery.provide(parse_cid(cid))
+        except Exception as exc:  # noqa: BLE001 - best effort; the worker still holds it
+            log.warning("job %s: could not keep accepted adapter %s: %s", view.job_id.hex()[:8], cid, exc)
 
     async def cancel(self, view: "JobView", reason: str) -> None:
         from protocol.state import Cancel

@@ -95,8 +95,8 @@ class WorkerRole:
                     continue
                 if view.state.phase not in (st.JobPhase.ANNOUNCED, st.JobPhase.TRAINING):
                     continue
-                if view.coordination.coordinator is None or view.held_by(agent.peer_id):
-                    continue
+                if view.coordination.coordinator in (None, agent.peer_id) or view.held_by(agent.peer_id):
+                    continue  # no coordinator yet, or it is us (we don't train what we judge)
                 if any(k[0] == view.job_id for k in self.active):
                     continue
                 open_shards = view.open_shards()
@@ -142,6 +142,7 @@ class WorkerRole:
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
         shard_path = run_dir / "shard.jsonl"
+        log.info("job %s shard %d attempt %d: fetching %s", view.job_id.hex()[:8], lease.shard, lease.attempt, ref.cid)
         await agent.content.fetch(ref.cid, shard_path, timeout=agent.config.fetch_timeout,
                                   providers=[terms.submitter])
         model_path = self.local_model(terms)
@@ -177,6 +178,7 @@ class WorkerRole:
         def on_checkpoint(event: Any) -> None:
             trio.from_thread.run(commit, event)
 
+        log.info("job %s shard %d attempt %d: training", view.job_id.hex()[:8], lease.shard, lease.attempt)
         result = await trio.to_thread.run_sync(run_torch, train_shard, request, on_checkpoint)
         genesis = request.run_dir / "checkpoints" / "step-000000"
         checkpoint_cids[0] = str(await agent.content.add_file(pack_dir(genesis, genesis.with_suffix(".tar")),

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import trio
 
 from agent.node import Agent, AgentConfig
-from agent.train.tiny import tiny_model
+from agent.train.data import write_chatml
+from agent.train.tiny import demo_records, tiny_model
 from protocol.identity import Identity
 
 pytestmark = pytest.mark.network
@@ -23,8 +25,13 @@ def tiny_model_dir() -> Path:
     return tiny_model()
 
 
-def fast_spec(**overrides):
-    """A small job the tiny model trains in seconds (jobspec defaults otherwise)."""
+def write_dataset(path: Path, n: int = 160) -> Path:
+    write_chatml(path, demo_records(n, seed=5))
+    return path
+
+
+def fast_spec(shards: int = 4, rounds: int = 2, max_retries: int = 2, lease_seconds: int = 60, max_steps: int = 8):
+    """A small job the tiny model trains in about a second per shard (jobspec defaults otherwise)."""
     from protocol.jobspec import parse_spec
 
     text = f"""
@@ -32,40 +39,67 @@ name: role-test
 base_model: {MODEL_NAME}
 seed: 3
 input: {{dataset: demo.jsonl, validation_split: 0.1}}
-training: {{batch_size: 8, learning_rate: 0.01, max_steps: 8, max_seq_len: 96}}
+training: {{batch_size: 8, learning_rate: 0.01, max_steps: {max_steps}, max_seq_len: 96}}
 lora: {{rank: 4, alpha: 8, target_modules: [q_proj, v_proj]}}
-shards: {overrides.pop('shards', 4)}
-rounds: {overrides.pop('rounds', 2)}
-max_retries: {overrides.pop('max_retries', 2)}
+shards: {shards}
+rounds: {rounds}
+max_retries: {max_retries}
 proof: {{checkpoint_every: 4, verify_segments: 1, tolerance: 0.0001}}
-lease_seconds: {overrides.pop('lease_seconds', 60)}
+lease_seconds: {lease_seconds}
 """
     return parse_spec(text, "test-spec")
 
 
+@dataclass
+class LoopbackNet:
+    submitter: Agent
+    workers: list[Agent]
+    nursery: trio.Nursery
+    scopes: dict[str, trio.CancelScope] = field(default_factory=dict)
+
+    def kill(self, agent: Agent) -> None:
+        """Stop an agent abruptly: no release, no goodbye (its connections just close)."""
+        self.scopes[agent.peer_id].cancel()
+
+    def alive(self) -> list[Agent]:
+        return [a for a in self.workers if not self.scopes[a.peer_id].cancel_called]
+
+
+async def _run(agent: Agent, scope: trio.CancelScope, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    with scope:
+        await agent.run(task_status=task_status)
+
+
 @asynccontextmanager
 async def network(tmp_path: Path, model_dir: Path, workers: int = 3, *,
-                  misbehave: dict[int, str] | None = None) -> AsyncIterator[tuple[Agent, list[Agent], trio.Nursery]]:
-    """A submitter (bootstrap, not a coordinator) and ``workers`` training agents."""
+                  misbehave: dict[int, str] | None = None,
+                  overrides: dict[int, dict] | None = None) -> AsyncIterator[LoopbackNet]:
+    """A submitter (bootstrap, never a coordinator) and ``workers`` training agents.
+
+    Misbehaving workers never coordinate: a Byzantine coordinator is another test's subject.
+    """
     misbehave = misbehave or {}
     models = ((MODEL_NAME, str(model_dir)),)
     async with trio.open_nursery() as nursery:
         submitter = Agent(Identity.generate(), AgentConfig(home=tmp_path / "submitter", can_coordinate=False,
                                                            models=models))
-        await nursery.start(submitter.run)
+        net = LoopbackNet(submitter, [], nursery)
+        net.scopes[submitter.peer_id] = trio.CancelScope()
+        await nursery.start(_run, submitter, net.scopes[submitter.peer_id])
         bootstrap = (submitter.addrs()[0],)
-        pool = []
         for i in range(workers):
             config = AgentConfig(home=tmp_path / f"worker{i}", bootstrap=bootstrap, accept_training=True,
-                                 models=models, misbehave=misbehave.get(i))
+                                 models=models, misbehave=misbehave.get(i), can_coordinate=i not in misbehave,
+                                 **(overrides or {}).get(i, {}))
             agent = Agent(Identity.generate(), config)
-            await nursery.start(agent.run)
-            pool.append(agent)
-        # every agent must know every other one (heartbeats) before a job is announced
-        with trio.fail_after(30):
-            while any(len(a.eligible_coordinators()) < workers for a in [submitter, *pool]):
+            net.scopes[agent.peer_id] = trio.CancelScope()
+            await nursery.start(_run, agent, net.scopes[agent.peer_id])
+            net.workers.append(agent)
+        honest = workers - len(misbehave)
+        with trio.fail_after(30):  # everyone knows everyone (heartbeats) before a job is announced
+            while any(len(a.eligible_coordinators()) < honest for a in [submitter, *net.workers]):
                 await trio.sleep(0.2)
         try:
-            yield submitter, pool, nursery
+            yield net
         finally:
             nursery.cancel_scope.cancel()

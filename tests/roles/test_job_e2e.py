@@ -8,19 +8,15 @@ import trio
 from agent.train.data import write_chatml
 from agent.train.tiny import demo_records
 from protocol import state as st
-from tests.roles.conftest import fast_spec, network
+from tests.roles.conftest import fast_spec, network, write_dataset
 
 pytestmark = pytest.mark.network
 
 
-def write_dataset(path, n=160):
-    write_chatml(path, demo_records(n, seed=5))
-    return path
-
-
 async def test_job_completes_and_aggregate_beats_base(tmp_path, tiny_model_dir):
     dataset = write_dataset(tmp_path / "demo.jsonl")
-    async with network(tmp_path, tiny_model_dir) as (submitter, workers, _):
+    async with network(tmp_path, tiny_model_dir) as net:
+        submitter, workers = net.submitter, net.workers
         terms = await submitter.submitter.prepare_terms(fast_spec(), dataset, str(tiny_model_dir))
         view = await submitter.submitter.announce(terms)
         await submitter.wait_for(lambda: view.state.terminal, timeout=240)
