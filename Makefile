@@ -12,7 +12,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,qlora]'
 	touch $@
 
 test: setup
@@ -23,6 +23,9 @@ test-all: setup
 
 bench: setup
 	$(PY) scripts/bench_cid.py
+	$(PY) scripts/bench_net.py
+	$(PY) scripts/bench_train.py
+	$(PY) scripts/bench_aggregate.py --threads 1
 
 demo: setup
 	$(VENV)/bin/infernet demo

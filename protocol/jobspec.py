@@ -261,7 +261,7 @@ class ResourcesSpec:
 class ProofSpec:
     checkpoint_every: int = _key(20, _Integer(1))
     verify_segments: int = _key(2, _Integer(0, 1024))
-    tolerance: float = _key(0.01, _Number(0))
+    tolerance: float = _key(0.0001, _Number(0))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -378,7 +378,8 @@ max_retries: 2                    # extra attempts per shard after a failed, exp
 proof:                            # proof of training
   checkpoint_every: 20            # optimizer steps between committed checkpoints, >= 1
   verify_segments: 2              # segments a verifier replays per shard; 0 = no replay
-  tolerance: 0.01                 # largest accepted difference between replay and commitment, >= 0
+  tolerance: 0.0001               # largest relative L2 distance a replay may differ by when the
+                                  # environments differ (fp32); identical environments must match exactly
 
 lease_seconds: 3600               # how long a worker holds a shard before it may be reassigned, >= 10
 
