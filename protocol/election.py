@@ -144,3 +144,18 @@ class Coordination:
 def stepped_down(before: Coordination, after: Coordination, me: str) -> bool:
     """True when ``me`` coordinated in ``before`` and no longer does in ``after``."""
     return before.is_coordinator(me) and not after.is_coordinator(me)
+
+
+def keep_or_elect(view: Coordination, eligible: Iterable[str]) -> Coordination:
+    """The view after a liveness update: the coordinator stays while it is eligible and live;
+    only when it is not does the next peer by rank take over (term + 1).
+
+    Agents use this rather than ``follow_view`` once a job has a coordinator, so that a peer
+    joining (or a view that briefly differs) never moves a running job: terms change only when a
+    coordinator falls silent. A job's first view is formed ``grace`` seconds after the job is first
+    seen (ipips/0006 §1.3), so peers whose views converged agree on term 1.
+    """
+    eligible = frozenset(eligible)
+    if view.coordinator is not None and view.coordinator in eligible:
+        return view
+    return view.follow_view(eligible)

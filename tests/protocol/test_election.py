@@ -240,3 +240,24 @@ def test_terms_never_decrease_and_stale_terms_never_pass(job_id, moves):
         assert term >= before.term, "a stale term never passes"
         assert view.term == term and view.coordinator == signer
         assert term == before.term or signer in live, "a higher term is adopted only from a live peer"
+
+
+def test_keep_or_elect_keeps_a_live_coordinator_and_replaces_a_silent_one():
+    from protocol.election import Coordination, keep_or_elect, rank_peers
+    from protocol.identity import Identity
+
+    job = bytes(range(32))
+    peers = [Identity(bytes([i]) * 32).peer_id for i in range(1, 7)]
+    ranking = rank_peers(job, peers)
+    # first view over all but the top-ranked peer
+    view = keep_or_elect(Coordination(job), ranking[1:])
+    assert (view.term, view.coordinator) == (1, ranking[1])
+    # the top-ranked peer appears: a running job does not move (follow_view would move it)
+    assert keep_or_elect(view, ranking) == view
+    assert Coordination(job).follow_view(ranking[1:]).follow_view(ranking).coordinator == ranking[0]
+    # the coordinator falls silent: the best remaining peer takes over in the next term
+    after = keep_or_elect(view, [p for p in ranking if p != ranking[1]])
+    assert (after.term, after.coordinator) == (2, ranking[0])
+    # nobody left: no coordinator, term still rises
+    empty = keep_or_elect(after, [])
+    assert (empty.term, empty.coordinator) == (3, None)
