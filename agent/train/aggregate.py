@@ -224,7 +224,12 @@ def _sorted_coordinates(checked: _Checked, key: str) -> list[torch.Tensor]:
 def _refactor_mean_update(
     checked: _Checked, module: LoraModule, rank: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Best rank-r factors B' = U·√S (out, r), A' = √S·Vᵀ (r, in) of Σ wᵢ·BᵢAᵢ, never forming out×in."""
+    """Best rank-r factors B' = U·S (out, r), A' = Vᵀ (r, in, orthonormal rows) of Σ wᵢ·BᵢAᵢ, never forming out×in.
+
+    The singular values go to B so that A' keeps unit-norm rows even where the mean update is zero
+    (an untrained module, a rank above the update's): a zero row of A could never train again in
+    the next round, while a unit row is a fresh direction, as at LoRA's own initialisation.
+    """
     a_factors = [adapter[module.a_key] for adapter in checked.adapters]
     b_factors = [adapter[module.b_key] for adapter in checked.adapters]
     for index, (a, b) in enumerate(zip(a_factors, b_factors)):
@@ -248,9 +253,8 @@ def _refactor_mean_update(
             f"svd: rank {rank_out} exceeds the largest rank the mean update of module "
             f"{module.name} can have: min(out, in, K·r) = {s.shape[0]}"
         )
-    root = s[:rank_out].sqrt()
-    b_new = q_b @ (u[:, :rank_out] * root)
-    a_new = (root[:, None] * vh[:rank_out]) @ q_a.T
+    b_new = q_b @ (u[:, :rank_out] * s[:rank_out])
+    a_new = vh[:rank_out] @ q_a.T
     return b_new.to(dtype), a_new.to(dtype)
 
 

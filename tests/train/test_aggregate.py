@@ -144,10 +144,23 @@ def test_svd_at_the_input_rank_is_the_best_rank_r_approximation_of_the_mean_upda
         u, s, vh = np.linalg.svd(numpy_mean_update(arrays, counts, name))
         best = (u[:, :4] * s[:4]) @ vh[:4]
         np.testing.assert_allclose(product(result, name), best, rtol=1e-9, atol=1e-9)
-        # balanced factors (IPIP-0006): both carry √S, so BᵀB = AAᵀ = diag(S)
+        # IPIP-0006: A' has orthonormal rows and B' carries S, so AAᵀ = I and BᵀB = diag(S²)
         b, a = result[f"{name}.lora_B.weight"].numpy(), result[f"{name}.lora_A.weight"].numpy()
-        np.testing.assert_allclose(b.T @ b, np.diag(s[:4]), atol=1e-9)
-        np.testing.assert_allclose(a @ a.T, np.diag(s[:4]), atol=1e-9)
+        np.testing.assert_allclose(a @ a.T, np.eye(4), atol=1e-9)
+        np.testing.assert_allclose(b.T @ b, np.diag(s[:4] ** 2), rtol=1e-9, atol=1e-9)
+
+
+def test_svd_keeps_a_trainable_where_the_mean_update_is_zero(rng):
+    # untrained modules: B = 0 everywhere, so the mean update is 0; A' must not collapse to 0
+    arrays = [make_adapter(rng, rank=4) for _ in range(2)]
+    for adapter in arrays:
+        for name in module_names():
+            adapter[f"{name}.lora_B.weight"][:] = 0
+    result = svd([(to_torch(a), n) for a, n in zip(arrays, [1, 1])])
+    for name in module_names():
+        a = result[f"{name}.lora_A.weight"].numpy()
+        np.testing.assert_allclose(a @ a.T, np.eye(4), atol=1e-9)
+        assert not result[f"{name}.lora_B.weight"].numpy().any()
 
 
 def test_svd_in_float32_keeps_the_dtype_and_matches_to_float_tolerance(rng):
