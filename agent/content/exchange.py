@@ -34,7 +34,7 @@ import trio
 from agent.content.blockstore import BlockStore
 from agent.net.errors import PeerProtocolError
 from agent.net.host import Host
-from agent.net.streams import FrameReader, remote_peer
+from agent.net.streams import FrameReader, close_quietly, remote_peer, reset_quietly
 from protocol.cid import CID, RAW, varint_encode
 from protocol.codec import canonical_encode, decode_canonical
 from protocol.errors import CIDError, CodecError
@@ -199,11 +199,7 @@ async def _fetch_batch(host: Host, peer: str, verifier: StreamVerifier, wants: l
         ok = True
         return True
     finally:
-        with trio.move_on_after(2):
-            try:
-                await (stream.close() if ok else stream.reset())
-            except Exception:
-                pass
+        await (close_quietly(stream) if ok else reset_quietly(stream))
 
 
 async def _read_blocks(reader: FrameReader, peer: str, send: trio.MemorySendChannel, idle_timeout: float) -> bool:
