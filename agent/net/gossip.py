@@ -19,6 +19,10 @@ Rules of this file:
   dropped under a flood, and GossipSub's gossip (IHAVE/IWANT) repairs that within its window.
 - Delivery order is not promised: py-libp2p validates each received message in its own task, and
   gossip may bring a message by another path. Consumers order by the messages' own fields.
+- ``Gossip.faults`` (the protocol test harness only, never set in production) acts on messages
+  *after* validation, as a hostile network would: it may drop, duplicate, delay (and so reorder)
+  them, or drop everything signed by peers on the other side of a partition. The roles above must
+  cope with all of it; a forged message still never gets past validation.
 - Validated messages go straight into a channel of ours per topic (``delivery_buffer`` slots),
   bypassing py-libp2p's 32-slot subscription channel, which drops silently when a burst outruns
   its reader. When ours fills, the drop is counted (``dropped``) and logged, never silent.
@@ -27,10 +31,11 @@ Rules of this file:
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -62,6 +67,37 @@ class GossipConfig:
 
 
 QUEUE_HIGH_WATER = 24  # of py-libp2p's 32 outbound RPCs per peer
+
+
+@dataclass
+class GossipFaults:
+    """Faults the harness injects into what this agent receives (see the rules above)."""
+
+    drop: float = 0.0  # probability a delivered message is lost
+    duplicate: float = 0.0  # probability it is delivered twice
+    delay: tuple[float, float] = (0.0, 0.0)  # uniform delay in seconds; a spread reorders messages
+    blocked: frozenset[str] = frozenset()  # signers cut off from us (a partition), until healed
+    seed: int = 0
+    rng: random.Random = field(init=False, repr=False)
+    injected: Counter = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+
+    def plan(self, signer: str) -> list[float]:
+        """Delays of the copies to deliver ([] = the message is lost)."""
+        if signer in self.blocked:
+            self.injected["partitioned"] += 1
+            return []
+        if self.rng.random() < self.drop:
+            self.injected["dropped"] += 1
+            return []
+        copies = 2 if self.rng.random() < self.duplicate else 1
+        self.injected["duplicated"] += copies - 1
+        low, high = self.delay
+        delays = [self.rng.uniform(low, high) if high > 0 else 0.0 for _ in range(copies)]
+        self.injected["delayed"] += sum(1 for d in delays if d > 0)
+        return delays
 
 
 @dataclass(frozen=True)
@@ -203,6 +239,7 @@ class Gossip:
         self.reasons: Counter[str] = Counter()  # ... per reason tag (CodecError.reason)
         self.rate_limited: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()  # per topic: our delivery buffer was full
+        self.faults: GossipFaults | None = None  # the test harness's, never set in production
 
     async def wait_ready(self, timeout: float = 10.0) -> None:
         with trio.fail_after(timeout):
@@ -259,8 +296,24 @@ class Gossip:
         sub = self._subscriptions.get(received.topic)
         if sub is None:
             return
+        if self.faults is not None and received.signer != self.host.peer_id:
+            for delay in self.faults.plan(received.signer):
+                if delay > 0:
+                    self.host.nursery.start_soon(self._deliver_later, sub, received, delay)
+                else:
+                    self._hand_over(sub, received)
+            return
+        self._hand_over(sub, received)
+
+    async def _deliver_later(self, sub: "Subscription", received: Received, delay: float) -> None:
+        await trio.sleep(delay)
+        self._hand_over(sub, received)
+
+    def _hand_over(self, sub: "Subscription", received: Received) -> None:
         try:
             sub._send.send_nowait(received)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass  # unsubscribed meanwhile
         except trio.WouldBlock:
             self.dropped[received.topic] += 1
             log.warning("gossip %s: subscriber is %d messages behind; dropped one",
