@@ -95,8 +95,8 @@ class SimConfig:
     seed: int = 0
     # who is who
     worker_fraction: float = 0.8
-    jobs_per_worker: int = 3
-    candidates: int = 8
+    jobs_per_worker: int = 2
+    candidates: int = 5
     # the network
     latency_median: float = 0.1
     latency_sigma: float = 0.6
@@ -439,8 +439,12 @@ class Simulation:
         if agent.index == job.submitter and old.coordinator is not None and view.coordinator != old.coordinator:
             job.failovers += 1
 
+    def _past_grace(self, mirror: Mirror) -> bool:
+        # the election is scheduled at first_seen + grace exactly; float sums may land a hair short
+        return self.now - mirror.first_seen >= self.cfg.grace_seconds - 1e-6
+
     def _is_coordinator(self, agent: SimAgent, mirror: Mirror) -> bool:
-        return mirror.view.coordinator == agent.peer and self.now - mirror.first_seen >= self.cfg.grace_seconds
+        return mirror.view.coordinator == agent.peer and self._past_grace(mirror)
 
     def _elect(self, index: int, epoch: int, job_index: int) -> None:
         """Agent.update_election, then take_over if we just became the coordinator (Agent._ticks)."""
@@ -448,7 +452,7 @@ class Simulation:
         mirror = agent.mirrors.get(job_index)
         if agent.epoch != epoch or mirror is None:
             return
-        if self.now - mirror.first_seen < self.cfg.grace_seconds or mirror.state.terminal:
+        if not self._past_grace(mirror) or mirror.state.terminal:
             return
         was = self._is_coordinator(agent, mirror)
         view = keep_or_elect(mirror.view, self._eligible(agent, mirror))
