@@ -48,7 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="remedy: a returning agent starts from a peer's mirror, not an empty one")
     parser.add_argument("--coordinators-dont-train", action="store_true",
                         help="remedy: a coordinator claims no shards, so its replays never wait for training")
-    parser.add_argument("--remedies", action="store_true", help="all three remedies")
+    parser.add_argument("--verdict-margin", type=float, default=0.0, metavar="SECONDS",
+                        help="remedy: a coordinator withholds a verdict this close to its verification window's end")
+    parser.add_argument("--remedies", action="store_true", help="all four remedies (verdict margin 60 s)")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON lines")
     return parser.parse_args(argv)
 
@@ -63,7 +65,8 @@ def config_from(args: argparse.Namespace) -> SimConfig:
                      shards=args.shards, rounds=args.rounds, lease_seconds=args.lease_seconds,
                      worker_failure=args.worker_failure, partitions=partitions,
                      reorder_buffer=args.reorder_buffer or args.remedies, catch_up=args.catch_up or args.remedies,
-                     coordinators_train=not (args.coordinators_dont_train or args.remedies))
+                     coordinators_train=not (args.coordinators_dont_train or args.remedies),
+                     verdict_margin=args.verdict_margin or (60.0 if args.remedies else 0.0))
 
 
 def figures(summary: dict, wall: float, config: SimConfig) -> list[dict]:
@@ -77,6 +80,7 @@ def figures(summary: dict, wall: float, config: SimConfig) -> list[dict]:
         fig("completion_rate", rounded(summary["completion_rate"]), "fraction", 1.0),
         fig("jobs_failed", summary["failed"], "jobs", 0),
         fig("jobs_unfinished", summary["running_at_end"], "jobs", 0),
+        fig("published_but_failed", summary["published_but_failed"], "jobs", 0),
         fig("publish_minutes_p50", rounded(summary["publish_minutes_p50"]), "min", None),
         fig("publish_minutes_p95", rounded(summary["publish_minutes_p95"]), "min", None),
         fig("messages_per_job", rounded(summary["messages_per_job"]), "messages", None),
@@ -97,7 +101,8 @@ def figures(summary: dict, wall: float, config: SimConfig) -> list[dict]:
 
 def print_summary(s: dict, config: SimConfig, wall: float) -> None:
     remedies = [name for name, on in (("reorder buffer", config.reorder_buffer), ("catch-up", config.catch_up),
-                                      ("coordinators don't train", not config.coordinators_train)) if on]
+                                      ("coordinators don't train", not config.coordinators_train),
+                                      (f"verdict margin {config.verdict_margin:g} s", config.verdict_margin)) if on]
     print(f"simulated {config.agents} agents, {config.jobs} jobs ({config.shards} shards x {config.rounds} rounds), "
           f"churn {config.churn:g}/h, Byzantine {config.byzantine:g} faking {config.fake_fraction:g}, seed {config.seed}; "
           f"remedies: {', '.join(remedies) or 'none (the agent as built)'}")
@@ -107,6 +112,8 @@ def print_summary(s: dict, config: SimConfig, wall: float) -> None:
           f"time to publish p50 {p50 or 0:.0f} min, p95 {p95 or 0:.0f} min")
     for reason, n in s["failure_reasons"].items():
         print(f"    failed x{n}: {reason}")
+    print(f"  final aggregates published by a coordinator: {s['published']} "
+          f"({s['published_but_failed']} of them in jobs whose submitter's mirror diverged and failed)")
     kinds = ", ".join(f"{k} {v:,}" for k, v in s["messages_by_kind"].items())
     print(f"  messages per job {s['messages_per_job']:,.0f} ({kinds}); heartbeats {s['heartbeats']:,}")
     print(f"  reassignments {s['reassignments']}: " + ", ".join(f"{r} x{n}" for r, n in s["reassignment_reasons"].items()))
@@ -116,6 +123,7 @@ def print_summary(s: dict, config: SimConfig, wall: float) -> None:
           f"(escape rate {s['byzantine_escape_rate']:.3f}, 1 - catch probability {s['byzantine_escape_expected']:.3f}); "
           f"honest reports accepted {s['honest_accepted']}")
     print(f"  mirrors at the end: {s['mirrors']}, diverged from the submitter's {s['mirrors_diverged']}; "
+          f"state syncs {s['mirror_syncs']}; "
           f"events refused by mirrors: " + ", ".join(f"{k} {v:,}" for k, v in s["refused_events"].items()))
 
 

@@ -129,7 +129,9 @@ class SimConfig:
     # what-if remedies, all off = the agent as built (see the module docstring)
     coordinators_train: bool = True  # a coordinator still claims shards of other jobs
     reorder_buffer: bool = False  # mirrors keep refused messages and retry them after each change
-    catch_up: bool = False  # a returning agent's mirror starts from a peer's (the submitter's) mirror
+    catch_up: bool = False  # a mirror that returns, or falls behind, copies the coordinator's (state sync)
+    sync_after: float = 30.0  # catch_up: a refused message waiting this long means the mirror fell behind
+    verdict_margin: float = 0.0  # a coordinator withholds a verdict this close to its window's end
 
     @property
     def silence(self) -> float:
@@ -219,6 +221,7 @@ class SimJob:
     byzantine_rejected: int = 0
     byzantine_accepted: int = 0
     honest_accepted: int = 0
+    published_at: float | None = None  # when a coordinator published the final aggregate (the truth)
 
 
 @dataclass
@@ -231,6 +234,7 @@ class Result:
     refused: Counter
     mirrors: int  # mirrors held at the end by online followers
     mirrors_diverged: int  # ... whose job phase or round differs from the submitter's
+    syncs: int  # catch_up: mirrors that copied a peer's
     digest: str
 
     def summary(self) -> dict[str, Any]:
@@ -256,6 +260,8 @@ class Result:
             "failed": len(failed),
             "running_at_end": len(jobs) - len(done) - len(failed),
             "completion_rate": len(done) / len(jobs) if jobs else 0.0,
+            "published": sum(1 for j in jobs if j.published_at is not None),
+            "published_but_failed": sum(1 for j in failed if j.published_at is not None),
             "publish_minutes_p50": _percentile(times, 0.50),
             "publish_minutes_p95": _percentile(times, 0.95),
             "messages_per_job": sum(messages.values()) / len(jobs) if jobs else 0.0,
@@ -275,6 +281,7 @@ class Result:
             "refused_events": dict(self.refused.most_common()),
             "mirrors": self.mirrors,
             "mirrors_diverged": self.mirrors_diverged,
+            "mirror_syncs": self.syncs,
             "sim_hours": self.sim_seconds / HOUR,
             "events": self.events,
             "digest": self.digest,
@@ -307,6 +314,7 @@ class Simulation:
         self._viewers: dict[int, dict[tuple[int, int], None]] = {}
         self._running_jobs = config.jobs
         self._state_refusals = 0
+        self.syncs = 0  # catch_up: mirrors that copied a peer's
         self._build()
 
     # -- set-up -------------------------------------------------------------------------------
@@ -391,7 +399,7 @@ class Simulation:
                 mirrors += 1
                 diverged += (state.phase, state.round) != (record.phase, record.round)
         return Result(self.cfg, self.jobs, end, self.events, heartbeats, self.refused, mirrors, diverged,
-                      self._trace.hexdigest())
+                      self.syncs, self._trace.hexdigest())
 
     def _latency(self) -> float:
         return self.rng.lognormvariate(math.log(self.cfg.latency_median), self.cfg.latency_sigma)
@@ -530,11 +538,12 @@ class Simulation:
         if late and job.outcome != "RUNNING":
             return  # the submitter stopped re-announcing
         mirror = agent.mirrors[job_index] = Mirror(job, self.now, late)
-        record = self.agents[job.submitter].mirrors.get(job_index)
-        if late and self.cfg.catch_up and record is not None:  # the remedy: fetch the state from a peer
-            mirror.state, mirror.reports, mirror.late = record.state, dict(record.reports), False
-            self._set_view(agent, mirror, record.view)
         job.subscribers[index] = None
+        if late and self.cfg.catch_up:  # the remedy: a returning agent fetches the state from a peer
+            record = self.agents[job.submitter].mirrors.get(job_index)
+            if record is not None and record.view.coordinator is not None:
+                self._set_view(agent, mirror, record.view)  # where to ask: the coordinator it names
+                self._sync(agent, mirror)
         self._schedule_tick(agent, mirror)
         self._at(self.now + self.cfg.grace_seconds, self._elect, index, epoch, job_index)
 
@@ -620,6 +629,8 @@ class Simulation:
             self._wake(agent)  # a shard to claim, or (coordinators_train off) a job no longer ours
 
     def _record(self, job: SimJob, actions: tuple) -> None:
+        if job.outcome != "RUNNING":
+            return
         for action in actions:
             if isinstance(action, st.ReopenShard):
                 job.reassignments += 1
@@ -668,6 +679,39 @@ class Simulation:
             self._retry_pending(agent, mirror)
         elif self.cfg.reorder_buffer and self._state_refusals > refusals:
             mirror.pending.append((self.now, msg))  # perhaps early: its predecessor may still come
+            if self.cfg.catch_up:
+                self._at(self.now + self.cfg.sync_after, self._sync_if_behind, index, epoch, msg.job)
+
+    def _sync_if_behind(self, index: int, epoch: int, job_index: int) -> None:
+        """catch_up remedy: a message still refused ``sync_after`` seconds on means we missed something."""
+        agent = self.agents[index]
+        mirror = agent.mirrors.get(job_index)
+        if agent.epoch == epoch and mirror is not None and mirror.pending \
+                and self.now - mirror.pending[0][0] >= self.cfg.sync_after - 1e-6:
+            self._sync(agent, mirror)
+
+    def _sync(self, agent: SimAgent, mirror: Mirror) -> bool:
+        """catch_up remedy: take the job's state from a peer that holds it, the coordinator if we
+        can reach it, else the submitter (a request/response the protocol does not have yet)."""
+        job = mirror.job
+        sources = [self.by_peer[mirror.view.coordinator]] if mirror.view.coordinator else []
+        sources.append(job.submitter)
+        for index in sources:
+            source = self.agents[index].mirrors.get(job.index)
+            if index == agent.index or source is None or not self.agents[index].online \
+                    or self._separated(agent.index, index, self.now):
+                continue
+            mirror.state, mirror.reports, mirror.late, mirror.pending = source.state, dict(source.reports), False, []
+            if source.view.term >= mirror.view.term:
+                self._set_view(agent, mirror, source.view)
+            self.syncs += 1
+            if agent.index == job.submitter and source.state.terminal:  # the record learns the end
+                done = source.state.phase is st.JobPhase.DONE
+                self._record(job, (st.Done(source.state.published[-1]) if done else st.FailJob(source.state.reason),))
+            self._schedule_tick(agent, mirror)
+            self._wake(agent)
+            return True
+        return False
 
     def _apply_message(self, agent: SimAgent, mirror: Mirror, msg: Msg) -> bool:
         actions = self._apply(agent, mirror, msg)
@@ -842,6 +886,10 @@ class Simulation:
         if not accepted:
             agent.banned.setdefault(job_index, set()).add(worker)
         rnd, shard, attempt = key
+        expires = mirror.state.shards[shard].expires_at
+        if self.cfg.verdict_margin and expires is not None and self.now > expires - self.cfg.verdict_margin:
+            self.refused["verdict withheld"] += 1  # the remedy: others' windows may already have closed
+            return
         actions = self._step(agent, mirror, st.VerdictGiven(rnd, shard, attempt, accepted, reason))
         if actions is None:
             return  # too late: the verification window closed and the shard moved on
@@ -878,6 +926,8 @@ class Simulation:
         actions = self._apply_decision(agent, mirror, msg)
         if actions is None:
             return
+        if rnd == self.cfg.rounds and mirror.job.published_at is None:
+            mirror.job.published_at = self.now
         self._after(agent, mirror, actions)
         self._publish(agent, msg)
 

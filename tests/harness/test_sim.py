@@ -14,7 +14,7 @@ from protocol.election import keep_or_elect
 from protocol.proof import catch_probability, faked_segments
 
 SMALL = dict(agents=50, jobs=5, max_runtime_hours=4.0, hours=5.0)
-REMEDIES = dict(reorder_buffer=True, catch_up=True, coordinators_train=False)
+REMEDIES = dict(reorder_buffer=True, catch_up=True, coordinators_train=False, verdict_margin=60.0)
 
 
 def test_same_seed_same_run_and_another_seed_another():
@@ -62,9 +62,10 @@ def test_partial_faking_escapes_at_one_minus_the_catch_probability():
 
 
 def test_churn_causes_failovers_and_jobs_still_complete():
-    summary = simulate(SimConfig(**SMALL, churn=0.5, seed=1, **REMEDIES)).summary()
-    assert summary["failovers"] > 0
-    assert summary["takeovers"] > 0
+    # half the agents leave every hour (for 15 min on average): coordinators go silent mid-job
+    summary = simulate(SimConfig(**SMALL, churn=0.5, seed=5, **REMEDIES)).summary()
+    assert summary["failovers"] >= 3
+    assert summary["takeovers"] >= 3
     assert summary["done"] >= 4, summary["failure_reasons"]
 
 
