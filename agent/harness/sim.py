@@ -40,6 +40,11 @@ Rules of this file:
       verifier draws) and save that much time; a verifier rejects the report when its drawn
       segments hit a faked one, so rejection happens with probability ``catch_probability``.
       Byzantine peers coordinate honestly (a lying coordinator is not modelled).
+- Remedies (``reorder_buffer``, ``catch_up``, ``coordinators_train = False``, ``verdict_margin``)
+  are what-if switches for changes the agent does not have; all off is the agent as built.
+- Claims a coordinator ignores are repeated by the real claim loop every 2 s until either side's
+  view changes; those repeats are counted, not run (``_ignore_claims``), which keeps a thousand
+  agents with stale mirrors affordable.
 - The submitter's mirror is the job's record: its outcome, reason, reassignments and failovers
   are what a submitter would see. A run ends when every submitter's mirror is terminal, or at
   ``hours``; the job deadline (``max_runtime_hours``) bounds every job, so none can hang.
