@@ -104,9 +104,10 @@ def print_summary(s: dict, config: SimConfig, wall: float) -> None:
                                       ("coordinators don't train", not config.coordinators_train),
                                       (f"verdict margin {config.verdict_margin:g} s", config.verdict_margin)) if on]
     print(f"simulated {config.agents} agents, {config.jobs} jobs ({config.shards} shards x {config.rounds} rounds), "
-          f"churn {config.churn:g}/h, Byzantine {config.byzantine:g} faking {config.fake_fraction:g}, seed {config.seed}; "
-          f"remedies: {', '.join(remedies) or 'none (the agent as built)'}")
-    print(f"  {s['sim_hours']:.2f} simulated hours, {s['events']:,} events, {wall:.1f} s wall; digest {s['digest'][:16]}")
+          f"churn {config.churn:g}/h, Byzantine {config.byzantine:g} faking {config.fake_fraction:g}, "
+          f"seed {config.seed}; remedies: {', '.join(remedies) or 'none (the agent as built)'}")
+    print(f"  {s['sim_hours']:.2f} simulated hours, {s['events']:,} events, {wall:.1f} s wall; "
+          f"digest {s['digest'][:16]}")
     p50, p95 = s["publish_minutes_p50"], s["publish_minutes_p95"]
     print(f"  jobs: {s['done']} published, {s['failed']} failed, {s['running_at_end']} unfinished; "
           f"time to publish p50 {p50 or 0:.0f} min, p95 {p95 or 0:.0f} min")
@@ -116,11 +117,13 @@ def print_summary(s: dict, config: SimConfig, wall: float) -> None:
           f"({s['published_but_failed']} of them in jobs whose submitter's mirror diverged and failed)")
     kinds = ", ".join(f"{k} {v:,}" for k, v in s["messages_by_kind"].items())
     print(f"  messages per job {s['messages_per_job']:,.0f} ({kinds}); heartbeats {s['heartbeats']:,}")
-    print(f"  reassignments {s['reassignments']}: " + ", ".join(f"{r} x{n}" for r, n in s["reassignment_reasons"].items()))
+    reasons = ", ".join(f"{r} x{n}" for r, n in s["reassignment_reasons"].items())
+    print(f"  reassignments {s['reassignments']}: {reasons}")
     print(f"  coordinator failovers {s['failovers']} (takeovers {s['takeovers']}, by a returning agent "
           f"with a partial mirror {s['late_takeovers']})")
     print(f"  Byzantine reports rejected {s['byzantine_rejected']}, ACCEPTED {s['byzantine_accepted']} "
-          f"(escape rate {s['byzantine_escape_rate']:.3f}, 1 - catch probability {s['byzantine_escape_expected']:.3f}); "
+          f"(escape rate {s['byzantine_escape_rate']:.3f}, "
+          f"1 - catch probability {s['byzantine_escape_expected']:.3f}); "
           f"honest reports accepted {s['honest_accepted']}")
     print(f"  mirrors at the end: {s['mirrors']}, diverged from the submitter's {s['mirrors_diverged']}; "
           f"state syncs {s['mirror_syncs']}; "

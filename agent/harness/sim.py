@@ -70,7 +70,8 @@ from protocol.proof import catch_probability, faked_segments, segment_selection_
 HOUR = 3600.0
 
 # Job-topic message kinds (protocol/messages.py type tags).
-CLAIM, LEASE, RELEASE, CKPT, REPORT, VERDICT, AGGREGATE = "claim", "lease", "release", "ckpt", "report", "verdict", "aggregate"
+CLAIM, LEASE, RELEASE, CKPT = "claim", "lease", "release", "ckpt"
+REPORT, VERDICT, AGGREGATE = "report", "verdict", "aggregate"
 MESSAGE_KINDS = (CLAIM, LEASE, RELEASE, CKPT, REPORT, VERDICT, AGGREGATE)
 COORDINATOR_KINDS = frozenset({LEASE, VERDICT, AGGREGATE})
 
@@ -760,7 +761,8 @@ class Simulation:
         waiting = False
         for job_index, mirror in agent.mirrors.items():
             state = mirror.state
-            if job_index not in agent.trains or index in mirror.job.ignored_claimants or state.terminal or state.phase not in (st.JobPhase.ANNOUNCED, st.JobPhase.TRAINING):
+            if job_index not in agent.trains or index in mirror.job.ignored_claimants \
+                    or state.phase not in (st.JobPhase.ANNOUNCED, st.JobPhase.TRAINING):
                 continue
             coordinator = mirror.view.coordinator
             if coordinator in (None, agent.peer) or _held_by(state, agent.peer):
