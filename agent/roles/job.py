@@ -8,8 +8,11 @@ Rules of this file:
 - Worker messages (``ckpt``, ``report``, ``release``) are applied by everyone. Coordinator
   messages (``lease``, ``verdict``, ``aggregate``) only when their signer and term pass the
   election view (protocol/election.py); echoes of our own decisions are skipped.
-- A message the state machine refuses (StateError) is dropped and counted, never raised: it is
-  untrusted input. No I/O here.
+- A message the state machine refuses (StateError) is never raised: it is untrusted input. It is
+  held (at most ``PENDING_MAX``, for ``PENDING_SECONDS``) and tried again after every message that
+  does apply, because gossip keeps no order: a lease for attempt 2 may arrive before the release
+  or verdict that reopened the shard, a report before the lease it answers. Duplicates and
+  forgeries simply stay refused until they expire. No I/O here.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from protocol.errors import StateError
 log = logging.getLogger(__name__)
 
 Key = tuple[int, int, int]  # (round, shard, attempt)
+PENDING_MAX = 256
+PENDING_SECONDS = 300.0  # an envelope's acceptance window (IPIP-0001)
 
 TORCH_LOCK = threading.Lock()
 """Held while a thread trains or replays. Loading models through transformers is not thread-safe,
@@ -80,6 +85,7 @@ class JobView:
     verdicts: dict[Key, m.Verdict] = field(default_factory=dict)
     aggregates: dict[int, m.AggregatePublished] = field(default_factory=dict)
     refused: Counter = field(default_factory=Counter)
+    pending: list[tuple[float, Any, str]] = field(default_factory=list)  # (first seen, message, signer)
 
     def __post_init__(self) -> None:
         self.job_id = self.terms.job_id()
@@ -88,12 +94,13 @@ class JobView:
 
     # -- the state machine ---------------------------------------------------------------------
 
-    def step(self, event: Any, now: float) -> tuple[Any, ...] | None:
+    def step(self, event: Any, now: float, *, count: bool = True) -> tuple[Any, ...] | None:
         """Apply ``event``; return the actions, or None if the machine refused it."""
         try:
             self.state, actions = st.step(self.state, event, now)
         except StateError as exc:
-            self.refused[type(event).__name__] += 1
+            if count:
+                self.refused[type(event).__name__] += 1
             log.debug("job %s: refused %s: %s", self.job_id.hex()[:8], event, exc)
             return None
         return actions
@@ -125,29 +132,61 @@ class JobView:
             return False
 
     def apply(self, msg: Any, signer: str, now: float, eligible: frozenset[str]) -> tuple[Any, ...] | None:
-        """Apply one verified job-topic message; return the state machine's actions (None if refused)."""
+        """Apply one verified job-topic message, then any held message it unblocks; return the actions
+        (None if this message was refused — it is then held for a later try)."""
+        actions = self._apply_one(msg, signer, now, eligible)
+        if actions is None:
+            if signer != self.me or not isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
+                self.pending.append((now, msg, signer))  # (echoes of our own decisions are never held)
+                if len(self.pending) > PENDING_MAX:
+                    self.pending.pop(0)
+                    self.refused["pending-overflow"] += 1
+            return None
+        return actions + self.retry_pending(now, eligible)
+
+    def retry_pending(self, now: float, eligible: frozenset[str]) -> tuple[Any, ...]:
+        """Try the held messages again until none applies; drop those past PENDING_SECONDS."""
+        out: list[Any] = []
+        progress = True
+        while progress and self.pending:
+            progress = False
+            keep = []
+            for seen, msg, signer in self.pending:
+                if now - seen > PENDING_SECONDS:
+                    continue
+                actions = self._apply_one(msg, signer, now, eligible, count=False)
+                if actions is None:
+                    keep.append((seen, msg, signer))
+                else:
+                    out.extend(actions)
+                    progress = True
+            self.pending = keep
+        return tuple(out)
+
+    def _apply_one(self, msg: Any, signer: str, now: float, eligible: frozenset[str], *,
+                   count: bool = True) -> tuple[Any, ...] | None:
         if isinstance(msg, m.CheckpointCommit):
-            actions = self.step(st.CheckpointSeen(msg.round, msg.shard, signer, msg.attempt), now)
+            actions = self.step(st.CheckpointSeen(msg.round, msg.shard, signer, msg.attempt), now, count=count)
             if actions is not None:
                 self.commits[(msg.round, msg.shard, msg.attempt)].append(msg)
             return actions
         if isinstance(msg, m.ShardReport):
-            actions = self.step(st.ReportReceived(msg.round, msg.shard, signer, msg.attempt), now)
+            actions = self.step(st.ReportReceived(msg.round, msg.shard, signer, msg.attempt), now, count=count)
             if actions is not None:
                 self.reports[(msg.round, msg.shard, msg.attempt)] = (msg, signer)
             return actions
         if isinstance(msg, m.ShardRelease):
-            return self.step(st.Released(msg.round, msg.shard, signer, msg.attempt), now)
+            return self.step(st.Released(msg.round, msg.shard, signer, msg.attempt), now, count=count)
         if isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
             if signer == self.me or not self.check_coordinator(signer, msg.term, eligible):
                 return None
-            return self.apply_decision(msg, now)
+            return self.apply_decision(msg, now, count=count)
         return None
 
-    def apply_decision(self, msg: Any, now: float) -> tuple[Any, ...] | None:
+    def apply_decision(self, msg: Any, now: float, *, count: bool = True) -> tuple[Any, ...] | None:
         """Apply a coordinator's decision (ours when we make it, or a verified one from the network)."""
         if isinstance(msg, m.ShardLease):
-            actions = self.step(st.LeaseGranted(msg.round, msg.shard, msg.worker), now)
+            actions = self.step(st.LeaseGranted(msg.round, msg.shard, msg.worker), now, count=count)
             if actions is not None:
                 granted = [a for a in actions if isinstance(a, st.PublishLease)]
                 if granted and granted[0].attempt != msg.attempt:
@@ -156,12 +195,13 @@ class JobView:
                 self.leases[(msg.round, msg.shard, msg.attempt)] = msg
             return actions
         if isinstance(msg, m.Verdict):
-            actions = self.step(st.VerdictGiven(msg.round, msg.shard, msg.attempt, msg.accepted, msg.reason), now)
+            actions = self.step(st.VerdictGiven(msg.round, msg.shard, msg.attempt, msg.accepted, msg.reason), now,
+                                count=count)
             if actions is not None:
                 self.verdicts[(msg.round, msg.shard, msg.attempt)] = msg
             return actions
         if isinstance(msg, m.AggregatePublished):
-            actions = self.step(st.AggregatePublished(msg.round, msg.adapter_cid), now)
+            actions = self.step(st.AggregatePublished(msg.round, msg.adapter_cid), now, count=count)
             if actions is not None:
                 self.aggregates[msg.round] = msg
             return actions

@@ -1,0 +1,48 @@
+"""The job mirror copes with gossip's lack of order: refused messages are held and retried."""
+
+from protocol import messages as m
+from protocol import state as st
+from protocol.identity import Identity
+from agent.roles.job import PENDING_SECONDS, JobView
+from scripts.make_envelope_vectors import sample_terms
+
+SUBMITTER, COORD, W1, W2 = (Identity(bytes([i]) * 32) for i in (1, 11, 12, 13))
+TERMS = sample_terms(SUBMITTER)
+JOB = TERMS.job_id()
+ELIGIBLE = frozenset({COORD.peer_id})
+NOW = 1_790_000_000.0
+
+
+def view() -> JobView:
+    return JobView(TERMS, NOW, me=SUBMITTER.peer_id)
+
+
+def lease(shard, attempt, worker):
+    return m.ShardLease(JOB, 1, shard, attempt, worker.peer_id, 1, NOW + 120, None)
+
+
+def test_a_lease_that_overtakes_the_release_it_depends_on_is_applied_once_the_release_arrives():
+    v = view()
+    assert v.apply(lease(0, 1, W1), COORD.peer_id, NOW, ELIGIBLE) is not None
+    # attempt 2 arrives before W1's release of attempt 1: refused for now, held
+    assert v.apply(lease(0, 2, W2), COORD.peer_id, NOW + 1, ELIGIBLE) is None
+    assert v.shard(0).worker == W1.peer_id and len(v.pending) == 1
+    actions = v.apply(m.ShardRelease(JOB, 1, 0, 1, "bye"), W1.peer_id, NOW + 2, ELIGIBLE)
+    assert any(isinstance(a, st.PublishLease) and a.attempt == 2 for a in actions), actions
+    assert (v.shard(0).phase, v.shard(0).attempt, v.shard(0).worker) == (st.ShardPhase.LEASED, 2, W2.peer_id)
+    assert not v.pending
+
+
+def test_a_verdict_before_its_report_and_duplicates_stay_harmless():
+    v = view()
+    v.apply(lease(1, 1, W1), COORD.peer_id, NOW, ELIGIBLE)
+    report = m.ShardReport(JOB, 1, 1, 1, TERMS.shards[1].cid, TERMS.shards[1].cid, bytes(32), 1, 4, 32, 1.0, {})
+    verdict = m.Verdict(JOB, 1, 1, 1, W1.peer_id, 1, True, "ok", (0,))
+    assert v.apply(verdict, COORD.peer_id, NOW + 1, ELIGIBLE) is None  # no report yet
+    v.apply(report, W1.peer_id, NOW + 2, ELIGIBLE)
+    assert v.shard(1).phase is st.ShardPhase.ACCEPTED and not v.pending
+    # a duplicate report is refused and held until it expires, never applied twice
+    assert v.apply(report, W1.peer_id, NOW + 3, ELIGIBLE) is None
+    assert v.shard(1).phase is st.ShardPhase.ACCEPTED
+    v.apply(lease(0, 1, W2), COORD.peer_id, NOW + PENDING_SECONDS + 10, ELIGIBLE)
+    assert not v.pending, "held messages expire with the envelope window"
