@@ -42,15 +42,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--worker-failure", type=float, default=defaults.worker_failure)
     parser.add_argument("--isolate-coordinator", metavar="START_MIN:MINUTES", default=None,
                         help="partition job 0's coordinator from everyone for a while")
-    parser.add_argument("--reorder-buffer", action="store_true",
-                        help="remedy: mirrors keep refused (early) messages and retry them")
+    parser.add_argument("--no-reorder-buffer", action="store_true",
+                        help="turn off the agent's reorder buffer (mirrors then drop refused messages)")
     parser.add_argument("--catch-up", action="store_true",
                         help="remedy: a returning agent starts from a peer's mirror, not an empty one")
     parser.add_argument("--coordinators-dont-train", action="store_true",
                         help="remedy: a coordinator claims no shards, so its replays never wait for training")
     parser.add_argument("--verdict-margin", type=float, default=0.0, metavar="SECONDS",
                         help="remedy: a coordinator withholds a verdict this close to its verification window's end")
-    parser.add_argument("--remedies", action="store_true", help="all four remedies (verdict margin 60 s)")
+    parser.add_argument("--remedies", action="store_true", help="every what-if remedy (catch-up, coordinators don't train, verdict margin 60 s)")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON lines")
     return parser.parse_args(argv)
 
@@ -64,7 +64,7 @@ def config_from(args: argparse.Namespace) -> SimConfig:
                      fake_fraction=args.fake_fraction, hours=args.hours, seed=args.seed, loss=args.loss,
                      shards=args.shards, rounds=args.rounds, lease_seconds=args.lease_seconds,
                      worker_failure=args.worker_failure, partitions=partitions,
-                     reorder_buffer=args.reorder_buffer or args.remedies, catch_up=args.catch_up or args.remedies,
+                     reorder_buffer=not args.no_reorder_buffer, catch_up=args.catch_up or args.remedies,
                      coordinators_train=not (args.coordinators_dont_train or args.remedies),
                      verdict_margin=args.verdict_margin or (60.0 if args.remedies else 0.0))
 
