@@ -1,40 +1,543 @@
-"""The ``infernet`` command line: a thin face over the agent."""
+"""The ``infernet`` command line: a thin face over the agent.
+
+Rules of this file:
+- Commands that need a running agent talk to it over its control socket (agent/control.py); the
+  others (init, train, data, demo) work on local files. The CLI never opens a network port.
+- Every user mistake is one line on stderr, ``infernet: WHAT IS WRONG (what to do)``, and exit
+  status 1 (2 for a command-line usage error, from argparse). No traceback unless ``--verbose``.
+- Every read command takes ``--json``: one JSON document on stdout, nothing else.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import time
+from pathlib import Path
+from typing import Any
 
 from agent import __version__
 from protocol import PROTOCOL_VERSION
 
+TINY_MODEL_NAME = "infernet-tiny"
+"""A base-model name every command understands: the tiny demo model (agent/train/tiny.py), built on first use."""
+
+
+# -- the parser -------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--home", type=Path, default=None,
+                        help="agent home directory (default: $INFERNET_HOME or ~/.infernet)")
+    common.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="show tracebacks and debug output")
+    reader = argparse.ArgumentParser(add_help=False)
+    reader.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+
     parser = argparse.ArgumentParser(
-        prog="infernet",
-        description="Peer-to-peer agent that trains LoRA adapters across many machines.",
-    )
-    parser.add_argument(
-        "--version",
-        action="version",
-        version=f"infernet-agent {__version__} (protocol v{PROTOCOL_VERSION})",
-    )
+        prog="infernet", description="Peer-to-peer agent that trains LoRA adapters across many machines.")
+    parser.add_argument("--version", action="version",
+                        version=f"infernet-agent {__version__} (protocol v{PROTOCOL_VERSION})")
     parser.add_argument("--verbose", action="store_true", help="show tracebacks and debug output")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("demo", help="run the demo network on loopback (1 submitter + 3 workers)")
+
+    demo = sub.add_parser("demo", parents=[common], help="run the demo network on loopback (1 submitter + 3 workers)")
+    demo.add_argument("--workers", type=int, default=3, help="worker agents (default 3; one of them coordinates)")
+    demo.add_argument("--shards", type=int, default=4, help="dataset shards (default 4)")
+    demo.add_argument("--rounds", type=int, default=2, help="train-then-aggregate rounds (default 2)")
+    demo.add_argument("--steps", type=int, default=60, help="optimizer steps per shard and round (default 60)")
+    demo.add_argument("--dir", type=Path, default=None, help="where the agents' homes go (default: a new temp dir)")
+    demo.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
+
+    agent = sub.add_parser("agent", help="run and inspect this machine's agent").add_subparsers(
+        dest="action", metavar="ACTION", required=True)
+    init = agent.add_parser("init", parents=[common], help="create the identity key and a commented config.toml")
+    init.add_argument("--json", action="store_true", help="print the result as JSON")
+    run = agent.add_parser("run", parents=[common], help="run the agent headless until SIGTERM")
+    run.add_argument("--listen", action="append", metavar="MULTIADDR", help="listen address (repeatable)")
+    run.add_argument("--bootstrap", action="append", metavar="MULTIADDR", help="peer to join through (repeatable)")
+    run.add_argument("--accept-training", action="store_true", default=None,
+                     help="train other people's jobs here (also INFERNET_ACCEPT_TRAINING=1)")
+    run.add_argument("--no-coordinate", action="store_true", help="never coordinate jobs")
+    run.add_argument("--max-concurrent-shards", type=int, metavar="N")
+    run.add_argument("--allowed-base-model", action="append", metavar="NAME", help="only train these (repeatable)")
+    run.add_argument("--min-price", type=float, metavar="PER_HOUR", help="refuse jobs paying less per hour")
+    run.add_argument("--threads", type=int, metavar="N", help="torch threads per training")
+    run.add_argument("--model", action="append", metavar="NAME=PATH", help="a local base model (repeatable)")
+    run.add_argument("--log-file", type=Path, help="JSON log lines go here instead of stdout")
+    run.add_argument("--metrics-port", type=int, metavar="PORT",
+                     help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (0 = any free port)")
+    agent.add_parser("status", parents=[common, reader], help="what the running agent is doing")
+    agent.add_parser("stop", parents=[common], help="stop the running agent cleanly (as SIGTERM does)")
+    sub.add_parser("peers", parents=[common, reader], help="peers the running agent hears")
+
+    job = sub.add_parser("job", help="announce and follow training jobs").add_subparsers(
+        dest="action", metavar="ACTION", required=True)
+    announce = job.add_parser("announce", parents=[common, reader], help="announce a job from a spec file")
+    announce.add_argument("spec", type=Path, metavar="SPEC.yml")
+    announce.add_argument("--dataset", type=Path, help="ChatML JSONL dataset (default: the spec's input.dataset)")
+    job.add_parser("list", parents=[common, reader], help="jobs the agent knows")
+    show = job.add_parser("show", parents=[common, reader], help="a job's state now: shards, leases, aggregates")
+    show.add_argument("id", metavar="ID")
+    watch = job.add_parser("watch", parents=[common, reader], help="live table of a job until it ends")
+    watch.add_argument("id", metavar="ID")
+    watch.add_argument("--interval", type=float, default=1.0)
+    watch.add_argument("--timeout", type=float, default=None, help="stop watching after this many seconds")
+    fetch = job.add_parser("fetch", parents=[common, reader], help="fetch the job's aggregate adapter (HF layout)")
+    fetch.add_argument("id", metavar="ID")
+    fetch.add_argument("--out", type=Path, required=True, metavar="DIR")
+    fetch.add_argument("--round", type=int, help="a round's aggregate (default: the latest)")
+    cancel = job.add_parser("cancel", parents=[common, reader], help="cancel a job you submitted")
+    cancel.add_argument("id", metavar="ID")
+    cancel.add_argument("--reason", default="cancelled by the submitter")
+    ledger = job.add_parser("ledger", parents=[common, reader], help="print and verify the job's signed event log")
+    ledger.add_argument("id", metavar="ID")
+
+    train = sub.add_parser("train", help="single-node training without the network").add_subparsers(
+        dest="action", metavar="ACTION", required=True)
+    tinit = train.add_parser("init", parents=[common], help="write a commented infernet.train.yml")
+    tinit.add_argument("--output", type=Path, default=Path("."), metavar="DIR")
+    trun = train.add_parser("run", parents=[common, reader], help="train on this machine")
+    trun.add_argument("--local", action="store_true", required=True, help="train here, without the network")
+    trun.add_argument("--config", type=Path, required=True, metavar="FILE", help="the job spec (infernet.train.yml)")
+    trun.add_argument("--dataset", type=Path, help="override input.dataset")
+    trun.add_argument("--model", type=Path, help="local base model directory (default: the spec's base_model)")
+    trun.add_argument("--output", type=Path, metavar="DIR", help="run directory (default: runs/NAME-TIME)")
+    trun.add_argument("--threads", type=int, default=None)
+
+    data = sub.add_parser("data", help="content addresses of dataset files").add_subparsers(
+        dest="action", metavar="ACTION", required=True)
+    dadd = data.add_parser("add", parents=[common, reader], help="print a file's CID (CIDv1, raw leaves: as `ipfs add --cid-version=1`)")
+    dadd.add_argument("file", type=Path)
+    dverify = data.add_parser("verify", parents=[common, reader], help="check that a file has the given CID")
+    dverify.add_argument("file", type=Path)
+    dverify.add_argument("cid")
     return parser
+
+
+# -- main ---------------------------------------------------------------------------------------------
+
+class UserError(Exception):
+    """A mistake the user can fix; the message is the one line to show."""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    verbose = bool(getattr(args, "verbose", False))
     if args.command is None:
         parser.print_help()
         return 0
-    if args.command == "demo":
-        print("infernet: the demo network is not available in this build yet", file=sys.stderr)
-        return 2
+    try:
+        return COMMANDS[(args.command, getattr(args, "action", None))](args) or 0
+    except KeyboardInterrupt:
+        print("infernet: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the one place errors become one line
+        if verbose or not _is_user_error(exc):
+            if verbose:
+                raise
+            print(f"infernet: internal error: {type(exc).__name__}: {_one_line(exc)} (run with --verbose for details)",
+                  file=sys.stderr)
+            return 1
+        print(f"infernet: {_one_line(exc)}", file=sys.stderr)
+        return 1
+
+
+def _is_user_error(exc: Exception) -> bool:
+    from agent.bundle import BundleError
+    from agent.config import ConfigError
+    from agent.control import ControlError
+    from agent.net.errors import NetError
+    from agent.store import StoreError
+    from agent.train.config import TrainError
+    from agent.train.data import DataError
+    from protocol.errors import ProtocolError
+
+    return isinstance(exc, (UserError, ProtocolError, NetError, TrainError, DataError, ConfigError, ControlError,
+                            StoreError, BundleError, OSError))
+
+
+def _one_line(exc: Exception) -> str:
+    if isinstance(exc, OSError) and exc.filename and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _home(args: argparse.Namespace) -> Path:
+    from agent.config import default_home
+
+    return (args.home or default_home()).expanduser().resolve()
+
+
+def _emit(args: argparse.Namespace, result: Any, text: str) -> None:
+    print(json.dumps(result, indent=2, default=str) if getattr(args, "json", False) else text)
+
+
+# -- agent --------------------------------------------------------------------------------------------
+
+def cmd_agent_init(args: argparse.Namespace) -> int:
+    from agent.config import CONFIG_FILE, IDENTITY_FILE, write_config
+    from protocol.identity import Identity, load_identity, save_identity
+
+    home = _home(args)
+    key = home / IDENTITY_FILE
+    created = not key.exists()
+    identity = Identity.generate() if created else load_identity(key)
+    if created:
+        home.mkdir(parents=True, exist_ok=True)
+        os.chmod(home, 0o700)
+        save_identity(identity, key)
+    had_config = (home / CONFIG_FILE).exists()
+    config = write_config(home)
+    result = {"home": str(home), "peer_id": identity.peer_id, "identity": str(key), "config": str(config),
+              "created": created}
+    _emit(args, result, "\n".join([
+        f"{'created' if created else 'kept the existing'} identity {identity.peer_id}",
+        f"  key:    {key} (mode 0600)",
+        f"  config: {config}{' (kept)' if had_config else ' (edit it: every key is commented)'}",
+        f"next: infernet agent run --home {home}"]))
     return 0
+
+
+def cmd_agent_run(args: argparse.Namespace) -> int:
+    from agent.config import IDENTITY_FILE, load_config
+    from agent.daemon import default_log_stream, run_daemon, setup_logging
+    from protocol.identity import load_identity
+
+    home = _home(args)
+    identity = load_identity(home / IDENTITY_FILE)
+    models = None
+    if args.model:
+        pairs = []
+        for item in args.model:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise UserError(f"--model {item!r}: expected NAME=PATH")
+            pairs.append((name, str(Path(path).expanduser().resolve())))
+        models = tuple(pairs)
+    config = load_config(
+        home, listen=tuple(args.listen) if args.listen else None,
+        bootstrap=tuple(args.bootstrap) if args.bootstrap else None, accept_training=args.accept_training,
+        can_coordinate=False if args.no_coordinate else None, max_concurrent_shards=args.max_concurrent_shards,
+        allowed_base_models=tuple(args.allowed_base_model) if args.allowed_base_model else None,
+        min_price_per_hour=args.min_price, threads=args.threads)
+    if models is not None:
+        from dataclasses import replace
+
+        config = replace(config, models=config.models + models)
+    config = _with_tiny_model(config)
+    from agent.net.host import parse_multiaddr, parse_peer_multiaddr  # bad addresses fail before anything starts
+
+    for i, text in enumerate(config.listen):
+        parse_multiaddr(text, f"listen[{i}]")
+    for i, text in enumerate(config.bootstrap):
+        parse_peer_multiaddr(text, f"bootstrap[{i}]")
+    setup_logging(default_log_stream(args.log_file), verbose=bool(getattr(args, "verbose", False)))
+    try:
+        return run_daemon(identity, config, metrics_port=args.metrics_port)
+    except OSError as exc:
+        if exc.errno == 98 or "address already in use" in str(exc).lower():
+            raise UserError(f"a listen address is already in use ({' '.join(config.listen)}); "
+                            "choose another port or stop the other process") from None
+        raise
+    except BaseExceptionGroup as group:  # trio wraps a failure to start in a group
+        first = _first_leaf(group)
+        if isinstance(first, OSError) and (first.errno == 98 or "in use" in str(first).lower()):
+            raise UserError(f"a listen address is already in use ({' '.join(config.listen)}); "
+                            "choose another port or stop the other process") from None
+        raise first from None
+
+
+def _first_leaf(group: BaseException) -> BaseException:
+    while isinstance(group, BaseExceptionGroup):
+        group = group.exceptions[0]
+    return group
+
+
+def _with_tiny_model(config: Any) -> Any:
+    """Let jobs name ``infernet-tiny`` without configuring it: the tiny model is built locally on demand."""
+    from dataclasses import replace
+
+    if any(name == TINY_MODEL_NAME for name, _ in config.models):
+        return config
+    from agent.train.tiny import default_cache_dir, TINY_VERSION
+
+    cached = default_cache_dir() / f"tiny-qwen2-v{TINY_VERSION}-seed0"
+    if not (cached / "model.safetensors").exists():
+        return config
+    return replace(config, models=config.models + ((TINY_MODEL_NAME, str(cached)),))
+
+
+def cmd_agent_status(args: argparse.Namespace) -> int:
+    from agent.control import request
+
+    s = request(_home(args), "status")
+    jobs = ", ".join(f"{n} {state.lower()}" for state, n in sorted(s["jobs"].items())) or "none"
+    _emit(args, s, "\n".join([
+        f"agent {s['peer_id']} (infernet-agent {s['version']}, pid {s['pid']}, up {s['uptime_s']:.0f} s)",
+        f"  home:      {s['home']}",
+        f"  listening: {' '.join(s['addrs'])}",
+        f"  peers:     {s['peers']} live, {s['connected']} connected",
+        f"  training:  {'accepted' if s['accept_training'] else 'not accepted'}; {s['active_shards']} active shard(s);"
+        f" coordinating: {'yes' if s['can_coordinate'] else 'no'}",
+        f"  jobs:      {jobs}"]))
+    return 0
+
+
+def cmd_agent_stop(args: argparse.Namespace) -> int:
+    from agent.control import request
+
+    request(_home(args), "stop")
+    print("stopping")
+    return 0
+
+
+def cmd_peers(args: argparse.Namespace) -> int:
+    from agent.control import request
+
+    peers = request(_home(args), "peers")
+    lines = [f"{'peer':<54} {'live':<5} {'seen':>6} {'trains':<6} {'coord':<5} version"]
+    for p in peers:
+        lines.append(f"{p['peer_id']:<54} {'yes' if p['live'] else 'no':<5} {p['last_heartbeat_s']:>5.0f}s "
+                     f"{_yn(p['accepts_training']):<6} {_yn(p['can_coordinate']):<5} {p['version'] or '?'}")
+    _emit(args, peers, "\n".join(lines) if peers else "no peers yet")
+    return 0
+
+
+def _yn(value: Any) -> str:
+    return "?" if value is None else ("yes" if value else "no")
+
+
+# -- job ------------------------------------------------------------------------------------------------
+
+def cmd_job_announce(args: argparse.Namespace) -> int:
+    from agent.control import request
+    from protocol.jobspec import load_spec
+
+    spec_path = args.spec.expanduser().resolve()
+    spec = load_spec(spec_path)  # a bad spec is reported here, before the agent is asked
+    dataset = (args.dataset or (spec_path.parent / spec.input.dataset)).expanduser().resolve()
+    if not dataset.is_file():
+        raise UserError(f"dataset {dataset}: no such file (give --dataset FILE or set input.dataset in {spec_path.name})")
+    job = request(_home(args), "job.announce", timeout=300, spec=str(spec_path), dataset=str(dataset))
+    _emit(args, job, f"announced job {job['id']}\n  {job['name']}: {job['shards']} shards x {job['rounds']} rounds\n"
+                     f"next: infernet job watch {job['id'][:12]}")
+    return 0
+
+
+def cmd_job_list(args: argparse.Namespace) -> int:
+    from agent.control import request
+
+    jobs = request(_home(args), "job.list")
+    lines = [f"{'id':<16} {'name':<20} {'role':<10} {'state':<11} round  accepted"]
+    for j in jobs:
+        accepted = "-" if j["accepted"] is None else f"{j['accepted']}/{j['shards']}"
+        lines.append(f"{j['id'][:16]:<16} {j['name'][:20]:<20} {j['role']:<10} {j['state']:<11} "
+                     f"{j['round']}/{j['rounds']:<4} {accepted}")
+    _emit(args, jobs, "\n".join(lines) if jobs else "no jobs yet")
+    return 0
+
+
+def cmd_job_show(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from agent.control import request
+    from agent.progress import JobProgress
+
+    job = request(_home(args), "job.show", job=args.id)
+    if args.json:
+        print(json.dumps(job, indent=2, default=str))
+    else:
+        Console().print(JobProgress().render(job))
+    return 0
+
+
+def cmd_job_watch(args: argparse.Namespace) -> int:
+    from agent.control import request
+    from agent.progress import JobProgress
+
+    home = _home(args)
+    started = time.monotonic()
+    progress = JobProgress(json_lines=args.json)
+    with progress:
+        while True:
+            job = request(home, "job.show", job=args.id)
+            progress.update(job)
+            if job["state"] in ("DONE", "FAILED", "CANCELLED"):
+                break
+            if args.timeout is not None and time.monotonic() - started > args.timeout:
+                raise UserError(f"job {job['id'][:16]} still {job['state']} after {args.timeout:.0f} s")
+            time.sleep(args.interval)
+    if not args.json:
+        print(progress.final_line(job))
+    return 0 if job["state"] == "DONE" else 1
+
+
+def cmd_job_fetch(args: argparse.Namespace) -> int:
+    from agent.control import request
+
+    result = request(_home(args), "job.fetch", timeout=300, job=args.id, out=str(args.out.expanduser().resolve()),
+                     round=args.round)
+    _emit(args, result, f"aggregate of round {result['round']}{' (final)' if result['final'] else ''}: {result['cid']}\n"
+                        f"  adapter (Hugging Face PEFT layout): {result['path']}\n"
+                        f"  load: PeftModel.from_pretrained(base_model, {result['path']!r})")
+    return 0
+
+
+def cmd_job_cancel(args: argparse.Namespace) -> int:
+    from agent.control import request
+
+    job = request(_home(args), "job.cancel", job=args.id, reason=args.reason)
+    _emit(args, job, f"job {job['id'][:16]}: {job['state']}")
+    return 0
+
+
+def cmd_job_ledger(args: argparse.Namespace) -> int:
+    from agent.control import request
+
+    ledger = request(_home(args), "job.ledger", job=args.id)
+    lines = []
+    for e in ledger["entries"]:
+        data = ", ".join(f"{k}={_short(v)}" for k, v in e["data"].items() if k not in ("parameters",))
+        lines.append(f"{e['seq']:>4} {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['kind']:<11} "
+                     f"{e['peer'][-8:]} {data}")
+    lines.append(f"ledger of job {ledger['id'][:16]}: {ledger['length']} entries, "
+                 + ("chain and signatures verified" if ledger["verified"] else f"INVALID: {ledger['problem']}"))
+    _emit(args, ledger, "\n".join(lines))
+    return 0 if ledger["verified"] else 1
+
+
+def _short(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# -- train and data (no network) ----------------------------------------------------------------------
+
+def cmd_train_init(args: argparse.Namespace) -> int:
+    from protocol.jobspec import SPEC_FILE_NAME, TEMPLATE
+
+    out = args.output.expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / SPEC_FILE_NAME
+    if path.exists():
+        raise UserError(f"{path}: already exists; edit it, or choose another --output")
+    path.write_text(TEMPLATE)
+    print(f"wrote {path}\nnext: edit name, base_model and input.dataset, then "
+          f"`infernet train run --local --config {path}` or `infernet job announce {path}`")
+    return 0
+
+
+def cmd_train_run(args: argparse.Namespace) -> int:
+    from agent.train import TrainConfig, TrainRequest, split_dataset, train_shard
+    from agent.train.data import read_chatml, write_chatml
+    from protocol.jobspec import load_spec
+
+    config_path = args.config.expanduser().resolve()
+    spec = load_spec(config_path)
+    dataset = (args.dataset or config_path.parent / spec.input.dataset).expanduser().resolve()
+    if not dataset.is_file():
+        raise UserError(f"dataset {dataset}: no such file (set input.dataset in {config_path.name} or give --dataset)")
+    model = _local_model(args.model, spec.base_model, config_path.parent)
+    run_dir = (args.output or Path("runs") / f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}").expanduser().resolve()
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise UserError(f"{run_dir}: exists and is not empty; choose a new --output")
+    records = read_chatml(dataset).records
+    split = split_dataset(len(records), 1, spec.input.validation_split, spec.seed)
+    data_dir = run_dir / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    train_path = data_dir / "train.jsonl"
+    write_chatml(train_path, [records[i] for i in split.shards[0]])
+    validation = None
+    if split.validation:
+        validation = data_dir / "validation.jsonl"
+        write_chatml(validation, [records[i] for i in split.validation])
+    threads = args.threads or max(1, min(os.cpu_count() or 1, 8))
+    config = TrainConfig.from_spec(spec, threads=threads).with_(base_model=str(model))
+    if not args.json:
+        print(f"training {spec.name}: {len(split.shards[0])} records, base model {model}, {threads} threads -> {run_dir}")
+    result = train_shard(TrainRequest(config, train_path, run_dir, validation=validation,
+                                      spec_text=config_path.read_text()))
+    out = result.to_json()
+    validation_text = (f"; validation loss {result.initial_validation_loss:.4f} -> {result.validation_loss:.4f}"
+                       if result.validation_loss is not None else "")
+    _emit(args, out, f"done: {result.steps} steps in {result.train_seconds:.1f} s, final loss {result.final_loss:.4f}"
+                     f"{validation_text}\n  adapter: {result.adapter_dir}\n  run:     {run_dir} (README.md, metrics.jsonl, proof.json)")
+    return 0
+
+
+def _local_model(explicit: Path | None, base_model: str, spec_dir: Path) -> Path:
+    if explicit is not None:
+        path = explicit.expanduser().resolve()
+    elif base_model == TINY_MODEL_NAME:
+        from agent.train.tiny import tiny_model
+
+        return tiny_model()
+    else:
+        path = (spec_dir / base_model).expanduser().resolve()
+    if not path.is_dir():
+        raise UserError(f"base model {base_model!r}: {path} is not a local model directory "
+                        f"(give --model DIR; `{TINY_MODEL_NAME}` names the built-in tiny model)")
+    return path
+
+
+def cmd_data_add(args: argparse.Namespace) -> int:
+    from protocol.unixfs import compute_cid
+
+    path = args.file.expanduser()
+    with open(path, "rb") as fh:
+        cid = compute_cid(fh)
+    _emit(args, {"file": str(path), "cid": cid.encode(), "size": path.stat().st_size}, cid.encode())
+    return 0
+
+
+def cmd_data_verify(args: argparse.Namespace) -> int:
+    from protocol.cid import parse_cid
+    from protocol.unixfs import compute_cid
+
+    expected = parse_cid(args.cid)
+    path = args.file.expanduser()
+    with open(path, "rb") as fh:
+        actual = compute_cid(fh, cid_version=expected.version)
+    ok = actual.to_bytes() == expected.to_bytes()
+    result = {"file": str(path), "cid": args.cid, "actual": actual.encode(), "match": ok}
+    if getattr(args, "json", False):
+        print(json.dumps(result, indent=2))
+    elif ok:
+        print(f"ok: {path} has CID {args.cid}")
+    else:
+        print(f"infernet: {path} does not match {args.cid} (its CID is {actual.encode()})", file=sys.stderr)
+    return 0 if ok else 1
+
+
+# -- demo ------------------------------------------------------------------------------------------------
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from agent.demo import DemoOptions, run_demo
+
+    for name in ("workers", "shards", "rounds", "steps"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name} must be at least 1")
+    if args.workers < 2:
+        raise UserError("--workers must be at least 2: one coordinates, the others train")
+    return run_demo(DemoOptions(workers=args.workers, shards=args.shards, rounds=args.rounds, steps=args.steps,
+                                directory=args.dir, timeout=args.timeout,
+                                verbose=bool(getattr(args, "verbose", False))))
+
+
+COMMANDS = {
+    ("demo", None): cmd_demo,
+    ("agent", "init"): cmd_agent_init, ("agent", "run"): cmd_agent_run, ("agent", "status"): cmd_agent_status,
+    ("agent", "stop"): cmd_agent_stop, ("peers", None): cmd_peers,
+    ("job", "announce"): cmd_job_announce, ("job", "list"): cmd_job_list, ("job", "show"): cmd_job_show, ("job", "watch"): cmd_job_watch,
+    ("job", "fetch"): cmd_job_fetch, ("job", "cancel"): cmd_job_cancel, ("job", "ledger"): cmd_job_ledger,
+    ("train", "init"): cmd_train_init, ("train", "run"): cmd_train_run,
+    ("data", "add"): cmd_data_add, ("data", "verify"): cmd_data_verify,
+}
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ import logging
 import math
 import time
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -39,6 +40,7 @@ from agent.roles.submitter import SubmitterRole
 from agent.roles.worker import WorkerRole
 from agent.store import Store
 from protocol import messages as m
+from protocol import state as st
 from protocol.election import live_peers
 from protocol.identity import Identity
 
@@ -96,6 +98,8 @@ class Agent:
         self.job_events = trio.Event()  # set (and replaced) whenever a job's state changes
         self._stopping = trio.Event()
         self._heartbeat_seq = 0
+        self.counters: Counter[str] = Counter()  # shards_trained, verdicts_accepted, ... (metrics, status)
+        self._coordinating: set[bytes] = set()  # jobs whose pending work we took over as coordinator
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -122,6 +126,7 @@ class Agent:
             self.started_at = self.clock()
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
+                await self._resume_jobs()
                 jobs_topic = await self.net.gossip.subscribe(m.TOPIC_JOBS)
                 nursery.start_soon(self._read_jobs_topic, jobs_topic)
                 nursery.start_soon(self._heartbeats)
@@ -212,6 +217,74 @@ class Agent:
                 if view is not None and signer == view.terms.submitter:
                     self.apply_actions(view, view.step(_cancel(msg.reason), now))
 
+    async def _resume_jobs(self) -> None:
+        """Rebuild the mirror of every unfinished job in our store, as if its messages arrived again.
+
+        A restarted agent carries on where it was: the stored envelopes of each job's topic are
+        replayed in stored order through the code path of live messages (our own decisions through
+        ``apply_decision``), with each envelope's own timestamp as the clock. The election view starts
+        over with a fresh grace period, so we do not crown ourselves before the peers' heartbeats
+        arrive; lease expiry and take-over then follow from the ticks as for any job.
+        """
+        for record in self.store.jobs():
+            if record.state in _TERMINAL_STATES:
+                continue
+            view = self.rebuild_view(record)
+            self.jobs[record.job_id] = view
+            log.info("job %s: resumed from the store: %s, round %d, term %d", record.job_id.hex()[:8],
+                     view.state.phase.value, view.state.round, view.coordination.term)
+            if view.state.phase.value != record.state:
+                self.store.update_job(record.job_id, self.clock(), state=view.state.phase.value, round=view.state.round)
+            subscription = await self.net.gossip.subscribe(m.job_topic(record.job_id))
+            self.nursery.start_soon(self._read_job_topic, view, subscription)
+            if record.terms.submitter == self.peer_id:
+                self.nursery.start_soon(self.submitter.resume, view)
+            if self.worker is not None:
+                self.worker.consider(view)
+                self.nursery.start_soon(self.worker.release_stale, view)
+            self.nursery.start_soon(self._provide_again, view)
+
+    async def _provide_again(self, view: JobView) -> None:
+        """After a restart our address changed: provide again the job's aggregates and adapters we hold."""
+        from protocol.cid import parse_cid
+
+        cids = [a.adapter_cid for a in view.aggregates.values()]
+        cids += [report.adapter_cid for report, _ in view.reports.values()]
+        for text in cids:
+            cid = parse_cid(text)
+            if self.content.store.has(cid):
+                with trio.move_on_after(30):
+                    await self.net.discovery.provide(cid)
+
+    def rebuild_view(self, record: Any) -> JobView:
+        """A job's mirror rebuilt from the store: its stored envelopes replayed in stored order."""
+        view = JobView(record.terms, self.clock(), self.peer_id)
+        for stored in self.store.envelopes(record.job_id):
+            msg, signer, at = stored.message, stored.signer, stored.timestamp_ms / 1000.0
+            if isinstance(msg, m.ShardClaim):
+                continue  # a request to the coordinator, not a change of the job
+            if isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)) and signer == self.peer_id:
+                if view.check_coordinator(signer, msg.term, frozenset({signer})):
+                    view.apply_decision(msg, at)
+            else:  # a peer's coordinator message: its signer was live when we accepted it
+                view.apply(msg, signer, at, frozenset({signer}))
+        return view
+
+    def job_view(self, job_id: bytes) -> JobView:
+        """The live mirror of a job we follow, or one rebuilt from the store (a job that ended before a restart)."""
+        view = self.jobs.get(job_id)
+        if view is None:
+            record = self.store.job(job_id)
+            view = self.rebuild_view(record)
+            if record.state in _TERMINAL_STATES and not view.state.terminal:  # a cancel is not a job-topic message
+                view.state = replace(view.state, phase=st.JobPhase(record.state))
+        return view
+
+    def live_peers(self) -> frozenset[str]:
+        """Other peers whose heartbeats still arrive."""
+        return live_peers({p: i.last_heartbeat for p, i in self.peers.items() if p != self.peer_id}, self.clock(),
+                          self.config.heartbeat_seconds, self.config.missed_heartbeats)
+
     async def follow_job(self, terms: m.JobTerms, signer: str, envelope: bytes | None = None) -> JobView | None:
         """Start following a job we saw announced (once); subscribe to its topic."""
         job_id = terms.job_id()
@@ -250,6 +323,8 @@ class Agent:
                 self.worker.on_lease(view, msg)
             elif isinstance(msg, m.Verdict):
                 self.submitter.on_verdict(view, msg)
+            elif isinstance(msg, m.AggregatePublished):
+                self.submitter.on_aggregate(view, msg, signer)
 
     def apply_actions(self, view: JobView, actions: tuple[Any, ...] | None) -> None:
         """Carry out what the state machine asked for, in our roles; wake anyone waiting on the job."""
@@ -278,10 +353,12 @@ class Agent:
         while True:
             now = self.clock()
             for view in list(self.jobs.values()):
-                was_coordinator = self.is_coordinator(view)
                 self.update_election(view, now)
                 self.apply_actions(view, view.step(Tick(), now))
-                if self.is_coordinator(view) and not was_coordinator:
+                if not self.is_coordinator(view):
+                    self._coordinating.discard(view.job_id)
+                elif view.job_id not in self._coordinating:  # newly elected, or resumed after a restart
+                    self._coordinating.add(view.job_id)
                     self.coordinator.take_over(view)
             await trio.sleep(0.5)
 
@@ -293,6 +370,7 @@ class Agent:
                     await self.job_events.wait()
 
 
+_TERMINAL_STATES = frozenset({"DONE", "FAILED", "CANCELLED"})
 _LEDGER_KIND = {"FailJob": "failed", "Done": "done", "CancelJob": "cancel"}
 
 

@@ -156,6 +156,7 @@ class CoordinatorRole:
         if actions is None:
             return
         agent.apply_actions(view, actions)
+        agent.counters["verdicts_accepted" if accepted else "verdicts_rejected"] += 1
         await agent.publish(verdict)
         agent.ledger(view.job_id, "verdict", {"round": rnd, "shard": shard, "attempt": attempt, "worker": worker,
                                               "accepted": accepted, "reason": reason})
@@ -265,6 +266,7 @@ class CoordinatorRole:
         if actions is None:
             return
         agent.apply_actions(view, actions)
+        agent.counters["aggregates_published"] += 1
         await agent.publish(published)
         agent.ledger(view.job_id, "aggregate", {"round": action.round, "adapter_cid": str(cid),
                                                 "method": terms.aggregation, "shards": list(action.accepted_shards)})

@@ -88,11 +88,24 @@ class SubmitterRole:
                  len(terms.shards), terms.rounds)
         return view
 
+    async def resume(self, view: "JobView") -> None:
+        """After a restart: announce our unfinished job again at once, then keep re-announcing it."""
+        with trio.move_on_after(10):
+            while not self.agent.peers.keys() - {self.agent.peer_id}:
+                await trio.sleep(0.2)
+        await self.agent.publish(m.JobAnnouncement.for_terms(view.terms))
+        await self._reannounce(view)
+
     async def _reannounce(self, view: "JobView") -> None:
         while not view.state.terminal:
             await trio.sleep(self.reannounce_seconds)
             if not view.state.terminal:
                 await self.agent.publish(m.JobAnnouncement.for_terms(view.terms))
+
+    def on_aggregate(self, view: "JobView", published: m.AggregatePublished, coordinator: str) -> None:
+        """Keep a copy of every aggregate of our job: the next round starts from it, whoever coordinates."""
+        if view.terms.submitter == self.agent.peer_id:
+            self.agent.nursery.start_soon(self._keep, view, published.adapter_cid, coordinator)
 
     def on_verdict(self, view: "JobView", verdict: m.Verdict) -> None:
         """Keep a copy of every accepted adapter of our job, so no accepted work is lost with its worker."""

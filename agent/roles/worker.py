@@ -113,6 +113,22 @@ class WorkerRole:
         self.active[key] = lease
         self.agent.nursery.start_soon(self._run_shard, view, lease, key)
 
+    async def release_stale(self, view: JobView) -> None:
+        """After a restart: give back the shards our mirror says we hold but no longer train, so
+        they are reassigned now rather than when the lease runs out. Waits (bounded) for a peer to hear it."""
+        agent = self.agent
+        with trio.move_on_after(10):
+            while not agent.peers.keys() - {agent.peer_id}:
+                await trio.sleep(0.2)
+        for shard in view.held_by(agent.peer_id):
+            if shard.phase is st.ShardPhase.LEASED and \
+                    (view.job_id, view.state.round, shard.index, shard.attempt) not in self.active:
+                log.info("job %s shard %d attempt %d: released (this agent restarted)", view.job_id.hex()[:8],
+                         shard.index, shard.attempt)
+                with trio.move_on_after(5):
+                    await agent.publish(m.ShardRelease(view.job_id, view.state.round, shard.index, shard.attempt,
+                                                       "the worker restarted"))
+
     async def release_all(self, reason: str) -> None:
         for (job_id, rnd, shard, attempt) in list(self.active):
             with trio.move_on_after(2):
@@ -158,7 +174,9 @@ class WorkerRole:
         initial = None
         if lease.initial_adapter_cid:
             bundle = run_dir / "initial.tar"
-            await agent.content.fetch(lease.initial_adapter_cid, bundle, timeout=agent.config.fetch_timeout)
+            providers = [p for p in (view.coordination.coordinator, terms.submitter) if p and p != agent.peer_id]
+            await agent.content.fetch(lease.initial_adapter_cid, bundle, timeout=agent.config.fetch_timeout,
+                                      providers=providers)
             initial = unpack(bundle, run_dir / "initial", allowed=ADAPTER_FILES)
         config = train_config(terms, model_path, threads=agent.config.threads, log_every=5)
         if agent.config.misbehave == "wrong_base":
@@ -204,6 +222,7 @@ class WorkerRole:
             "round": lease.round, "shard": lease.shard, "attempt": lease.attempt, "worker": agent.peer_id,
             "adapter_cid": str(adapter_cid), "duration": float(result.train_seconds), "samples": result.samples,
             "hardware": "cpu", "price_per_hour": agent.config.price_per_hour})
+        agent.counters["shards_trained"] += 1
         log.info("job %s shard %d: reported (loss %.3f, %d steps)", view.job_id.hex()[:8], lease.shard,
                  result.final_loss, result.steps)
 

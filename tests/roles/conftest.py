@@ -61,6 +61,25 @@ class LoopbackNet:
         """Stop an agent abruptly: no release, no goodbye (its connections just close)."""
         self.scopes[agent.peer_id].cancel()
 
+    async def restart(self, agent: Agent) -> Agent:
+        """Start a new Agent with the identity and home of a stopped one (it resumes from its store).
+
+        A cancelled agent in this process leaves its sockets open (a dead process's would be closed by
+        the OS), and its peers would keep using them for the new agent, which has the same peer ID:
+        they drop those connections first.
+        """
+        from agent.net.host import to_libp2p_id
+
+        for other in [self.submitter, *self.alive()]:
+            if other.peer_id != agent.peer_id:
+                with trio.move_on_after(5):
+                    await other.net.host.libp2p.disconnect(to_libp2p_id(agent.peer_id))
+        again = Agent(agent.identity, agent.config)
+        self.scopes[again.peer_id] = trio.CancelScope()
+        await self.nursery.start(_run, again, self.scopes[again.peer_id])
+        self.workers[self.workers.index(agent)] = again
+        return again
+
     def alive(self) -> list[Agent]:
         return [a for a in self.workers if not self.scopes[a.peer_id].cancel_called]
 

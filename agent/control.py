@@ -1,0 +1,340 @@
+"""The local control channel: the CLI talks to a running agent over a Unix socket in its home.
+
+Rules of this file:
+- Local only, never a network port: a Unix socket ``<home>/control.sock`` created with mode 0600
+  (bound under a 0177 umask, then chmod), so only the agent's own user can connect. A socket file
+  left by a dead agent is replaced; one that still answers means an agent already runs there.
+- One request per connection: the client sends one JSON object on one line, at most
+  ``MAX_REQUEST`` bytes: ``{"cmd": NAME, "args": {...}}``; the daemon answers one line
+  ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": ONE LINE}`` and closes. Reading the
+  request has a deadline; each command has its own (fetching an adapter takes longer than a status).
+- Handlers only read the agent's state or call its roles; they never decide protocol questions.
+  A handler's failure is an error answer, never the daemon's death.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from agent import __version__
+
+if TYPE_CHECKING:
+    from agent.node import Agent
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST = 64 * 1024
+MAX_RESPONSE = 16 << 20
+REQUEST_READ_TIMEOUT = 10.0
+MAX_SOCKET_PATH = 100  # sun_path is 108 bytes on Linux, 104 on macOS
+
+
+class ControlError(Exception):
+    """The control channel failed or the agent refused a request; ``str()`` is the one line to show."""
+
+
+# -- the daemon's side -------------------------------------------------------------------------------
+
+def bind_control_socket(path: Path) -> trio.SocketListener:
+    """Bind and listen on ``path`` with mode 0600; ControlError if an agent already answers there."""
+    if len(str(path)) > MAX_SOCKET_PATH:
+        raise ControlError(f"{path}: the control socket path is too long for a Unix socket; use a shorter --home")
+    if path.exists() or path.is_symlink():
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()  # left by an agent that died
+        else:
+            raise ControlError(f"{path}: an agent is already running in {path.parent} (stop it first)")
+        finally:
+            probe.close()
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        sock._sock.bind(str(path))  # synchronous bind under the umask (trio's bind is async)
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, 0o600)
+    sock.listen(16)
+    return trio.SocketListener(sock)
+
+
+async def serve_control(agent: "Agent", listener: trio.SocketListener) -> None:
+    """Answer control requests until cancelled."""
+    await trio.serve_listeners(lambda stream: _handle(agent, stream), [listener])
+
+
+async def _handle(agent: "Agent", stream: trio.SocketStream) -> None:
+    async with stream:
+        try:
+            with trio.fail_after(REQUEST_READ_TIMEOUT):
+                raw = await _read_line(stream, MAX_REQUEST)
+            request = json.loads(raw)
+            if not isinstance(request, dict) or not isinstance(request.get("cmd"), str):
+                raise ControlError('a request is {"cmd": NAME, "args": {...}}')
+            args = request.get("args") or {}
+            handler = HANDLERS.get(request["cmd"])
+            if handler is None:
+                raise ControlError(f"unknown command {request['cmd'][:40]!r}")
+            result = await handler(agent, **args)
+            answer = {"ok": True, "result": result}
+        except Exception as exc:  # noqa: BLE001 - every failure is an answer, never the daemon's end
+            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if not isinstance(exc, (ControlError, KeyError, ValueError)):
+                log.info("control request failed: %s: %s", type(exc).__name__, message)
+            answer = {"ok": False, "error": message}
+        with trio.move_on_after(10):
+            try:
+                await stream.send_all(json.dumps(answer, default=str).encode() + b"\n")
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the client left (a liveness probe connects and closes at once)
+
+
+async def _read_line(stream: trio.abc.ReceiveStream, limit: int) -> bytes:
+    data = bytearray()
+    while b"\n" not in data:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            break
+        data += chunk
+        if len(data) > limit:
+            raise ControlError(f"message larger than {limit} bytes")
+    return bytes(data).split(b"\n", 1)[0]
+
+
+# -- the CLI's side ----------------------------------------------------------------------------------
+
+def request(home: Path, cmd: str, timeout: float = 30.0, **args: Any) -> Any:
+    """Send one request to the agent in ``home``; its result, or ControlError with the agent's one line."""
+    path = home / "control.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        try:
+            sock.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise ControlError(f"no agent is running in {home} (start one with `infernet agent run --home {home}`)") from None
+        except OSError as exc:
+            raise ControlError(f"{path}: cannot connect: {exc.strerror or exc}") from None
+        sock.sendall(json.dumps({"cmd": cmd, "args": args}).encode() + b"\n")
+        data = bytearray()
+        while b"\n" not in data:
+            chunk = sock.recv(1 << 20)
+            if not chunk:
+                break
+            data += chunk
+            if len(data) > MAX_RESPONSE:
+                raise ControlError(f"the agent's answer is larger than {MAX_RESPONSE} bytes")
+    except socket.timeout:
+        raise ControlError(f"the agent in {home} did not answer {cmd!r} within {timeout:.0f} s") from None
+    finally:
+        sock.close()
+    try:
+        answer = json.loads(bytes(data).split(b"\n", 1)[0])
+    except ValueError:
+        raise ControlError(f"the agent in {home} closed the connection without an answer") from None
+    if not answer.get("ok"):
+        raise ControlError(answer.get("error") or "the agent refused the request")
+    return answer["result"]
+
+
+# -- handlers ------------------------------------------------------------------------------------------
+
+def _find_job(agent: "Agent", job: str) -> Any:
+    """The view of the job whose hex ID starts with ``job`` (live, or rebuilt from the store)."""
+    text = str(job).lower()
+    if len(text) < 4 or any(c not in "0123456789abcdef" for c in text):
+        raise ControlError(f"{str(job)[:70]!r} is not a job ID (hex, at least 4 characters; see `infernet job list`)")
+    matches = [r.job_id for r in agent.store.jobs() if r.job_id.hex().startswith(text)]
+    matches += [j for j in agent.jobs if j.hex().startswith(text) and j not in matches]
+    if not matches:
+        raise ControlError(f"unknown job {text[:16]} (see `infernet job list`)")
+    if len(matches) > 1:
+        raise ControlError(f"job ID prefix {text} is ambiguous: {len(matches)} jobs match; give more characters")
+    return agent.job_view(matches[0])
+
+
+async def _status(agent: "Agent") -> dict:
+    jobs: dict[str, int] = {}
+    for record in agent.store.jobs():
+        view = agent.jobs.get(record.job_id)
+        state = view.state.phase.value if view else record.state
+        jobs[state] = jobs.get(state, 0) + 1
+    return {
+        "peer_id": agent.peer_id, "version": __version__, "addrs": agent.addrs(), "home": str(agent.config.home),
+        "pid": os.getpid(), "uptime_s": round(agent.clock() - agent.started_at, 1),
+        "accept_training": agent.worker is not None, "can_coordinate": agent.config.can_coordinate,
+        "peers": len(agent.live_peers()), "connected": len(agent.net.host.connected_peers()), "jobs": jobs,
+        "active_shards": len(agent.worker.active) if agent.worker else 0, "counters": dict(agent.counters),
+    }
+
+
+async def _peers(agent: "Agent") -> list[dict]:
+    now = agent.clock()
+    live = agent.live_peers()
+    out = []
+    for peer, info in sorted(agent.peers.items()):
+        if peer == agent.peer_id:
+            continue
+        cap = info.capability
+        out.append({"peer_id": peer, "live": peer in live, "last_heartbeat_s": round(now - info.last_heartbeat, 1),
+                    "accepts_training": cap.accepts_training if cap else None,
+                    "can_coordinate": cap.can_coordinate if cap else None,
+                    "price_per_hour": cap.price_per_hour if cap else None,
+                    "version": cap.agent_version if cap else None})
+    return out
+
+
+async def _job_announce(agent: "Agent", spec: str, dataset: str | None = None) -> dict:
+    from protocol.jobspec import load_spec
+
+    job_spec = load_spec(spec)
+    data = Path(dataset) if dataset else (Path(spec).parent / job_spec.input.dataset)
+    if not data.is_file():
+        raise ControlError(f"dataset {data}: no such file (give --dataset FILE or set input.dataset in the spec)")
+    model = dict(agent.config.models).get(job_spec.base_model) or job_spec.base_model
+    if not Path(model).is_dir():
+        raise ControlError(f"base model {job_spec.base_model!r}: not a local directory and not in [models] "
+                           f"of {agent.config.home / 'config.toml'}")
+    terms = await agent.submitter.prepare_terms(job_spec, data, model)
+    view = await agent.submitter.announce(terms)
+    return job_summary(agent, view)
+
+
+async def _job_list(agent: "Agent") -> list[dict]:
+    out = []
+    for record in agent.store.jobs():
+        view = agent.jobs.get(record.job_id)
+        if view is not None:
+            out.append(job_summary(agent, view, record.role))
+        else:
+            out.append({"id": record.job_id.hex(), "name": record.terms.name, "role": record.role,
+                        "state": record.state, "round": record.round, "rounds": record.terms.rounds,
+                        "shards": len(record.terms.shards), "accepted": None, "coordinator": None,
+                        "term": record.coordinator_term, "published": [], "reason": ""})
+    return out
+
+
+async def _job_show(agent: "Agent", job: str) -> dict:
+    return job_detail(agent, _find_job(agent, job))
+
+
+async def _job_cancel(agent: "Agent", job: str, reason: str = "cancelled by the submitter") -> dict:
+    view = _find_job(agent, job)
+    if view.terms.submitter != agent.peer_id:
+        raise ControlError(f"job {view.job_id.hex()[:16]} was submitted by {view.terms.submitter}, not this agent; "
+                           "only its submitter can cancel it")
+    if view.state.terminal:
+        raise ControlError(f"job {view.job_id.hex()[:16]} already ended ({view.state.phase.value})")
+    await agent.submitter.cancel(view, reason)
+    return job_summary(agent, view)
+
+
+async def _job_fetch(agent: "Agent", job: str, out: str, round: int | None = None) -> dict:
+    from agent.bundle import ADAPTER_FILES, unpack
+
+    view = _find_job(agent, job)
+    if not view.aggregates:
+        raise ControlError(f"job {view.job_id.hex()[:16]} has no published aggregate yet "
+                           f"({view.state.phase.value}, round {view.state.round}); try again when it is DONE")
+    rnd = round if round is not None else max(view.aggregates)
+    if rnd not in view.aggregates:
+        raise ControlError(f"job {view.job_id.hex()[:16]} has no aggregate for round {rnd} "
+                           f"(published: {sorted(view.aggregates)})")
+    published = view.aggregates[rnd]
+    target = Path(out).expanduser().resolve()
+    if target.exists() and any(target.iterdir()):
+        raise ControlError(f"{target}: exists and is not empty; choose a new --out directory")
+    bundle = agent.work_dir / view.job_id.hex()[:16] / f"fetched-r{rnd}.tar"
+    bundle.parent.mkdir(parents=True, exist_ok=True)
+    providers = [p for p in (view.coordination.coordinator, view.terms.submitter) if p and p != agent.peer_id]
+    await agent.content.fetch(published.adapter_cid, bundle, timeout=agent.config.fetch_timeout, providers=providers)
+    if target.exists():
+        target.rmdir()
+    unpack(bundle, target, allowed=ADAPTER_FILES, max_bytes=4 << 30)
+    return {"id": view.job_id.hex(), "round": rnd, "final": published.final, "cid": published.adapter_cid,
+            "path": str(target), "method": published.method, "shards": list(published.shards),
+            "base_model": view.terms.base_model}
+
+
+async def _job_ledger(agent: "Agent", job: str) -> dict:
+    view = _find_job(agent, job)
+    entries = agent.store.ledger(view.job_id)
+    try:
+        verified, problem = agent.store.verify_ledger(view.job_id), None
+    except Exception as exc:  # noqa: BLE001 - LedgerError: reported, not raised
+        verified, problem = None, str(exc)
+    return {"id": view.job_id.hex(), "verified": problem is None, "problem": problem, "length": len(entries),
+            "entries": [{"seq": e.seq, "time": e.time, "peer": e.peer, "kind": e.kind, "signer": e.signer_peer_id,
+                         "hash": e.hash.hex(), "data": _plain(e.data)} for e in entries]}
+
+
+async def _stop(agent: "Agent") -> dict:
+    agent.stop()
+    return {"stopping": True}
+
+
+HANDLERS = {
+    "status": _status, "peers": _peers, "job.announce": _job_announce, "job.list": _job_list,
+    "job.show": _job_show, "job.cancel": _job_cancel, "job.fetch": _job_fetch, "job.ledger": _job_ledger,
+    "stop": _stop,
+}
+
+
+# -- what a job looks like on the channel -------------------------------------------------------------
+
+def job_summary(agent: "Agent", view: Any, role: str | None = None) -> dict:
+    from protocol.state import ShardPhase
+
+    terms, state = view.terms, view.state
+    if role is None:
+        record = agent.store.job(view.job_id)
+        role = record.role if record else "observer"
+    return {"id": view.job_id.hex(), "name": terms.name, "role": role, "state": state.phase.value,
+            "round": state.round, "rounds": terms.rounds, "shards": len(terms.shards),
+            "accepted": state.count(ShardPhase.ACCEPTED), "coordinator": view.coordination.coordinator,
+            "term": view.coordination.term, "published": list(state.published), "reason": state.reason}
+
+
+def job_detail(agent: "Agent", view: Any) -> dict:
+    """The summary, plus each shard of the current round and each published aggregate."""
+    out = job_summary(agent, view)
+    shards = []
+    for shard in view.state.shards:
+        key = (view.state.round, shard.index, shard.attempt)
+        commits = view.commits.get(key, [])
+        report = view.reports.get(key)
+        verdict = view.verdicts.get(key)
+        last = commits[-1] if commits else None
+        shards.append({
+            "index": shard.index, "state": shard.phase.value, "attempt": shard.attempt, "worker": shard.worker,
+            "expires_at": shard.expires_at, "step": report[0].steps if report else (last.step if last else 0),
+            "loss": report[0].final_loss if report else (last.loss if last else None),
+            "verdict": None if verdict is None else {"accepted": verdict.accepted, "reason": verdict.reason},
+        })
+    out["shard_states"] = shards
+    out["base_model"] = view.terms.base_model
+    out["leases"] = len(view.leases)
+    out["verdicts"] = {"accepted": sum(v.accepted for v in view.verdicts.values()),
+                       "rejected": sum(not v.accepted for v in view.verdicts.values())}
+    out["aggregates"] = [{"round": a.round, "cid": a.adapter_cid, "method": a.method, "shards": list(a.shards),
+                          "samples": a.samples, "final": a.final} for _, a in sorted(view.aggregates.items())]
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -1,0 +1,172 @@
+"""`infernet agent run`: one agent, headless, until SIGTERM or SIGINT.
+
+Rules of this file:
+- The daemon is an Agent (agent/node.py) plus three small faces served inside the Agent's nursery:
+  the control socket (agent/control.py), an optional Prometheus endpoint on 127.0.0.1 only, and
+  logs as JSON lines (stdout or a file).
+- SIGTERM or SIGINT stops the agent cleanly: active shards are released (ShardRelease), every task
+  ends, the control socket file is removed, and the process exits 0.
+- When ready, the daemon logs one ``"ready"`` line with its peer ID and addresses; the control
+  socket answers from then on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+import trio
+
+from agent.config import CONTROL_SOCKET
+from agent.control import bind_control_socket, serve_control
+
+if TYPE_CHECKING:
+    from agent.node import Agent, AgentConfig
+    from protocol.identity import Identity
+
+log = logging.getLogger("agent.daemon")
+
+METRICS_READ_TIMEOUT = 5.0
+
+
+class JsonLines(logging.Formatter):
+    """One JSON object per log record: time, level, logger, message (and the exception's one line)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
+                "msg": record.getMessage()}
+        if record.exc_info and record.exc_info[1] is not None:
+            line["error"] = f"{type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
+        for key in ("peer_id", "addrs"):
+            if hasattr(record, key):
+                line[key] = getattr(record, key)
+        return json.dumps(line, default=str)
+
+
+def setup_logging(stream: TextIO, verbose: bool = False) -> None:
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonLines())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    if not verbose:  # py-libp2p logs its connection manager's every round at INFO
+        logging.getLogger("libp2p").setLevel(logging.WARNING)
+        logging.getLogger("multiaddr").setLevel(logging.WARNING)
+
+
+def run_daemon(identity: "Identity", config: "AgentConfig", *, metrics_port: int | None = None) -> int:
+    trio.run(_main, identity, config, metrics_port)
+    return 0
+
+
+async def _main(identity: "Identity", config: "AgentConfig", metrics_port: int | None) -> None:
+    from agent.node import Agent
+
+    if config.threads:
+        import os
+
+        os.environ.setdefault("OMP_NUM_THREADS", str(config.threads))
+    agent = Agent(identity, config)
+    socket_path = config.home / CONTROL_SOCKET
+    listener = bind_control_socket(socket_path)  # before the network: a second daemon in this home stops here
+    try:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(agent.run)
+                agent.nursery.start_soon(serve_control, agent, listener)
+                if metrics_port is not None:
+                    await agent.nursery.start(serve_metrics, agent, metrics_port)
+                agent.nursery.start_soon(_stop_on_signal, agent, signals)
+                log.info("ready: %s listening on %s", agent.peer_id, " ".join(agent.addrs()),
+                         extra={"peer_id": agent.peer_id, "addrs": agent.addrs()})
+        log.info("stopped")
+    finally:
+        socket_path.unlink(missing_ok=True)
+
+
+async def _stop_on_signal(agent: "Agent", signals: Any) -> None:
+    async for signum in signals:
+        log.info("%s: stopping (active shards are released)", signal.Signals(signum).name)
+        agent.stop()
+        return
+
+
+# -- Prometheus text exposition ------------------------------------------------------------------------
+
+def metrics_text(agent: "Agent") -> str:
+    """A few gauges and counters in the Prometheus text format (version 0.0.4)."""
+    lines = [
+        "# HELP infernet_peers Other peers whose heartbeats arrive.", "# TYPE infernet_peers gauge",
+        f"infernet_peers {len(agent.live_peers())}",
+        "# HELP infernet_jobs Jobs this agent follows, by state.", "# TYPE infernet_jobs gauge",
+    ]
+    states: dict[str, int] = {}
+    for view in agent.jobs.values():
+        states[view.state.phase.value] = states.get(view.state.phase.value, 0) + 1
+    lines += [f'infernet_jobs{{state="{state}"}} {n}' for state, n in sorted(states.items())]
+    lines += ["# HELP infernet_active_shards Shards this agent is training now.", "# TYPE infernet_active_shards gauge",
+              f"infernet_active_shards {len(agent.worker.active) if agent.worker else 0}"]
+    for name, help_text in (("shards_trained", "Shards trained and reported."),
+                            ("verdicts_accepted", "Reports this agent verified and accepted as coordinator."),
+                            ("verdicts_rejected", "Reports this agent rejected as coordinator."),
+                            ("aggregates_published", "Round aggregates this agent published as coordinator.")):
+        lines += [f"# HELP infernet_{name}_total {help_text}", f"# TYPE infernet_{name}_total counter",
+                  f"infernet_{name}_total {agent.counters[name]}"]
+    gossip = agent.net.gossip
+    lines += ["# HELP infernet_gossip_invalid_total Gossip messages dropped for breaking the envelope rules.",
+              "# TYPE infernet_gossip_invalid_total counter"]
+    lines += [f"infernet_gossip_invalid_total {sum(gossip.invalid.values())}",
+              "# HELP infernet_gossip_invalid_by_reason_total The same, by reason.",
+              "# TYPE infernet_gossip_invalid_by_reason_total counter"]
+    lines += [f'infernet_gossip_invalid_by_reason_total{{reason="{reason}"}} {n}'
+              for reason, n in sorted(gossip.reasons.items())]
+    lines += ["# HELP infernet_uptime_seconds Seconds since the agent started.", "# TYPE infernet_uptime_seconds gauge",
+              f"infernet_uptime_seconds {time.time() - agent.started_at:.1f}"]
+    return "\n".join(lines) + "\n"
+
+
+async def serve_metrics(agent: "Agent", port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve GET /metrics on 127.0.0.1:``port`` (never another interface)."""
+    listeners = await trio.open_tcp_listeners(port, host="127.0.0.1")
+    log.info("metrics on http://127.0.0.1:%d/metrics", listeners[0].socket.getsockname()[1])
+    task_status.started(listeners[0].socket.getsockname()[1])
+
+    async def answer(stream: trio.SocketStream) -> None:
+        async with stream:
+            try:
+                await _answer_metrics(agent, stream)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the scraper left
+            except Exception:  # noqa: BLE001 - a metrics bug must not stop the agent
+                log.exception("metrics request failed")
+
+    await trio.serve_listeners(answer, listeners)
+
+
+async def _answer_metrics(agent: "Agent", stream: trio.SocketStream) -> None:
+    with trio.move_on_after(METRICS_READ_TIMEOUT):
+        request = b""
+        while b"\r\n\r\n" not in request and len(request) < 8192:
+            chunk = await stream.receive_some(4096)
+            if not chunk:
+                return
+            request += chunk
+        path = request.split(b" ", 2)[1] if request.count(b" ") >= 2 else b""
+        if path.split(b"?")[0] == b"/metrics":
+            body, status = metrics_text(agent).encode(), b"200 OK"
+        else:
+            body, status = b"not found: try /metrics\n", b"404 Not Found"
+        await stream.send_all(b"HTTP/1.1 " + status + b"\r\nContent-Type: text/plain; version=0.0.4\r\n"
+                              b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+
+
+def default_log_stream(log_file: Path | None) -> TextIO:
+    if log_file is None:
+        return sys.stdout
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    return open(log_file, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - lives as long as the process

@@ -1,0 +1,294 @@
+"""`infernet demo`: a whole network on loopback in one command, one job through it, the result measured.
+
+Rules of this file:
+- Every agent is a real, separate process (`infernet agent run`), with its own identity, home and
+  config written here exactly as an operator's would be: one submitter (never trains, never
+  coordinates) and ``workers`` opted-in agents, one of which the election makes coordinator. Each
+  worker process uses one torch thread (the machines this runs on may have two cores).
+- The demo only talks to the agents as the CLI does, over their control sockets: announce the job
+  on the submitter, poll it for the live table, fetch the final aggregate by CID.
+- The outcome is measured with stock transformers + peft, not with our training code: validation
+  loss of the base model, then of base + the fetched adapter (HF layout), on held-out records.
+- Every subprocess is ended on any exit (success, failure, Ctrl-C): SIGTERM, then SIGKILL after a
+  grace period. Success is exit 0; any failure is one line and exit 1.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from rich.console import Console
+
+from agent.config import CONFIG_FILE, IDENTITY_FILE
+from agent.control import ControlError, request
+from protocol.identity import Identity, save_identity
+
+MODEL_NAME = "infernet-tiny"
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+STOP_GRACE_SECONDS = 10.0
+
+
+class DemoError(Exception):
+    """The demo could not complete; ``str()`` is the one line to show."""
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    workers: int = 3
+    shards: int = 4
+    rounds: int = 2
+    steps: int = 60
+    directory: Path | None = None
+    timeout: float = 600.0
+    verbose: bool = False
+
+
+def demo_dataset() -> Path:
+    """The demo's ChatML dataset, shipped inside the package (agent/data/demo.jsonl, 400 records)."""
+    path = Path(str(resources.files("agent") / "data" / "demo.jsonl"))
+    if not path.is_file():
+        raise DemoError(f"{path}: the demo dataset is missing from this installation")
+    return path
+
+
+def demo_spec(options: DemoOptions) -> str:
+    return f"""\
+# The demo job: the tiny model learns the demo task (colours, French words, counting, spelling).
+name: infernet-demo
+base_model: {MODEL_NAME}
+seed: 7
+input:
+  dataset: demo.jsonl
+  validation_split: 0.1
+training:
+  learning_rate: 0.01
+  batch_size: 8
+  max_steps: {options.steps}
+  max_seq_len: 96
+lora:
+  rank: 16
+  alpha: 32
+  target_modules: [{", ".join(TARGET_MODULES)}]
+shards: {options.shards}
+rounds: {options.rounds}
+aggregation: exact
+max_retries: 2
+proof:
+  checkpoint_every: {max(1, options.steps // 4)}
+  verify_segments: 1
+lease_seconds: 120
+"""
+
+
+AGENT_CONFIG = """\
+# written by `infernet demo`
+listen = ["/ip4/127.0.0.1/tcp/0"]
+accept_training = {accept}
+can_coordinate = {coordinate}
+threads = 1
+heartbeat_seconds = 1.0
+
+[models]
+"{model_name}" = "{model_path}"
+"""
+
+
+class DemoNetwork:
+    """The agent processes of the demo; ``close()`` ends them all."""
+
+    def __init__(self, root: Path, model: Path, verbose: bool) -> None:
+        self.root = root
+        self.model = model
+        self.verbose = verbose
+        self.processes: list[tuple[str, subprocess.Popen]] = []
+
+    def home(self, name: str) -> Path:
+        return self.root / name
+
+    def start(self, name: str, *, accept_training: bool, coordinate: bool, bootstrap: str | None = None) -> Path:
+        home = self.home(name)
+        home.mkdir(parents=True)
+        save_identity(Identity.generate(), home / IDENTITY_FILE)
+        (home / CONFIG_FILE).write_text(AGENT_CONFIG.format(
+            accept=str(accept_training).lower(), coordinate=str(coordinate).lower(), model_name=MODEL_NAME,
+            model_path=self.model))
+        command = [sys.executable, "-m", "agent.cli", "agent", "run", "--home", str(home),
+                   "--log-file", str(home / "agent.log")]
+        if bootstrap:
+            command += ["--bootstrap", bootstrap]
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                   PYTHONUNBUFFERED="1")
+        stderr = open(home / "stderr.log", "wb")  # noqa: SIM115 - handed to the child
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=env,
+                                   start_new_session=True)  # our Ctrl-C is ours to relay, in order
+        stderr.close()
+        self.processes.append((name, process))
+        return home
+
+    def wait_ready(self, name: str, timeout: float = 60.0) -> dict:
+        home = self.home(name)
+        process = dict(self.processes)[name]
+        deadline = time.monotonic() + timeout
+        while True:
+            if process.poll() is not None:
+                raise DemoError(f"agent {name} exited with status {process.returncode}: {self._last_error(home)}")
+            try:
+                return request(home, "status", timeout=5)
+            except ControlError:
+                if time.monotonic() > deadline:
+                    raise DemoError(f"agent {name} did not answer on its control socket within {timeout:.0f} s") from None
+                time.sleep(0.2)
+
+    def check_alive(self) -> None:
+        for name, process in self.processes:
+            if process.poll() is not None:
+                raise DemoError(f"agent {name} exited with status {process.returncode}: "
+                                f"{self._last_error(self.home(name))}")
+
+    def _last_error(self, home: Path) -> str:
+        for log in (home / "stderr.log", home / "agent.log"):
+            try:
+                lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+            except OSError:
+                continue
+            if lines:
+                return lines[-1][:300]
+        return "no output"
+
+    def close(self) -> None:
+        for _, process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for _, process in self.processes:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def run_demo(options: DemoOptions) -> int:
+    console = Console()
+    started = time.monotonic()
+    root = options.directory or Path(tempfile.mkdtemp(prefix="infernet-demo-"))
+    root.mkdir(parents=True, exist_ok=True)
+    if any(root.iterdir()):
+        raise DemoError(f"{root}: not empty; give --dir a new directory")
+    network: DemoNetwork | None = None
+    try:
+        from agent.train.tiny import tiny_model
+
+        console.print(f"[bold]infernet demo[/bold]: 1 submitter + {options.workers} workers on loopback, "
+                      f"a {options.shards}-shard x {options.rounds}-round job  (files in {root})")
+        with console.status("building the tiny base model (cached after the first run)"):
+            model = tiny_model()
+        dataset = shutil.copy(demo_dataset(), root / "demo.jsonl")
+        spec = root / "infernet.train.yml"
+        spec.write_text(demo_spec(options))
+
+        network = DemoNetwork(root, model, options.verbose)
+        network.start("submitter", accept_training=False, coordinate=False)
+        status = network.wait_ready("submitter")
+        bootstrap = status["addrs"][0]
+        for i in range(options.workers):
+            network.start(f"worker{i}", accept_training=True, coordinate=True, bootstrap=bootstrap)
+        for i in range(options.workers):
+            network.wait_ready(f"worker{i}")
+        submitter = network.home("submitter")
+        with console.status(f"waiting for the {options.workers} workers to be heard on the network"):
+            deadline = time.monotonic() + 60
+            while request(submitter, "status")["peers"] < options.workers:
+                network.check_alive()
+                if time.monotonic() > deadline:
+                    raise DemoError("the workers were not heard by the submitter within 60 s (see agent.log in each home)")
+                time.sleep(0.3)
+        console.print(f"network up in {time.monotonic() - started:.0f} s: submitter {status['peer_id']}")
+
+        job = request(submitter, "job.announce", timeout=300, spec=str(spec), dataset=str(dataset))
+        console.print(f"announced job {job['id']}")
+        from agent.progress import JobProgress
+
+        deadline = time.monotonic() + options.timeout
+        with JobProgress(console=console) as progress:
+            while True:
+                detail = request(submitter, "job.show", job=job["id"])
+                progress.update(detail)
+                if detail["state"] in ("DONE", "FAILED", "CANCELLED"):
+                    break
+                network.check_alive()
+                if time.monotonic() > deadline:
+                    raise DemoError(f"the job did not finish within {options.timeout:.0f} s "
+                                    f"(it is {detail['state']} in round {detail['round']})")
+                time.sleep(0.5)
+        if detail["state"] != "DONE":
+            raise DemoError(f"the job ended {detail['state']}: {detail['reason']}")
+
+        fetched = request(submitter, "job.fetch", timeout=120, job=job["id"], out=str(root / "adapter"))
+        with console.status("measuring validation loss with stock transformers + peft"):
+            before, after = validation_losses(model, Path(fetched["path"]), root / "validation.jsonl")
+        console.print(f"\njob {job['id'][:16]} DONE in {time.monotonic() - started:.0f} s")
+        console.print(f"aggregate CID:   {fetched['cid']}")
+        console.print(f"validation loss: {before:.3f} (base) -> {after:.3f} (base + adapter)")
+        console.print(f"adapter (Hugging Face PEFT layout): {fetched['path']}")
+        if not after < before:
+            raise DemoError(f"the adapter did not lower the validation loss ({before:.3f} -> {after:.3f})")
+        return 0
+    except DemoError as exc:
+        console.print(f"[red]infernet demo failed:[/red] {exc}", highlight=False)
+        return 1
+    except ControlError as exc:
+        console.print(f"[red]infernet demo failed:[/red] {exc}", highlight=False)
+        return 1
+    except KeyboardInterrupt:
+        console.print("infernet demo: interrupted; stopping the agents")
+        return 130
+    finally:
+        if network is not None:
+            network.close()
+
+
+def validation_losses(model_dir: Path, adapter_dir: Path, out: Path) -> tuple[float, float]:
+    """Mean loss on assistant tokens of held-out demo records: base model, then base + adapter (stock peft)."""
+    import warnings
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+    from agent.train import TrainConfig
+    from agent.train.data import write_chatml
+    from agent.train.model import load_tokenizer
+    from agent.train.run import load_shard
+    from agent.train.tiny import demo_records
+
+    torch.set_num_threads(max(1, min(os.cpu_count() or 1, 4)))
+    write_chatml(out, demo_records(48, seed=99))
+    tokenizer = load_tokenizer(str(model_dir))
+    examples = load_shard(TrainConfig(base_model=str(model_dir), max_seq_len=96, threads=1), tokenizer, out).examples
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+
+    def loss(model) -> float:
+        model.eval()
+        total = 0.0
+        with torch.no_grad():
+            for ex in examples:
+                total += float(model(input_ids=torch.tensor([ex.input_ids]), labels=torch.tensor([ex.labels])).loss)
+        return total / len(examples)
+
+    before = loss(base)
+    return before, loss(PeftModel.from_pretrained(base, str(adapter_dir)))

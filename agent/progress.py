@@ -1,0 +1,95 @@
+"""Live progress of one job for a person: a rich table on a terminal, one line per change elsewhere.
+
+Fed with the control channel's job detail (agent/control.py ``job_detail``) every poll; knows nothing
+else. ``json_lines=True`` prints each changed detail as one JSON line instead (``job watch --json``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+STATE_STYLE = {"OPEN": "dim", "LEASED": "yellow", "REPORTED": "cyan", "ACCEPTED": "green", "FAILED": "red"}
+
+
+class JobProgress:
+    def __init__(self, *, json_lines: bool = False, console: Console | None = None) -> None:
+        self.console = console or Console()
+        self.json_lines = json_lines
+        self.live: Live | None = None
+        self.started = time.monotonic()
+        self._last_lines: dict[str, str] = {}
+
+    def __enter__(self) -> "JobProgress":
+        if not self.json_lines and self.console.is_terminal:
+            self.live = Live(console=self.console, refresh_per_second=4, transient=False)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.live is not None:
+            self.live.__exit__(*exc)
+
+    def update(self, job: dict) -> None:
+        if self.json_lines:
+            line = json.dumps(job, sort_keys=True, default=str)
+            if line != self._last_lines.get("json"):
+                print(line, flush=True)
+                self._last_lines["json"] = line
+        elif self.live is not None:
+            self.live.update(self.render(job))
+        else:
+            self._print_changes(job)
+
+    def render(self, job: dict) -> Group:
+        elapsed = time.monotonic() - self.started
+        coordinator = (job.get("coordinator") or "-")[-8:]
+        head = Text.assemble(
+            ("job ", "bold"), job["id"][:16], "  ", (job["state"], "bold"),
+            f"  round {job['round']}/{job['rounds']}  coordinator …{coordinator} (term {job['term']})",
+            f"  leases {job.get('leases', 0)}  verdicts {job.get('verdicts', {}).get('accepted', 0)} accepted"
+            f" / {job.get('verdicts', {}).get('rejected', 0)} rejected  {elapsed:.0f} s")
+        table = Table(box=None, pad_edge=False)
+        for column in ("shard", "state", "attempt", "worker", "step", "loss", "verdict"):
+            table.add_column(column, justify="right" if column in ("shard", "attempt", "step", "loss") else "left")
+        for s in job.get("shard_states", []):
+            verdict = s.get("verdict")
+            table.add_row(str(s["index"]), Text(s["state"], style=STATE_STYLE.get(s["state"], "")), str(s["attempt"]),
+                          f"…{s['worker'][-8:]}" if s.get("worker") else "-", str(s.get("step") or 0),
+                          f"{s['loss']:.3f}" if s.get("loss") is not None else "-",
+                          "-" if verdict is None else ("accepted" if verdict["accepted"] else f"rejected: {verdict['reason'][:40]}"))
+        rows: list[Any] = [head, table]
+        for agg in job.get("aggregates", []):
+            rows.append(Text(f"round {agg['round']} aggregate {agg['cid']} ({agg['method']} over shards {agg['shards']})",
+                             style="green"))
+        return Group(*rows)
+
+    def _print_changes(self, job: dict) -> None:
+        """Not a terminal: one line per change of the job or of a shard."""
+        stamp = f"[{time.monotonic() - self.started:5.1f}s]"
+        lines = {"job": f"job {job['id'][:12]} {job['state']} round {job['round']}/{job['rounds']} "
+                        f"coordinator …{(job.get('coordinator') or '-')[-8:]} term {job['term']}"}
+        for s in job.get("shard_states", []):
+            verdict = s.get("verdict")
+            lines[f"shard{s['index']}"] = (
+                f"  r{job['round']} shard {s['index']} {s['state']} attempt {s['attempt']}"
+                + (f" worker …{s['worker'][-8:]}" if s.get("worker") else "")
+                + (f" step {s['step']} loss {s['loss']:.3f}" if s.get("loss") is not None else "")
+                + ("" if verdict is None else (" accepted" if verdict["accepted"] else f" rejected: {verdict['reason'][:60]}")))
+        for agg in job.get("aggregates", []):
+            lines[f"agg{agg['round']}"] = f"  round {agg['round']} aggregate {agg['cid']}"
+        for key, line in lines.items():
+            if self._last_lines.get(key) != line:
+                print(f"{stamp} {line.strip() if key == 'job' else line}", flush=True)
+                self._last_lines[key] = line
+
+    def final_line(self, job: dict) -> str:
+        if job["state"] == "DONE":
+            return f"job {job['id'][:16]} DONE: final aggregate {job['published'][-1]}"
+        return f"job {job['id'][:16]} {job['state']}: {job.get('reason') or 'no reason given'}"

@@ -1,0 +1,104 @@
+"""Commands that need no running agent: init, data, train init, and the one-line errors."""
+
+from __future__ import annotations
+
+import json
+import stat
+import tomllib
+
+from agent.config import load_config
+from protocol.identity import load_identity
+from protocol.unixfs import compute_cid
+from tests.cli.conftest import assert_one_line_error, cli, cli_json
+
+
+def test_version_and_help():
+    done = cli("--version", check=True)
+    assert done.stdout.startswith("infernet-agent ")
+    assert "job" in cli("--help", check=True).stdout
+
+
+def test_agent_init_writes_a_0600_key_and_a_commented_config_that_loads(tmp_path):
+    home = tmp_path / "home"
+    result = cli_json("agent", "init", "--home", str(home))
+    assert set(result) >= {"home", "peer_id", "identity", "config", "created"} and result["created"]
+    key = home / "identity.key"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert load_identity(key).peer_id == result["peer_id"]
+    text = (home / "config.toml").read_text()
+    assert text.count("#") > 15  # every key explained
+    assert tomllib.loads(text)["accept_training"] is False
+    config = load_config(home)
+    assert config.home == home and config.accept_training is False
+    again = cli_json("agent", "init", "--home", str(home))  # keeps the key
+    assert again["peer_id"] == result["peer_id"] and not again["created"]
+
+
+def test_bad_config_key_is_one_line(tmp_path):
+    home = tmp_path / "home"
+    cli("agent", "init", "--home", str(home), check=True)
+    (home / "config.toml").write_text("acept_training = true\n")
+    assert_one_line_error(cli("agent", "run", "--home", str(home)), "config.toml", "unknown key 'acept_training'")
+    (home / "config.toml").write_text("threads = 'four'\n")
+    assert_one_line_error(cli("agent", "run", "--home", str(home)), "threads", "expected an integer")
+
+
+def test_agent_run_refuses_a_bad_multiaddr_and_a_missing_key(tmp_path):
+    home = tmp_path / "home"
+    assert_one_line_error(cli("agent", "run", "--home", str(home)), "no key file", "infernet agent init")
+    cli("agent", "init", "--home", str(home), check=True)
+    assert_one_line_error(cli("agent", "run", "--home", str(home), "--bootstrap", "/ip4/1.2.3.4/tcp/notaport"),
+                          "bootstrap[0]")
+
+
+def test_commands_that_need_a_daemon_say_so(tmp_path):
+    for args in (("agent", "status"), ("peers",), ("job", "list"), ("job", "cancel", "abcd"),
+                 ("job", "ledger", "abcd"), ("job", "watch", "abcd")):
+        assert_one_line_error(cli(*args, "--home", str(tmp_path)), "no agent is running", "infernet agent run")
+
+
+def test_data_add_prints_the_ipfs_cid_and_verify_checks_it(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"messages": []}\n' * 40000)  # > one 256 KiB chunk: a dag-pb root
+    expected = compute_cid(path.read_bytes()).encode()
+    done = cli("data", "add", str(path), check=True)
+    assert done.stdout.strip() == expected and expected.startswith("bafy")
+    assert cli_json("data", "add", str(path))["cid"] == expected
+    assert "ok" in cli("data", "verify", str(path), expected, check=True).stdout
+    other = compute_cid(b"something else").encode()
+    done = cli("data", "verify", str(path), other)
+    assert done.returncode == 1 and "does not match" in done.stderr
+    assert_one_line_error(cli("data", "verify", str(path), "not-a-cid"))
+    assert_one_line_error(cli("data", "add", str(tmp_path / "missing.jsonl")), "missing.jsonl")
+
+
+def test_train_init_writes_the_template_once(tmp_path):
+    from protocol.jobspec import TEMPLATE, load_spec
+
+    done = cli("train", "init", "--output", str(tmp_path), check=True)
+    path = tmp_path / "infernet.train.yml"
+    assert path.read_text() == TEMPLATE and str(path) in done.stdout
+    assert load_spec(path).name == "my-adapter"
+    assert_one_line_error(cli("train", "init", "--output", str(tmp_path)), "already exists")
+
+
+def test_bad_spec_is_one_line_naming_the_field(tmp_path):
+    spec = tmp_path / "bad.yml"
+    spec.write_text("name: x\nbase_model: m\ninput: {dataset: d.jsonl}\nshards: zero\n")
+    assert_one_line_error(cli("job", "announce", str(spec), "--home", str(tmp_path)), "bad.yml", "shards")
+    assert_one_line_error(cli("train", "run", "--local", "--config", str(spec)), "shards")
+    assert_one_line_error(cli("job", "announce", str(tmp_path / "nope.yml"), "--home", str(tmp_path)), "nope.yml")
+
+
+def test_train_run_local_trains_and_writes_the_run_layout(tmp_path, tiny_model_dir):
+    from tests.cli.conftest import small_spec
+
+    spec = small_spec(tmp_path / "infernet.train.yml", shards=1, steps=6)
+    out = tmp_path / "run"
+    result = cli_json("train", "run", "--local", "--config", str(spec), "--output", str(out), "--threads", "1",
+                      timeout=300)
+    assert result["steps"] == 6 and result["validation_loss"] < result["initial_validation_loss"]
+    for name in ("README.md", "metrics.jsonl", "proof.json", "train_config.json", "infernet.train.yml", "result.json"):
+        assert (out / name).is_file(), name
+    assert {p.name for p in (out / "checkpoint-final").iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    assert json.loads((out / "result.json").read_text())["steps"] == 6

@@ -1,0 +1,36 @@
+"""A restarted agent resumes where it was: the job state rebuilt from its store, the job completes."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from protocol import state as st
+from tests.roles.conftest import fast_spec, network, write_dataset
+
+pytestmark = pytest.mark.network
+
+
+async def test_restarted_coordinator_rebuilds_the_job_from_its_store_and_the_job_completes(tmp_path, tiny_model_dir):
+    async with network(tmp_path, tiny_model_dir, workers=3) as net:
+        spec = fast_spec(shards=3, rounds=2, lease_seconds=20)
+        terms = await net.submitter.submitter.prepare_terms(spec, write_dataset(tmp_path / "d.jsonl"), str(tiny_model_dir))
+        view = await net.submitter.submitter.announce(terms)
+        await net.submitter.wait_for(lambda: len(view.state.published) >= 1, timeout=120)
+        coordinator = next(w for w in net.workers if w.peer_id == view.coordination.coordinator)
+        before = coordinator.jobs[view.job_id]
+        published, term = before.state.published, before.coordination.term
+        stored_before = len(coordinator.store.envelopes(view.job_id))
+        net.kill(coordinator)
+        await trio.sleep(0.5)
+        again = await net.restart(coordinator)
+        resumed = again.jobs[view.job_id]  # rebuilt before run() reported started
+        assert resumed is not before
+        assert resumed.state.published[:len(published)] == published
+        assert resumed.coordination.term >= term and resumed.state.round >= 2
+        assert len(resumed.reports) >= 3 and len(resumed.verdicts) >= 3
+        await net.submitter.wait_for(lambda: view.state.terminal, timeout=150)
+        assert view.state.phase is st.JobPhase.DONE, view.state.reason
+        # the restarted agent took part again: it heard the job's later messages and stored them
+        assert len(again.store.envelopes(view.job_id)) > stored_before
+        assert again.live_peers() >= {w.peer_id for w in net.alive() if w is not again} | {net.submitter.peer_id}
