@@ -3,7 +3,18 @@
 Rules of this file:
 - py-libp2p's BitswapClient serves and receives blocks; its block store is our on-disk BlockStore
   (``_StoreAdapter``), so every block we hold is served and every block it receives is hash-checked
-  by ``BlockStore.put`` before it is stored. py-libp2p's MerkleDag builder is never used: its DAGs are
+  by ``BlockStore.put`` before it is stored.
+- Answers go on OUR outbound stream to the asking peer (``_Client._process_wantlist``), as the
+  Bitswap spec says and Kubo, Helia and py-libp2p's own client expect: py-libp2p 0.8.1 writes them
+  back on the asker's stream, which go and js implementations only ever write to and then close,
+  so a Helia or Kubo peer never saw a block from us. A want-have is answered with HAVE (or the block
+  itself when it is at most ``HAVE_AS_BLOCK_MAX`` bytes, as Kubo does), a want-block with the block,
+  and a block we lack with DONT_HAVE when the asker asked for that.
+- Our outbound Bitswap stream to a peer stays open for the queue's later messages. py-libp2p 0.8.1
+  starts a reader on it that closes it as soon as it expects no block from that peer, which for
+  a stream opened to answer wants is at once: the answer was written after the FIN and the peer
+  discarded it. Our reader (``_read_inline_answers``) only listens, for peers that answer on our
+  stream as py-libp2p's stock server does, and leaves closing to the queue. py-libp2p's MerkleDag builder is never used: its DAGs are
   not Kubo's (see protocol/unixfs.py); our blocks come from protocol/unixfs.
 - Fetching never calls py-libp2p's ``fetch_file`` (it retries forever). ``fetch_from_peer`` is our
   own want-loop: it asks for a window of the blocks the StreamVerifier will need next, waits at most
@@ -19,15 +30,16 @@ from typing import Any
 
 import trio
 from libp2p.bitswap.block_store import BlockStore as Libp2pBlockStore
-from libp2p.bitswap.cid import cid_to_bytes
+from libp2p.bitswap.cid import cid_to_bytes, parse_cid
 from libp2p.bitswap.client import BitswapClient
-from libp2p.bitswap.config import BITSWAP_PROTOCOL_V120
+from libp2p.bitswap.config import BITSWAP_PROTOCOL_V100, BITSWAP_PROTOCOL_V120
+from libp2p.bitswap.pb.bitswap_pb2 import Message
 from libp2p.peer.id import ID
 
 from agent.content.blockstore import BlockStore
 from agent.net.errors import PeerProtocolError
 from agent.net.host import Host
-from protocol.cid import CID
+from protocol.cid import CID, SHA2_256, varint_encode
 from protocol.errors import CIDError
 from protocol.unixfs import StreamVerifier
 
@@ -36,6 +48,8 @@ log = logging.getLogger(__name__)
 logging.getLogger("libp2p.bitswap.client").setLevel(logging.WARNING)
 
 WINDOW = 32  # blocks wanted at once (8 MiB of 256 KiB chunks)
+INLINE_ANSWER_IDLE = 60.0  # stop listening for inline answers on our stream after this long silent
+HAVE_AS_BLOCK_MAX = 1024  # Kubo's maxBlockSizeReplaceHasWithBlock: a tiny block beats a HAVE round trip
 
 
 def _our_cid(cid: Any) -> CID:
@@ -76,12 +90,63 @@ class _StoreAdapter(Libp2pBlockStore):
         return []
 
 
+def _block_prefix(cid: CID) -> bytes:
+    """The Bitswap 1.1+ block prefix: version, codec, multihash type and length (for v0 too)."""
+    return varint_encode(cid.version) + varint_encode(cid.codec) + varint_encode(SHA2_256) + varint_encode(32)
+
+
+class _Client(BitswapClient):
+    """py-libp2p's BitswapClient with wants answered on our outbound stream (see the rules above)."""
+
+    block_store: _StoreAdapter
+
+    def _on_message_queue_stream_opened(self, stream: Any, peer_id: ID) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(self._read_inline_answers, stream, peer_id)
+
+    async def _read_inline_answers(self, stream: Any, peer_id: ID) -> None:
+        while True:
+            with trio.move_on_after(INLINE_ANSWER_IDLE):
+                message = await self._read_message(stream)  # None at EOF or on a bad message
+            if message is None:
+                return
+            await self._process_message(message, peer_id, stream)
+
+    async def _process_wantlist(self, wantlist: Any, peer_id: ID, stream: Any) -> None:
+        wanted = self._peer_wantlists.setdefault(peer_id, {})
+        if wantlist.full:
+            wanted.clear()
+        queue = self.get_or_create_message_queue(peer_id)
+        old_format = self._peer_protocols.get(peer_id) == BITSWAP_PROTOCOL_V100
+        for entry in wantlist.entries:
+            try:
+                lib_cid = parse_cid(entry.block)
+                cid = _our_cid(lib_cid)
+            except (ValueError, CIDError):
+                continue  # not a CID we could hold (another hash, a bad one): nothing to say
+            if entry.cancel:
+                wanted.pop(lib_cid, None)
+                continue
+            wanted[lib_cid] = {"priority": entry.priority, "want_type": entry.wantType,
+                               "send_dont_have": entry.sendDontHave}
+            data = self.block_store.store.get(cid)
+            if data is None:
+                if entry.sendDontHave:
+                    queue.add_presences([(lib_cid, False)])
+            elif entry.wantType == Message.Wantlist.Have and len(data) > HAVE_AS_BLOCK_MAX:
+                queue.add_presences([(lib_cid, True)])
+            elif old_format:
+                queue.add_blocks_v100([data])
+            else:
+                queue.add_blocks_v110([(_block_prefix(cid), data)])
+
+
 class BitswapExchange:
     def __init__(self, host: Host, store: BlockStore) -> None:
         self.host = host
         self.store = store
         self.adapter = _StoreAdapter(store)
-        self.client = BitswapClient(host.libp2p, block_store=self.adapter, protocol_version=BITSWAP_PROTOCOL_V120)
+        self.client = _Client(host.libp2p, block_store=self.adapter, protocol_version=BITSWAP_PROTOCOL_V120)
 
     async def start(self) -> None:
         self.client.set_nursery(self.host.nursery)
