@@ -106,11 +106,16 @@ class _Client(BitswapClient):
 
     async def _read_inline_answers(self, stream: Any, peer_id: ID) -> None:
         while True:
+            message = None
             with trio.move_on_after(INLINE_ANSWER_IDLE):
                 message = await self._read_message(stream)  # None at EOF or on a bad message
             if message is None:
                 return
-            await self._process_message(message, peer_id, stream)
+            try:
+                await self._process_message(message, peer_id, stream)
+            except Exception as exc:  # a peer's bad message (a bad CID prefix...) ends this reader only
+                log.info("bitswap: dropped a message from %s: %s: %s", peer_id, type(exc).__name__, exc)
+                return
 
     async def _process_wantlist(self, wantlist: Any, peer_id: ID, stream: Any) -> None:
         wanted = self._peer_wantlists.setdefault(peer_id, {})
