@@ -146,18 +146,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+_USER_ERRORS = (("agent.bundle", "BundleError"), ("agent.config", "ConfigError"), ("agent.control", "ControlError"),
+                ("agent.net.errors", "NetError"), ("agent.store", "StoreError"), ("agent.train.config", "TrainError"),
+                ("agent.train.data", "DataError"), ("agent.demo", "DemoError"))
+
+
 def _is_user_error(exc: Exception) -> bool:
-    from agent.bundle import BundleError
-    from agent.config import ConfigError
-    from agent.control import ControlError
-    from agent.net.errors import NetError
-    from agent.store import StoreError
-    from agent.train.config import TrainError
-    from agent.train.data import DataError
+    """Errors whose message is meant for the user. Looked up only in modules already imported: an error
+    cannot come from a module that was never loaded, and importing agent.train would import torch."""
     from protocol.errors import ProtocolError
 
-    return isinstance(exc, (UserError, ProtocolError, NetError, TrainError, DataError, ConfigError, ControlError,
-                            StoreError, BundleError, OSError))
+    types: list[type] = [UserError, ProtocolError, OSError]
+    types += [getattr(sys.modules[mod], name) for mod, name in _USER_ERRORS if mod in sys.modules]
+    return isinstance(exc, tuple(types))
 
 
 def _one_line(exc: Exception) -> str:
@@ -249,7 +250,7 @@ def cmd_agent_run(args: argparse.Namespace) -> int:
         if isinstance(first, OSError) and (first.errno == 98 or "in use" in str(first).lower()):
             raise UserError(f"a listen address is already in use ({' '.join(config.listen)}); "
                             "choose another port or stop the other process") from None
-        raise first from None
+        raise first from None  # noqa: B904 - the one error, not the group around it
 
 
 def _first_leaf(group: BaseException) -> BaseException:

@@ -17,9 +17,10 @@ import os
 import tomllib
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from agent.node import AgentConfig
+if TYPE_CHECKING:  # agent.node pulls in py-libp2p (seconds); commands that only read the home stay fast
+    from agent.node import AgentConfig
 
 IDENTITY_FILE = "identity.key"
 CONFIG_FILE = "config.toml"
@@ -87,8 +88,10 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
 }
 
 
-def load_config(home: Path, **overrides: Any) -> AgentConfig:
+def load_config(home: Path, **overrides: Any) -> "AgentConfig":
     """The AgentConfig of the agent in ``home``: its config.toml (if any), then ``overrides`` (None = unset)."""
+    from agent.node import AgentConfig
+
     path = home / CONFIG_FILE
     values: dict[str, Any] = {}
     if path.exists():

@@ -54,9 +54,17 @@ def setup_logging(stream: TextIO, verbose: bool = False) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
-    if not verbose:  # py-libp2p logs its connection manager's every round at INFO
-        logging.getLogger("libp2p").setLevel(logging.WARNING)
-        logging.getLogger("multiaddr").setLevel(logging.WARNING)
+    # py-libp2p installs its own stderr handler and logs its connection manager's every round at INFO
+    libp2p = logging.getLogger("libp2p")
+    libp2p.handlers[:] = [handler]
+    libp2p.propagate = False
+    libp2p.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    for name, child in list(logging.root.manager.loggerDict.items()):
+        if name.startswith("libp2p.") and isinstance(child, logging.Logger):
+            child.handlers.clear()
+            child.setLevel(logging.NOTSET)
+            child.propagate = True
+    logging.getLogger("multiaddr").setLevel(logging.WARNING)
 
 
 def run_daemon(identity: "Identity", config: "AgentConfig", *, metrics_port: int | None = None) -> int:

@@ -32,6 +32,7 @@ import trio
 
 from agent import __version__
 from agent.content.service import ContentService, open_content
+from agent.net.errors import NetError
 from agent.net.host import NetConfig
 from agent.net.network import Network, open_network
 from agent.roles.coordinator import CoordinatorRole
@@ -121,6 +122,9 @@ class Agent:
         async with AsyncExitStack() as stack:
             self.store = stack.enter_context(Store.in_data_dir(home, self.identity))
             self.net = await stack.enter_async_context(open_network(self.identity, net_config, clock=self.clock))
+            if not self.net.host.addrs():  # py-libp2p logs a failed listen and carries on without it
+                raise NetError(f"listen: cannot listen on {' '.join(self.config.listen)} "
+                               "(address in use or not on this machine); choose another address or port")
             self.content = await stack.enter_async_context(
                 open_content(self.net.host, self.net.discovery, home, ipfs_api=self.config.ipfs_api))
             self.started_at = self.clock()

@@ -1,0 +1,64 @@
+"""One daemon driven through its control socket: status, peers, metrics, announce, cancel, ledger, SIGTERM."""
+
+from __future__ import annotations
+
+import socket
+import stat
+import urllib.request
+
+from tests.cli.conftest import Daemon, assert_one_line_error, cli, cli_json, model_config, small_spec
+
+
+def test_daemon_answers_the_cli_and_stops_cleanly_on_sigterm(tmp_path, daemons, tiny_model_dir):
+    home = tmp_path / "sub"
+    daemon = Daemon(home, "--metrics-port", "0").init(model_config(tiny_model_dir, can_coordinate=False))
+    daemons.append(daemon)
+    status = daemon.start()
+    assert set(status) >= {"peer_id", "addrs", "peers", "jobs", "accept_training", "pid", "uptime_s"}
+    assert status["accept_training"] is False and status["addrs"][0].startswith("/ip4/127.0.0.1/tcp/")
+    sock = home / "control.sock"
+    assert stat.S_ISSOCK(sock.stat().st_mode) and stat.S_IMODE(sock.stat().st_mode) == 0o600
+    assert "listening" in cli("agent", "status", "--home", str(home), check=True).stdout
+    assert cli_json("peers", "--home", str(home)) == []
+
+    # a second daemon in the same home is refused; one on a port in use too
+    assert_one_line_error(cli("agent", "run", "--home", str(home)), "already running")
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    other = tmp_path / "other"
+    cli("agent", "init", "--home", str(other), check=True)
+    port = busy.getsockname()[1]
+    assert_one_line_error(cli("agent", "run", "--home", str(other), "--listen", f"/ip4/127.0.0.1/tcp/{port}"),
+                          "in use")
+    busy.close()
+
+    # metrics: plain-text exposition on localhost
+    log = (home / "agent.log").read_text()
+    port = int(log.split("127.0.0.1:")[1].split("/metrics")[0])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert "# TYPE infernet_peers gauge" in text and "infernet_shards_trained_total 0" in text
+
+    # announce a job (nobody trains it), list it, cancel it, read its ledger
+    spec = small_spec(tmp_path / "spec.yml")
+    job = cli_json("job", "announce", str(spec), "--home", str(home), timeout=180)
+    assert set(job) >= {"id", "name", "state", "round", "rounds", "shards", "accepted"}
+    assert job["state"] == "ANNOUNCED" and job["shards"] == 2 and len(job["id"]) == 64
+    listed = cli_json("job", "list", "--home", str(home))
+    assert [j["id"] for j in listed] == [job["id"]] and listed[0]["role"] == "submitter"
+    assert_one_line_error(cli("job", "fetch", job["id"][:12], "--out", str(tmp_path / "out"), "--home", str(home)),
+                          "no published aggregate")
+    assert_one_line_error(cli("job", "cancel", "ffffffff", "--home", str(home)), "unknown job")
+    assert_one_line_error(cli("job", "cancel", "zz", "--home", str(home)), "not a job ID")
+    cancelled = cli_json("job", "cancel", job["id"][:12], "--home", str(home))
+    assert cancelled["state"] == "CANCELLED"
+    assert_one_line_error(cli("job", "cancel", job["id"][:12], "--home", str(home)), "already ended")
+    watch = cli("job", "watch", job["id"][:12], "--home", str(home))
+    assert watch.returncode == 1 and "CANCELLED" in watch.stdout
+    ledger = cli_json("job", "ledger", job["id"][:12], "--home", str(home))
+    assert ledger["verified"] is True and [e["kind"] for e in ledger["entries"]] == ["announced", "cancel"]
+    assert "chain and signatures verified" in cli("job", "ledger", job["id"][:12], "--home", str(home)).stdout
+
+    assert daemon.terminate() == 0
+    assert not sock.exists()
+    assert '"SIGTERM: stopping' in (home / "agent.log").read_text()

@@ -1,0 +1,88 @@
+"""A job through separate agent processes, driven by the CLI: announce, watch, fetch, ledger; and kill -9."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.cli.conftest import Daemon, cli, cli_json, model_config, small_spec
+
+
+def _network(tmp_path, daemons, model_dir, workers: int) -> Daemon:
+    submitter = Daemon(tmp_path / "sub").init(model_config(model_dir, can_coordinate=False))
+    daemons.append(submitter)
+    submitter.start()
+    bootstrap = submitter.addr
+    for i in range(workers):
+        worker = Daemon(tmp_path / f"w{i}", "--bootstrap", bootstrap).init(model_config(model_dir, accept_training=True))
+        daemons.append(worker)
+    for worker in daemons[1:]:
+        worker.start()
+    deadline = time.monotonic() + 60
+    while cli_json("agent", "status", "--home", str(submitter.home))["peers"] < workers:
+        assert time.monotonic() < deadline, "workers not heard within 60 s"
+        time.sleep(0.5)
+    return submitter
+
+
+def test_job_announce_watch_fetch_between_agent_processes(tmp_path, daemons, tiny_model_dir):
+    submitter = _network(tmp_path, daemons, tiny_model_dir, workers=2)  # one coordinates, one trains
+    home = str(submitter.home)
+    job = cli_json("job", "announce", str(small_spec(tmp_path / "spec.yml")), "--home", home, timeout=180)
+    watch = cli("job", "watch", job["id"][:12], "--home", home, "--json", "--interval", "0.5", "--timeout", "240",
+                timeout=300)
+    assert watch.returncode == 0, watch.stderr
+    states = [json.loads(line) for line in watch.stdout.splitlines()]
+    assert states[-1]["state"] == "DONE" and len(states) > 2  # one line per change
+    assert set(states[-1]) >= {"shard_states", "aggregates", "verdicts", "coordinator", "term"}
+    assert {s["state"] for s in states[-1]["shard_states"]} == {"ACCEPTED"}
+
+    out = tmp_path / "adapter"
+    fetched = cli_json("job", "fetch", job["id"][:12], "--out", str(out), "--home", home, timeout=120)
+    assert fetched["cid"] == states[-1]["aggregates"][-1]["cid"] and fetched["final"]
+    assert {p.name for p in out.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    ledger = cli_json("job", "ledger", job["id"][:12], "--home", home)
+    assert ledger["verified"] and "done" in [e["kind"] for e in ledger["entries"]]
+    listed = cli_json("job", "list", "--home", home)
+    assert listed[0]["state"] == "DONE"
+    for daemon in daemons:
+        assert daemon.terminate() == 0
+
+
+@pytest.mark.slow
+def test_worker_killed_with_sigkill_restarts_from_its_home_and_the_job_completes(tmp_path, daemons, tiny_model_dir):
+    submitter = _network(tmp_path, daemons, tiny_model_dir, workers=3)
+    home = str(submitter.home)
+    spec = small_spec(tmp_path / "spec.yml", shards=3, rounds=2, steps=24)
+    job = cli_json("job", "announce", str(spec), "--home", home, timeout=180)
+    # wait for accepted work, then kill -9 a worker that holds an accepted report or a lease
+    deadline = time.monotonic() + 180
+    while True:
+        detail = cli_json("job", "show", job["id"][:12], "--home", home)
+        accepted = [s for s in detail["shard_states"] if s["state"] == "ACCEPTED"]
+        leased = [s for s in detail["shard_states"] if s["state"] == "LEASED"]
+        if accepted and leased:
+            break
+        assert time.monotonic() < deadline, detail
+        time.sleep(0.5)
+    victim_peer = leased[0]["worker"]
+    victim = next(d for d in daemons[1:] if cli_json("agent", "status", "--home", str(d.home))["peer_id"] == victim_peer)
+    accepted_before = {(detail["round"], s["index"]): s["worker"] for s in accepted}
+    victim.kill9()
+    victim.start()  # same home: same identity, same store
+    watch = cli("job", "watch", job["id"][:12], "--home", home, "--json", "--interval", "1", "--timeout", "300",
+                timeout=360)
+    assert watch.returncode == 0, watch.stdout[-2000:]
+    final = json.loads(watch.stdout.splitlines()[-1])
+    assert final["state"] == "DONE"
+    from agent.store import Store
+    from protocol.identity import load_identity
+
+    store = Store.in_data_dir(submitter.home, load_identity(submitter.home / "identity.key"))
+    verdicts = [v.message for v in store.verdicts(bytes.fromhex(job["id"]))]
+    store.close()
+    for (rnd, shard), worker in accepted_before.items():  # accepted work stayed accepted, never redone
+        accepted = [v for v in verdicts if (v.round, v.shard) == (rnd, shard) and v.accepted]
+        assert [v.worker for v in accepted] == [worker]
