@@ -3,19 +3,28 @@
 Rules of this file:
 - py-libp2p's BitswapClient serves and receives blocks; its block store is our on-disk BlockStore
   (``_StoreAdapter``), so every block we hold is served and every block it receives is hash-checked
-  by ``BlockStore.put`` before it is stored.
-- Answers go on OUR outbound stream to the asking peer (``_Client._process_wantlist``), as the
-  Bitswap spec says and Kubo, Helia and py-libp2p's own client expect: py-libp2p 0.8.1 writes them
-  back on the asker's stream, which go and js implementations only ever write to and then close,
-  so a Helia or Kubo peer never saw a block from us. A want-have is answered with HAVE (or the block
-  itself when it is at most ``HAVE_AS_BLOCK_MAX`` bytes, as Kubo does), a want-block with the block,
-  and a block we lack with DONT_HAVE when the asker asked for that.
-- Our outbound Bitswap stream to a peer stays open for the queue's later messages. py-libp2p 0.8.1
-  starts a reader on it that closes it as soon as it expects no block from that peer, which for
-  a stream opened to answer wants is at once: the answer was written after the FIN and the peer
-  discarded it. Our reader (``_read_inline_answers``) only listens, for peers that answer on our
-  stream as py-libp2p's stock server does, and leaves closing to the queue. py-libp2p's MerkleDag builder is never used: its DAGs are
+  by ``BlockStore.put`` before it is stored. py-libp2p's MerkleDag builder is never used: its DAGs are
   not Kubo's (see protocol/unixfs.py); our blocks come from protocol/unixfs.
+- ``_Client`` corrects three things py-libp2p 0.8.1 does against the Bitswap spec, each of which
+  broke transfers with Helia, Kubo or our own agents (tests/interop/test_helia_bitswap.py):
+  1. Answers go on OUR outbound stream to the asking peer (``_process_wantlist``). py-libp2p writes
+     them back on the asker's stream, which go and js implementations only write to and close: a
+     Helia or Kubo peer never saw a block from us. A want-have is answered with HAVE (or the block
+     itself when it is at most ``HAVE_AS_BLOCK_MAX`` bytes, as Kubo does), a want-block with the
+     block, a block we lack with DONT_HAVE when the asker asked for that. Block prefixes are written
+     for CIDv0 too (py-libp2p sends an empty one, which no receiver can turn back into the CID).
+  2. Our outbound stream stays open for the queue's later messages. py-libp2p's reader on it closes
+     it as soon as it expects no block from that peer, which for a stream opened to answer wants is
+     at once: the answer went out after the FIN and the peer discarded it. Our reader
+     (``_read_inline_answers``) only listens, for peers that answer on our stream as py-libp2p's
+     stock server does, and leaves closing to the queue.
+  3. A peer's inbound stream is read for as long as the peer sends on it (one stream per peer is how
+     Kubo >= 0.37 and py-libp2p's queue send every want). After ``INBOUND_IDLE`` seconds of silence
+     it is RESET, not closed: py-libp2p closes it with a FIN, the sender never notices, keeps
+     writing wants to a stream nobody reads, and every fetch after a minute's pause failed. A reset
+     fails the sender's next write, and the sender opens a new stream. Our own sender (``_Queue``)
+     then writes the same messages again on the new stream, as Kubo's message sender does, instead
+     of dropping them and leaving the other side to ask again later.
 - Fetching never calls py-libp2p's ``fetch_file`` (it retries forever). ``fetch_from_peer`` is our
   own want-loop: it asks for a window of the blocks the StreamVerifier will need next, waits at most
   ``idle_timeout`` for each window, then feeds the verifier in DFS order from the store. A window
@@ -33,6 +42,7 @@ from libp2p.bitswap.block_store import BlockStore as Libp2pBlockStore
 from libp2p.bitswap.cid import cid_to_bytes, parse_cid
 from libp2p.bitswap.client import BitswapClient
 from libp2p.bitswap.config import BITSWAP_PROTOCOL_V100, BITSWAP_PROTOCOL_V120
+from libp2p.bitswap.message_queue import BitswapMessageQueue
 from libp2p.bitswap.pb.bitswap_pb2 import Message
 from libp2p.peer.id import ID
 
@@ -49,6 +59,7 @@ logging.getLogger("libp2p.bitswap.client").setLevel(logging.WARNING)
 
 WINDOW = 32  # blocks wanted at once (8 MiB of 256 KiB chunks)
 INLINE_ANSWER_IDLE = 60.0  # stop listening for inline answers on our stream after this long silent
+INBOUND_IDLE = 60.0  # reset a peer's silent inbound stream after this long (py-libp2p's own figure)
 HAVE_AS_BLOCK_MAX = 1024  # Kubo's maxBlockSizeReplaceHasWithBlock: a tiny block beats a HAVE round trip
 
 
@@ -95,10 +106,45 @@ def _block_prefix(cid: CID) -> bytes:
     return varint_encode(cid.version) + varint_encode(cid.codec) + varint_encode(SHA2_256) + varint_encode(32)
 
 
+class _Queue(BitswapMessageQueue):
+    """py-libp2p's per-peer message queue, writing once more on a new stream when the old one fails."""
+
+    async def _flush_messages(self, **messages: Any) -> None:
+        had_stream = self._stream is not None
+        await super()._flush_messages(**messages)
+        if had_stream and self._stream is None:  # the write failed (a reset stream) and it was dropped
+            await super()._flush_messages(**messages)  # a repeated want or block is harmless
+
+
 class _Client(BitswapClient):
     """py-libp2p's BitswapClient with wants answered on our outbound stream (see the rules above)."""
 
     block_store: _StoreAdapter
+
+    async def _handle_stream(self, stream: Any) -> None:
+        """Serve one inbound stream until the peer closes it; reset it after INBOUND_IDLE silent."""
+        peer_id = stream.muxed_conn.peer_id
+        if protocol := stream.get_protocol():
+            self._peer_protocols[peer_id] = str(protocol)
+        while True:
+            message = None
+            with trio.move_on_after(INBOUND_IDLE) as idle:
+                message = await self._read_message(stream)  # None at EOF or on a bad message
+            if idle.cancelled_caught:
+                await stream.reset()
+                return
+            if message is None:
+                return
+            await self._process_message(message, peer_id, stream)  # an error: HandlerGuard resets
+
+    def get_or_create_message_queue(self, peer_id: ID) -> BitswapMessageQueue:
+        if peer_id not in self._message_queues:
+            queue = _Queue(host=self.host, peer_id=peer_id, supported_protocols=self.supported_protocols,
+                           on_stream_opened=self._on_message_queue_stream_opened)
+            if self._nursery is not None:
+                queue.start(self._nursery)
+            self._message_queues[peer_id] = queue
+        return self._message_queues[peer_id]
 
     def _on_message_queue_stream_opened(self, stream: Any, peer_id: ID) -> None:
         if self._nursery is not None:
