@@ -16,6 +16,10 @@
 //         dials MULTIADDR (/ip4/.../tcp/.../p2p/<peer id>), cats CID over Bitswap, prints one JSON line
 //         {sha256, size, seconds}; exits 1 with {error} on failure or after --timeout (default 60 s).
 // - stdout carries only the JSON lines; diagnostics go to stderr.
+// - Versions are pinned (package-lock.json) to Helia 5 (@helia/utils 1.4, js-libp2p 2.9, yamux 7,
+//   noise 16), which run on Node 20. Helia 7 / js-libp2p 3 declare Node 22 (undici 8 fails at import
+//   on Node 20); with @libp2p/http pinned to 2.0.1 and the polyfill below, the same tests passed
+//   against Helia 7.1.15 / js-libp2p 3.3.11 too.
 import { createHash } from 'node:crypto'
 import { setMaxListeners } from 'node:events'
 import { createReadStream } from 'node:fs'
