@@ -46,7 +46,7 @@ class DemoOptions:
     workers: int = 3
     shards: int = 4
     rounds: int = 2
-    steps: int = 60
+    steps: int = 100
     directory: Path | None = None
     timeout: float = 600.0
     verbose: bool = False
@@ -185,6 +185,7 @@ def run_demo(options: DemoOptions) -> int:
     if any(root.iterdir()):
         raise DemoError(f"{root}: not empty; give --dir a new directory")
     network: DemoNetwork | None = None
+    signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM stops the agents too, like Ctrl-C
     try:
         from agent.train.tiny import tiny_model
 
@@ -255,6 +256,10 @@ def run_demo(options: DemoOptions) -> int:
     finally:
         if network is not None:
             network.close()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def validation_losses(model_dir: Path, adapter_dir: Path, out: Path) -> tuple[float, float]:

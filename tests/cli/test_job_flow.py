@@ -77,6 +77,8 @@ def test_worker_killed_with_sigkill_restarts_from_its_home_and_the_job_completes
     assert watch.returncode == 0, watch.stdout[-2000:]
     final = json.loads(watch.stdout.splitlines()[-1])
     assert final["state"] == "DONE"
+    log = (victim.home / "agent.log").read_text()
+    assert "resumed from the store" in log  # the restarted worker rebuilt the job from its SQLite store
     from agent.store import Store
     from protocol.identity import load_identity
 
