@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="content addresses of dataset files").add_subparsers(
         dest="action", metavar="ACTION", required=True)
-    dadd = data.add_parser("add", parents=[common, reader], help="print a file's CID (CIDv1, raw leaves: as `ipfs add --cid-version=1`)")
+    dadd = data.add_parser("add", parents=[common, reader],
+                           help="print a file's CID (CIDv1, raw leaves: as `ipfs add --cid-version=1`)")
     dadd.add_argument("file", type=Path)
     dverify = data.add_parser("verify", parents=[common, reader], help="check that a file has the given CID")
     dverify.add_argument("file", type=Path)
@@ -467,7 +468,8 @@ def cmd_train_run(args: argparse.Namespace) -> int:
     validation_text = (f"; validation loss {result.initial_validation_loss:.4f} -> {result.validation_loss:.4f}"
                        if result.validation_loss is not None else "")
     _emit(args, out, f"done: {result.steps} steps in {result.train_seconds:.1f} s, final loss {result.final_loss:.4f}"
-                     f"{validation_text}\n  adapter: {result.adapter_dir}\n  run:     {run_dir} (README.md, metrics.jsonl, proof.json)")
+                     f"{validation_text}\n  adapter: {result.adapter_dir}\n"
+                     f"  run:     {run_dir} (README.md, metrics.jsonl, proof.json)")
     return 0
 
 
@@ -534,7 +536,8 @@ COMMANDS = {
     ("demo", None): cmd_demo,
     ("agent", "init"): cmd_agent_init, ("agent", "run"): cmd_agent_run, ("agent", "status"): cmd_agent_status,
     ("agent", "stop"): cmd_agent_stop, ("peers", None): cmd_peers,
-    ("job", "announce"): cmd_job_announce, ("job", "list"): cmd_job_list, ("job", "show"): cmd_job_show, ("job", "watch"): cmd_job_watch,
+    ("job", "announce"): cmd_job_announce, ("job", "list"): cmd_job_list, ("job", "show"): cmd_job_show,
+    ("job", "watch"): cmd_job_watch,
     ("job", "fetch"): cmd_job_fetch, ("job", "cancel"): cmd_job_cancel, ("job", "ledger"): cmd_job_ledger,
     ("train", "init"): cmd_train_init, ("train", "run"): cmd_train_run,
     ("data", "add"): cmd_data_add, ("data", "verify"): cmd_data_verify,

@@ -268,10 +268,11 @@ async def _job_fetch(agent: "Agent", job: str, out: str, round: int | None = Non
 async def _job_ledger(agent: "Agent", job: str) -> dict:
     view = _find_job(agent, job)
     entries = agent.store.ledger(view.job_id)
+    problem = None
     try:
-        verified, problem = agent.store.verify_ledger(view.job_id), None
+        agent.store.verify_ledger(view.job_id)
     except Exception as exc:  # noqa: BLE001 - LedgerError: reported, not raised
-        verified, problem = None, str(exc)
+        problem = str(exc)
     return {"id": view.job_id.hex(), "verified": problem is None, "problem": problem, "length": len(entries),
             "entries": [{"seq": e.seq, "time": e.time, "peer": e.peer, "kind": e.kind, "signer": e.signer_peer_id,
                          "hash": e.hash.hex(), "data": _plain(e.data)} for e in entries]}

@@ -63,7 +63,7 @@ class JobProgress:
             table.add_row(str(s["index"]), Text(s["state"], style=STATE_STYLE.get(s["state"], "")), str(s["attempt"]),
                           f"…{s['worker'][-8:]}" if s.get("worker") else "-", str(s.get("step") or 0),
                           f"{s['loss']:.3f}" if s.get("loss") is not None else "-",
-                          "-" if verdict is None else ("accepted" if verdict["accepted"] else f"rejected: {verdict['reason'][:40]}"))
+                          _verdict_text(verdict, 40))
         rows: list[Any] = [head, table]
         for agg in job.get("aggregates", []):
             rows.append(Text(f"round {agg['round']} aggregate {agg['cid']} ({agg['method']} over shards {agg['shards']})",
@@ -81,7 +81,7 @@ class JobProgress:
                 f"  r{job['round']} shard {s['index']} {s['state']} attempt {s['attempt']}"
                 + (f" worker …{s['worker'][-8:]}" if s.get("worker") else "")
                 + (f" step {s['step']} loss {s['loss']:.3f}" if s.get("loss") is not None else "")
-                + ("" if verdict is None else (" accepted" if verdict["accepted"] else f" rejected: {verdict['reason'][:60]}")))
+                + ("" if verdict is None else " " + _verdict_text(verdict, 60)))
         for agg in job.get("aggregates", []):
             lines[f"agg{agg['round']}"] = f"  round {agg['round']} aggregate {agg['cid']}"
         for key, line in lines.items():
@@ -93,3 +93,9 @@ class JobProgress:
         if job["state"] == "DONE":
             return f"job {job['id'][:16]} DONE: final aggregate {job['published'][-1]}"
         return f"job {job['id'][:16]} {job['state']}: {job.get('reason') or 'no reason given'}"
+
+
+def _verdict_text(verdict: dict | None, width: int) -> str:
+    if verdict is None:
+        return "-"
+    return "accepted" if verdict["accepted"] else f"rejected: {verdict['reason'][:width]}"
