@@ -13,6 +13,8 @@ Rules of this file:
      itself when it is at most ``HAVE_AS_BLOCK_MAX`` bytes, as Kubo does), a want-block with the
      block, a block we lack with DONT_HAVE when the asker asked for that. Block prefixes are written
      for CIDv0 too (py-libp2p sends an empty one, which no receiver can turn back into the CID).
+     Blocks are read from the store as the queue drains (at most ``MAX_QUEUED_BYTES`` waiting per
+     peer), where py-libp2p read every block a wantlist named into memory at once.
   2. Our outbound stream stays open for the queue's later messages. py-libp2p's reader on it closes
      it as soon as it expects no block from that peer, which for a stream opened to answer wants is
      at once: the answer went out after the FIN and the peer discarded it. Our reader
@@ -39,7 +41,7 @@ from typing import Any
 
 import trio
 from libp2p.bitswap.block_store import BlockStore as Libp2pBlockStore
-from libp2p.bitswap.cid import cid_to_bytes, parse_cid
+from libp2p.bitswap.cid import cid_to_bytes
 from libp2p.bitswap.client import BitswapClient
 from libp2p.bitswap.config import BITSWAP_PROTOCOL_V100, BITSWAP_PROTOCOL_V120
 from libp2p.bitswap.message_queue import BitswapMessageQueue
@@ -60,6 +62,7 @@ logging.getLogger("libp2p.bitswap.client").setLevel(logging.WARNING)
 WINDOW = 32  # blocks wanted at once (8 MiB of 256 KiB chunks)
 INLINE_ANSWER_IDLE = 60.0  # stop listening for inline answers on our stream after this long silent
 INBOUND_IDLE = 60.0  # reset a peer's silent inbound stream after this long (py-libp2p's own figure)
+MAX_QUEUED_BYTES = 8 << 20  # blocks waiting to be written to one peer; its further wants wait
 HAVE_AS_BLOCK_MAX = 1024  # Kubo's maxBlockSizeReplaceHasWithBlock: a tiny block beats a HAVE round trip
 
 
@@ -164,32 +167,41 @@ class _Client(BitswapClient):
                 return
 
     async def _process_wantlist(self, wantlist: Any, peer_id: ID, stream: Any) -> None:
-        wanted = self._peer_wantlists.setdefault(peer_id, {})
-        if wantlist.full:
-            wanted.clear()
+        # Wants we cannot answer now are not remembered (blocks reach our store without passing the
+        # client, so nothing would ever answer them); the asker gets DONT_HAVE if it asked for that.
         queue = self.get_or_create_message_queue(peer_id)
         old_format = self._peer_protocols.get(peer_id) == BITSWAP_PROTOCOL_V100
         for entry in wantlist.entries:
-            try:
-                lib_cid = parse_cid(entry.block)
-                cid = _our_cid(lib_cid)
-            except (ValueError, CIDError):
-                continue  # not a CID we could hold (another hash, a bad one): nothing to say
             if entry.cancel:
-                wanted.pop(lib_cid, None)
-                continue
-            wanted[lib_cid] = {"priority": entry.priority, "want_type": entry.wantType,
-                               "send_dont_have": entry.sendDontHave}
+                continue  # everything we answer is already queued
+            try:
+                cid = CID.from_bytes(entry.block)
+            except CIDError:
+                continue  # not a CID we could hold (another hash, a bad one): nothing to say
             data = self.block_store.store.get(cid)
             if data is None:
                 if entry.sendDontHave:
-                    queue.add_presences([(lib_cid, False)])
+                    queue.add_presences([(entry.block, False)])
             elif entry.wantType == Message.Wantlist.Have and len(data) > HAVE_AS_BLOCK_MAX:
-                queue.add_presences([(lib_cid, True)])
-            elif old_format:
-                queue.add_blocks_v100([data])
+                queue.add_presences([(entry.block, True)])
             else:
-                queue.add_blocks_v110([(_block_prefix(cid), data)])
+                await _room_for_blocks(queue)
+                if old_format:
+                    queue.add_blocks_v100([data])
+                else:
+                    queue.add_blocks_v110([(_block_prefix(cid), data)])
+
+
+async def _room_for_blocks(queue: BitswapMessageQueue) -> None:
+    """Wait until the peer's queue holds less than MAX_QUEUED_BYTES of blocks (TooSlowError after
+    INBOUND_IDLE): a wantlist naming thousands of our blocks must not load them all into memory."""
+    def queued() -> int:
+        return (sum(len(data) for data in queue._pending_blocks_v100)
+                + sum(len(data) for _, data in queue._pending_blocks_v110))
+
+    with trio.fail_after(INBOUND_IDLE):
+        while queued() >= MAX_QUEUED_BYTES:
+            await trio.sleep(0.005)
 
 
 class BitswapExchange:
