@@ -13,6 +13,10 @@ Rules of this file:
   In py-libp2p 0.8.1 a frame write cancelled half-way (a deadline, a nursery cancelling a task whose
   stream read was sending a window update) leaves half a frame or a skipped Noise nonce on the
   wire, and every later frame on that connection fails authentication: the connection dies.
+- py-libp2p logs every stream it fails to open at ERROR, eight lines each; GossipSub tries one to
+  every peer it meets, so each IPFS node without GossipSub (Kubo by default, Helia) printed an
+  "error". Those records are demoted to DEBUG (``_StreamFailuresAtDebug``): a failure that matters
+  reaches its caller as an exception (``open_stream`` raises NetError naming the peer and protocol).
 - Every long-running task belongs to ``Host.nursery``, which ``Host.run`` owns. The nursery is the
   innermost layer: leaving ``run`` cancels the agent's tasks first, then stops the py-libp2p services
   (in reverse order of ``add_service``), then closes the listeners and connections.
@@ -20,6 +24,7 @@ Rules of this file:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -203,6 +208,16 @@ def _shield_yamux_frame_writes() -> None:
 
 
 _shield_yamux_frame_writes()
+
+
+class _StreamFailuresAtDebug(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.DEBUG and record.getMessage().startswith("Failed to open stream to peer"):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+logging.getLogger("libp2p.host.basic_host").addFilter(_StreamFailuresAtDebug())
 
 
 def _build_libp2p_host(identity: Identity, listen: list[multiaddr.Multiaddr],
