@@ -6,11 +6,12 @@
 //   broker, no DHT, no HTTP gateways, no bootstrap list. It talks only to the peers it is told to
 //   dial (or that dial it), so a test proves Bitswap between the two sides and nothing else.
 // - Usage:
-//     node helia_peer.mjs serve-add FILE [--layout kubo|helia]
+//     node helia_peer.mjs serve-add FILE [--layout kubo|kubo-v0|helia]
 //         adds FILE with @helia/unixfs, prints one JSON line {cid, peerId, addrs, seconds}, then serves
 //         its blocks until stdin closes or SIGTERM/SIGINT arrives.
 //         --layout kubo  (default): CIDv1, raw leaves, 256 KiB chunks, balanced, 174 links per node:
 //                        what `ipfs add --cid-version=1` (Kubo) builds.
+//         --layout kubo-v0: the same tree as CIDv0 with dag-pb leaves: what a plain `ipfs add` builds.
 //         --layout helia: @helia/unixfs's own defaults (CIDv1, raw leaves, 1 MiB chunks, 1024 links).
 //     node helia_peer.mjs fetch CID MULTIADDR [--timeout SECONDS]
 //         dials MULTIADDR (/ip4/.../tcp/.../p2p/<peer id>), cats CID over Bitswap, prints one JSON line
@@ -50,6 +51,8 @@ Promise.withResolvers ??= function () {
 const LAYOUTS = {
   // Kubo's defaults under --cid-version=1
   kubo: { cidVersion: 1, rawLeaves: true, chunker: fixedSize({ chunkSize: 262144 }), layout: balanced({ maxChildrenPerNode: 174 }) },
+  // Kubo's plain `ipfs add`: CIDv0, dag-pb UnixFS leaves
+  'kubo-v0': { cidVersion: 0, rawLeaves: false, leafType: 'file', chunker: fixedSize({ chunkSize: 262144 }), layout: balanced({ maxChildrenPerNode: 174 }) },
   // @helia/unixfs's defaults: pass nothing
   helia: {}
 }
@@ -92,7 +95,7 @@ async function serveAdd (args) {
   const file = args[0]
   const layoutName = option(args, '--layout', 'kubo')
   const layout = LAYOUTS[layoutName]
-  if (file == null || layout == null) throw new Error('usage: serve-add FILE [--layout kubo|helia]')
+  if (file == null || layout == null) throw new Error('usage: serve-add FILE [--layout kubo|kubo-v0|helia]')
   const helia = await startNode()
   const started = performance.now()
   const cid = await unixfs(helia).addByteStream(createReadStream(file), layout)

@@ -109,14 +109,20 @@ async def test_helia_fetches_a_file_our_agent_serves(tmp_path, node, random_file
     assert got["size"] == len(data) and got["sha256"] == hashlib.sha256(data).hexdigest()
 
 
-@pytest.mark.parametrize("layout", ["kubo", "helia"])
+@pytest.mark.parametrize("layout", ["kubo", "kubo-v0", "helia"])
 async def test_our_agent_fetches_a_file_helia_adds(tmp_path, node, random_file, layout):
-    """``kubo``: 256 KiB chunks, 174 links (Kubo's layout); ``helia``: @helia/unixfs defaults (1 MiB, 1024)."""
+    """Kubo's layout (256 KiB chunks, 174 links) as CIDv1 raw leaves (``ipfs add --cid-version=1``) and
+    as CIDv0 dag-pb leaves (plain ``ipfs add``); and @helia/unixfs's own defaults (1 MiB, 1024 links)."""
     path, data = random_file
     async with agents_with_content(1, tmp_path) as [(agent, content)], \
             helia_serving(node, path, layout, tmp_path / "helia.log") as helia:
         # the same bytes get our CID exactly when Helia builds Kubo's layout
-        assert (helia["cid"] == str(compute_cid(data))) == (layout == "kubo")
+        if layout == "kubo":
+            assert helia["cid"] == str(compute_cid(data))
+        elif layout == "kubo-v0":
+            assert helia["cid"] == str(compute_cid(data, cid_version=0))
+        else:
+            assert helia["cid"] != str(compute_cid(data))
         out = tmp_path / "out.bin"
         with trio.fail_after(60):
             report = await content.fetch(helia["cid"], out, providers=[helia["addrs"][0]],
