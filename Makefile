@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test test-all bench demo clean
+.PHONY: setup test test-all bench demo interop clean
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,10 @@ bench: setup
 	$(PY) scripts/bench_net.py
 	$(PY) scripts/bench_train.py
 	$(PY) scripts/bench_aggregate.py --threads 1
+
+interop: setup
+	cd interop/helia && npm ci
+	$(PY) -m pytest -q -m interop tests/interop
 
 demo: setup
 	$(VENV)/bin/infernet demo

@@ -11,6 +11,7 @@ import trio
 
 from agent.content.errors import FetchError
 from agent.content.exchange import PROTOCOL, BlockServer
+from agent.content import bitswap
 from agent.content.service import VIA_BITSWAP, open_content
 from agent.net.host import NetConfig
 from agent.net.network import open_network
@@ -166,3 +167,19 @@ async def test_blocks_are_served_over_bitswap(tmp_path):
         with trio.fail_after(60):
             report = await b_content.fetch(root, out, providers=[a.peer_id], use_dht=False, via=VIA_BITSWAP)
         assert out.read_bytes() == data and report.providers_used == [a.peer_id]
+
+
+async def test_a_bitswap_fetch_after_the_inbound_streams_went_idle(tmp_path, monkeypatch):
+    """Each side's inbound stream is reset after INBOUND_IDLE silent; the next fetch opens new ones."""
+    monkeypatch.setattr(bitswap, "INBOUND_IDLE", 1.0)  # 60 s in the agent
+    first, second = os.urandom(600_000), os.urandom(700_000)
+    async with agents_with_content(2, tmp_path) as [(a, a_content), (b, b_content)]:
+        roots = [await a_content.add_bytes(data, provide=False) for data in (first, second)]
+        with trio.fail_after(30):
+            await b_content.fetch(roots[0], tmp_path / "first.bin", providers=[a.peer_id], use_dht=False,
+                                  via=VIA_BITSWAP)
+        await trio.sleep(2)  # past the deadline: both inbound streams are reset
+        with trio.fail_after(30):
+            report = await b_content.fetch(roots[1], tmp_path / "second.bin", providers=[a.peer_id],
+                                           use_dht=False, via=VIA_BITSWAP)
+        assert (tmp_path / "second.bin").read_bytes() == second and report.providers_used == [a.peer_id]
