@@ -88,3 +88,30 @@ def test_worker_killed_with_sigkill_restarts_from_its_home_and_the_job_completes
     for (rnd, shard), worker in accepted_before.items():  # accepted work stayed accepted, never redone
         accepted = [v for v in verdicts if (v.round, v.shard) == (rnd, shard) and v.accepted]
         assert [v.worker for v in accepted] == [worker]
+
+
+@pytest.mark.slow
+def test_sigterm_mid_shard_releases_the_lease_and_exits_0(tmp_path, daemons, tiny_model_dir):
+    submitter = _network(tmp_path, daemons, tiny_model_dir, workers=3)
+    home = str(submitter.home)
+    spec = small_spec(tmp_path / "spec.yml", shards=2, rounds=1, steps=200)
+    text = spec.read_text().replace("lease_seconds: 60", "lease_seconds: 3600")  # only a release reopens it soon
+    spec.write_text(text)
+    job = cli_json("job", "announce", str(spec), "--home", home, timeout=180)
+    deadline = time.monotonic() + 120
+    while True:
+        detail = cli_json("job", "show", job["id"][:12], "--home", home)
+        leased = [s for s in detail["shard_states"] if s["state"] == "LEASED" and s["step"] > 0]
+        if leased:
+            break
+        assert time.monotonic() < deadline, detail
+        time.sleep(0.3)
+    shard = leased[0]["index"]
+    victim = next(d for d in daemons[1:]
+                  if cli_json("agent", "status", "--home", str(d.home))["peer_id"] == leased[0]["worker"])
+    assert victim.terminate() == 0
+    assert not (victim.home / "control.sock").exists()
+    deadline = time.monotonic() + 60
+    while cli_json("job", "show", job["id"][:12], "--home", home)["shard_states"][shard]["attempt"] < 2:
+        assert time.monotonic() < deadline, "the shard was not reopened by a release"
+        time.sleep(0.5)
