@@ -148,6 +148,25 @@ class WorkerRole:
         finally:
             self.active.pop(key, None)
 
+    async def _fetch(self, view: JobView, lease: m.ShardLease, cid: str, out: Path, providers: list[str],
+                     tries: int = 3) -> None:
+        """Fetch ``cid``, trying again (resuming from the blocks we got) while our lease holds:
+        one slow or unreachable provider must not cost the job an attempt."""
+        from agent.content.errors import FetchError
+
+        for attempt in range(1, tries + 1):
+            try:
+                await self.agent.content.fetch(cid, out, timeout=self.agent.config.fetch_timeout, providers=providers)
+                return
+            except FetchError as exc:
+                shard = view.shard(lease.shard)
+                still_ours = (view.state.round, shard.attempt, shard.worker) == (lease.round, lease.attempt,
+                                                                                  self.agent.peer_id)
+                if attempt == tries or not still_ours:
+                    raise
+                log.info("job %s shard %d: fetch failed (%s); trying again", view.job_id.hex()[:8], lease.shard, exc)
+                await trio.sleep(attempt)
+
     async def _train_and_report(self, view: JobView, lease: m.ShardLease) -> None:
         from agent.train import base_model_sha256
         from agent.train.run import TrainRequest, train_shard
@@ -159,8 +178,7 @@ class WorkerRole:
         run_dir.mkdir(parents=True)
         shard_path = run_dir / "shard.jsonl"
         log.info("job %s shard %d attempt %d: fetching %s", view.job_id.hex()[:8], lease.shard, lease.attempt, ref.cid)
-        await agent.content.fetch(ref.cid, shard_path, timeout=agent.config.fetch_timeout,
-                                  providers=[terms.submitter])
+        await self._fetch(view, lease, ref.cid, shard_path, [terms.submitter])
         model_path = self.local_model(terms)
         if agent.config.misbehave == "wrong_base":
             from agent.train.tiny import tiny_model
@@ -175,8 +193,7 @@ class WorkerRole:
         if lease.initial_adapter_cid:
             bundle = run_dir / "initial.tar"
             providers = [p for p in (view.coordination.coordinator, terms.submitter) if p and p != agent.peer_id]
-            await agent.content.fetch(lease.initial_adapter_cid, bundle, timeout=agent.config.fetch_timeout,
-                                      providers=providers)
+            await self._fetch(view, lease, lease.initial_adapter_cid, bundle, providers)
             initial = unpack(bundle, run_dir / "initial", allowed=ADAPTER_FILES)
         config = train_config(terms, model_path, threads=agent.config.threads, log_every=5)
         if agent.config.misbehave == "wrong_base":

@@ -30,7 +30,7 @@ def write_dataset(path: Path, n: int = 160) -> Path:
     return path
 
 
-def fast_spec(shards: int = 4, rounds: int = 2, max_retries: int = 2, lease_seconds: int = 60, max_steps: int = 8):
+def fast_spec(shards: int = 4, rounds: int = 2, max_retries: int = 4, lease_seconds: int = 60, max_steps: int = 8):
     """A small job the tiny model trains in about a second per shard (jobspec defaults otherwise)."""
     from protocol.jobspec import parse_spec
 

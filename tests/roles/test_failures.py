@@ -51,7 +51,7 @@ async def test_byzantine_workers_are_rejected_and_the_job_completes_without_them
 
 async def test_worker_killed_mid_shard_lease_expires_and_shard_is_reassigned(tmp_path, tiny_model_dir):
     async with network(tmp_path, tiny_model_dir, workers=3) as net:
-        spec = fast_spec(shards=3, rounds=1, lease_seconds=10, max_steps=16)
+        spec = fast_spec(shards=3, rounds=1, lease_seconds=20, max_steps=16)
         terms = await net.submitter.submitter.prepare_terms(spec, write_dataset(tmp_path / "d.jsonl"), str(tiny_model_dir))
         view = await net.submitter.submitter.announce(terms)
         with trio.fail_after(60):
