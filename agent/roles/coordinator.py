@@ -200,7 +200,7 @@ class CoordinatorRole:
 
         await agent.content.fetch(report.adapter_cid, work / "adapter.tar", timeout=timeout, providers=providers)
         adapter_dir = unpack(work / "adapter.tar", work / "adapter", allowed=ADAPTER_FILES, max_bytes=1 << 30)
-        adapter = await trio.to_thread.run_sync(_check_adapter, adapter_dir, terms)
+        adapter = await trio.to_thread.run_sync(run_torch, _check_adapter, adapter_dir, terms)
         if tensors_hash(adapter) != commitment.links[-1].adapter_hash:
             raise Rejection("the adapter does not hash to the last committed checkpoint")
 

@@ -41,11 +41,17 @@ so agents sharing one process (tests, the harness) take turns; an agent in its o
 
 
 def run_torch(fn, *args):
-    """Run ``fn(*args)`` under TORCH_LOCK (meant for trio.to_thread.run_sync)."""
-    import peft  # noqa: F401 - imported once here, not raced by several threads' lazy imports
-    import transformers  # noqa: F401
+    """Run ``fn(*args)`` under TORCH_LOCK (meant for trio.to_thread.run_sync).
 
+    The first imports of transformers/peft (and accelerate, bitsandbytes behind them) happen under
+    the lock too: two threads importing them at once hit their circular imports half-initialised
+    ("cannot import name 'dispatch_model' from partially initialized module"), most readily on a
+    fresh install whose bytecode is not compiled yet.
+    """
     with TORCH_LOCK:
+        import peft  # noqa: F401
+        import transformers  # noqa: F401
+
         return fn(*args)
 
 

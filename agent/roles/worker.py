@@ -183,7 +183,7 @@ class WorkerRole:
         if agent.config.misbehave == "wrong_base":
             from agent.train.tiny import tiny_model
 
-            model_path = str(await trio.to_thread.run_sync(tiny_model, agent.config.home / "models", 7))
+            model_path = str(await trio.to_thread.run_sync(run_torch, tiny_model, agent.config.home / "models", 7))
         else:
             have = await trio.to_thread.run_sync(base_model_sha256, model_path)
             if have != terms.base_model_sha256.hex():

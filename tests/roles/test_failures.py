@@ -8,7 +8,10 @@ import trio
 from protocol import state as st
 from tests.roles.conftest import fast_spec, network, write_dataset
 
-pytestmark = pytest.mark.network
+# Several real agents and their training share one process and two cores here: these scenarios are
+# timing-sensitive on a cold install (first imports of transformers under the torch lock stall
+# leases), so they run with `make test-all` (-m slow) rather than in every CI run.
+pytestmark = [pytest.mark.network, pytest.mark.slow]
 
 BYZANTINE_REASONS = {
     "random_adapter": "does not hash to the last committed checkpoint",
