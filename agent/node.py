@@ -42,7 +42,7 @@ from agent.roles.worker import WorkerRole
 from agent.store import Store
 from protocol import messages as m
 from protocol import state as st
-from protocol.election import live_peers
+from protocol.election import keep_or_elect, live_peers
 from protocol.identity import Identity
 
 log = logging.getLogger(__name__)
@@ -167,17 +167,21 @@ class Agent:
         """Elect after the grace period; replace a coordinator that fell silent (term + 1)."""
         if now - view.first_seen < self.config.grace_seconds or view.state.terminal:
             return
-        eligible = self.eligible_coordinators()
-        current = view.coordination.coordinator
-        if current is None or current not in eligible:
-            before = view.coordination
-            view.coordination = view.coordination.follow_view(eligible)
-            if before.coordinator is not None and view.coordination.coordinator != before.coordinator:
-                log.info("job %s: coordinator %s went silent; %s takes over in term %d",
-                         view.job_id.hex()[:8], before.coordinator[-8:], (view.coordination.coordinator or "none")[-8:],
-                         view.coordination.term)
-                self.ledger(view.job_id, "coordinator", {"term": view.coordination.term,
-                                                         "coordinator": view.coordination.coordinator or ""})
+        before = view.coordination
+        view.coordination = keep_or_elect(before, self.eligible_coordinators())
+        if before.coordinator is not None and view.coordination.coordinator != before.coordinator:
+            log.info("job %s: coordinator %s went silent; %s takes over in term %d",
+                     view.job_id.hex()[:8], before.coordinator[-8:], (view.coordination.coordinator or "none")[-8:],
+                     view.coordination.term)
+            self.ledger(view.job_id, "coordinator", {"term": view.coordination.term,
+                                                     "coordinator": view.coordination.coordinator or ""})
+
+    def local_model(self, terms: m.JobTerms) -> str | None:
+        """Our local copy of a job's base model (``models`` by name, or the path itself), or None."""
+        models = dict(self.config.models)
+        if terms.base_model in models:
+            return models[terms.base_model]
+        return terms.base_model if Path(terms.base_model).is_dir() else None
 
     def is_coordinator(self, view: JobView) -> bool:
         return view.coordination.is_coordinator(self.peer_id) and \
@@ -272,6 +276,7 @@ class Agent:
                     view.apply_decision(msg, at)
             else:  # a peer's coordinator message: its signer was live when we accepted it
                 view.apply(msg, signer, at, frozenset({signer}))
+        view.take_applied()  # replayed history: nothing to react to
         return view
 
     def job_view(self, job_id: bytes) -> JobView:
@@ -323,12 +328,13 @@ class Agent:
             if actions is None:
                 continue
             self.apply_actions(view, actions)
-            if self.worker is not None and isinstance(msg, m.ShardLease) and msg.worker == self.peer_id:
-                self.worker.on_lease(view, msg)
-            elif isinstance(msg, m.Verdict):
-                self.submitter.on_verdict(view, msg)
-            elif isinstance(msg, m.AggregatePublished):
-                self.submitter.on_aggregate(view, msg, signer)
+            for applied, by in view.take_applied():  # this message and any held one it unblocked
+                if self.worker is not None and isinstance(applied, m.ShardLease) and applied.worker == self.peer_id:
+                    self.worker.on_lease(view, applied)
+                elif isinstance(applied, m.Verdict):
+                    self.submitter.on_verdict(view, applied)
+                elif isinstance(applied, m.AggregatePublished):
+                    self.submitter.on_aggregate(view, applied, by)
 
     def apply_actions(self, view: JobView, actions: tuple[Any, ...] | None) -> None:
         """Carry out what the state machine asked for, in our roles; wake anyone waiting on the job."""

@@ -207,7 +207,7 @@ class CoordinatorRole:
         shard_path = work / "shard.jsonl"
         await agent.content.fetch(terms.shards[report.shard].cid, shard_path, timeout=timeout,
                                   providers=[terms.submitter, worker])
-        model_path = agent.worker.local_model(terms) if agent.worker else _local_model(agent, terms)
+        model_path = agent.local_model(terms)
         if model_path is None or await trio.to_thread.run_sync(base_model_sha256, model_path) != terms.base_model_sha256.hex():
             raise RuntimeError(f"this coordinator does not hold base model {terms.base_model!r}")
         config = train_config(terms, model_path, threads=agent.config.threads)
@@ -272,11 +272,6 @@ class CoordinatorRole:
                                                 "method": terms.aggregation, "shards": list(action.accepted_shards)})
         log.info("job %s: round %d aggregate %s (%s over shards %s)", view.job_id.hex()[:8], action.round, cid,
                  terms.aggregation, list(action.accepted_shards))
-
-
-def _local_model(agent: "Agent", terms: m.JobTerms) -> str | None:
-    models = dict(agent.config.models)
-    return models.get(terms.base_model) or (terms.base_model if Path(terms.base_model).is_dir() else None)
 
 
 def _check_adapter(adapter_dir: Path, terms: m.JobTerms) -> dict:

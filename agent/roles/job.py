@@ -92,6 +92,7 @@ class JobView:
     aggregates: dict[int, m.AggregatePublished] = field(default_factory=dict)
     refused: Counter = field(default_factory=Counter)
     pending: list[tuple[float, Any, str]] = field(default_factory=list)  # (first seen, message, signer)
+    applied: list[tuple[Any, str]] = field(default_factory=list)  # applied since the caller last took them
 
     def __post_init__(self) -> None:
         self.job_id = self.terms.job_id()
@@ -148,7 +149,14 @@ class JobView:
                     self.pending.pop(0)
                     self.refused["pending-overflow"] += 1
             return None
+        self.applied.append((msg, signer))
         return actions + self.retry_pending(now, eligible)
+
+    def take_applied(self) -> list[tuple[Any, str]]:
+        """The messages applied since the last call (the one in hand and any held one it unblocked),
+        so the caller reacts to a held lease or verdict as to a live one."""
+        applied, self.applied = self.applied, []
+        return applied
 
     def retry_pending(self, now: float, eligible: frozenset[str]) -> tuple[Any, ...]:
         """Try the held messages again until none applies; drop those past PENDING_SECONDS."""
@@ -165,6 +173,7 @@ class JobView:
                     keep.append((seen, msg, signer))
                 else:
                     out.extend(actions)
+                    self.applied.append((msg, signer))
                     progress = True
             self.pending = keep
         return tuple(out)

@@ -50,19 +50,12 @@ class WorkerRole:
 
     # -- choosing jobs ----------------------------------------------------------------------------
 
-    def local_model(self, terms: m.JobTerms) -> str | None:
-        """Our local copy of the job's base model, or None if we don't hold it."""
-        models = dict(self.agent.config.models)
-        if terms.base_model in models:
-            return models[terms.base_model]
-        return terms.base_model if Path(terms.base_model).is_dir() else None
-
     def refusal(self, terms: m.JobTerms) -> str | None:
         """Why we won't take this job, or None if we will."""
         config = self.agent.config
         if config.allowed_base_models and terms.base_model not in config.allowed_base_models:
             return f"base model {terms.base_model!r} is not in allowed_base_models"
-        if self.local_model(terms) is None:
+        if self.agent.local_model(terms) is None:
             return f"base model {terms.base_model!r} is not available locally"
         if terms.price_per_hour < config.min_price_per_hour:
             return f"price {terms.price_per_hour}/h is below our minimum {config.min_price_per_hour}/h"
@@ -179,7 +172,7 @@ class WorkerRole:
         shard_path = run_dir / "shard.jsonl"
         log.info("job %s shard %d attempt %d: fetching %s", view.job_id.hex()[:8], lease.shard, lease.attempt, ref.cid)
         await self._fetch(view, lease, ref.cid, shard_path, [terms.submitter])
-        model_path = self.local_model(terms)
+        model_path = self.agent.local_model(terms)
         if agent.config.misbehave == "wrong_base":
             from agent.train.tiny import tiny_model
 

@@ -31,6 +31,10 @@ def test_a_lease_that_overtakes_the_release_it_depends_on_is_applied_once_the_re
     assert any(isinstance(a, st.PublishLease) and a.attempt == 2 for a in actions), actions
     assert (v.shard(0).phase, v.shard(0).attempt, v.shard(0).worker) == (st.ShardPhase.LEASED, 2, W2.peer_id)
     assert not v.pending
+    # the caller reacts to the held lease too (a lease for us must start training)
+    applied = [msg for msg, _ in v.take_applied()]
+    assert [type(x).__name__ for x in applied] == ["ShardLease", "ShardRelease", "ShardLease"]
+    assert applied[-1].attempt == 2 and v.take_applied() == []
 
 
 def test_a_verdict_before_its_report_and_duplicates_stay_harmless():
