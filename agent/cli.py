@@ -115,6 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
     dverify = data.add_parser("verify", parents=[common, reader], help="check that a file has the given CID")
     dverify.add_argument("file", type=Path)
     dverify.add_argument("cid")
+    harness = sub.add_parser("harness", help="protocol test harness: scenarios on real agents").add_subparsers(
+        dest="action", metavar="ACTION", required=True)
+    hrun = harness.add_parser("run", parents=[reader], help="run scenario files (or shipped scenarios by name)")
+    hrun.add_argument("scenarios", nargs="+", metavar="SCENARIO", help="a .yml file, or a shipped scenario's name")
+    hrun.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
+    hrun.add_argument("--out", type=Path, default=None,
+                      help="where homes and trace.jsonl go (default: a new temp dir, kept)")
+    hrun.add_argument("--heartbeats", action="store_true", help="write heartbeats into the trace too")
+    harness.add_parser("list", parents=[reader], help="the shipped scenarios")
+    hcheck = harness.add_parser("check", parents=[reader], help="read scenario files and report mistakes; run nothing")
+    hcheck.add_argument("scenarios", nargs="+", metavar="SCENARIO")
     return parser
 
 
@@ -532,6 +543,78 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                 verbose=bool(getattr(args, "verbose", False))))
 
 
+# -- harness ---------------------------------------------------------------------------------------------
+
+def cmd_harness_list(args: argparse.Namespace) -> int:
+    from agent.harness.scenario import load_scenario, shipped
+
+    rows = []
+    for path in shipped():
+        scenario = load_scenario(path)
+        rows.append({"name": scenario.name, "path": str(path), "slow": scenario.slow,
+                     "description": scenario.description.strip().splitlines()[0] if scenario.description else ""})
+    _emit(args, rows, "\n".join(f"{r['name']:22} {'(slow) ' if r['slow'] else ''}{r['description']}" for r in rows))
+    return 0
+
+
+def cmd_harness_check(args: argparse.Namespace) -> int:
+    from agent.harness.scenario import find_scenario, load_scenario
+
+    scenarios = [load_scenario(find_scenario(name)) for name in args.scenarios]
+    _emit(args, [{"name": s.name, "source": s.source, "faults": len(s.faults)} for s in scenarios],
+          "\n".join(f"{s.source}: ok ({s.name}, {s.workers} workers, {len(s.faults)} faults)" for s in scenarios))
+    return 0
+
+
+def cmd_harness_run(args: argparse.Namespace) -> int:
+    import logging
+    import tempfile
+
+    import trio
+
+    from agent.harness.scenario import find_scenario, load_scenario, run_scenario
+
+    scenarios = [load_scenario(find_scenario(name)) for name in args.scenarios]  # all checked before any runs
+    if args.out is None:
+        out = Path(tempfile.mkdtemp(prefix="infernet-harness-"))
+    else:
+        out = args.out
+        if out.exists() and any(out.iterdir()):
+            raise UserError(f"--out {out}: directory exists and is not empty (agent homes would be reused)")
+    logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _quiet_transformers()
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    results = []
+    for scenario in scenarios:
+        directory = out / scenario.name if len(scenarios) > 1 else out
+        result = trio.run(lambda: run_scenario(scenario, directory, seed=args.seed, heartbeats=args.heartbeats))
+        results.append(result)
+        if not getattr(args, "json", False):
+            print(result.summary, flush=True)
+            print(flush=True)
+    if getattr(args, "json", False):
+        print(json.dumps([{"scenario": r.scenario.name, "seed": r.seed, "ok": r.ok, "seconds": round(r.seconds, 1),
+                           "phase": r.phase, "reason": r.reason, "job": r.job_id, "trace": str(r.trace_path),
+                           "faults": [{"t": t, "what": w} for t, w in r.fired],
+                           "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in r.checks]}
+                          for r in results], indent=2))
+    elif len(results) > 1:
+        print(f"{sum(r.ok for r in results)} of {len(results)} scenarios passed")
+    return 0 if all(r.ok for r in results) else 1
+
+
+def _quiet_transformers() -> None:
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 COMMANDS = {
     ("demo", None): cmd_demo,
     ("agent", "init"): cmd_agent_init, ("agent", "run"): cmd_agent_run, ("agent", "status"): cmd_agent_status,
@@ -541,6 +624,7 @@ COMMANDS = {
     ("job", "fetch"): cmd_job_fetch, ("job", "cancel"): cmd_job_cancel, ("job", "ledger"): cmd_job_ledger,
     ("train", "init"): cmd_train_init, ("train", "run"): cmd_train_run,
     ("data", "add"): cmd_data_add, ("data", "verify"): cmd_data_verify,
+    ("harness", "run"): cmd_harness_run, ("harness", "list"): cmd_harness_list, ("harness", "check"): cmd_harness_check,
 }
 
 

@@ -101,6 +101,10 @@ class Agent:
         self._heartbeat_seq = 0
         self.counters: Counter[str] = Counter()  # shards_trained, verdicts_accepted, ... (metrics, status)
         self._coordinating: set[bytes] = set()  # jobs whose pending work we took over as coordinator
+        # the test harness's tap (agent/harness/trace.py): called with ("recv", Received) for every
+        # verified message we receive and ("state", JobView, actions) for every state change; never
+        # set in production, and it must not raise
+        self.observer: Callable[..., None] | None = None
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -209,6 +213,8 @@ class Agent:
     async def _read_jobs_topic(self, subscription: Any) -> None:
         async for received in subscription:
             msg, signer, now = received.message, received.signer, self.clock()
+            if self.observer is not None:
+                self.observer("recv", received)
             if isinstance(msg, m.Heartbeat):
                 info = self.peers.setdefault(signer, PeerInfo(now))
                 info.last_heartbeat = now
@@ -320,6 +326,8 @@ class Agent:
     async def _read_job_topic(self, view: JobView, subscription: Any) -> None:
         async for received in subscription:
             msg, signer, now = received.message, received.signer, self.clock()
+            if self.observer is not None:
+                self.observer("recv", received)
             self.store.record(received.envelope.to_bytes(), now)
             if isinstance(msg, m.ShardClaim):
                 await self.coordinator.on_claim(view, msg, signer)
@@ -343,6 +351,8 @@ class Agent:
         self.store.update_job(view.job_id, self.clock(), state=view.state.phase.value, round=view.state.round,
                               coordinator_term=view.coordination.term)
         self.coordinator.on_actions(view, actions)
+        if self.observer is not None and actions:
+            self.observer("state", view, actions)
         for action in actions:
             kind = _LEDGER_KIND.get(type(action).__name__)
             if kind is not None:

@@ -645,6 +645,14 @@ def _one_line(text: str) -> str:
 
 def parse_spec(text: str, source: str = "<string>") -> JobSpec:
     """Parse and validate the text of a job spec; ``source`` names it in error messages."""
+    data, where = read_yaml(text, source)
+    return _read_job(data, where)
+
+
+def read_yaml(text: str, source: str = "<string>", what: str = "job settings") -> tuple[Any, _Where]:
+    """The plain value of a YAML document under this file's rules (YAML 1.2 scalars, no aliases,
+    no tags, no duplicate keys, bounded), and where each key and value is: ``where.bad_value(path,
+    message)`` makes a SpecError located at its line. Used for job specs and harness scenarios."""
     if len(text) > MAX_SPEC_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
         raise SpecError("", f"larger than {MAX_SPEC_BYTES} bytes", source)
     where = _Where(source, {}, {})
@@ -666,13 +674,23 @@ def parse_spec(text: str, source: str = "<string>") -> JobSpec:
         if loader is not None:
             loader.dispose()
     if root is None:
-        raise SpecError("", "expected a mapping of job settings at the top level, got an empty document",
+        raise SpecError("", f"expected a mapping of {what} at the top level, got an empty document",
                         where.at(1))
-    return _read_job(_node_value(root, (), where), where)
+    return _node_value(root, (), where), where
+
+
+def read_job(data: Any, where: _Where) -> JobSpec:
+    """Validate the plain value of a job spec (from ``read_yaml``); errors located through ``where``."""
+    return _read_job(data, where)
 
 
 def load_spec(path: str | Path) -> JobSpec:
     """Read and validate a job spec file; every failure, including I/O, is a SpecError."""
+    return parse_spec(read_text(path), str(path))
+
+
+def read_text(path: str | Path) -> str:
+    """The UTF-8 text of a settings file (at most MAX_SPEC_BYTES); every failure is a SpecError."""
     source = str(path)
     try:
         with open(path, "rb") as file:
@@ -687,4 +705,4 @@ def load_spec(path: str | Path) -> JobSpec:
         line = data.count(b"\n", 0, error.start) + 1
         raise SpecError("", f"not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start})",
                         f"{source}:{line}") from None
-    return parse_spec(text, source)
+    return text

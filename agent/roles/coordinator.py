@@ -6,7 +6,9 @@ Rules of this file:
   our term; the actions the machine returns tell us what to do next.
 - Which worker gets a lease is ours to decide: the shard it asked for if OPEN, else the lowest OPEN
   one; never a second lease of this job to one worker; never a lease to a worker whose work in
-  this job was rejected; never a lease to ourselves — a coordinator does not judge its own work,
+  this job was rejected; only to a live peer whose signed capability says it trains (a claim
+  from anyone else is ignored, so a peer cannot hoard leases it never meant to train); never a
+  lease to ourselves — a coordinator does not judge its own work,
   and accepted work must outlive the coordinator (the worker, the submitter and the verifier
   each hold a copy).
 - A report is accepted only if: the adapter and proof bundles fetch and hash-check by CID; the proof
@@ -67,6 +69,10 @@ class CoordinatorRole:
         if view.state.phase not in (st.JobPhase.ANNOUNCED, st.JobPhase.TRAINING):
             return
         if worker == agent.peer_id or worker in self._banned.get(view.job_id, set()) or view.held_by(worker):
+            return
+        info = agent.peers.get(worker)  # only a live peer that said, signed, that it trains
+        if info is None or info.capability is None or not info.capability.accepts_training or \
+                worker not in agent.live_peers():
             return
         open_shards = view.open_shards()
         if not open_shards:

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MISBEHAVIOURS = ("random_adapter", "forged_chain", "wrong_base")
+MISBEHAVIOURS = ("random_adapter", "forged_chain", "wrong_base", "crash")  # crash: faulty, not Byzantine
 PROOF_FILE = "proof.json"
 CHECKPOINTS_FILE = "checkpoints.json"
 
@@ -172,6 +172,8 @@ class WorkerRole:
         shard_path = run_dir / "shard.jsonl"
         log.info("job %s shard %d attempt %d: fetching %s", view.job_id.hex()[:8], lease.shard, lease.attempt, ref.cid)
         await self._fetch(view, lease, ref.cid, shard_path, [terms.submitter])
+        if agent.config.misbehave == "crash":
+            raise RuntimeError("training crashed (harness: this worker's training always fails)")
         model_path = self.agent.local_model(terms)
         if agent.config.misbehave == "wrong_base":
             from agent.train.tiny import tiny_model

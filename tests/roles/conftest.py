@@ -1,23 +1,16 @@
-"""Real agents on loopback for role tests: in one trio run, each with its own identity and home."""
+"""Real agents on loopback for role tests: the harness's network (agent/harness/network.py)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import trio
 
-from agent.node import Agent, AgentConfig
+from agent.harness.network import MODEL_NAME, network as _network
 from agent.train.data import write_chatml
 from agent.train.tiny import demo_records, tiny_model
-from protocol.identity import Identity
 
 pytestmark = pytest.mark.network
-
-MODEL_NAME = "infernet-tiny"
 
 
 @pytest.fixture(scope="session")
@@ -50,75 +43,6 @@ lease_seconds: {lease_seconds}
     return parse_spec(text, "test-spec")
 
 
-@dataclass
-class LoopbackNet:
-    submitter: Agent
-    workers: list[Agent]
-    nursery: trio.Nursery
-    scopes: dict[str, trio.CancelScope] = field(default_factory=dict)
-
-    def kill(self, agent: Agent) -> None:
-        """Stop an agent abruptly: no release, no goodbye (its connections just close)."""
-        self.scopes[agent.peer_id].cancel()
-
-    async def restart(self, agent: Agent) -> Agent:
-        """Start a new Agent with the identity and home of a stopped one (it resumes from its store).
-
-        A cancelled agent in this process leaves its sockets open (a dead process's would be closed by
-        the OS), and its peers would keep using them for the new agent, which has the same peer ID:
-        they drop those connections first.
-        """
-        from agent.net.host import to_libp2p_id
-
-        for other in [self.submitter, *self.alive()]:
-            if other.peer_id != agent.peer_id:
-                with trio.move_on_after(5):
-                    await other.net.host.libp2p.disconnect(to_libp2p_id(agent.peer_id))
-        again = Agent(agent.identity, agent.config)
-        self.scopes[again.peer_id] = trio.CancelScope()
-        await self.nursery.start(_run, again, self.scopes[again.peer_id])
-        self.workers[self.workers.index(agent)] = again
-        return again
-
-    def alive(self) -> list[Agent]:
-        return [a for a in self.workers if not self.scopes[a.peer_id].cancel_called]
-
-
-async def _run(agent: Agent, scope: trio.CancelScope, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    with scope:
-        await agent.run(task_status=task_status)
-
-
-@asynccontextmanager
-async def network(tmp_path: Path, model_dir: Path, workers: int = 3, *,
-                  misbehave: dict[int, str] | None = None,
-                  overrides: dict[int, dict] | None = None) -> AsyncIterator[LoopbackNet]:
-    """A submitter (bootstrap, never a coordinator) and ``workers`` training agents.
-
-    Misbehaving workers never coordinate: a Byzantine coordinator is another test's subject.
-    """
-    misbehave = misbehave or {}
-    models = ((MODEL_NAME, str(model_dir)),)
-    async with trio.open_nursery() as nursery:
-        submitter = Agent(Identity.generate(), AgentConfig(home=tmp_path / "submitter", can_coordinate=False,
-                                                           models=models))
-        net = LoopbackNet(submitter, [], nursery)
-        net.scopes[submitter.peer_id] = trio.CancelScope()
-        await nursery.start(_run, submitter, net.scopes[submitter.peer_id])
-        bootstrap = (submitter.addrs()[0],)
-        for i in range(workers):
-            config = AgentConfig(home=tmp_path / f"worker{i}", bootstrap=bootstrap, accept_training=True,
-                                 models=models, misbehave=misbehave.get(i), can_coordinate=i not in misbehave,
-                                 **(overrides or {}).get(i, {}))
-            agent = Agent(Identity.generate(), config)
-            net.scopes[agent.peer_id] = trio.CancelScope()
-            await nursery.start(_run, agent, net.scopes[agent.peer_id])
-            net.workers.append(agent)
-        honest = workers - len(misbehave)
-        with trio.fail_after(30):  # everyone knows everyone (heartbeats) before a job is announced
-            while any(len(a.eligible_coordinators()) < honest for a in [submitter, *net.workers]):
-                await trio.sleep(0.2)
-        try:
-            yield net
-        finally:
-            nursery.cancel_scope.cancel()
+def network(tmp_path: Path, model_dir: Path, workers: int = 3, **kwargs):
+    """A submitter and ``workers`` training agents under ``tmp_path`` (see agent.harness.network.network)."""
+    return _network(tmp_path, model_dir, workers, **kwargs)

@@ -65,7 +65,7 @@ async def test_worker_killed_mid_shard_lease_expires_and_shard_is_reassigned(tmp
                 await trio.sleep(0.05)
         victim = busy[0]
         (_, _, victim_shard, _), = list(victim.worker.active)
-        net.kill(victim)
+        await net.kill(victim)
         await net.submitter.wait_for(lambda: view.state.terminal, timeout=120)
         assert view.state.phase is st.JobPhase.DONE, view.state.reason
         shard = view.state.shards[victim_shard]
@@ -81,7 +81,7 @@ async def test_coordinator_killed_mid_job_successor_finishes_without_losing_acce
         await net.submitter.wait_for(lambda: any(v.accepted for v in view.verdicts.values()), timeout=120)
         first = view.coordination.coordinator
         accepted_before = {(k[0], k[1]): v.worker for k, v in view.verdicts.items() if v.accepted}
-        net.kill(next(w for w in net.workers if w.peer_id == first))
+        await net.kill(next(w for w in net.workers if w.peer_id == first))
         await net.submitter.wait_for(lambda: view.state.terminal, timeout=180)
         assert view.state.phase is st.JobPhase.DONE, _history(view, net)
         assert view.coordination.coordinator != first and view.coordination.term >= 2

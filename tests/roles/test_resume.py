@@ -21,7 +21,7 @@ async def test_restarted_coordinator_rebuilds_the_job_from_its_store_and_the_job
         before = coordinator.jobs[view.job_id]
         published, term = before.state.published, before.coordination.term
         stored_before = len(coordinator.store.envelopes(view.job_id))
-        net.kill(coordinator)
+        await net.kill(coordinator)
         await trio.sleep(0.5)
         again = await net.restart(coordinator)
         resumed = again.jobs[view.job_id]  # rebuilt before run() reported started

@@ -1,0 +1,231 @@
+"""Real agents on loopback in one trio run: the harness's network, also the Python API for pytest.
+
+Rules of this file:
+- Every agent is a real ``agent.node.Agent``: its own identity, home (SQLite store, blockstore),
+  py-libp2p host on 127.0.0.1, GossipSub and DHT. Agents are named: ``submitter`` (the bootstrap
+  peer; it announces jobs and never coordinates), ``w0``..``wN-1`` (training agents) and, when a
+  scenario attacks, ``mallory`` (a peer with a valid identity that follows no rules).
+- Identities come from the seed (``identity_for``), so the same seed gives the same peer IDs, hence
+  the same rendezvous elections; nothing else in an agent is seeded (gossip timing is real).
+- ``kill`` stops an agent abruptly: its tasks are cancelled, no release or goodbye is sent, and its
+  peers drop their connections to it, as the OS would for a dead process. A training thread it had
+  finishes its current step and stops at its next checkpoint (threads cannot be killed). A test that
+  needs a real ``kill -9`` runs agents as processes (tests/cli).
+- ``restart`` starts a new Agent with the identity and home of a killed one: it resumes from its store.
+- Partitions cut gossip between groups (each side drops the other side's messages, GossipFaults);
+  connections stay up, so content can still be fetched across a partition.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import trio
+
+from agent.net.gossip import GossipFaults
+from agent.node import Agent, AgentConfig
+from protocol.identity import Identity
+
+MODEL_NAME = "infernet-tiny"
+
+
+def identity_for(seed: int, name: str) -> Identity:
+    """The harness identity of agent ``name`` in a run with ``seed``."""
+    return Identity(hashlib.sha256(f"infernet-harness/v1/{seed}/{name}".encode()).digest())
+
+
+@dataclass
+class LoopbackNet:
+    """A running set of named agents. Methods are for the harness and tests (one trio run)."""
+
+    nursery: trio.Nursery
+    seed: int
+    home: Path
+    agents: dict[str, Agent] = field(default_factory=dict)
+    configs: dict[str, AgentConfig] = field(default_factory=dict)
+    scopes: dict[str, trio.CancelScope] = field(default_factory=dict)
+    observer: Callable[[str, Agent, str, tuple], None] | None = None  # (name, agent, kind, args)
+    blocked: dict[str, frozenset[str]] = field(default_factory=dict)  # partition: name -> peer IDs cut off
+    gossip_faults: dict[str, dict] = field(default_factory=dict)  # name -> GossipFaults settings
+
+    # -- who is who -------------------------------------------------------------------------------
+
+    @property
+    def submitter(self) -> Agent:
+        return self.agents["submitter"]
+
+    @property
+    def workers(self) -> list[Agent]:
+        return [a for n, a in self.agents.items() if n.startswith("w")]
+
+    def name_of(self, peer_id: str | None) -> str:
+        for name, agent in self.agents.items():
+            if agent.peer_id == peer_id:
+                return name
+        for name in self.configs:
+            if identity_for(self.seed, name).peer_id == peer_id:
+                return name
+        return (peer_id or "none")[-8:]
+
+    def running(self, name: str) -> bool:
+        scope = self.scopes.get(name)
+        return scope is not None and not scope.cancel_called
+
+    def alive(self) -> list[Agent]:
+        """Training agents still running."""
+        return [a for n, a in self.agents.items() if n.startswith("w") and self.running(n)]
+
+    # -- life cycle -------------------------------------------------------------------------------
+
+    async def start(self, name: str, config: AgentConfig) -> Agent:
+        """Start agent ``name`` (again, if it ran before: same identity and home)."""
+        self.configs[name] = config
+        agent = Agent(identity_for(self.seed, name), config)
+        if self.observer is not None:
+            agent.observer = lambda kind, *args, _n=name, _a=agent: self.observer(_n, _a, kind, args)
+        scope = trio.CancelScope()
+        self.scopes[name] = scope
+        self.agents[name] = agent
+        await self.nursery.start(_run, agent, scope)
+        self._apply_faults(name)
+        return agent
+
+    def _named(self, who: "str | Agent") -> str:
+        return who if isinstance(who, str) else self.name_of(who.peer_id)
+
+    async def kill(self, who: "str | Agent") -> None:
+        """Stop an agent abruptly (no release, no goodbye); its peers drop their connections to it."""
+        from agent.net.host import to_libp2p_id
+
+        name = self._named(who)
+        agent = self.agents[name]
+        self.scopes[name].cancel()
+        for other, peer in self.agents.items():
+            if other != name and self.running(other):
+                with trio.move_on_after(5):
+                    await peer.net.host.libp2p.disconnect(to_libp2p_id(agent.peer_id))
+
+    async def restart(self, who: "str | Agent") -> Agent:
+        """Start a killed agent again with its identity and home; it resumes from its store."""
+        name = self._named(who)
+        if self.running(name):
+            await self.kill(name)
+        return await self.start(name, self.configs[name])
+
+    # -- gossip faults ----------------------------------------------------------------------------
+
+    def partition(self, groups: list[list[str]]) -> None:
+        """Cut gossip between ``groups`` (names); agents named in no group form one more group."""
+        named = {n for g in groups for n in g}
+        groups = [list(g) for g in groups] + [[n for n in self.configs if n not in named]]
+        ids = {n: identity_for(self.seed, n).peer_id for n in self.configs}
+        self.blocked = {}
+        for group in groups:
+            others = frozenset(ids[n] for g in groups if g is not group for n in g)
+            for name in group:
+                self.blocked[name] = others
+        for name in self.agents:
+            self._apply_faults(name)
+
+    def heal(self) -> None:
+        self.blocked = {}
+        for name in self.agents:
+            self._apply_faults(name)
+
+    def set_gossip_faults(self, names: list[str], **settings: Any) -> None:
+        """drop / duplicate / delay=(low, high) for what ``names`` receive; no settings clears them."""
+        for name in names:
+            self.gossip_faults[name] = settings
+            if name in self.agents:
+                self._apply_faults(name)
+
+    def _apply_faults(self, name: str) -> None:
+        agent = self.agents[name]
+        if agent.net is None:
+            return
+        settings = self.gossip_faults.get(name, {})
+        blocked = self.blocked.get(name, frozenset())
+        if not settings and not blocked:
+            agent.net.gossip.faults = None
+            return
+        old = agent.net.gossip.faults
+        faults = GossipFaults(drop=settings.get("drop", 0.0), duplicate=settings.get("duplicate", 0.0),
+                              delay=tuple(settings.get("delay", (0.0, 0.0))), blocked=blocked,
+                              seed=_seed_of(self.seed, name))
+        if old is not None:
+            faults.rng, faults.injected = old.rng, old.injected  # one random stream and tally per agent
+        agent.net.gossip.faults = faults
+
+    # -- waiting ----------------------------------------------------------------------------------
+
+    async def wait_until_meshed(self, names: list[str], coordinators: int, timeout: float = 30) -> None:
+        """Until every agent in ``names`` sees ``coordinators`` eligible coordinators (heartbeats)."""
+        with trio.fail_after(timeout):
+            while any(len(self.agents[n].eligible_coordinators()) < coordinators for n in names):
+                await trio.sleep(0.2)
+
+
+def _seed_of(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"faults/{seed}/{name}".encode()).digest()[:8], "big")
+
+
+async def _run(agent: Agent, scope: trio.CancelScope, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    with scope:
+        await agent.run(task_status=task_status)
+
+
+def worker_config(home: Path, model_dir: Path, bootstrap: tuple[str, ...], **overrides: Any) -> AgentConfig:
+    return AgentConfig(home=home, bootstrap=bootstrap, accept_training=True,
+                       models=((MODEL_NAME, str(model_dir)),), **overrides)
+
+
+@asynccontextmanager
+async def network(home: Path, model_dir: Path, workers: int = 3, *, seed: int = 0,
+                  misbehave: dict[int, str] | None = None,
+                  overrides: dict[int, dict] | None = None,
+                  late: tuple[int, ...] = (),
+                  observer: Callable[[str, Agent, str, tuple], None] | None = None,
+                  reannounce_seconds: float | None = None) -> AsyncIterator[LoopbackNet]:
+    """A submitter (bootstrap, never a coordinator) and ``workers`` training agents ``w0``...
+
+    Byzantine workers never coordinate (a Byzantine coordinator is another test's subject); a
+    ``crash`` worker (faulty, not malicious) may.
+    Workers in ``late`` are configured but not started: ``net.start(name, net.configs[name])``.
+    Waits until every started agent hears every honest coordinator-to-be, then yields.
+    """
+    misbehave = misbehave or {}
+    models = ((MODEL_NAME, str(model_dir)),)
+    async with trio.open_nursery() as nursery:
+        net = LoopbackNet(nursery, seed, home, observer=observer)
+        submitter = await net.start("submitter", AgentConfig(home=home / "submitter", can_coordinate=False,
+                                                             models=models))
+        if reannounce_seconds is not None:
+            submitter.submitter.reannounce_seconds = reannounce_seconds
+        bootstrap = (submitter.addrs()[0],)
+        for i in range(workers):
+            settings = {"misbehave": misbehave.get(i), "can_coordinate": misbehave.get(i) in (None, "crash"),
+                        **(overrides or {}).get(i, {})}
+            config = worker_config(home / f"w{i}", model_dir, bootstrap, **settings)
+            if i in late:
+                net.configs[f"w{i}"] = config
+            else:
+                await net.start(f"w{i}", config)
+        honest = len([i for i in range(workers) if misbehave.get(i) in (None, "crash") and i not in late
+                      and (overrides or {}).get(i, {}).get("can_coordinate", True)])
+        await net.wait_until_meshed([n for n in net.agents], honest)
+        try:
+            yield net
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+def mallory_config(home: Path, bootstrap: tuple[str, ...]) -> AgentConfig:
+    """An attacker's agent: follows jobs, trains nothing, coordinates nothing."""
+    return AgentConfig(home=home, bootstrap=bootstrap, can_coordinate=False)
+
+
