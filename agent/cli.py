@@ -567,7 +567,6 @@ def cmd_harness_check(args: argparse.Namespace) -> int:
 
 
 def cmd_harness_run(args: argparse.Namespace) -> int:
-    import logging
     import tempfile
 
     import trio
@@ -581,8 +580,11 @@ def cmd_harness_run(args: argparse.Namespace) -> int:
         out = args.out
         if out.exists() and any(out.iterdir()):
             raise UserError(f"--out {out}: directory exists and is not empty (agent homes would be reused)")
-    logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from agent.daemon import setup_logging
+
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = open(out / "agents.log", "a", encoding="utf-8")  # the agents' logs (JSON lines), not the terminal
+    setup_logging(log_file, verbose=bool(getattr(args, "verbose", False)))
     _quiet_transformers()
     import warnings
 

@@ -74,6 +74,11 @@ fetch_timeout = 120.0
 heartbeat_seconds = 1.0
 missed_heartbeats = 5
 
+# Gossip accepted from one peer (the messages it signs), per second and in a burst; beyond that its
+# messages are dropped at the first hop (a flood stops here, and we are not blamed for relaying it).
+gossip_max_rate = 200.0
+gossip_max_burst = 400.0
+
 # Base models held locally: the name a job's base_model uses = a local Hugging Face directory.
 [models]
 # "Qwen/Qwen2.5-0.5B-Instruct" = "/srv/models/qwen2.5-0.5b-instruct"
@@ -84,7 +89,8 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "max_concurrent_shards": int, "allowed_base_models": list, "min_price_per_hour": (int, float),
     "price_per_hour": (int, float), "threads": int, "ipfs_api": str, "fetch_timeout": (int, float),
     "heartbeat_seconds": (int, float), "missed_heartbeats": int, "grace_seconds": (int, float),
-    "claim_interval": (int, float), "models": dict,
+    "claim_interval": (int, float), "models": dict, "gossip_max_rate": (int, float),
+    "gossip_max_burst": (int, float),
 }
 
 

@@ -11,7 +11,8 @@ Rules of this file:
 - Election view: a job's coordinator is elected once the job has been known for ``grace_seconds``
   (so that peers whose views converged agree on term 1), and stays until it falls silent; then the
   next peer by rendezvous takes the job with term + 1 (protocol/election.Coordination). A peer acts
-  as coordinator only while its own view says so.
+  as coordinator only while its own view says so. Both the view changes and acting as coordinator
+  need the job's submitter to be heard: in a partition the submitter's side decides.
 - Every job-topic message is recorded in the store before it is applied; every decision we make is
   gossiped and applied to our mirror at once (agent/roles/job.py).
 """
@@ -33,11 +34,13 @@ import trio
 from agent import __version__
 from agent.content.service import ContentService, open_content
 from agent.net.errors import NetError
+from agent.net.gossip import GossipConfig
 from agent.net.host import NetConfig
 from agent.net.network import Network, open_network
 from agent.roles.coordinator import CoordinatorRole
 from agent.roles.job import JobView
 from agent.roles.submitter import SubmitterRole
+from agent.roles.sync import RESYNC_INTERVAL, SyncService, catch_up, needs_resync, resync
 from agent.roles.worker import WorkerRole
 from agent.store import Store
 from protocol import messages as m
@@ -71,6 +74,8 @@ class AgentConfig:
     claim_interval: float = 1.0
     fetch_timeout: float = 120.0
     ipfs_api: str | None = None
+    gossip_max_rate: float = 200.0  # messages per second accepted from one peer (its signed messages) ...
+    gossip_max_burst: float = 400.0  # ... with this much burst; beyond it they are dropped at the first hop
     misbehave: str | None = None  # test harness only: see agent/roles/worker.py MISBEHAVIOURS
 
 
@@ -96,11 +101,14 @@ class Agent:
         self.worker = WorkerRole(self) if config.accept_training else None
         self.coordinator = CoordinatorRole(self)
         self.submitter = SubmitterRole(self)
+        self.sync = SyncService(self)
         self.job_events = trio.Event()  # set (and replaced) whenever a job's state changes
         self._stopping = trio.Event()
         self._heartbeat_seq = 0
         self.counters: Counter[str] = Counter()  # shards_trained, verdicts_accepted, ... (metrics, status)
         self._coordinating: set[bytes] = set()  # jobs whose pending work we took over as coordinator
+        self._resyncing: set[bytes] = set()  # jobs whose mirror is being rebuilt (agent/roles/sync.py)
+        self._last_resync: dict[bytes, float] = {}
         # the test harness's tap (agent/harness/trace.py): called with ("recv", Received) for every
         # verified message we receive and ("state", JobView, actions) for every state change; never
         # set in production, and it must not raise
@@ -125,12 +133,16 @@ class Agent:
         net_config = NetConfig(listen=self.config.listen, bootstrap=self.config.bootstrap)
         async with AsyncExitStack() as stack:
             self.store = stack.enter_context(Store.in_data_dir(home, self.identity))
-            self.net = await stack.enter_async_context(open_network(self.identity, net_config, clock=self.clock))
+            gossip_config = GossipConfig(max_rate=float(self.config.gossip_max_rate),
+                                         max_burst=float(self.config.gossip_max_burst))
+            self.net = await stack.enter_async_context(open_network(self.identity, net_config, gossip_config,
+                                                                    clock=self.clock))
             if not self.net.host.addrs():  # py-libp2p logs a failed listen and carries on without it
                 raise NetError(f"listen: cannot listen on {' '.join(self.config.listen)} "
                                "(address in use or not on this machine); choose another address or port")
             self.content = await stack.enter_async_context(
                 open_content(self.net.host, self.net.discovery, home, ipfs_api=self.config.ipfs_api))
+            self.sync.install(self.net.host)
             self.started_at = self.clock()
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
@@ -167,10 +179,18 @@ class Agent:
             eligible.add(self.peer_id)
         return frozenset(eligible)
 
+    def hears_submitter(self, view: JobView) -> bool:
+        """Is the job's submitter live to us (or are we it)? Only then does the election view change
+        and may we act as coordinator: in a partition the submitter's side decides (IPIP-0006 §1.3)."""
+        submitter = view.terms.submitter
+        return submitter == self.peer_id or submitter in self.live_peers()
+
     def update_election(self, view: JobView, now: float) -> None:
         """Elect after the grace period; replace a coordinator that fell silent (term + 1)."""
         if now - view.first_seen < self.config.grace_seconds or view.state.terminal:
             return
+        if not self.hears_submitter(view):
+            return  # cut off from the submitter: its side decides; we wait
         before = view.coordination
         view.coordination = keep_or_elect(before, self.eligible_coordinators())
         if before.coordinator is not None and view.coordination.coordinator != before.coordinator:
@@ -189,7 +209,7 @@ class Agent:
 
     def is_coordinator(self, view: JobView) -> bool:
         return view.coordination.is_coordinator(self.peer_id) and \
-            self.clock() - view.first_seen >= self.config.grace_seconds
+            self.clock() - view.first_seen >= self.config.grace_seconds and self.hears_submitter(view)
 
     # -- gossip in ---------------------------------------------------------------------------------
 
@@ -250,7 +270,7 @@ class Agent:
             if view.state.phase.value != record.state:
                 self.store.update_job(record.job_id, self.clock(), state=view.state.phase.value, round=view.state.round)
             subscription = await self.net.gossip.subscribe(m.job_topic(record.job_id))
-            self.nursery.start_soon(self._read_job_topic, view, subscription)
+            self.nursery.start_soon(self._read_job_topic, view, subscription, True)
             if record.terms.submitter == self.peer_id:
                 self.nursery.start_soon(self.submitter.resume, view)
             if self.worker is not None:
@@ -318,16 +338,26 @@ class Agent:
         if envelope is not None:
             self.store.record(envelope, now)
         subscription = await self.net.gossip.subscribe(m.job_topic(job_id))
-        self.nursery.start_soon(self._read_job_topic, view, subscription)
+        # the job may have a history we missed (we joined late, or were down): ask its submitter
+        self.nursery.start_soon(self._read_job_topic, view, subscription, True)
         if self.worker is not None:
             self.worker.consider(view)
         return view
 
-    async def _read_job_topic(self, view: JobView, subscription: Any) -> None:
+    async def _read_job_topic(self, view: JobView, subscription: Any, catch_up_first: bool = False) -> None:
+        """Apply the job topic's messages to our mirror; first, if asked, catch up on the job's history
+        from its submitter (live messages wait in the subscription meanwhile; agent/roles/sync.py)."""
+        synced: set[bytes] = set()
+        if catch_up_first and view.terms.submitter != self.peer_id:
+            synced = await catch_up(self, view)
+            if synced:
+                self.apply_actions(view, ())
         async for received in subscription:
             msg, signer, now = received.message, received.signer, self.clock()
             if self.observer is not None:
                 self.observer("recv", received)
+            if received.envelope.message_id in synced:
+                continue  # already applied from the history
             self.store.record(received.envelope.to_bytes(), now)
             if isinstance(msg, m.ShardClaim):
                 await self.coordinator.on_claim(view, msg, signer)
@@ -375,12 +405,25 @@ class Agent:
             for view in list(self.jobs.values()):
                 self.update_election(view, now)
                 self.apply_actions(view, view.step(Tick(), now))
+                if view.job_id not in self._resyncing and \
+                        now - self._last_resync.get(view.job_id, 0.0) > RESYNC_INTERVAL and \
+                        needs_resync(view, self.eligible_coordinators(), now):
+                    self._last_resync[view.job_id] = now
+                    self._resyncing.add(view.job_id)
+                    self.nursery.start_soon(self._resync, view)
                 if not self.is_coordinator(view):
                     self._coordinating.discard(view.job_id)
                 elif view.job_id not in self._coordinating:  # newly elected, or resumed after a restart
                     self._coordinating.add(view.job_id)
                     self.coordinator.take_over(view)
             await trio.sleep(0.5)
+
+    async def _resync(self, view: JobView) -> None:
+        try:
+            if await resync(self, view):
+                self.apply_actions(view, ())
+        finally:
+            self._resyncing.discard(view.job_id)
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> None:
         """Wait until ``predicate()`` holds, re-checked whenever a job changes; TooSlowError after ``timeout``."""

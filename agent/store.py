@@ -503,6 +503,9 @@ class Store:
                      canonical_encode(list(msg.shards)), msg.samples, msg.final, signer))
         return StoredMessage(message_id, signer, env.timestamp_ms, now, bytes(data), msg)
 
+    def has_envelope(self, message_id: bytes) -> bool:
+        return self._one("SELECT 1 FROM envelopes WHERE message_id = ?", (message_id,)) is not None
+
     def envelopes(self, job_id: Optional[bytes] = None, type: Optional[str] = None) -> list[StoredMessage]:
         """Accepted envelopes, oldest signer timestamp first; filtered by job and/or type tag."""
         return self._messages(

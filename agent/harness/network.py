@@ -190,12 +190,14 @@ async def network(home: Path, model_dir: Path, workers: int = 3, *, seed: int = 
                   overrides: dict[int, dict] | None = None,
                   late: tuple[int, ...] = (),
                   observer: Callable[[str, Agent, str, tuple], None] | None = None,
-                  reannounce_seconds: float | None = None) -> AsyncIterator[LoopbackNet]:
+                  reannounce_seconds: float | None = None,
+                  common: dict | None = None) -> AsyncIterator[LoopbackNet]:
     """A submitter (bootstrap, never a coordinator) and ``workers`` training agents ``w0``...
 
     Byzantine workers never coordinate (a Byzantine coordinator is another test's subject); a
     ``crash`` worker (faulty, not malicious) may.
     Workers in ``late`` are configured but not started: ``net.start(name, net.configs[name])``.
+    ``common`` are AgentConfig fields for the submitter (``overrides`` are per worker).
     Waits until every started agent hears every honest coordinator-to-be, then yields.
     """
     misbehave = misbehave or {}
@@ -203,7 +205,7 @@ async def network(home: Path, model_dir: Path, workers: int = 3, *, seed: int = 
     async with trio.open_nursery() as nursery:
         net = LoopbackNet(nursery, seed, home, observer=observer)
         submitter = await net.start("submitter", AgentConfig(home=home / "submitter", can_coordinate=False,
-                                                             models=models))
+                                                             models=models, **(common or {})))
         if reannounce_seconds is not None:
             submitter.submitter.reannounce_seconds = reannounce_seconds
         bootstrap = (submitter.addrs()[0],)

@@ -25,8 +25,9 @@ from __future__ import annotations
 import copy
 import logging
 import random
+import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +53,15 @@ BASE_JOB: dict[str, Any] = {
     "lease_seconds": 30,
 }
 
+PINNED_CREATED = 1_700_000_000  # seconds since the epoch (+ the seed): the jobs' 'created'
+PINNED_DEADLINE = 4_000_000_000  # far away: a scenario's job ends by its own faults or its timeout
 TRIGGERS = ("training", "checkpoint", "report", "accepted", "aggregate", "round-2", "round-3")
 ACTIONS = ("kill", "restart", "start", "partition", "heal", "gossip", "attack", "tamper")
 ATTACKS = ("replay", "spoof", "stale", "malformed", "oversize", "claim_flood", "flood")
 SELECTORS = ("coordinator", "trainer", "workers", "killed")
 AGENT_KEYS = {"claim_interval": float, "max_concurrent_shards": int, "can_coordinate": bool,
-              "price_per_hour": float, "min_price_per_hour": float, "fetch_timeout": float}
+              "price_per_hour": float, "min_price_per_hour": float, "fetch_timeout": float,
+              "gossip_max_rate": float, "gossip_max_burst": float}
 EXPECT_KEYS = ("phase", "reason", "min_term", "reassigned", "rejected", "released", "gossip_rejected",
                "rate_limited", "trained", "not_trained")
 
@@ -133,7 +137,7 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
                  for i, n in enumerate(r.sequence(agents.get("late", []), ("agents", "late"))))
     config = {}
     for key, values in r.mapping(agents.get("config", {}), ("agents", "config")).items():
-        r.agent_name(key, ("agents", "config", key), names, key_error=True)
+        r.agent_name(key, ("agents", "config", key), ["all", *names], key_error=True)
         values = r.mapping(values, ("agents", "config", key))
         r.only(values, ("agents", "config", key), tuple(AGENT_KEYS))
         config[key] = {k: r.typed(v, ("agents", "config", key, k), AGENT_KEYS[k]) for k, v in values.items()}
@@ -321,6 +325,21 @@ class _Reader:
         return out
 
 
+_LONG_IDS = re.compile(r"\b(baf[a-z2-7]{40,}|Qm[1-9A-Za-z]{44}|12D3KooW[1-9A-Za-z]{44})\b")
+
+
+def _brief(text: str, limit: int = 110, around: str | None = None) -> str:
+    """``text`` with CIDs and peer IDs cut to 16 characters, at most ``limit`` long (around ``around``)."""
+    text = _LONG_IDS.sub(lambda match: match.group(0)[:16] + "…", " ".join(text.split()))
+    if len(text) <= limit:
+        return text
+    at = text.find(around) if around else -1
+    if at < 0 or at + len(around) <= limit - 1:
+        return text[:limit - 1] + "…"
+    start = max(0, at - limit // 2)
+    return "…" + text[start:start + limit - 2] + "…"
+
+
 def _kind(value: Any) -> str:
     if isinstance(value, dict):
         return "a mapping"
@@ -392,7 +411,8 @@ async def run_scenario(scenario: Scenario, out_dir: Path, *, seed: int | None = 
     trace = Trace(out_dir / "trace.jsonl", heartbeats=heartbeats, names=run.name_of)
     run.trace = trace
     index = {f"w{i}": i for i in range(scenario.workers)}
-    overrides = {index[n]: dict(c) for n, c in scenario.agent_config.items()}
+    common = scenario.agent_config.get("all", {})  # every agent's, the submitter's and mallory's too
+    overrides = {i: {**common, **scenario.agent_config.get(n, {})} for n, i in index.items()}
     misbehave = {index[n]: mode for n, mode in scenario.byzantine.items()}
     started = time.monotonic()
     trace.write("start", scenario=scenario.name, seed=seed, source=scenario.source, agents=run.ids,
@@ -400,7 +420,7 @@ async def run_scenario(scenario: Scenario, out_dir: Path, *, seed: int | None = 
     try:
         async with network(out_dir / "agents", model_dir, scenario.workers, seed=seed, misbehave=misbehave,
                            overrides=overrides, late=tuple(index[n] for n in scenario.late),
-                           observer=run.observe, reannounce_seconds=5.0) as net:
+                           observer=run.observe, reannounce_seconds=5.0, common=common) as net:
             run.net = net
             if scenario.mallory:
                 await run.start_mallory()
@@ -451,6 +471,7 @@ class _Run:
         self.checkpoints = 0
         self.captured: list[bytes] = []  # job-topic envelopes mallory saw (for replays)
         self.timed_out = False
+        self.fault_errors: list[str] = []
         self.facts: dict = {}
         self.mallory_sent: dict[str, int] = {}
         from agent.harness.network import identity_for
@@ -478,7 +499,9 @@ class _Run:
         from agent.harness.network import mallory_config
 
         bootstrap = (self.net.submitter.addrs()[0],)
-        await self.net.start("mallory", mallory_config(self.net.home / "mallory", bootstrap))
+        config = mallory_config(self.net.home / "mallory", bootstrap)
+        common = self.scenario.agent_config.get("all", {})
+        await self.net.start("mallory", replace(config, **common) if common else config)
 
     async def announce(self, model_dir: Path) -> None:
         from agent.train.data import write_chatml
@@ -487,7 +510,10 @@ class _Run:
         dataset = self.out_dir / "dataset.jsonl"
         await trio.to_thread.run_sync(write_chatml, dataset, demo_records(self.scenario.records, seed=self.seed))
         submitter = self.net.submitter.submitter
-        terms = await submitter.prepare_terms(self.scenario.spec(), dataset, str(model_dir))
+        # created and deadline pinned: the job ID, hence who is elected, depends on the seed alone
+        terms = await submitter.prepare_terms(self.scenario.spec(), dataset, str(model_dir),
+                                              created=PINNED_CREATED + self.seed % 1_000_000,
+                                              deadline=PINNED_DEADLINE)
         self.view = await submitter.announce(terms)
         self.announced_at = time.monotonic()
         self.trace.write("job", job=self.view.job_id.hex()[:16], name=terms.name, shards=len(terms.shards),
@@ -520,7 +546,12 @@ class _Run:
             while not self.triggered(fault.when):
                 await trio.sleep(0.05)
             await trio.sleep(fault.after)
-        what = await self.apply(fault)
+        try:
+            what = await self.apply(fault)
+        except Exception as exc:  # noqa: BLE001 - a fault that could not be applied fails a check, not the run
+            log.exception("harness: fault at line %d failed", fault.line)
+            what = f"{fault.action} FAILED: {type(exc).__name__}: {exc}"
+            self.fault_errors.append(f"line {fault.line}: {what}")
         self.fired.append((self.trace.now(), what))
         self.trace.write("fault", fault=fault.action, what=what, line=fault.line)
         log.info("harness: %s", what)
@@ -618,6 +649,9 @@ class _Run:
         add(Check(f"job ended {expect['phase']}", phase == expect["phase"] and not self.timed_out,
                   f"{phase}" + (f" ({state.reason})" if state.reason else "") +
                   (f"; still running after {self.scenario.timeout:g} s" if self.timed_out else "")))
+        if self.scenario.faults:
+            add(Check("every fault applied", not self.fault_errors and len(self.fired) == len(self.scenario.faults),
+                      "; ".join(self.fault_errors) or f"{len(self.fired)} of {len(self.scenario.faults)} fired"))
         if "reason" in expect:
             add(Check(f"reason mentions {expect['reason']!r}", expect["reason"] in state.reason, state.reason))
         bad = {net.agents[n].peer_id if n in net.agents else None for n in self.scenario.byzantine} | (
@@ -647,6 +681,13 @@ class _Run:
                 disagree.append(f"{name}: {mirror.state.phase.value} round {mirror.state.round}")
         add(Check("live mirrors agree with the submitter", not disagree, "; ".join(disagree) or
                   f"{len(self._followers())} agents"))
+        broken = []
+        for name in self._followers():
+            try:
+                net.agents[name].store.verify_ledger(view.job_id)
+            except Exception as exc:  # noqa: BLE001 - reported as a failed check
+                broken.append(f"{name}: {exc}")
+        add(Check("every live agent's signed ledger verifies", not broken, "; ".join(broken)))
         if "min_term" in expect:
             add(Check(f"coordinator term >= {expect['min_term']}", view.coordination.term >= expect["min_term"],
                       f"term {view.coordination.term}, coordinator {self.name_of(view.coordination.coordinator)}"))
@@ -655,7 +696,7 @@ class _Run:
             add(Check("a shard was reassigned", bool(attempts),
                       ", ".join(f"r{k[0]} s{k[1]} attempt {k[2]}" for k in sorted(attempts)[:6])))
         if "released" in expect:
-            hits = [f"{n}: {r[:100]}" for n, r in self.releases if expect["released"] in r]
+            hits = [f"{n}: {_brief(r, around=expect['released'])}" for n, r in self.releases if expect["released"] in r]
             add(Check(f"a shard given back: {expect['released']!r}", bool(hits),
                       (hits[:1] or [f"{len(self.releases)} releases, none matching"])[0]))
         for name, fragment in expect.get("rejected", {}).items():
@@ -663,7 +704,7 @@ class _Run:
             verdicts = [v for v in view.verdicts.values() if v.worker == peer]
             ok = bool(verdicts) and all(not v.accepted and fragment in v.reason for v in verdicts)
             add(Check(f"{name} rejected: {fragment!r}", ok,
-                      "; ".join(v.reason[:100] for v in verdicts[:2]) or "no verdict on its work"))
+                      "; ".join(_brief(v.reason, around=fragment) for v in verdicts[:2]) or "no verdict on its work"))
         honest = [n for n in net.agents if n != "mallory" and n not in self.scenario.byzantine]
         reasons: dict[str, int] = {}
         limited = 0
@@ -722,9 +763,9 @@ class _Run:
             accepted = len(view.verdicts) - len(rejected)
             lines.append(f"verdicts: {accepted} accepted, {len(rejected)} rejected")
             for v in rejected[:4]:
-                lines.append(f"  r{v.round} s{v.shard} {self.name_of(v.worker)}: {v.reason[:110]}")
+                lines.append(f"  r{v.round} s{v.shard} {self.name_of(v.worker)}: {_brief(v.reason)}")
             for name, reason in self.releases[:3]:
-                lines.append(f"  released by {name}: {reason[:100]}")
+                lines.append(f"  released by {name}: {_brief(reason, 100)}")
         received = self.trace.received
         top = ", ".join(f"{t} {n}" for t, n in received.most_common(8))
         lines.append(f"messages delivered: {sum(received.values())} ({top})")
@@ -734,7 +775,7 @@ class _Run:
                          f"{self.facts['rate_limited']}")
         lines.append("checks:")
         for c in result.checks:
-            lines.append(f"  {'ok  ' if c.ok else 'FAIL'} {c.name}" + (f": {c.detail[:120]}" if c.detail else ""))
+            lines.append(f"  {'ok  ' if c.ok else 'FAIL'} {c.name}" + (f": {_brief(c.detail, 120)}" if c.detail else ""))
         lines.append(f"trace: {result.trace_path} ({self.trace.lines} lines)")
         return "\n".join(lines)
 

@@ -13,7 +13,9 @@ Rules of this file:
   cancel the whole pubsub service.
 - Library defaults that would eat our own traffic are off: the heartbeat is ``heartbeat_interval``
   (1 s, not 120 s), and GossipSub's spam protection (10 msg/s per topic and forwarder, counting our
-  own publishes) is replaced by our own token bucket per remote forwarder (``max_rate``).
+  own publishes) is replaced by our own token bucket per message source (``max_rate``): a peer
+  that floods is cut off at the first hop, and the honest peers that relay for it are not
+  throttled for what they relay (a per-forwarder limit would make every relay of a flood pay).
 - py-libp2p drops an outbound RPC when a peer's 32-slot send queue is full (as go-libp2p-pubsub
   does). Our own publishes wait for room instead (``publish_wait``); relayed messages can still be
   dropped under a flood, and GossipSub's gossip (IHAVE/IWANT) repairs that within its window.
@@ -59,7 +61,7 @@ class GossipConfig:
     degree: int = 6
     degree_low: int = 4
     degree_high: int = 12
-    max_rate: float = 200.0  # messages per second accepted from one remote forwarder ...
+    max_rate: float = 200.0  # messages per second accepted from one source (the signing peer) ...
     max_burst: float = 400.0  # ... with this much burst
     blacklist_after: int = 50  # invalid messages before a peer is blacklisted
     delivery_buffer: int = 4096  # our per-topic channel (py-libp2p's holds 32)
@@ -334,12 +336,12 @@ class Gossip:
     def _validate(self, topic: str, forwarder: ID, msg: Any) -> bool:
         fwd = forwarder.to_base58()
         now = self.clock()
-        if forwarder != self._my_id and not self._rate.allow(fwd, time.monotonic()):
-            self.rate_limited[fwd] += 1
+        source = ID(msg.from_id).to_base58()
+        if source != self.host.peer_id and not self._rate.allow(source, time.monotonic()):
+            self.rate_limited[source] += 1  # by source: a flood is cut at the first hop, its relays unharmed
             return False
         if len(msg.topicIDs) != 1:
             return self._reject(fwd, "multi-topic")
-        source = ID(msg.from_id).to_base58()
         try:
             opened = open_envelope(msg.data, now=now, replay=self._replay, expected_signer=source)
         except CodecError as exc:

@@ -36,8 +36,11 @@ class SubmitterRole:
         self.agent = agent
 
     async def prepare_terms(self, spec: Any, dataset: Path, base_model_path: str, *,
-                            deadline: int | None = None) -> m.JobTerms:
-        """Shard ``dataset``, add the parts to the content store, and build the job's terms."""
+                            deadline: int | None = None, created: int | None = None) -> m.JobTerms:
+        """Shard ``dataset``, add the parts to the content store, and build the job's terms.
+
+        ``created`` and ``deadline`` default to now and now + the spec's max runtime; the harness pins
+        both so that a job's ID (the hash of its terms) depends only on its seed."""
         from agent.train import base_model_sha256, split_dataset
         from agent.train.data import read_chatml, write_chatml
 
@@ -58,7 +61,7 @@ class SubmitterRole:
             write_chatml(path, [records[i] for i in split.validation])
             validation_cid = str(await agent.content.add_file(path))
         model_hash = await trio.to_thread.run_sync(base_model_sha256, base_model_path)
-        now = int(agent.clock())
+        now = int(agent.clock()) if created is None else created
         t, lora, proof = spec.training, spec.lora, spec.proof
         return m.JobTerms(
             name=spec.name, submitter=agent.peer_id, base_model=spec.base_model,

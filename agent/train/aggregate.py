@@ -302,32 +302,52 @@ def _check_pairs(pairs: Pairs) -> _Checked:
             raise AggregationError(f"adapter 0: {key}: expected a floating-point tensor, got {what}")
     modules, other_keys = _lora_modules(first)
 
+    # The common case, every adapter laid out like adapter 0, is one comparison of lists (a
+    # 7B adapter has hundreds of tensors); only an adapter that differs is examined key by key.
+    keys = list(first)
+    layout = _layout(first, keys)
     for index, adapter in enumerate(adapters[1:], start=1):
-        missing, extra = first.keys() - adapter.keys(), adapter.keys() - first.keys()
-        if missing or extra:
-            raise AggregationError(
-                f"adapter {index}: keys differ from adapter 0's: "
-                f"missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]}"
-            )
-        for key, tensor in adapter.items():
-            if not isinstance(tensor, torch.Tensor):
-                raise AggregationError(f"adapter {index}: {key}: expected a tensor, got {type(tensor).__name__}")
-        for module in modules:
-            a, a_first = adapter[module.a_key], first[module.a_key]
-            if a.dim() == 2 and a.shape[0] != a_first.shape[0]:
-                raise AggregationError(
-                    f"adapter {index}: module {module.name} has rank {a.shape[0]}, "
-                    f"adapter 0 has rank {a_first.shape[0]}"
-                )
-        for key, tensor in adapter.items():
-            if tensor.shape != first[key].shape or tensor.dtype != first[key].dtype:
-                raise AggregationError(
-                    f"adapter {index}: {key}: {tuple(tensor.shape)} {tensor.dtype}, "
-                    f"adapter 0 has {tuple(first[key].shape)} {first[key].dtype}"
-                )
+        if adapter.keys() != first.keys() or _layout(adapter, keys) != layout:
+            _raise_layout_mismatch(index, adapter, first, modules)
 
     total = sum(counts)
     return _Checked(adapters, [count / total for count in counts], modules, other_keys)
+
+
+def _layout(adapter: Adapter, keys: list[str]) -> list[tuple[torch.Size, torch.dtype] | None]:
+    return [
+        (tensor.shape, tensor.dtype) if isinstance(tensor, torch.Tensor) else None
+        for tensor in map(adapter.__getitem__, keys)
+    ]
+
+
+def _raise_layout_mismatch(index: int, adapter: Adapter, first: Adapter, modules: list[LoraModule]) -> None:
+    """Raise the error naming how adapter `index` differs from adapter 0: keys, types, ranks, shapes.
+
+    Called only when the layouts differ, so one of these checks raises.
+    """
+    missing, extra = first.keys() - adapter.keys(), adapter.keys() - first.keys()
+    if missing or extra:
+        raise AggregationError(
+            f"adapter {index}: keys differ from adapter 0's: "
+            f"missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]}"
+        )
+    for key, tensor in adapter.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise AggregationError(f"adapter {index}: {key}: expected a tensor, got {type(tensor).__name__}")
+    for module in modules:
+        a, a_first = adapter[module.a_key], first[module.a_key]
+        if a.dim() == 2 and a.shape[0] != a_first.shape[0]:
+            raise AggregationError(
+                f"adapter {index}: module {module.name} has rank {a.shape[0]}, "
+                f"adapter 0 has rank {a_first.shape[0]}"
+            )
+    for key, tensor in adapter.items():
+        if tensor.shape != first[key].shape or tensor.dtype != first[key].dtype:
+            raise AggregationError(
+                f"adapter {index}: {key}: {tuple(tensor.shape)} {tensor.dtype}, "
+                f"adapter 0 has {tuple(first[key].shape)} {first[key].dtype}"
+            )
 
 
 def _lora_modules(adapter: Adapter) -> tuple[list[LoraModule], list[str]]:
@@ -336,15 +356,18 @@ def _lora_modules(adapter: Adapter) -> tuple[list[LoraModule], list[str]]:
     paired: set[str] = set()
     for key in adapter:
         parts = key.split(".")
-        a_at = [i for i, part in enumerate(parts) if part in _PARTNER_OF_A]
-        b_at = [i for i, part in enumerate(parts) if part in _A_OF_PARTNER]
-        if b_at and not a_at:
-            a_key = ".".join(parts[: b_at[-1]] + [_A_OF_PARTNER[parts[b_at[-1]]]] + parts[b_at[-1] + 1 :])
-            if a_key not in adapter:
-                raise AggregationError(f"{key}: lora_B without its lora_A ({a_key} is missing)")
-        if not a_at:
+        at = b_at = -1  # the last lora_A part of the key, the last lora_B part
+        for i, part in enumerate(parts):
+            if part in _PARTNER_OF_A:
+                at = i
+            elif part in _A_OF_PARTNER:
+                b_at = i
+        if at < 0:
+            if b_at >= 0:
+                a_key = ".".join(parts[:b_at] + [_A_OF_PARTNER[parts[b_at]]] + parts[b_at + 1 :])
+                if a_key not in adapter:
+                    raise AggregationError(f"{key}: lora_B without its lora_A ({a_key} is missing)")
             continue
-        at = a_at[-1]
         b_key = ".".join(parts[:at] + [_PARTNER_OF_A[parts[at]]] + parts[at + 1 :])
         name = ".".join(parts[:at])
         if b_key not in adapter:

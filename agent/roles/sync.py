@@ -1,0 +1,218 @@
+"""Catching up on a job: its signed history, fetched from the job's submitter (IPIP-0004 §11).
+
+Gossip only carries what is sent while a peer listens. An agent that joins a running job, or comes
+back after being down, asks the submitter for the job-topic envelopes it stored and replays them
+through its mirror, oldest first, before (or while) live messages arrive.
+
+Wire, one stream per request on ``/infernet/jobsync/1.0.0``:
+    client → server: the 32-byte job ID, then a half-close.
+    server → client: ``uvarint(len) + envelope`` for each stored job-topic envelope of the job, in
+                     the order the server stored them (claims left out), then ``uvarint(0)``.
+Limits: at most MAX_HISTORY envelopes and MAX_HISTORY_BYTES in all, each at most the envelope limit;
+30 s for the whole exchange. A server that does not follow the job sends ``uvarint(0)`` at once.
+
+Trust: every envelope is checked again (signature, strict body, the job ID) regardless of its age;
+nothing unsigned or foreign gets in. Coordinator decisions in the history are taken as the
+submitter accepted them (the term of each is believed), as after a restart from our own store: a
+lying submitter can only confuse mirrors of its own job.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+
+from agent.net.errors import NetError, PeerProtocolError
+from agent.net.streams import FrameReader, frame, remote_peer
+from protocol import messages as m
+from protocol.cid import varint_encode
+from protocol.envelope import MAX_ENVELOPE_BYTES
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "/infernet/jobsync/1.0.0"
+MAX_HISTORY = 50_000
+MAX_HISTORY_BYTES = 64 << 20
+TIMEOUT = 30.0
+END = varint_encode(0)
+
+
+def history_for(store: Any, job_id: bytes) -> list[bytes]:
+    """The job-topic envelopes we would send for ``job_id`` (claims are requests, not history)."""
+    out, total = [], 0
+    for stored in store.envelopes(job_id):
+        if stored.type == "claim" or stored.type == "announce":
+            continue
+        if len(out) >= MAX_HISTORY or total + len(stored.data) > MAX_HISTORY_BYTES:
+            break
+        out.append(stored.data)
+        total += len(stored.data)
+    return out
+
+
+class SyncService:
+    """Serves our stored history of any job (installed on every agent)."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self.served = 0
+
+    def install(self, host: Any) -> None:
+        host.set_handler(PROTOCOL, self.handle, timeout=TIMEOUT)
+
+    async def handle(self, stream: Any) -> None:
+        reader = FrameReader(stream, chunk=64)
+        job_id = await reader.read_exactly(32, f"{PROTOCOL} job id")
+        for data in history_for(self.agent.store, job_id):
+            await stream.write(frame(data))
+        await stream.write(END)
+        self.served += 1
+        log.debug("jobsync: sent the history of %s to %s", job_id.hex()[:8], remote_peer(stream))
+
+
+async def fetch_history(host: Any, peer: str, job_id: bytes, timeout: float = TIMEOUT) -> list[bytes]:
+    """The envelopes ``peer`` holds for ``job_id`` (unverified: the caller checks each one).
+    NetError or PeerProtocolError naming the peer on any failure; TooSlowError after ``timeout``."""
+    from agent.net.streams import close_quietly, reset_quietly
+
+    stream = await host.open_stream(peer, [PROTOCOL], timeout=min(10.0, timeout))
+    ok = False
+    try:
+        with trio.fail_after(timeout):
+            await stream.write(job_id)
+            await stream.close()
+            reader = FrameReader(stream)
+            out: list[bytes] = []
+            total = 0
+            while True:
+                data = await reader.read_frame(MAX_ENVELOPE_BYTES, f"{PROTOCOL} envelope")
+                if not data:
+                    break
+                out.append(data)
+                total += len(data)
+                if len(out) > MAX_HISTORY or total > MAX_HISTORY_BYTES:
+                    raise PeerProtocolError(f"{PROTOCOL}: {peer} sent more than {MAX_HISTORY} envelopes "
+                                            f"or {MAX_HISTORY_BYTES} bytes")
+        ok = True
+        return out
+    finally:
+        await (close_quietly(stream) if ok else reset_quietly(stream))
+
+
+def _verified(history: list[bytes], job_id: bytes) -> tuple[list[Any], int]:
+    """The history's envelopes that verify (whatever their age) and belong to the job; and how many did not."""
+    from agent.store import _reopen
+    from protocol.errors import CodecError
+
+    out, refused = [], 0
+    for data in history:
+        try:
+            opened = _reopen(data)
+        except CodecError:
+            refused += 1
+            continue
+        msg = opened.message
+        if getattr(msg, "job_id", None) != job_id or isinstance(msg, (m.ShardClaim, m.JobAnnouncement)):
+            refused += 1
+            continue
+        out.append((data, opened))
+    return out, refused
+
+
+def _apply_history(view: Any, opened: Any) -> None:
+    msg, env = opened.message, opened.envelope
+    at = env.timestamp_ms / 1000.0
+    if env.signer == view.me and isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
+        if view.check_coordinator(env.signer, msg.term, frozenset({env.signer})):
+            view.apply_decision(msg, at)  # our own decision, as a restart replays it
+    else:
+        view.apply(msg, env.signer, at, frozenset({env.signer}))
+
+
+async def catch_up(agent: Any, view: Any, timeout: float = TIMEOUT) -> set[bytes]:
+    """Replay into ``view`` the job's history held by its submitter that is not in our store yet.
+    Returns the message IDs applied (the live reader skips them); failures are logged, not raised."""
+    submitter = view.terms.submitter
+    if submitter == agent.peer_id:
+        return set()
+    try:
+        history = await fetch_history(agent.net.host, submitter, view.job_id, timeout)
+    except (NetError, PeerProtocolError, trio.TooSlowError) as exc:
+        log.info("job %s: could not catch up from the submitter: %s", view.job_id.hex()[:8], exc)
+        return set()
+    verified, refused = _verified(history, view.job_id)
+    applied: set[bytes] = set()
+    now = agent.clock()
+    for data, opened in verified:
+        if agent.store.has_envelope(opened.envelope.message_id):
+            continue
+        agent.store.record(data, now)
+        _apply_history(view, opened)
+        applied.add(opened.envelope.message_id)
+    view.take_applied()  # history: nothing to react to
+    if refused:
+        log.warning("job %s: %d envelopes from the submitter's history refused", view.job_id.hex()[:8], refused)
+    if applied:
+        log.info("job %s: caught up on %d messages from the submitter: %s, round %d, term %d",
+                 view.job_id.hex()[:8], len(applied), view.state.phase.value, view.state.round,
+                 view.coordination.term)
+        agent.store.update_job(view.job_id, now, state=view.state.phase.value, round=view.state.round,
+                               coordinator_term=view.coordination.term)
+    return applied
+
+
+RESYNC_HELD_SECONDS = 5.0  # a coordinator's decision held this long means our mirror missed something
+RESYNC_INTERVAL = 15.0  # at most one rebuild per job this often
+
+
+def needs_resync(view: Any, eligible: frozenset[str], now: float) -> bool:
+    """Does the mirror hold a decision of an eligible coordinator that it could not apply for a while?
+    A decision of an older term is stale, not a sign of a gap. (Messages of anyone else, an
+    attacker's included, never trigger a rebuild.)"""
+    term = view.coordination.term
+    return any(isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)) and signer in eligible
+               and signer != view.me and msg.term >= term and now - seen > RESYNC_HELD_SECONDS
+               for seen, msg, signer in view.pending)
+
+
+async def resync(agent: Any, view: Any, timeout: float = TIMEOUT) -> bool:
+    """Our mirror has diverged (it holds messages it cannot apply: we missed some, or we were cut off
+    and decided things the rest never saw): rebuild it from the submitter's whole history, in place.
+    True if the mirror was replaced."""
+    from agent.roles.job import JobView
+
+    submitter = view.terms.submitter
+    if submitter == agent.peer_id:
+        return False
+    try:
+        history = await fetch_history(agent.net.host, submitter, view.job_id, timeout)
+    except (NetError, PeerProtocolError, trio.TooSlowError) as exc:
+        log.info("job %s: could not resync from the submitter: %s", view.job_id.hex()[:8], exc)
+        return False
+    verified, _ = _verified(history, view.job_id)
+    fresh = JobView(view.terms, view.first_seen, view.me)
+    for _, opened in verified:
+        _apply_history(fresh, opened)
+    fresh.take_applied()
+    if fresh.coordination.term < view.coordination.term or not verified:
+        return False  # the submitter knows less than we do: keep ours
+    now = agent.clock()
+    for data, opened in verified:
+        if not agent.store.has_envelope(opened.envelope.message_id):
+            agent.store.record(data, now)
+    before = (view.state.phase.value, view.state.round, len(view.pending))
+    held = view.pending
+    for name in ("state", "coordination", "leases", "commits", "reports", "verdicts", "aggregates"):
+        setattr(view, name, getattr(fresh, name))
+    term = view.coordination.term  # still-held live messages may apply now, except stale decisions
+    view.pending = [p for p in held if p[2] != view.me and getattr(p[1], "term", term) >= term]
+    view.retry_pending(now, agent.eligible_coordinators())
+    view.take_applied()
+    log.warning("job %s: mirror rebuilt from the submitter's history (%d messages): was %s round %d with %d held, "
+                "now %s round %d, term %d", view.job_id.hex()[:8], len(verified), *before,
+                view.state.phase.value, view.state.round, view.coordination.term)
+    agent.store.update_job(view.job_id, now, state=view.state.phase.value, round=view.state.round,
+                           coordinator_term=view.coordination.term)
+    return True

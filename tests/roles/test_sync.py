@@ -1,0 +1,80 @@
+"""Job history for catching up (IPIP-0004 §11): what a peer serves, and what a peer accepts of it.
+
+End to end (a worker joining after round 1, mirrors rebuilt after a partition) is in the harness
+scenarios late-joiner and partition-heal.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.roles.job import JobView
+from agent.roles.sync import _apply_history, _verified, history_for, needs_resync
+from agent.store import Store
+from protocol import messages as m
+from protocol.envelope import seal
+from protocol.identity import Identity
+from scripts.make_envelope_vectors import sample_terms
+
+NOW = 1_790_000_000.0
+SUBMITTER = Identity(bytes([1]) * 32)
+COORD = Identity(bytes([3]) * 32)
+WORKER = Identity(bytes([4]) * 32)
+TERMS = sample_terms(SUBMITTER)
+JOB = TERMS.job_id()
+
+
+def lease(shard: int, term: int = 1, attempt: int = 1, who: Identity = COORD, at: float = NOW) -> bytes:
+    return seal(who, m.ShardLease(JOB, 1, shard, attempt, WORKER.peer_id, term, at + 600, None), now=at)
+
+
+@pytest.fixture
+def store(tmp_path):
+    with Store(tmp_path / "agent.sqlite3", SUBMITTER) as s:
+        s.add_job(TERMS, "submitter", NOW)
+        yield s
+
+
+def test_history_leaves_out_claims_and_other_jobs(store):
+    other = sample_terms(Identity(bytes([9]) * 32)).job_id()
+    store.record(lease(0), NOW)
+    store.record(seal(WORKER, m.ShardClaim(JOB, 1, 1), now=NOW + 1), NOW + 1)
+    store.record(seal(COORD, m.ShardLease(other, 1, 0, 1, WORKER.peer_id, 1, NOW + 600, None), now=NOW + 2), NOW + 2)
+    store.record(lease(1, at=NOW + 3), NOW + 3)
+    history = history_for(store, JOB)
+    assert [m.ShardLease.TYPE] * 2 == [_verified([h], JOB)[0][0][1].envelope.type for h in history]
+    assert history_for(store, bytes(32)) == []
+
+
+def test_only_signed_envelopes_of_the_job_are_accepted_whatever_their_age():
+    good = lease(0, at=NOW - 86_400)  # a day old: history is not held to the 300 s window
+    tampered = bytearray(lease(1))
+    tampered[-5] ^= 1
+    other_job = seal(COORD, m.ShardLease(bytes(32), 1, 0, 1, WORKER.peer_id, 1, NOW, None), now=NOW)
+    claim = seal(WORKER, m.ShardClaim(JOB, 1, 0), now=NOW)
+    verified, refused = _verified([good, bytes(tampered), b"\xc1garbage", other_job, claim], JOB)
+    assert [data for data, _ in verified] == [good]
+    assert refused == 4
+
+
+def test_history_replayed_into_a_fresh_mirror_reaches_the_same_state():
+    view = JobView(TERMS, NOW, WORKER.peer_id)
+    for data, opened in _verified([lease(0), lease(1, at=NOW + 1)], JOB)[0]:
+        _apply_history(view, opened)
+    assert [s.phase.value for s in view.state.shards[:2]] == ["LEASED", "LEASED"]
+    assert view.coordination.coordinator == COORD.peer_id and view.coordination.term == 1
+
+
+def test_a_held_decision_of_an_eligible_coordinator_triggers_a_rebuild_an_attackers_does_not():
+    view = JobView(TERMS, NOW, WORKER.peer_id)
+    mallory = Identity(bytes([7]) * 32)
+    spoofed = m.ShardLease(JOB, 2, 0, 1, mallory.peer_id, 9, NOW + 600, None)
+    view.pending.append((NOW, spoofed, mallory.peer_id))
+    eligible = frozenset({COORD.peer_id})
+    assert not needs_resync(view, eligible, NOW + 60)
+    view.pending.append((NOW, m.ShardLease(JOB, 2, 0, 1, WORKER.peer_id, 2, NOW + 600, None), COORD.peer_id))
+    assert not needs_resync(view, eligible, NOW + 1)  # held briefly: gossip reorders
+    assert needs_resync(view, eligible, NOW + 6)
+    view.pending[-1:] = [(NOW, m.ShardLease(JOB, 2, 0, 1, WORKER.peer_id, 2, NOW + 600, None), COORD.peer_id)]
+    view.coordination = view.coordination.check_message(COORD.peer_id, 3, eligible)  # we are at term 3 now
+    assert not needs_resync(view, eligible, NOW + 60)  # a term-2 decision is stale, not a gap
