@@ -13,7 +13,7 @@ Rules of this file:
   next peer by rendezvous takes the job with term + 1 (protocol/election.Coordination). A peer acts
   as coordinator only while its own view says so. Both the view changes and acting as coordinator
   need the job's submitter to be heard: in a partition the submitter's side decides.
-- Every job-topic message is recorded in the store before it is applied; every decision we make is
+- Every job-topic message but a claim is recorded in the store before it is applied; every decision we make is
   gossiped and applied to our mirror at once (agent/roles/job.py).
 """
 
@@ -358,10 +358,12 @@ class Agent:
                 self.observer("recv", received)
             if received.envelope.message_id in synced:
                 continue  # already applied from the history
-            self.store.record(received.envelope.to_bytes(), now)
             if isinstance(msg, m.ShardClaim):
+                # a request to the coordinator, not a change of the job: never stored (a claim flood
+                # must not become a flood of synchronous SQLite commits that stalls this loop)
                 await self.coordinator.on_claim(view, msg, signer)
                 continue
+            self.store.record(received.envelope.to_bytes(), now)
             actions = view.apply(msg, signer, now, self.eligible_coordinators())
             if actions is None:
                 continue
