@@ -83,6 +83,7 @@ class AgentConfig:
 class PeerInfo:
     last_heartbeat: float
     capability: m.Capability | None = None
+    live_since: float = 0.0  # when its heartbeats started arriving again after a silence
 
 
 class Agent:
@@ -179,18 +180,25 @@ class Agent:
             eligible.add(self.peer_id)
         return frozenset(eligible)
 
-    def hears_submitter(self, view: JobView) -> bool:
-        """Is the job's submitter live to us (or are we it)? Only then does the election view change
-        and may we act as coordinator: in a partition the submitter's side decides (IPIP-0006 §1.3)."""
+    def hears_submitter(self, view: JobView, *, settled: bool = False) -> bool:
+        """Is the job's submitter live to us (or are we it)? Only then may we act as coordinator, and
+        only once we have heard it for ``missed_heartbeats`` heartbeats (``settled``) does our election
+        view change: in a partition the submitter's side decides (IPIP-0006 §1.3), and right after a
+        heal the others' heartbeats need that long to tell who is really gone."""
         submitter = view.terms.submitter
-        return submitter == self.peer_id or submitter in self.live_peers()
+        if submitter == self.peer_id:
+            return True
+        if submitter not in self.live_peers():
+            return False
+        settle = self.config.heartbeat_seconds * self.config.missed_heartbeats
+        return not settled or self.clock() - self.peers[submitter].live_since >= settle
 
     def update_election(self, view: JobView, now: float) -> None:
         """Elect after the grace period; replace a coordinator that fell silent (term + 1)."""
         if now - view.first_seen < self.config.grace_seconds or view.state.terminal:
             return
-        if not self.hears_submitter(view):
-            return  # cut off from the submitter: its side decides; we wait
+        if not self.hears_submitter(view, settled=True):
+            return  # cut off from the submitter (or just back): its side decides; we wait
         before = view.coordination
         view.coordination = keep_or_elect(before, self.eligible_coordinators())
         if before.coordinator is not None and view.coordination.coordinator != before.coordinator:
@@ -236,14 +244,16 @@ class Agent:
             if self.observer is not None:
                 self.observer("recv", received)
             if isinstance(msg, m.Heartbeat):
-                info = self.peers.setdefault(signer, PeerInfo(now))
+                info = self.peers.setdefault(signer, PeerInfo(now, live_since=now))
+                if now - info.last_heartbeat > self.config.heartbeat_seconds * self.config.missed_heartbeats:
+                    info.live_since = now  # back after a silence (it restarted, or a partition healed)
                 info.last_heartbeat = now
                 for entry in msg.coordinating:
                     view = self.jobs.get(entry.job_id)
                     if view is not None and signer != self.peer_id:
                         view.check_coordinator(signer, entry.term, self.eligible_coordinators())
             elif isinstance(msg, m.Capability):
-                self.peers.setdefault(signer, PeerInfo(now)).capability = msg
+                self.peers.setdefault(signer, PeerInfo(now, live_since=now)).capability = msg
             elif isinstance(msg, m.JobAnnouncement):
                 await self.follow_job(msg.terms, signer, received.envelope.to_bytes())
             elif isinstance(msg, m.JobCancel):

@@ -44,13 +44,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="partition job 0's coordinator from everyone for a while")
     parser.add_argument("--no-reorder-buffer", action="store_true",
                         help="turn off the agent's reorder buffer (mirrors then drop refused messages)")
-    parser.add_argument("--catch-up", action="store_true",
-                        help="remedy: a returning agent starts from a peer's mirror, not an empty one")
+    parser.add_argument("--no-catch-up", action="store_true",
+                        help="turn off the agent's catch-up (returning agents start from an empty mirror)")
     parser.add_argument("--coordinators-dont-train", action="store_true",
                         help="remedy: a coordinator claims no shards, so its replays never wait for training")
     parser.add_argument("--verdict-margin", type=float, default=0.0, metavar="SECONDS",
                         help="remedy: a coordinator withholds a verdict this close to its verification window's end")
-    parser.add_argument("--remedies", action="store_true", help="every what-if remedy (catch-up, coordinators don't train, verdict margin 60 s)")
+    parser.add_argument("--remedies", action="store_true", help="every what-if remedy (coordinators don't train, verdict margin 60 s)")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON lines")
     return parser.parse_args(argv)
 
@@ -64,7 +64,7 @@ def config_from(args: argparse.Namespace) -> SimConfig:
                      fake_fraction=args.fake_fraction, hours=args.hours, seed=args.seed, loss=args.loss,
                      shards=args.shards, rounds=args.rounds, lease_seconds=args.lease_seconds,
                      worker_failure=args.worker_failure, partitions=partitions,
-                     reorder_buffer=not args.no_reorder_buffer, catch_up=args.catch_up or args.remedies,
+                     reorder_buffer=not args.no_reorder_buffer, catch_up=not args.no_catch_up,
                      coordinators_train=not (args.coordinators_dont_train or args.remedies),
                      verdict_margin=args.verdict_margin or (60.0 if args.remedies else 0.0))
 

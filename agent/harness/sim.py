@@ -40,10 +40,13 @@ Rules of this file:
       verifier draws) and save that much time; a verifier rejects the report when its drawn
       segments hit a faked one, so rejection happens with probability ``catch_probability``.
       Byzantine peers coordinate honestly (a lying coordinator is not modelled).
-- ``reorder_buffer`` is built into the agent (agent/roles/job.py holds refused messages and retries
-  them) and on by default. The other remedies (``catch_up``, ``coordinators_train = False``,
-  ``verdict_margin``) are what-if switches for changes the agent does not have yet; the defaults
-  are the agent as built.
+- ``reorder_buffer`` and ``catch_up`` are built into the agent (agent/roles/job.py holds refused
+  messages and retries them; agent/roles/sync.py fetches a job's history from its submitter for a
+  returning agent, and rebuilds a mirror that holds a coordinator's decision it cannot apply) and
+  on by default. The other remedies (``coordinators_train = False``, ``verdict_margin``) are
+  what-if switches for changes the agent does not have yet; the defaults are the agent as built.
+  Not modelled: the agent's rule that only the submitter's side of a partition elects and decides
+  (IPIP-0006 §1.3).
 - Claims a coordinator ignores are repeated by the real claim loop every 2 s until either side's
   view changes; those repeats are counted, not run (``_ignore_claims``), which keeps a thousand
   agents with stale mirrors affordable.
@@ -137,8 +140,8 @@ class SimConfig:
     # the defaults are the agent as built; the rest are what-if remedies (see the module docstring)
     coordinators_train: bool = True  # a coordinator still claims shards of other jobs
     reorder_buffer: bool = True  # mirrors keep refused messages and retry them after each change (built)
-    catch_up: bool = False  # a mirror that returns, or falls behind, copies the coordinator's (state sync)
-    sync_after: float = 30.0  # catch_up: a refused message waiting this long means the mirror fell behind
+    catch_up: bool = True  # a mirror that returns, or falls behind, copies a peer's (agent/roles/sync.py)
+    sync_after: float = 5.0  # catch_up: a refused message waiting this long means the mirror fell behind
     verdict_margin: float = 0.0  # a coordinator withholds a verdict this close to its window's end
 
     @property

@@ -169,18 +169,17 @@ RESYNC_INTERVAL = 15.0  # at most one rebuild per job this often
 
 def needs_resync(view: Any, eligible: frozenset[str], now: float) -> bool:
     """Does the mirror hold a decision of an eligible coordinator that it could not apply for a while?
-    A decision of an older term is stale, not a sign of a gap. (Messages of anyone else, an
-    attacker's included, never trigger a rebuild.)"""
-    term = view.coordination.term
+    Its term does not matter: our view of the term may be the wrong one (we changed it while the
+    others did not). Messages of anyone else, an attacker's included, never trigger a rebuild."""
     return any(isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)) and signer in eligible
-               and signer != view.me and msg.term >= term and now - seen > RESYNC_HELD_SECONDS
+               and signer != view.me and now - seen > RESYNC_HELD_SECONDS
                for seen, msg, signer in view.pending)
 
 
 async def resync(agent: Any, view: Any, timeout: float = TIMEOUT) -> bool:
     """Our mirror has diverged (it holds messages it cannot apply: we missed some, or we were cut off
     and decided things the rest never saw): rebuild it from the submitter's whole history, in place.
-    True if the mirror was replaced."""
+    The submitter's record wins, its coordinator term included. True if the mirror was replaced."""
     from agent.roles.job import JobView
 
     submitter = view.terms.submitter
@@ -196,8 +195,10 @@ async def resync(agent: Any, view: Any, timeout: float = TIMEOUT) -> bool:
     for _, opened in verified:
         _apply_history(fresh, opened)
     fresh.take_applied()
-    if fresh.coordination.term < view.coordination.term or not verified:
-        return False  # the submitter knows less than we do: keep ours
+    if not verified:
+        return False
+    # the submitter's record wins even with a lower term: decisions count only on its side
+    # (IPIP-0006 §1.3), so a higher term it never saw was ours alone
     now = agent.clock()
     for data, opened in verified:
         if not agent.store.has_envelope(opened.envelope.message_id):
