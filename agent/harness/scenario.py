@@ -340,6 +340,14 @@ def _brief(text: str, limit: int = 110, around: str | None = None) -> str:
     return "…" + text[start:start + limit - 2] + "…"
 
 
+def _misbehaves(mode: str | None, rnd: int) -> bool:
+    """Is a worker in this misbehave ``mode`` Byzantine in round ``rnd``? (``stale_start`` trains
+    honestly in round 1, where the seeded init is the right start; ``crash`` is faulty, not Byzantine.)"""
+    if mode is None or mode == "crash":
+        return False
+    return rnd >= 2 if mode == "stale_start" else True
+
+
 def _kind(value: Any) -> str:
     if isinstance(value, dict):
         return "a mapping"
@@ -654,12 +662,15 @@ class _Run:
                       "; ".join(self.fault_errors) or f"{len(self.fired)} of {len(self.scenario.faults)} fired"))
         if "reason" in expect:
             add(Check(f"reason mentions {expect['reason']!r}", expect["reason"] in state.reason, state.reason))
-        bad = {net.agents[n].peer_id if n in net.agents else None for n in self.scenario.byzantine} | (
-            {net.agents["mallory"].peer_id} if "mallory" in net.agents else set())
+        modes = {self.ids[n]: mode for n, mode in self.scenario.byzantine.items()}
+        if self.scenario.mallory:
+            modes[self.ids["mallory"]] = "attacker"
         accepted = [(k, v) for k, v in view.verdicts.items() if v.accepted]
-        wrongly = [f"r{k[0]} s{k[1]} by {self.name_of(v.worker)}" for k, v in accepted if v.worker in bad]
+        wrongly = [f"r{k[0]} s{k[1]} by {self.name_of(v.worker)}" for k, v in accepted
+                   if _misbehaves(modes.get(v.worker), k[0])]
         add(Check("no Byzantine work accepted", not wrongly, ", ".join(wrongly) or
-                  f"{sum(1 for v in view.verdicts.values() if v.worker in bad and not v.accepted)} rejected"))
+                  f"{sum(1 for k, v in view.verdicts.items() if _misbehaves(modes.get(v.worker), k[0]) and not v.accepted)}"
+                  " rejected"))
         per_shard: dict[tuple, int] = {}
         for k, _ in accepted:
             per_shard[k[:2]] = per_shard.get(k[:2], 0) + 1
@@ -700,8 +711,9 @@ class _Run:
             add(Check(f"a shard given back: {expect['released']!r}", bool(hits),
                       (hits[:1] or [f"{len(self.releases)} releases, none matching"])[0]))
         for name, fragment in expect.get("rejected", {}).items():
-            peer = net.agents[name].peer_id if name in net.agents else None
-            verdicts = [v for v in view.verdicts.values() if v.worker == peer]
+            peer = self.ids.get(name)
+            mode = self.scenario.byzantine.get(name, "attacker")
+            verdicts = [v for k, v in view.verdicts.items() if v.worker == peer and _misbehaves(mode, k[0])]
             ok = bool(verdicts) and all(not v.accepted and fragment in v.reason for v in verdicts)
             add(Check(f"{name} rejected: {fragment!r}", ok,
                       "; ".join(_brief(v.reason, around=fragment) for v in verdicts[:2]) or "no verdict on its work"))

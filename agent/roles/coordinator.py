@@ -13,7 +13,9 @@ Rules of this file:
   each hold a copy).
 - A report is accepted only if: the adapter and proof bundles fetch and hash-check by CID; the proof
   is about this job, round, shard, attempt, worker, base model and seed; its chain ends in the
-  reported head and passes through every head the worker gossiped; the adapter's tensors are finite,
+  reported head and passes through every head the worker gossiped; its step-0 checkpoint is the
+  start the round had to have (the LoRA seeded from the job in round 1, the previous round's
+  aggregate after); the adapter's tensors are finite,
   have the job's rank and target modules, and hash to the chain's last adapter hash; and the
   ``proof.verify_segments`` segments chosen from randomness drawn *after* the report arrived
   replay within the proof rules (protocol/proof.py, agent/train/replay.py).
@@ -59,6 +61,7 @@ class CoordinatorRole:
         self._running: set[tuple] = set()
         self._banned: dict[bytes, set[str]] = {}
         self.accepted_adapters: dict[tuple[bytes, int, int], tuple[Path, int]] = {}
+        self._initial: dict[tuple[bytes, int], dict] = {}  # (job, round) -> the adapter training starts from
 
     # -- leases -----------------------------------------------------------------------------------
 
@@ -171,7 +174,7 @@ class CoordinatorRole:
                             work: Path) -> tuple[tuple[int, ...], Path]:
         from agent.train import base_model_sha256
         from agent.train.model import tensors_hash
-        from agent.train.replay import verify_segment
+        from agent.train.replay import check_initial_adapter, verify_segment
         from protocol.proof import Commitment, ProofError, chain_heads, segment_selection_seed, select_segments
 
         agent, terms = self.agent, view.terms
@@ -217,6 +220,13 @@ class CoordinatorRole:
         if model_path is None or await trio.to_thread.run_sync(base_model_sha256, model_path) != terms.base_model_sha256.hex():
             raise RuntimeError(f"this coordinator does not hold base model {terms.base_model!r}")
         config = train_config(terms, model_path, threads=agent.config.threads)
+
+        # training started where it had to: the seeded init in round 1, the last aggregate after
+        genesis = await self._checkpoint(checkpoints, 0, work, providers)
+        expected = await self._initial_adapter(view, report.round, config, work)
+        problem = await trio.to_thread.run_sync(run_torch, check_initial_adapter, genesis, commitment, expected)
+        if problem is not None:
+            raise Rejection(problem)
         seed = segment_selection_seed(report.chain_head, os.urandom(16))
         segments = select_segments(seed, len(commitment.links), terms.proof.verify_segments)
         for index in segments:
@@ -229,6 +239,27 @@ class CoordinatorRole:
             if not verdict.accepted:
                 raise Rejection(f"segment {index} does not replay: {verdict.reason}")
         return segments, adapter_dir
+
+    async def _initial_adapter(self, view: JobView, rnd: int, config: Any, work: Path) -> dict:
+        """The adapter round ``rnd``'s training must start from (cached per job and round)."""
+        from agent.train.replay import expected_initial_adapter
+
+        key = (view.job_id, rnd)
+        if key not in self._initial:
+            directory = None
+            if rnd > 1:
+                previous = view.aggregates.get(rnd - 1)
+                if previous is None:
+                    raise RuntimeError(f"round {rnd - 1}'s aggregate is not known here yet")
+                bundle = work / f"initial-r{rnd}.tar"
+                providers = [p for p in (view.terms.submitter,) if p != self.agent.peer_id]
+                await self.agent.content.fetch(previous.adapter_cid, bundle, timeout=self.agent.config.fetch_timeout,
+                                               providers=providers)
+                directory = unpack(bundle, work / f"initial-r{rnd}", allowed=ADAPTER_FILES, max_bytes=1 << 30)
+            if len(self._initial) > 64:
+                self._initial.clear()
+            self._initial[key] = await trio.to_thread.run_sync(run_torch, expected_initial_adapter, config, directory)
+        return self._initial[key]
 
     async def _checkpoint(self, checkpoints: dict[int, str], step: int, work: Path, providers: list[str]) -> Path:
         if step not in checkpoints:

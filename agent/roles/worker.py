@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MISBEHAVIOURS = ("random_adapter", "forged_chain", "wrong_base", "crash")  # crash: faulty, not Byzantine
+MISBEHAVIOURS = ("random_adapter", "forged_chain", "wrong_base", "stale_start", "crash")  # crash: faulty, not Byzantine
 PROOF_FILE = "proof.json"
 CHECKPOINTS_FILE = "checkpoints.json"
 
@@ -185,7 +185,7 @@ class WorkerRole:
                 raise RuntimeError(f"base model hash mismatch: local {terms.base_model!r} is {have[:16]}…, "
                                    f"the job names {terms.base_model_sha256.hex()[:16]}…")
         initial = None
-        if lease.initial_adapter_cid:
+        if lease.initial_adapter_cid and agent.config.misbehave != "stale_start":  # Byzantine: ignores the aggregate
             bundle = run_dir / "initial.tar"
             providers = [p for p in (view.coordination.coordinator, terms.submitter) if p and p != agent.peer_id]
             await self._fetch(view, lease, lease.initial_adapter_cid, bundle, providers)

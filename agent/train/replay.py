@@ -55,6 +55,52 @@ def relative_l2(replayed: dict[str, torch.Tensor], committed: dict[str, torch.Te
     return out
 
 
+def expected_initial_adapter(config: TrainConfig, initial: Path | None = None) -> dict[str, torch.Tensor]:
+    """The adapter a shard's training must start from: the LoRA seeded from the job (``config.seed``;
+    A from the seed, B zero), or the adapter in directory ``initial`` (the previous round's aggregate)."""
+    from safetensors.torch import load_file
+
+    from agent.train.model import adapter_state
+    from agent.train.run import build_lora_model, pick_device, pick_dtype, set_threads
+
+    if initial is not None:
+        return load_file(str(initial / "adapter_model.safetensors"))
+    set_threads(config.threads)
+    device = pick_device(config.device)
+    model = build_lora_model(config, device, pick_dtype(config.dtype, device), "peft")
+    return {name: tensor.detach().to("cpu").clone() for name, tensor in adapter_state(model).items()}
+
+
+def check_initial_adapter(genesis: Path, commitment: Commitment, expected: dict[str, torch.Tensor]) -> str | None:
+    """Why the proof's step-0 checkpoint is not the start it had to be, or None.
+
+    The step-0 checkpoint must hash to the header's ``initial_adapter_hash`` (which the chain is
+    bound to), and its tensors must equal ``expected``: exactly in float32, within the dtype's
+    rounding otherwise (a worker training in bf16 casts the same start).
+    """
+    try:
+        adapter, _, _ = read_checkpoint(genesis)
+    except (OSError, ValueError, SafetensorError) as error:
+        return f"the step-0 checkpoint is unreadable: {error}"
+    if tensors_hash(adapter) != commitment.header.initial_adapter_hash:
+        return "the step-0 checkpoint does not hash to the proof's initial_adapter_hash"
+    if set(adapter) != set(expected):
+        missing = sorted(set(expected) ^ set(adapter))[:3]
+        return f"the initial adapter has other tensors than the job's start (e.g. {', '.join(missing)})"
+    for name in sorted(expected):
+        got, want = adapter[name], expected[name]
+        if got.shape != want.shape:
+            return f"initial tensor {name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+        if got.dtype == torch.float32:
+            same = torch.equal(got, want.to(torch.float32))
+        else:
+            same = torch.allclose(got.float(), want.float(), rtol=torch.finfo(got.dtype).eps, atol=0.0)
+        if not same:
+            return (f"training did not start from the job's initial adapter (tensor {name} differs: "
+                    "not the seeded LoRA init in round 1, or not the previous round's aggregate)")
+    return None
+
+
 def _rejected(index: int, reason: str) -> SegmentVerdict:
     return SegmentVerdict(index, False, False, float("inf"), reason)
 

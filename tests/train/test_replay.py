@@ -117,3 +117,42 @@ def test_unreadable_checkpoint_is_a_rejection_not_a_crash(trained_run, tmp_path)
     shutil.rmtree(start)
     verdict = verify_segment(commitment_of(request.run_dir), 1, start=start, shard=request.shard, config=request.config)
     assert not verdict.accepted and "unreadable" in verdict.reason
+
+
+# -- the start of training (coordinator check: the proof's step-0 checkpoint) -------------------------
+
+
+def test_the_step0_checkpoint_is_the_seeded_init_or_the_run_is_rejected(trained_run, base_config, tmp_path):
+    from dataclasses import replace
+
+    import torch
+    from safetensors.torch import save_file
+
+    from agent.train.replay import check_initial_adapter, expected_initial_adapter
+
+    request, _, _ = trained_run
+    commitment = commitment_of(request.run_dir)
+    genesis = request.run_dir / "checkpoints" / "step-000000"
+    seeded = expected_initial_adapter(base_config)
+    assert check_initial_adapter(genesis, commitment, seeded) is None
+    assert any(t.abs().sum() > 0 for n, t in seeded.items() if "lora_A" in n)
+    assert all(t.abs().sum() == 0 for n, t in seeded.items() if "lora_B" in n)
+
+    other_seed = expected_initial_adapter(replace(base_config, seed=base_config.seed + 1))
+    assert "did not start from the job's initial adapter" in check_initial_adapter(genesis, commitment, other_seed)
+
+    nudged = dict(seeded)
+    name = sorted(nudged)[0]
+    nudged[name] = nudged[name] + 1e-6
+    assert f"tensor {name} differs" in check_initial_adapter(genesis, commitment, nudged)
+
+    # round 2 and later: the previous round's aggregate, read from its HF-layout directory
+    aggregate = tmp_path / "aggregate"
+    aggregate.mkdir()
+    save_file({k: v.contiguous() for k, v in seeded.items()}, str(aggregate / "adapter_model.safetensors"))
+    loaded = expected_initial_adapter(base_config, aggregate)
+    assert all(torch.equal(loaded[k], seeded[k]) for k in seeded)
+
+    # a step-0 checkpoint that is not the one the chain committed to
+    forged = commitment.__class__(replace(commitment.header, initial_adapter_hash=bytes(32)), commitment.links)
+    assert "does not hash to the proof's initial_adapter_hash" in check_initial_adapter(genesis, forged, seeded)
