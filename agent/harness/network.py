@@ -12,6 +12,9 @@ Rules of this file:
   finishes its current step and stops at its next checkpoint (threads cannot be killed). A test that
   needs a real ``kill -9`` runs agents as processes (tests/cli).
 - ``restart`` starts a new Agent with the identity and home of a killed one: it resumes from its store.
+- Agents named in ``processes`` run as ``infernet agent run`` subprocesses instead (their home holds
+  the seeded key and a config.toml): ``kill`` is then a real SIGKILL, and ``restart`` runs the same
+  home again. The harness sees them only through the network (their gossip, the submitter's mirror).
 - Partitions cut gossip between groups (each side drops the other side's messages, GossipFaults);
   connections stay up, so content can still be fetched across a partition.
 """
@@ -19,6 +22,7 @@ Rules of this file:
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -52,6 +56,8 @@ class LoopbackNet:
     observer: Callable[[str, Agent, str, tuple], None] | None = None  # (name, agent, kind, args)
     blocked: dict[str, frozenset[str]] = field(default_factory=dict)  # partition: name -> peer IDs cut off
     gossip_faults: dict[str, dict] = field(default_factory=dict)  # name -> GossipFaults settings
+    processes: dict[str, Any] = field(default_factory=dict)  # name -> subprocess.Popen (agents run as processes)
+    process_names: set[str] = field(default_factory=set)  # agents that run as processes
 
     # -- who is who -------------------------------------------------------------------------------
 
@@ -73,18 +79,27 @@ class LoopbackNet:
         return (peer_id or "none")[-8:]
 
     def running(self, name: str) -> bool:
+        if name in self.processes:
+            return self.processes[name].poll() is None
         scope = self.scopes.get(name)
         return scope is not None and not scope.cancel_called
 
     def alive(self) -> list[Agent]:
-        """Training agents still running."""
+        """Training agents still running (in this process)."""
         return [a for n, a in self.agents.items() if n.startswith("w") and self.running(n)]
+
+    def worker_names(self) -> list[str]:
+        """Every training agent, in-process or not, started or not."""
+        return sorted(n for n in self.configs if n.startswith("w"))
 
     # -- life cycle -------------------------------------------------------------------------------
 
-    async def start(self, name: str, config: AgentConfig) -> Agent:
+    async def start(self, name: str, config: AgentConfig) -> Agent | None:
         """Start agent ``name`` (again, if it ran before: same identity and home)."""
         self.configs[name] = config
+        if name in self.process_names:
+            await self._start_process(name, config)
+            return None
         agent = Agent(identity_for(self.seed, name), config)
         if self.observer is not None:
             agent.observer = lambda kind, *args, _n=name, _a=agent: self.observer(_n, _a, kind, args)
@@ -103,6 +118,11 @@ class LoopbackNet:
         from agent.net.host import to_libp2p_id
 
         name = self._named(who)
+        if name in self.processes:
+            process = self.processes[name]
+            process.kill()  # SIGKILL: no release, no goodbye, sockets closed by the OS
+            await trio.to_thread.run_sync(process.wait)
+            return
         agent = self.agents[name]
         self.scopes[name].cancel()
         for other, peer in self.agents.items():
@@ -116,6 +136,42 @@ class LoopbackNet:
         if self.running(name):
             await self.kill(name)
         return await self.start(name, self.configs[name])
+
+    async def _start_process(self, name: str, config: AgentConfig, timeout: float = 120.0) -> None:
+        """``infernet agent run`` in the agent's home; returns once the submitter hears its heartbeats."""
+        import os
+        import subprocess
+        import sys
+
+        from agent.config import IDENTITY_FILE
+        from protocol.identity import save_identity
+
+        home = config.home
+        home.mkdir(parents=True, exist_ok=True)
+        identity = identity_for(self.seed, name)
+        if not (home / IDENTITY_FILE).exists():
+            save_identity(identity, home / IDENTITY_FILE)
+        (home / "config.toml").write_text(_config_toml(config))
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.pop("INFERNET_ACCEPT_TRAINING", None)
+        with open(home / "stderr.log", "ab") as stderr:
+            self.processes[name] = subprocess.Popen(
+                [sys.executable, "-m", "agent.cli", "agent", "run", "--home", str(home),
+                 "--log-file", str(home / "agent.log")], stdout=subprocess.DEVNULL, stderr=stderr, env=env)
+        self.processes[name].started_at = time.time()  # a heartbeat after this is from the new process
+        submitter = self.agents.get("submitter")
+        with trio.fail_after(timeout):
+            while submitter is not None and not _hears_since(submitter, identity.peer_id, self.processes[name]):
+                if self.processes[name].poll() is not None:
+                    raise RuntimeError(f"agent process {name} exited {self.processes[name].returncode}: "
+                                       f"{(home / 'stderr.log').read_text()[-500:]}")
+                await trio.sleep(0.2)
+
+    def stop_processes(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
     # -- gossip faults ----------------------------------------------------------------------------
 
@@ -170,6 +226,35 @@ class LoopbackNet:
                 await trio.sleep(0.2)
 
 
+def _hears_since(agent: Agent, peer_id: str, process: Any) -> bool:
+    """Has ``agent`` heard a heartbeat of ``peer_id`` since ``process`` started?"""
+    info = agent.peers.get(peer_id)
+    return info is not None and info.last_heartbeat >= getattr(process, "started_at", 0.0)
+
+
+def _config_toml(config: AgentConfig) -> str:
+    """config.toml for an agent process (the keys agent/config.py reads)."""
+    import json
+    from dataclasses import fields
+
+    lines, models = [], []
+    for f in fields(AgentConfig):
+        value = getattr(config, f.name)
+        if f.name in ("home", "misbehave") or value is None:
+            continue
+        if f.name == "models":
+            models = [f"{json.dumps(k)} = {json.dumps(v)}" for k, v in value]
+        elif isinstance(value, bool):
+            lines.append(f"{f.name} = {'true' if value else 'false'}")
+        elif isinstance(value, (int, float)):
+            lines.append(f"{f.name} = {value!r}")
+        elif isinstance(value, str):
+            lines.append(f"{f.name} = {json.dumps(value)}")
+        else:
+            lines.append(f"{f.name} = {json.dumps(list(value))}")
+    return "\n".join(lines + ["", "[models]", *models, ""])
+
+
 def _seed_of(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"faults/{seed}/{name}".encode()).digest()[:8], "big")
 
@@ -191,7 +276,8 @@ async def network(home: Path, model_dir: Path, workers: int = 3, *, seed: int = 
                   late: tuple[int, ...] = (),
                   observer: Callable[[str, Agent, str, tuple], None] | None = None,
                   reannounce_seconds: float | None = None,
-                  common: dict | None = None) -> AsyncIterator[LoopbackNet]:
+                  common: dict | None = None,
+                  processes: tuple[int, ...] = ()) -> AsyncIterator[LoopbackNet]:
     """A submitter (bootstrap, never a coordinator) and ``workers`` training agents ``w0``...
 
     Byzantine workers never coordinate (a Byzantine coordinator is another test's subject); a
@@ -204,6 +290,7 @@ async def network(home: Path, model_dir: Path, workers: int = 3, *, seed: int = 
     models = ((MODEL_NAME, str(model_dir)),)
     async with trio.open_nursery() as nursery:
         net = LoopbackNet(nursery, seed, home, observer=observer)
+        net.process_names = {f"w{i}" for i in processes}
         submitter = await net.start("submitter", AgentConfig(home=home / "submitter", can_coordinate=False,
                                                              models=models, **(common or {})))
         if reannounce_seconds is not None:
@@ -215,14 +302,17 @@ async def network(home: Path, model_dir: Path, workers: int = 3, *, seed: int = 
             config = worker_config(home / f"w{i}", model_dir, bootstrap, **settings)
             if i in late:
                 net.configs[f"w{i}"] = config
+            elif i in processes:
+                nursery.start_soon(net.start, f"w{i}", config)  # they start in parallel (imports take seconds)
             else:
                 await net.start(f"w{i}", config)
         honest = len([i for i in range(workers) if misbehave.get(i) in (None, "crash") and i not in late
                       and (overrides or {}).get(i, {}).get("can_coordinate", True)])
-        await net.wait_until_meshed([n for n in net.agents], honest)
         try:
+            await net.wait_until_meshed([n for n in net.agents], honest, timeout=120 if processes else 30)
             yield net
         finally:
+            net.stop_processes()
             nursery.cancel_scope.cancel()
 
 

@@ -91,6 +91,7 @@ class Scenario:
     workers: int = 3
     byzantine: dict[str, str] = field(default_factory=dict)
     late: tuple[str, ...] = ()
+    processes: tuple[str, ...] = ()  # workers run as `infernet agent run` subprocesses (kill = SIGKILL)
     mallory: bool = False
     agent_config: dict[str, dict] = field(default_factory=dict)
     records: int = 160
@@ -123,7 +124,7 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
     r.only(root, (), ("name", "description", "seed", "timeout", "slow", "agents", "job", "faults", "expect"))
     name = r.text(r.need(root, (), "name"), ("name",))
     agents = r.mapping(root.get("agents", {}), ("agents",))
-    r.only(agents, ("agents",), ("workers", "byzantine", "late", "mallory", "config", "records"))
+    r.only(agents, ("agents",), ("workers", "byzantine", "late", "mallory", "config", "records", "processes"))
     workers = r.integer(agents.get("workers", 3), ("agents", "workers"), 1, 16)
     names = [f"w{i}" for i in range(workers)]
     known = ["submitter", *names] + (["mallory"] if agents.get("mallory") else [])
@@ -135,6 +136,12 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
         byzantine[key] = r.choice(mode, ("agents", "byzantine", key), MISBEHAVIOURS)
     late = tuple(r.agent_name(n, ("agents", "late", i), names)
                  for i, n in enumerate(r.sequence(agents.get("late", []), ("agents", "late"))))
+    processes = tuple(r.agent_name(n, ("agents", "processes", i), names)
+                      for i, n in enumerate(r.sequence(agents.get("processes", []), ("agents", "processes"))))
+    for i, worker in enumerate(processes):
+        if worker in byzantine:
+            raise where.bad_value(("agents", "processes", i), f"{worker} is Byzantine: a Byzantine worker runs "
+                                  "in the harness's process (an agent process has no misbehave setting)")
     config = {}
     for key, values in r.mapping(agents.get("config", {}), ("agents", "config")).items():
         r.agent_name(key, ("agents", "config", key), ["all", *names], key_error=True)
@@ -164,7 +171,8 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
         seed=r.integer(root.get("seed", 1), ("seed",), 0, 2**63),
         timeout=r.number(root.get("timeout", 180), ("timeout",), 1, 3600),
         slow=r.typed(root.get("slow", False), ("slow",), bool),
-        workers=workers, byzantine=byzantine, late=late, mallory=bool(agents.get("mallory", False)),
+        workers=workers, byzantine=byzantine, late=late, processes=processes,
+        mallory=bool(agents.get("mallory", False)),
         agent_config=config, records=r.integer(agents.get("records", 160), ("agents", "records"), 20, 100_000),
         job=job, faults=faults, expect=expect)
 
@@ -428,7 +436,8 @@ async def run_scenario(scenario: Scenario, out_dir: Path, *, seed: int | None = 
     try:
         async with network(out_dir / "agents", model_dir, scenario.workers, seed=seed, misbehave=misbehave,
                            overrides=overrides, late=tuple(index[n] for n in scenario.late),
-                           observer=run.observe, reannounce_seconds=5.0, common=common) as net:
+                           observer=run.observe, reannounce_seconds=5.0, common=common,
+                           processes=tuple(index[n] for n in scenario.processes)) as net:
             run.net = net
             if scenario.mallory:
                 await run.start_mallory()
@@ -475,6 +484,7 @@ class _Run:
         self.announced_at = 0.0
         self.fired: list[tuple[float, str]] = []
         self.killed: list[str] = []
+        self.down: set[str] = set()  # killed and not started again
         self.releases: list[tuple[str, str]] = []  # (worker name, reason)
         self.checkpoints = 0
         self.captured: list[bytes] = []  # job-topic envelopes mallory saw (for replays)
@@ -530,11 +540,9 @@ class _Run:
     # -- faults -----------------------------------------------------------------------------------
 
     def triggered(self, when: str) -> bool:
-        view, net = self.view, self.net
+        view = self.view
         if when == "training":
-            coordinator = view.coordination.coordinator
-            return any(w.worker.active for n, w in net.agents.items()
-                       if n.startswith("w") and net.running(n) and w.peer_id != coordinator)
+            return bool(self._trainers())
         if when == "checkpoint":
             return self.checkpoints > 0
         if when == "report":
@@ -564,16 +572,29 @@ class _Run:
         self.trace.write("fault", fault=fault.action, what=what, line=fault.line)
         log.info("harness: %s", what)
 
+    def _trainers(self) -> list[str]:
+        """Running workers that hold a lease in the submitter's mirror (not the coordinator), those
+        that committed a checkpoint of it first: the harness sees process agents only this way."""
+        view, net = self.view, self.net
+        coordinator = view.coordination.coordinator
+        held = []
+        for shard in view.state.shards:
+            if shard.phase.value != "LEASED" or shard.worker in (None, coordinator):
+                continue
+            name = self.name_of(shard.worker)
+            if name in net.configs and net.running(name):
+                committed = bool(view.commits.get((view.state.round, shard.index, shard.attempt)))
+                held.append((not committed, name))
+        return [name for _, name in sorted(held)]
+
     def resolve(self, target: str) -> list[str]:
         net, view = self.net, self.view
-        workers = sorted(n for n in net.agents if n.startswith("w") and net.running(n))
+        workers = [n for n in net.worker_names() if net.running(n)]
         if target == "coordinator":
             name = self.name_of(view.coordination.coordinator)
             return [name] if name in net.agents else []
         if target == "trainer":
-            coordinator = view.coordination.coordinator
-            busy = [n for n in workers if net.agents[n].worker.active and net.agents[n].peer_id != coordinator]
-            return busy[:1]
+            return self._trainers()[:1]
         if target == "workers":
             return workers
         if target == "killed":
@@ -588,11 +609,13 @@ class _Run:
             for name in names:
                 await net.kill(name)
                 self.killed.append(name)
+                self.down.add(name)
             return f"kill {', '.join(names) or '(nobody matched ' + value + ')'}"
         if action == "restart":
             names = self.resolve(value)
             for name in names:
                 await net.restart(name)
+                self.down.discard(name)
             return f"restart {', '.join(names)}"
         if action == "start":
             await net.start(value, net.configs[value])
@@ -754,8 +777,9 @@ class _Run:
                            f"(coordinator {self.name_of(view.coordination.coordinator)})")
             roles = []
             for name in sorted(net.configs):
-                tag = s.byzantine.get(name) or ("attacker" if name == "mallory" else "")
-                alive = "" if net.running(name) else " (down)"
+                tag = s.byzantine.get(name) or ("attacker" if name == "mallory" else "") or (
+                    "process" if name in s.processes else "")
+                alive = " (down)" if name in self.down else ""
                 roles.append(f"{name}{'[' + tag + ']' if tag else ''}{alive}")
             lines.append("agents: " + " ".join(roles))
             for t, what in result.fired:

@@ -135,3 +135,11 @@ def tiny_model_dir() -> Path:
     from agent.train.tiny import tiny_model
 
     return tiny_model()
+
+
+def test_process_agents_are_read_and_cannot_be_byzantine():
+    scenario = parse_scenario("name: t\nagents: {workers: 3, processes: [w1, w2]}\n", "x.yml")
+    assert scenario.processes == ("w1", "w2") and scenario.name == "t"
+    with pytest.raises(SpecError) as error:
+        parse_scenario("name: t\nagents:\n  byzantine: {w1: forged_chain}\n  processes: [w1]\n", "x.yml")
+    assert str(error.value).startswith("x.yml:4: agents.processes[0]: w1 is Byzantine")
