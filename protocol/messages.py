@@ -23,7 +23,7 @@ import hashlib
 import math
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 from protocol.cid import parse_cid
 from protocol.codec import canonical_encode

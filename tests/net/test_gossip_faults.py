@@ -1,11 +1,10 @@
 """The harness's gossip faults: drop, duplicate, delay/reorder and partition, on real agents."""
 
 import pytest
-import trio
 
 from agent.net.gossip import GossipFaults
 from protocol.messages import TOPIC_JOBS, Heartbeat
-from tests.net.conftest import agents, wait_until
+from tests.net.conftest import agents
 from tests.net.test_gossip import drain, mesh_ready
 
 pytestmark = pytest.mark.network

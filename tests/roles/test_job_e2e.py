@@ -42,7 +42,7 @@ def _losses(model_dir, bundle, tmp_path, terms):
 
     from agent.bundle import ADAPTER_FILES, unpack
     from agent.roles.job import train_config
-    from agent.train.run import load_shard, pad_token_id
+    from agent.train.run import load_shard
     from agent.train.model import load_tokenizer
 
     adapter_dir = unpack(bundle, tmp_path / "aggregate", allowed=ADAPTER_FILES)
