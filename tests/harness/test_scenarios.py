@@ -143,3 +143,25 @@ def test_process_agents_are_read_and_cannot_be_byzantine():
     with pytest.raises(SpecError) as error:
         parse_scenario("name: t\nagents:\n  byzantine: {w1: forged_chain}\n  processes: [w1]\n", "x.yml")
     assert str(error.value).startswith("x.yml:4: agents.processes[0]: w1 is Byzantine")
+
+
+@pytest.mark.network
+def test_the_same_seed_replays_the_same_decisions(tmp_path, tiny_model_dir):
+    """Identities, job ID, the elected coordinator and the outcome follow from the seed alone."""
+    scenario = load_scenario(SHIPPED["all-workers-fail"])
+
+    def run(seed: int, where: str):
+        result = trio.run(lambda: run_scenario(scenario, tmp_path / where, seed=seed, model_dir=tiny_model_dir))
+        lines = read_trace(result.trace_path)
+        coordinators = [line["coordinator"] for line in lines if line["kind"] == "state" and line["agent"] == "submitter"]
+        return result, lines[0]["agents"], coordinators
+
+    first, agents1, coordinators1 = run(8, "a")
+    again, agents2, coordinators2 = run(8, "b")
+    assert first.ok and again.ok, first.summary + "\n" + again.summary
+    assert agents1 == agents2 and first.job_id == again.job_id
+    assert coordinators1[0] == coordinators2[0] and set(coordinators1) == set(coordinators2) == {coordinators1[0]}
+    assert (first.phase, first.reason) == (again.phase, again.reason)
+    assert agents1["w0"] == identity_for(8, "w0").peer_id
+    other = parse_scenario(SHIPPED["all-workers-fail"].read_text().replace("seed: 8", "seed: 9"), "other.yml")
+    assert other.seed == 9 and identity_for(9, "w0").peer_id != agents1["w0"]
