@@ -165,3 +165,11 @@ def test_the_same_seed_replays_the_same_decisions(tmp_path, tiny_model_dir):
     assert agents1["w0"] == identity_for(8, "w0").peer_id
     other = parse_scenario(SHIPPED["all-workers-fail"].read_text().replace("seed: 8", "seed: 9"), "other.yml")
     assert other.seed == 9 and identity_for(9, "w0").peer_id != agents1["w0"]
+
+
+def test_the_readme_example_scenario_is_valid():
+    text = (REPO / "README.md").read_text()
+    start = text.index("  name: my-scenario")
+    block = "\n".join(line[2:] for line in text[start:text.index("```", start)].splitlines())
+    scenario = parse_scenario(block, "README.md")
+    assert scenario.name == "my-scenario" and len(scenario.faults) == 8 and scenario.processes == ("w2",)
