@@ -4,7 +4,10 @@ Input: K=8 random float32 adapters shaped like a 7B model's rank-16 adapter (32 
 on a 4096×4096 base: lora_A 16×4096, lora_B 4096×16; 64 MiB each, 512 MiB in all). For `exact`
 the same adapters with every lora_A replaced by adapter 0's (FFA-LoRA: A frozen from the seed).
 Every rule reads all 512 MiB, so aggregate_read_floor (one torch pass summing every input) is
-printed too: fedavg's time over it shows how close to memory bandwidth it runs.
+printed too: fedavg's time over it shows how close to memory bandwidth it runs. Every rule also
+returns 64 MiB of fresh tensors, whose page faults are a large part of fedavg's time on a VM;
+aggregate_write_floor (allocating and filling tensors shaped like one adapter) shows that part,
+which the reference pays as well.
 
 Reference, measured in the same run: a plain numpy sample-weighted mean over the same tensors
 (a loop over keys of Σ wᵢ·xᵢ on zero-copy numpy views). Prints one JSON object per line:
@@ -20,6 +23,8 @@ Reference, measured in the same run: a plain numpy sample-weighted mean over the
                        above the earlier peak).
 --threads defaults to 2 (the two cores of the dev machine); on a machine shared with other jobs
 use --threads 1: two intra-op threads stall at every op whenever the other core is taken.
+--only fedavg (a comma-separated list of methods) times just those, with the reference and the
+floors, for quick iterations.
 """
 
 from __future__ import annotations
@@ -42,7 +47,11 @@ from agent.train.aggregate import aggregate  # noqa: E402
 
 FEDAVG_GOAL = 2.0
 NOTES = {"read_floor": "seconds of one torch pass reading every input (sum): the floor for any rule; "
-                       "ratio = reference/value"}
+                       "ratio = reference/value",
+         "write_floor": "seconds to allocate and fill tensors shaped like one adapter (page faults "
+                        "included): every result, the reference's too, pays it; ratio = reference/value"}
+METHODS = ("fedavg", "exact", "svd", "median", "trimmed_mean")
+FLOORS = ("read_floor", "write_floor")
 BUDGET_S = 10.0  # no further repeats of a method once its runs have taken this long
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -108,10 +117,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per method (best kept)")
+    parser.add_argument("--repeats", type=int, default=9, help="timed runs per method (best kept)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--trim-ratio", type=float, default=0.125, help="0.125 drops 1 of 8 per side")
+    parser.add_argument("--only", default=",".join(METHODS), help="comma-separated methods to time")
     args = parser.parse_args()
+    methods = args.only.split(",")
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        parser.error(f"--only: unknown methods {unknown}; known: {', '.join(METHODS)}")
     torch.set_num_threads(args.threads)
 
     adapters = make_adapters(args.adapters, args.layers, args.hidden, args.rank)
@@ -121,14 +135,18 @@ def main() -> None:
     shared_a = [({k: (adapters[0][k] if ".lora_A." in k else v) for k, v in a.items()}, n) for a, n in pairs]
     arrays = [{key: tensor.numpy() for key, tensor in adapter.items()} for adapter in adapters]
 
-    work = {
-        "reference": lambda: numpy_weighted_mean(arrays, weights),
-        "read_floor": lambda: [tensor.sum() for adapter in adapters for tensor in adapter.values()],
+    rules = {
         "fedavg": lambda: aggregate("fedavg", pairs),
         "exact": lambda: aggregate("exact", shared_a),
         "svd": lambda: aggregate("svd", pairs),
         "median": lambda: aggregate("median", pairs),
         "trimmed_mean": lambda: aggregate("trimmed_mean", pairs, trim_ratio=args.trim_ratio),
+    }
+    work = {
+        "reference": lambda: numpy_weighted_mean(arrays, weights),
+        "read_floor": lambda: [tensor.sum() for adapter in adapters for tensor in adapter.values()],
+        "write_floor": lambda: [torch.empty_like(tensor).fill_(1.0) for tensor in adapters[0].values()],
+        **{method: rules[method] for method in METHODS if method in methods},
     }
     shape = {"adapters": args.adapters, "modules": args.layers * len(PROJECTIONS), "rank": args.rank,
              "hidden": args.hidden, "threads": args.threads}
@@ -159,7 +177,7 @@ def main() -> None:
             figure["trim_ratio"] = args.trim_ratio
         print(json.dumps(figure), flush=True)
     for method, grown in peak.items():
-        if method == "read_floor":
+        if method in FLOORS:
             continue
         figure = {"bench": f"aggregate_peak_rss_{method}", "value": round(grown, 1), "unit": "MiB",
                   "reference": round(reference_peak, 1), "ratio": round(reference_peak / grown, 3),
