@@ -87,7 +87,38 @@ class _Checked:
 def fedavg(pairs: Pairs) -> dict[str, torch.Tensor]:
     """Sample-weighted mean of every tensor, A and B separately (naive: not the mean update)."""
     checked = _check_pairs(pairs)
-    return {key: _weighted_mean(checked, key) for key in checked.adapters[0]}
+    return _weighted_means(checked, list(checked.adapters[0]))
+
+
+PARALLEL_MIN_BYTES = 32 << 20  # below this, one thread: splitting costs more than it saves
+
+
+def _weighted_means(checked: _Checked, keys: list[str]) -> dict[str, torch.Tensor]:
+    """``_weighted_mean`` of every key; large inputs split by tensor over one Python thread per torch
+    thread, each running single-threaded ops (the ops release the GIL).
+
+    Each tensor of a LoRA is small (a 4096x16 factor is 256 KiB): one op per tensor spread over
+    torch's intra-op threads spends much of its time waking them, so whole tensors go to separate
+    threads instead. ``torch.set_num_threads`` is process-wide: it is lowered to 1 for the duration
+    and restored after, which is safe only when nothing else runs torch meanwhile — in the agent,
+    aggregation runs under the one torch lock (agent/roles/job.py TORCH_LOCK).
+    """
+    threads = torch.get_num_threads()
+    first = checked.adapters[0]  # every adapter has its layout (checked)
+    size = len(checked.adapters) * sum(first[key].numel() * first[key].element_size() for key in keys)
+    if threads < 2 or size < PARALLEL_MIN_BYTES or len(keys) < 2 * threads:
+        return {key: _weighted_mean(checked, key) for key in keys}
+    from concurrent.futures import ThreadPoolExecutor
+
+    chunks = [keys[i::threads] for i in range(threads)]
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            parts = list(pool.map(lambda chunk: {key: _weighted_mean(checked, key) for key in chunk}, chunks))
+    finally:
+        torch.set_num_threads(threads)
+    merged = {key: value for part in parts for key, value in part.items()}
+    return {key: merged[key] for key in keys}
 
 
 @torch.no_grad()
@@ -262,8 +293,12 @@ def _refactor_mean_update(
 
 
 def _is_finite(tensor: torch.Tensor) -> bool:
-    # aminmax propagates NaN and is several times faster than isfinite().all() on CPU.
+    # A NaN or an infinity anywhere makes the sum non-finite, so a finite sum proves every element
+    # finite (one reduction: ~2.5x faster than aminmax, ~40x than isfinite().all() on CPU). A
+    # non-finite sum may be an overflow of finite values: aminmax (which propagates NaN) decides.
     if tensor.numel() == 0:
+        return True
+    if math.isfinite(tensor.sum().item()):
         return True
     low, high = torch.aminmax(tensor)
     return math.isfinite(low.item()) and math.isfinite(high.item())

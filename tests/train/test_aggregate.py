@@ -59,6 +59,36 @@ def test_fedavg_is_the_numpy_sample_weighted_mean_of_every_tensor(rng):
         np.testing.assert_allclose(result[key].numpy(), expected, rtol=1e-12, atol=1e-12)
 
 
+def test_fedavg_split_over_threads_is_the_same_mean_and_restores_torch_threads(rng, monkeypatch):
+    import agent.train.aggregate as module
+
+    arrays = [make_adapter(rng, layers=8) for _ in range(4)]
+    counts = [5, 10, 20, 40]
+    pairs = [(to_torch(a), n) for a, n in zip(arrays, counts)]
+    serial = fedavg(pairs)
+    monkeypatch.setattr(module, "PARALLEL_MIN_BYTES", 0)  # these small adapters take the threaded path
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        threaded = fedavg(pairs)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert list(threaded) == list(serial)
+    for key in serial:
+        assert torch.equal(threaded[key], serial[key]), key
+    bad = to_torch(arrays[1])
+    bad[sorted(bad)[3]][0, 0] = float("nan")
+    monkeypatch.setattr(module, "PARALLEL_MIN_BYTES", 0)
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(AggregationError, match="adapter 1"):
+            fedavg([pairs[0], (bad, 10), *pairs[2:]])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_fedavg_keeps_float32_and_bfloat16_dtypes(rng):
     arrays = [make_adapter(rng, dtype=np.float32) for _ in range(4)]
     counts = [1, 2, 3, 4]
