@@ -45,6 +45,7 @@ from agent.roles.worker import WorkerRole
 from agent.store import Store
 from protocol import messages as m
 from protocol import state as st
+from protocol.election import hears_submitter as election_hears_submitter
 from protocol.election import keep_or_elect, live_peers
 from protocol.identity import Identity
 
@@ -185,13 +186,12 @@ class Agent:
         only once we have heard it for ``missed_heartbeats`` heartbeats (``settled``) does our election
         view change: in a partition the submitter's side decides (IPIP-0006 §1.3), and right after a
         heal the others' heartbeats need that long to tell who is really gone."""
-        submitter = view.terms.submitter
-        if submitter == self.peer_id:
-            return True
-        if submitter not in self.live_peers():
-            return False
-        settle = self.config.heartbeat_seconds * self.config.missed_heartbeats
-        return not settled or self.clock() - self.peers[submitter].live_since >= settle
+        info = self.peers.get(view.terms.submitter)
+        heard = {} if info is None else {view.terms.submitter: info.last_heartbeat}
+        since = {} if info is None else {view.terms.submitter: info.live_since}
+        return election_hears_submitter(view.terms.submitter, self.peer_id, heard, since, self.clock(),
+                                        settled=settled, heartbeat_seconds=self.config.heartbeat_seconds,
+                                        missed_heartbeats=self.config.missed_heartbeats)
 
     def update_election(self, view: JobView, now: float) -> None:
         """Elect after the grace period; replace a coordinator that fell silent (term + 1)."""

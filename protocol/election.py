@@ -103,6 +103,30 @@ def live_peers(
     return frozenset(peer for peer, seen in last_heartbeat.items() if now - seen < silence)
 
 
+def hears_submitter(
+    submitter: str,
+    me: str,
+    last_heartbeat: Mapping[str, float],
+    live_since: Mapping[str, float],
+    now: float,
+    *,
+    settled: bool,
+    heartbeat_seconds: float = HEARTBEAT_SECONDS,
+    missed_heartbeats: int = MISSED_HEARTBEATS,
+) -> bool:
+    """The submitter's side decides (IPIP-0006 §1.3 rule 5): may a peer act as a job's coordinator
+    (``settled=False``: the submitter is live to it, or it is the submitter), or change its election
+    view of the job (``settled=True``: it has also heard the submitter for ``missed_heartbeats``
+    intervals since it was last silent, so the other peers' heartbeats have had time to come back)?"""
+    if submitter == me:
+        return True
+    seen = last_heartbeat.get(submitter)
+    window = missed_heartbeats * heartbeat_seconds
+    if seen is None or now - seen >= window:
+        return False
+    return not settled or now - live_since.get(submitter, now) >= window
+
+
 @dataclass(frozen=True)
 class Coordination:
     """One peer's view of who coordinates a job, and in which term."""

@@ -261,3 +261,20 @@ def test_keep_or_elect_keeps_a_live_coordinator_and_replaces_a_silent_one():
     # nobody left: no coordinator, term still rises
     empty = keep_or_elect(after, [])
     assert (empty.term, empty.coordinator) == (3, None)
+
+
+def test_only_the_submitters_side_decides_and_only_once_it_has_heard_the_submitter_for_a_while():
+    from functools import partial
+
+    from protocol.election import hears_submitter as rule
+
+    hears_submitter = partial(rule, heartbeat_seconds=1.0, missed_heartbeats=5)  # the agent's settings
+
+    sub, me = "12D3KooWsubmitter", "12D3KooWme"
+    heard, since = {sub: 100.0}, {sub: 98.0}
+    assert hears_submitter(me, me, {}, {}, 100.0, settled=True)  # the submitter decides for itself
+    assert hears_submitter(sub, me, heard, since, 100.5, settled=False)  # live: may act as coordinator
+    assert not hears_submitter(sub, me, heard, since, 100.5, settled=True)  # back 2.5 s ago: no new election yet
+    assert hears_submitter(sub, me, heard, {sub: 95.0}, 100.5, settled=True)  # heard for 5.5 s: settled
+    assert not hears_submitter(sub, me, heard, since, 105.0, settled=False)  # 5 beats missed: cut off
+    assert not hears_submitter(sub, me, {}, {}, 100.0, settled=False)  # never heard
