@@ -378,13 +378,17 @@ class Agent:
             if actions is None:
                 continue
             self.apply_actions(view, actions)
-            for applied, by in view.take_applied():  # this message and any held one it unblocked
-                if self.worker is not None and isinstance(applied, m.ShardLease) and applied.worker == self.peer_id:
-                    self.worker.on_lease(view, applied)
-                elif isinstance(applied, m.Verdict):
-                    self.submitter.on_verdict(view, applied)
-                elif isinstance(applied, m.AggregatePublished):
-                    self.submitter.on_aggregate(view, applied, by)
+            self._react(view, view.take_applied())  # this message and any held one it unblocked
+
+    def _react(self, view: JobView, applied: list[tuple[Any, str]]) -> None:
+        """Our roles' reactions to messages the mirror applied: a lease for us, verdicts, aggregates."""
+        for msg, by in applied:
+            if self.worker is not None and isinstance(msg, m.ShardLease) and msg.worker == self.peer_id:
+                self.worker.on_lease(view, msg)
+            elif isinstance(msg, m.Verdict):
+                self.submitter.on_verdict(view, msg)
+            elif isinstance(msg, m.AggregatePublished):
+                self.submitter.on_aggregate(view, msg, by)
 
     def apply_actions(self, view: JobView, actions: tuple[Any, ...] | None) -> None:
         """Carry out what the state machine asked for, in our roles; wake anyone waiting on the job."""
@@ -432,8 +436,10 @@ class Agent:
 
     async def _resync(self, view: JobView) -> None:
         try:
-            if await resync(self, view):
+            applied = await resync(self, view)
+            if applied is not None:
                 self.apply_actions(view, ())
+                self._react(view, applied)  # held live messages that apply on the rebuilt mirror
         finally:
             self._resyncing.discard(view.job_id)
 

@@ -176,27 +176,28 @@ def needs_resync(view: Any, eligible: frozenset[str], now: float) -> bool:
                for seen, msg, signer in view.pending)
 
 
-async def resync(agent: Any, view: Any, timeout: float = TIMEOUT) -> bool:
+async def resync(agent: Any, view: Any, timeout: float = TIMEOUT) -> list[tuple[Any, str]] | None:
     """Our mirror has diverged (it holds messages it cannot apply: we missed some, or we were cut off
     and decided things the rest never saw): rebuild it from the submitter's whole history, in place.
-    The submitter's record wins, its coordinator term included. True if the mirror was replaced."""
+    The submitter's record wins, its coordinator term included. Returns the held live messages that
+    applied on the rebuilt mirror (for the caller's reactions), or None if the mirror was kept."""
     from agent.roles.job import JobView
 
     submitter = view.terms.submitter
     if submitter == agent.peer_id:
-        return False
+        return None
     try:
         history = await fetch_history(agent.net.host, submitter, view.job_id, timeout)
     except (NetError, PeerProtocolError, trio.TooSlowError) as exc:
         log.info("job %s: could not resync from the submitter: %s", view.job_id.hex()[:8], exc)
-        return False
+        return None
     verified, _ = _verified(history, view.job_id)
     fresh = JobView(view.terms, view.first_seen, view.me)
     for _, opened in verified:
         _apply_history(fresh, opened)
     fresh.take_applied()
     if not verified:
-        return False
+        return None
     # the submitter's record wins even with a lower term: decisions count only on its side
     # (IPIP-0006 §1.3), so a higher term it never saw was ours alone
     now = agent.clock()
@@ -209,11 +210,12 @@ async def resync(agent: Any, view: Any, timeout: float = TIMEOUT) -> bool:
         setattr(view, name, getattr(fresh, name))
     term = view.coordination.term  # still-held live messages may apply now, except stale decisions
     view.pending = [p for p in held if p[2] != view.me and getattr(p[1], "term", term) >= term]
-    view.retry_pending(now, agent.eligible_coordinators())
     view.take_applied()
+    view.retry_pending(now, agent.eligible_coordinators())
+    applied = view.take_applied()
     log.warning("job %s: mirror rebuilt from the submitter's history (%d messages): was %s round %d with %d held, "
                 "now %s round %d, term %d", view.job_id.hex()[:8], len(verified), *before,
                 view.state.phase.value, view.state.round, view.coordination.term)
     agent.store.update_job(view.job_id, now, state=view.state.phase.value, round=view.state.round,
                            coordinator_term=view.coordination.term)
-    return True
+    return applied
