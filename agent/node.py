@@ -304,14 +304,7 @@ class Agent:
         """A job's mirror rebuilt from the store: its stored envelopes replayed in stored order."""
         view = JobView(record.terms, self.clock(), self.peer_id)
         for stored in self.store.envelopes(record.job_id):
-            msg, signer, at = stored.message, stored.signer, stored.timestamp_ms / 1000.0
-            if isinstance(msg, m.ShardClaim):
-                continue  # a request to the coordinator, not a change of the job
-            if isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)) and signer == self.peer_id:
-                if view.check_coordinator(signer, msg.term, frozenset({signer})):
-                    view.apply_decision(msg, at)
-            else:  # a peer's coordinator message: its signer was live when we accepted it
-                view.apply(msg, signer, at, frozenset({signer}))
+            view.replay(stored.message, stored.signer, stored.timestamp_ms / 1000.0)
         view.take_applied()  # replayed history: nothing to react to
         return view
 

@@ -152,6 +152,18 @@ class JobView:
         self.applied.append((msg, signer))
         return actions + self.retry_pending(now, eligible)
 
+    def replay(self, msg: Any, signer: str, at: float) -> None:
+        """Apply a message accepted earlier (our store after a restart, the submitter's history):
+        its signer is believed at its term, as it was when the message was accepted, and our own
+        decisions are applied as when we made them."""
+        if isinstance(msg, m.ShardClaim):
+            return  # a request to the coordinator, not a change of the job
+        if isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)) and signer == self.me:
+            if self.check_coordinator(signer, msg.term, frozenset({signer})):
+                self.apply_decision(msg, at)
+        else:
+            self.apply(msg, signer, at, frozenset({signer}))
+
     def take_applied(self) -> list[tuple[Any, str]]:
         """The messages applied since the last call (the one in hand and any held one it unblocked),
         so the caller reacts to a held lease or verdict as to a live one."""

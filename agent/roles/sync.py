@@ -121,39 +121,39 @@ def _verified(history: list[bytes], job_id: bytes) -> tuple[list[Any], int]:
     return out, refused
 
 
-def _apply_history(view: Any, opened: Any) -> None:
-    msg, env = opened.message, opened.envelope
-    at = env.timestamp_ms / 1000.0
-    if env.signer == view.me and isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
-        if view.check_coordinator(env.signer, msg.term, frozenset({env.signer})):
-            view.apply_decision(msg, at)  # our own decision, as a restart replays it
-    else:
-        view.apply(msg, env.signer, at, frozenset({env.signer}))
+async def _fetch_verified(agent: Any, view: Any, timeout: float, what: str) -> list[Any] | None:
+    """The submitter's history of the job, each envelope verified; None (logged) if we are the
+    submitter or it could not be had."""
+    if view.terms.submitter == agent.peer_id:
+        return None
+    try:
+        history = await fetch_history(agent.net.host, view.terms.submitter, view.job_id, timeout)
+    except (NetError, PeerProtocolError, trio.TooSlowError) as exc:
+        log.info("job %s: could not %s from the submitter: %s", view.job_id.hex()[:8], what, exc)
+        return None
+    verified, refused = _verified(history, view.job_id)
+    if refused:
+        log.warning("job %s: %d envelopes from the submitter's history refused", view.job_id.hex()[:8], refused)
+    return verified
+
+
+def _replay(view: Any, opened: Any) -> None:
+    view.replay(opened.message, opened.envelope.signer, opened.envelope.timestamp_ms / 1000.0)
 
 
 async def catch_up(agent: Any, view: Any, timeout: float = TIMEOUT) -> set[bytes]:
     """Replay into ``view`` the job's history held by its submitter that is not in our store yet.
     Returns the message IDs applied (the live reader skips them); failures are logged, not raised."""
-    submitter = view.terms.submitter
-    if submitter == agent.peer_id:
-        return set()
-    try:
-        history = await fetch_history(agent.net.host, submitter, view.job_id, timeout)
-    except (NetError, PeerProtocolError, trio.TooSlowError) as exc:
-        log.info("job %s: could not catch up from the submitter: %s", view.job_id.hex()[:8], exc)
-        return set()
-    verified, refused = _verified(history, view.job_id)
+    verified = await _fetch_verified(agent, view, timeout, "catch up")
     applied: set[bytes] = set()
     now = agent.clock()
-    for data, opened in verified:
+    for data, opened in verified or ():
         if agent.store.has_envelope(opened.envelope.message_id):
             continue
         agent.store.record(data, now)
-        _apply_history(view, opened)
+        _replay(view, opened)
         applied.add(opened.envelope.message_id)
     view.take_applied()  # history: nothing to react to
-    if refused:
-        log.warning("job %s: %d envelopes from the submitter's history refused", view.job_id.hex()[:8], refused)
     if applied:
         log.info("job %s: caught up on %d messages from the submitter: %s, round %d, term %d",
                  view.job_id.hex()[:8], len(applied), view.state.phase.value, view.state.round,
@@ -183,21 +183,13 @@ async def resync(agent: Any, view: Any, timeout: float = TIMEOUT) -> list[tuple[
     applied on the rebuilt mirror (for the caller's reactions), or None if the mirror was kept."""
     from agent.roles.job import JobView
 
-    submitter = view.terms.submitter
-    if submitter == agent.peer_id:
-        return None
-    try:
-        history = await fetch_history(agent.net.host, submitter, view.job_id, timeout)
-    except (NetError, PeerProtocolError, trio.TooSlowError) as exc:
-        log.info("job %s: could not resync from the submitter: %s", view.job_id.hex()[:8], exc)
-        return None
-    verified, _ = _verified(history, view.job_id)
-    fresh = JobView(view.terms, view.first_seen, view.me)
-    for _, opened in verified:
-        _apply_history(fresh, opened)
-    fresh.take_applied()
+    verified = await _fetch_verified(agent, view, timeout, "resync")
     if not verified:
         return None
+    fresh = JobView(view.terms, view.first_seen, view.me)
+    for _, opened in verified:
+        _replay(fresh, opened)
+    fresh.take_applied()
     # the submitter's record wins even with a lower term: decisions count only on its side
     # (IPIP-0006 §1.3), so a higher term it never saw was ours alone
     now = agent.clock()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from agent.roles.job import JobView
-from agent.roles.sync import _apply_history, _verified, history_for, needs_resync
+from agent.roles.sync import _replay, _verified, history_for, needs_resync
 from agent.store import Store
 from protocol import messages as m
 from protocol.envelope import seal
@@ -60,7 +60,7 @@ def test_only_signed_envelopes_of_the_job_are_accepted_whatever_their_age():
 def test_history_replayed_into_a_fresh_mirror_reaches_the_same_state():
     view = JobView(TERMS, NOW, WORKER.peer_id)
     for data, opened in _verified([lease(0), lease(1, at=NOW + 1)], JOB)[0]:
-        _apply_history(view, opened)
+        _replay(view, opened)
     assert [s.phase.value for s in view.state.shards[:2]] == ["LEASED", "LEASED"]
     assert view.coordination.coordinator == COORD.peer_id and view.coordination.term == 1
 
