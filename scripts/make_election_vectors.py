@@ -74,3 +74,28 @@ terms = {
     "steps": out,
 }
 Path("ipips/vectors/election-terms.json").write_text(json.dumps(terms, indent=1) + "\n")
+
+# --- the submitter's side decides (IPIP-0006 §1.3 rule 5) -------------------------------------------
+from protocol.election import hears_submitter
+
+submitter, me = peers[0], peers[1]
+cases = []
+for name, heard, since, now, settled, who in [
+    ("we are the submitter", {}, {}, 100.0, True, submitter),
+    ("live: may act as coordinator", {submitter: 100.0}, {submitter: 98.0}, 100.5, False, me),
+    ("back 2.5 s ago: no view change yet", {submitter: 100.0}, {submitter: 98.0}, 100.5, True, me),
+    ("heard 5.5 s in a row: view may change", {submitter: 100.0}, {submitter: 95.0}, 100.5, True, me),
+    ("heard exactly 5 s: settled", {submitter: 100.0}, {submitter: 95.5}, 100.5, True, me),
+    ("5 beats missed: cut off", {submitter: 100.0}, {submitter: 90.0}, 105.0, False, me),
+    ("never heard", {}, {}, 100.0, False, me),
+]:
+    cases.append({"name": name, "me": who, "last_heartbeat": heard, "live_since": since, "now": now,
+                  "settled": settled,
+                  "expect": hears_submitter(submitter, who, heard, since, now, settled=settled,
+                                            heartbeat_seconds=1.0, missed_heartbeats=5)})
+side = {
+    "description": "IPIP-0006 §1.3 rule 5, with the agent's heartbeat_seconds 1.0 and missed_heartbeats 5: may 'me' act as coordinator of a job submitted by 'submitter' (settled false: the submitter is live, i.e. now - last_heartbeat < 5 s, or me is the submitter), or change its election view (settled true: also heard since live_since for at least 5 s)?",
+    "submitter": submitter, "heartbeat_seconds": 1.0, "missed_heartbeats": 5,
+    "cases": cases,
+}
+Path("ipips/vectors/election-submitter.json").write_text(json.dumps(side, indent=1) + "\n")

@@ -263,18 +263,14 @@ def test_keep_or_elect_keeps_a_live_coordinator_and_replaces_a_silent_one():
     assert (empty.term, empty.coordinator) == (3, None)
 
 
-def test_only_the_submitters_side_decides_and_only_once_it_has_heard_the_submitter_for_a_while():
-    from functools import partial
+def test_election_submitter_side_vector():
+    """IPIP-0006 §1.3 rule 5: only the submitter's side decides, and views change only once settled."""
+    from protocol.election import hears_submitter
 
-    from protocol.election import hears_submitter as rule
-
-    hears_submitter = partial(rule, heartbeat_seconds=1.0, missed_heartbeats=5)  # the agent's settings
-
-    sub, me = "12D3KooWsubmitter", "12D3KooWme"
-    heard, since = {sub: 100.0}, {sub: 98.0}
-    assert hears_submitter(me, me, {}, {}, 100.0, settled=True)  # the submitter decides for itself
-    assert hears_submitter(sub, me, heard, since, 100.5, settled=False)  # live: may act as coordinator
-    assert not hears_submitter(sub, me, heard, since, 100.5, settled=True)  # back 2.5 s ago: no new election yet
-    assert hears_submitter(sub, me, heard, {sub: 95.0}, 100.5, settled=True)  # heard for 5.5 s: settled
-    assert not hears_submitter(sub, me, heard, since, 105.0, settled=False)  # 5 beats missed: cut off
-    assert not hears_submitter(sub, me, {}, {}, 100.0, settled=False)  # never heard
+    vector = json.loads((VECTORS / "election-submitter.json").read_text())
+    assert {c["expect"] for c in vector["cases"]} == {True, False}
+    for case in vector["cases"]:
+        got = hears_submitter(vector["submitter"], case["me"], case["last_heartbeat"], case["live_since"],
+                              case["now"], settled=case["settled"], heartbeat_seconds=vector["heartbeat_seconds"],
+                              missed_heartbeats=vector["missed_heartbeats"])
+        assert got == case["expect"], case["name"]
