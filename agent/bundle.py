@@ -22,6 +22,8 @@ from pathlib import Path
 
 ADAPTER_FILES = frozenset({"adapter_config.json", "adapter_model.safetensors"})
 CHECKPOINT_FILES = ADAPTER_FILES | {"optimizer.safetensors", "state.json"}
+# a round's aggregate: the adapter, and the outer optimizer's state when the job has one (IPIP-0006 §2.4)
+AGGREGATE_FILES = ADAPTER_FILES | {"outer_state.safetensors"}
 DEFAULT_MAX_BYTES = 4 << 30
 
 

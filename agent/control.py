@@ -239,7 +239,7 @@ async def _job_cancel(agent: "Agent", job: str, reason: str = "cancelled by the 
 
 
 async def _job_fetch(agent: "Agent", job: str, out: str, round: int | None = None) -> dict:
-    from agent.bundle import ADAPTER_FILES, unpack
+    from agent.bundle import AGGREGATE_FILES, unpack
 
     view = _find_job(agent, job)
     if not view.aggregates:
@@ -259,7 +259,7 @@ async def _job_fetch(agent: "Agent", job: str, out: str, round: int | None = Non
     await agent.content.fetch(published.adapter_cid, bundle, timeout=agent.config.fetch_timeout, providers=providers)
     if target.exists():
         target.rmdir()
-    unpack(bundle, target, allowed=ADAPTER_FILES, max_bytes=4 << 30)
+    unpack(bundle, target, allowed=AGGREGATE_FILES, max_bytes=4 << 30)
     return {"id": view.job_id.hex(), "round": rnd, "final": published.final, "cid": published.adapter_cid,
             "path": str(target), "method": published.method, "shards": list(published.shards),
             "base_model": view.terms.base_model}
@@ -327,7 +327,10 @@ def job_detail(agent: "Agent", view: Any) -> dict:
     out["verdicts"] = {"accepted": sum(v.accepted for v in view.verdicts.values()),
                        "rejected": sum(not v.accepted for v in view.verdicts.values())}
     out["aggregates"] = [{"round": a.round, "cid": a.adapter_cid, "method": a.method, "shards": list(a.shards),
-                          "samples": a.samples, "final": a.final} for _, a in sorted(view.aggregates.items())]
+                          "samples": a.samples, "final": a.final, "validation_loss": a.validation_loss,
+                          "base_validation_loss": a.base_validation_loss}
+                         for _, a in sorted(view.aggregates.items())]
+    out["outer"] = view.terms.outer.optimizer if view.terms.outer else "none"
     return out
 
 

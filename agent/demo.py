@@ -238,6 +238,12 @@ def run_demo(options: DemoOptions) -> int:
         with console.status("measuring validation loss with stock transformers + peft"):
             before, after = validation_losses(model, Path(fetched["path"]), root / "validation.jsonl")
         console.print(f"\njob {job['id'][:16]} DONE in {time.monotonic() - started:.0f} s")
+        for agg in detail.get("aggregates", []):  # the coordinator's own score, signed in each aggregate
+            if agg.get("validation_loss") is not None:
+                base = agg.get("base_validation_loss")
+                console.print(f"round {agg['round']}: validation loss "
+                              + (f"{base:.3f} (base) -> " if base is not None else "")
+                              + f"{agg['validation_loss']:.3f}  (coordinator, job's validation split)")
         console.print(f"aggregate CID:   {fetched['cid']}")
         console.print(f"validation loss: {before:.3f} (base) -> {after:.3f} (base + adapter)")
         console.print(f"adapter (Hugging Face PEFT layout): {fetched['path']}")

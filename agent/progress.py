@@ -66,8 +66,8 @@ class JobProgress:
                           _verdict_text(verdict, 40))
         rows: list[Any] = [head, table]
         for agg in job.get("aggregates", []):
-            rows.append(Text(f"round {agg['round']} aggregate {agg['cid']} ({agg['method']} over shards {agg['shards']})",
-                             style="green"))
+            rows.append(Text(f"round {agg['round']} aggregate {agg['cid']} ({agg['method']} over shards {agg['shards']})"
+                             + aggregate_score(agg), style="green"))
         return Group(*rows)
 
     def _print_changes(self, job: dict) -> None:
@@ -83,7 +83,7 @@ class JobProgress:
                 + (f" step {s['step']} loss {s['loss']:.3f}" if s.get("loss") is not None else "")
                 + ("" if verdict is None else " " + _verdict_text(verdict, 60)))
         for agg in job.get("aggregates", []):
-            lines[f"agg{agg['round']}"] = f"  round {agg['round']} aggregate {agg['cid']}"
+            lines[f"agg{agg['round']}"] = f"  round {agg['round']} aggregate {agg['cid']}" + aggregate_score(agg)
         for key, line in lines.items():
             if self._last_lines.get(key) != line:
                 print(f"{stamp} {line.strip() if key == 'job' else line}", flush=True)
@@ -99,3 +99,11 @@ def _verdict_text(verdict: dict | None, width: int) -> str:
     if verdict is None:
         return "-"
     return "accepted" if verdict["accepted"] else f"rejected: {verdict['reason'][:width]}"
+
+
+def aggregate_score(agg: dict) -> str:
+    """``  validation loss 0.412`` (``  validation loss 9.32 -> 0.412`` in round 1), or nothing."""
+    loss, base = agg.get("validation_loss"), agg.get("base_validation_loss")
+    if loss is None:
+        return ""
+    return f"  validation loss {base:.3f} -> {loss:.3f}" if base is not None else f"  validation loss {loss:.3f}"

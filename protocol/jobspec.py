@@ -53,6 +53,11 @@ MAX_SHARDS = 1024
 
 SPEC_FILE_NAME = "infernet.train.yml"  # what `infernet train init` writes
 ROBUST_AGGREGATIONS = ("median", "trimmed_mean")
+OUTER_OPTIMIZERS = ("none", "sgd", "nesterov", "adam")
+OUTER_METHODS = ("fedavg", "exact")  # an outer step needs a mean in the adapters' own coordinates
+LR_SCHEDULES = ("constant", "cosine")
+# The outer optimizer a spec gets when it names none; chosen from scripts/bench_quality.py (IPIP-0006 §2.4).
+OUTER_DEFAULT = {"optimizer": "none", "lr": 1.0, "momentum": 0.0}
 MIN_SHARDS_FOR_ROBUST = 3  # a median or trimmed mean of two updates is just their mean
 
 
@@ -238,6 +243,17 @@ class TrainingSpec:
     gradient_accumulation_steps: int = _key(1, _Integer(1, 65_536))
     max_seq_len: int = _key(512, _Integer(8, 1 << 20))
     max_steps: int = _key(0, _Integer(0))  # 0 = no limit
+    schedule: str = _key("constant", _Choice(*LR_SCHEDULES))
+    warmup_rounds: int = _key(0, _Integer(0, 1000))
+
+
+@dataclass(frozen=True, kw_only=True)
+class OuterSpec:
+    optimizer: str = _key(OUTER_DEFAULT["optimizer"], _Choice(*OUTER_OPTIMIZERS))
+    lr: float = _key(OUTER_DEFAULT["lr"], _Number(0, 100, open_low=True, open_high=True))
+    momentum: float = _key(OUTER_DEFAULT["momentum"], _Number(0, 1, open_high=True))
+    beta1: float = _key(0.9, _Number(0, 1, open_high=True))
+    beta2: float = _key(0.99, _Number(0, 1, open_high=True))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,6 +304,7 @@ class JobSpec:
     shards: int = _key(1, _Integer(1, MAX_SHARDS))
     rounds: int = _key(1, _Integer(1, 1000))
     aggregation: str = _key("exact", _Choice(*AGGREGATIONS))
+    outer: OuterSpec = _section(OuterSpec)
     min_accepted_fraction: float = _key(1.0, _Number(0, 1, open_low=True))
     max_retries: int = _key(2, _Integer(0, 100))
     proof: ProofSpec = _section(ProofSpec)
@@ -352,6 +369,9 @@ training:                         # what each worker does with its shard in each
   gradient_accumulation_steps: 1  # micro-batches per optimizer step, >= 1
   max_seq_len: 512                # tokens per example, >= 8; longer examples are truncated
   max_steps: 0                    # optimizer steps per shard and round; 0 = no limit (epochs decide)
+  schedule: constant              # constant | cosine: the learning rate across rounds (cosine decays
+                                  #   it to 0.1x by the last round); constant within a round
+  warmup_rounds: 0                # first rounds ramp the rate up linearly, < rounds
 
 lora:
   rank: 8                         # r, >= 1
@@ -372,6 +392,13 @@ aggregation: exact                # exact | svd | fedavg | median | trimmed_mean
                                   #   svd: average B.A by samples, re-factor by truncated SVD
                                   #   fedavg: average A and B apart (a baseline: not exact)
                                   #   median, trimmed_mean: robust to bad shards; need >= 3 accepted
+outer:                            # the outer optimizer: how each round's mean update is applied
+  optimizer: none                 # none | sgd | nesterov | adam; none = take the mean as is (FedAvg).
+                                  #   Needs aggregation exact or fedavg
+  lr: 1.0                         # outer learning rate in (0, 100); sgd with lr 1 = none
+  momentum: 0.0                   # sgd / nesterov momentum in [0, 1)
+  beta1: 0.9                      # adam
+  beta2: 0.99                     # adam
 min_accepted_fraction: 1.0        # fraction of a round's shards accepted before it publishes, in (0, 1]
 max_retries: 2                    # extra attempts per shard after a failed, expired or rejected lease
 
@@ -515,6 +542,13 @@ def _read_job(data: Any, where: _Where) -> JobSpec:
 
 def _check_across_fields(spec: JobSpec, where: _Where) -> None:
     """Rules that tie two keys together (ipips/0007, "Rules across keys")."""
+    if spec.outer.optimizer != "none" and spec.aggregation not in OUTER_METHODS:
+        raise where.bad_value(("outer", "optimizer"), (
+            f"an outer optimizer needs aggregation {' or '.join(OUTER_METHODS)}, not {spec.aggregation!r} "
+            f"(write optimizer: none, or change the aggregation)"))
+    if spec.training.warmup_rounds >= spec.rounds and spec.training.warmup_rounds:
+        raise where.bad_value(("training", "warmup_rounds"),
+                              f"must be less than rounds ({spec.rounds}): no round would train at the full rate")
     if spec.aggregation == "exact" and not spec.lora.freeze_a:
         raise where.bad_value(("lora", "freeze_a"), "must be true when aggregation is 'exact' "
                               "(averaging B alone is exact only if every worker keeps the same A)")

@@ -8,6 +8,10 @@ Rules of this file:
   path; so are values outside their bounds (string and list lengths, non-negative counts, finite
   numbers, CIDs that do not parse, peer IDs that do not embed an Ed25519 key, 32-byte digests).
   ``bool`` is never accepted for an int, nor int for a float: the canonical encoding keeps them apart.
+- Extension fields (``extension_field``), added after a message first shipped, are left out of the
+  wire map while they hold their default, so terms that do not use them encode (and hash to a job
+  ID) exactly as before; a decoder fills the default in for an absent one and refuses one present
+  at its default (it would be a second encoding of the same value).
 - A job's ID is ``sha256(b"infernet/job/v1\\x00" + canonical_encode(terms.to_wire()))``: it names the
   exact terms, and ``JobAnnouncement.from_wire`` rejects an announcement whose ID does not match.
 - Topics: announcements, capabilities, heartbeats and cancels go on ``TOPIC_JOBS``; everything about
@@ -40,6 +44,9 @@ MAX_LIST = 1024
 MAX_MAP = 64
 
 AGGREGATION_METHODS = ("fedavg", "exact", "svd", "median", "trimmed_mean")
+OUTER_OPTIMIZERS = ("none", "sgd", "nesterov", "adam")
+OUTER_METHODS = ("fedavg", "exact")  # the rules whose mean lives in the adapters' own coordinates
+LR_SCHEDULES = ("constant", "cosine")
 
 
 def job_topic(job_id: bytes) -> str:
@@ -75,6 +82,11 @@ def enum_field(*choices: str) -> Any:
 
 def text_field(max_len: int = MAX_TEXT) -> Any:
     return field(metadata=_meta("text", max_len=max_len))
+
+
+def extension_field(default: Any, kind: str | None = None, **kw: Any) -> Any:
+    """A field added later: absent from the wire while it equals ``default`` (module docstring)."""
+    return field(default=default, metadata=_meta(kind, extension=True, **kw))
 
 
 def _check_scalar(value: Any, meta: dict[str, Any], path: str) -> None:
@@ -178,8 +190,12 @@ def _from_map(cls: type, value: Any, path: str) -> Any:
     kwargs = {}
     for f in fields:
         if f.name not in value:
+            if f.metadata.get("extension"):
+                continue  # its default
             raise CodecError("bad-field", f"{_join(path, f.name)}: missing field")
         kwargs[f.name] = _from_value(hints[f.name], value[f.name], dict(f.metadata), _join(path, f.name))
+        if f.metadata.get("extension") and kwargs[f.name] == f.default:
+            raise CodecError("bad-field", f"{_join(path, f.name)}: holds its default; leave it out")
     obj = cls(**kwargs)
     check = getattr(obj, "check", None)
     if check is not None:
@@ -193,7 +209,8 @@ def _join(path: str, name: str) -> str:
 
 def _to_value(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
-        return {f.name: _to_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: _to_value(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if not (f.metadata.get("extension") and getattr(value, f.name) == f.default)}
     if isinstance(value, (tuple, list)):
         return [_to_value(v) for v in value]
     if isinstance(value, dict):
@@ -269,6 +286,29 @@ class TrainingTerms(Wire):
     gradient_accumulation_steps: int = count_field(65_536)
     max_seq_len: int = count_field(1 << 20)
     max_steps: int = count_field()
+    # the inner learning rate across rounds (IPIP-0006 §2.5; agent/train/schedule.py)
+    schedule: str = extension_field("constant", "enum", choices=LR_SCHEDULES)
+    warmup_rounds: int = extension_field(0, "count", maximum=1000)
+
+
+@record
+class OuterTerms(Wire):
+    """The outer optimizer a round's aggregate is made with (IPIP-0006 §2.4)."""
+
+    optimizer: str = enum_field(*OUTER_OPTIMIZERS)
+    lr: float = field()
+    momentum: float = field()
+    beta1: float = field()
+    beta2: float = field()
+
+    def check(self, path: str) -> None:
+        if self.optimizer == "none":
+            raise CodecError("bad-field", f"{path}.optimizer: 'none' is written by leaving outer out")
+        for name, low, high in (("lr", 0.0, 100.0), ("momentum", 0.0, 1.0), ("beta1", 0.0, 1.0),
+                                ("beta2", 0.0, 1.0)):
+            value = getattr(self, name)
+            if not low <= value < high or (name == "lr" and value == 0.0):
+                raise CodecError("bad-field", f"{path}.{name}: expected {'(' if name == 'lr' else '['}{low:g}, {high:g}), got {value}")
 
 
 @record
@@ -313,8 +353,12 @@ class JobTerms(Wire):
     price_per_hour: float = field()
     budget: float = field()
     created: int = count_field()
+    outer: Optional[OuterTerms] = extension_field(None)
 
     def check(self, path: str) -> None:
+        if self.outer is not None and self.aggregation not in OUTER_METHODS:
+            raise CodecError("bad-field", f"{path}.outer: an outer optimizer needs aggregation "
+                             f"{' or '.join(OUTER_METHODS)}, not {self.aggregation}")
         if not self.shards:
             raise CodecError("bad-field", f"{path}.shards: a job needs at least one shard")
         if [s.index for s in self.shards] != list(range(len(self.shards))):
@@ -445,6 +489,10 @@ class AggregatePublished(Wire):
     shards: tuple[int, ...] = field()
     samples: int = count_field()
     final: bool = field()
+    # the coordinator's score of this aggregate on the job's validation split (IPIP-0006 §2.6);
+    # round 1 also carries the base model's (base + the seeded initial adapter)
+    validation_loss: Optional[float] = extension_field(None)
+    base_validation_loss: Optional[float] = extension_field(None)
 
 
 @message("cancel", "jobs")

@@ -42,6 +42,7 @@ lease_seconds: 600
 budget: {price_per_hour: 0.5, total: 100}
 """),
  ("freeze_a defaults to false when aggregation is not exact", HEAD + "aggregation: fedavg\n"),
+ ("outer optimizer and a cosine schedule with warm-up across rounds", HEAD + "training:\n  schedule: cosine\n  warmup_rounds: 1\nrounds: 8\nouter:\n  optimizer: nesterov\n  lr: 1.5\n  momentum: 0.5\n"),
  ("robust aggregation with enough accepted shards: ceil(0.6 x 5) = 3", HEAD + "aggregation: trimmed_mean\nshards: 5\nmin_accepted_fraction: 0.6\n"),
  ("YAML 1.2 core scalars: 'no' is text, 1E-3 and .5 are numbers, +3 an integer; null and empty sections", """\
 name: no
@@ -107,6 +108,10 @@ invalid = [
  ("key in the wrong section", HEAD + "learning_rate: 0.001\n"),
  ("misspelt key of another section", HEAD + "lora_rank: 16\n"),
  ("unknown key, nothing close", HEAD + "proof:\n  zebra: 1\n"),
+ ("outer optimizer with a robust aggregation", HEAD + "aggregation: median\nshards: 3\nouter: {optimizer: nesterov}\n"),
+ ("outer lr out of range", HEAD + "outer:\n  optimizer: sgd\n  lr: 0\n"),
+ ("warm-up as long as the job", HEAD + "rounds: 2\ntraining:\n  warmup_rounds: 2\n"),
+ ("bad schedule", HEAD + "training:\n  schedule: linear\n"),
  ("merge key is not special", HEAD + "<<: {seed: 1}\n"),
  ("duplicate key", HEAD + "seed: 1\nseed: 2\n"),
  ("duplicate key in a section", HEAD + "training:\n  epochs: 1\n  batch_size: 2\n  epochs: 3\n"),

@@ -20,7 +20,12 @@ Rules of this file:
   ``proof.verify_segments`` segments chosen from randomness drawn *after* the report arrived
   replay within the proof rules (protocol/proof.py, agent/train/replay.py).
 - The aggregate of a round is the job's method over the accepted adapters weighted by samples
-  (agent/train/aggregate.py), published as an HF-layout adapter bundle by CID.
+  (agent/train/aggregate.py), then, if the job has one, the outer optimizer's step from the round's
+  start (the seeded init in round 1, the previous aggregate after) with the outer state the previous
+  aggregate's bundle carries (IPIP-0006 §2.4); published as an HF-layout adapter bundle by CID, with
+  ``outer_state.safetensors`` beside the adapter so a successor continues with the same state. When
+  the job has a validation split, the aggregate is scored on it (and the base model in round 1) and
+  the losses go into the signed aggregate message (IPIP-0006 §2.6).
 - On taking a job over (failover) we resume what the mirror says is pending: verifications of
   REPORTED shards and the aggregation of an AGGREGATING round.
 """
@@ -38,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from agent.bundle import ADAPTER_FILES, CHECKPOINT_FILES, pack_dir, unpack
+from agent.bundle import ADAPTER_FILES, AGGREGATE_FILES, CHECKPOINT_FILES, pack_dir, unpack
 from agent.roles.job import JobView, run_torch, train_config
 from protocol import messages as m
 from protocol import state as st
@@ -61,7 +66,9 @@ class CoordinatorRole:
         self._running: set[tuple] = set()
         self._banned: dict[bytes, set[str]] = {}
         self.accepted_adapters: dict[tuple[bytes, int, int], tuple[Path, int]] = {}
-        self._initial: dict[tuple[bytes, int], dict] = {}  # (job, round) -> the adapter training starts from
+        # (job, round) -> the adapter training starts from, and the outer state it carries
+        self._initial: dict[tuple[bytes, int], tuple[dict, dict]] = {}
+        self._validation: dict[bytes, Path] = {}  # job -> its validation split, fetched
 
     # -- leases -----------------------------------------------------------------------------------
 
@@ -219,7 +226,7 @@ class CoordinatorRole:
         model_path = agent.local_model(terms)
         if model_path is None or await trio.to_thread.run_sync(base_model_sha256, model_path) != terms.base_model_sha256.hex():
             raise RuntimeError(f"this coordinator does not hold base model {terms.base_model!r}")
-        config = train_config(terms, model_path, threads=agent.config.threads)
+        config = train_config(terms, model_path, round=report.round, threads=agent.config.threads)
 
         # training started where it had to: the seeded init in round 1, the last aggregate after
         genesis = await self._checkpoint(checkpoints, 0, work, providers)
@@ -242,6 +249,12 @@ class CoordinatorRole:
 
     async def _initial_adapter(self, view: JobView, rnd: int, config: Any, work: Path) -> dict:
         """The adapter round ``rnd``'s training must start from (cached per job and round)."""
+        return (await self._round_start(view, rnd, config, work))[0]
+
+    async def _round_start(self, view: JobView, rnd: int, config: Any, work: Path) -> tuple[dict, dict]:
+        """Round ``rnd``'s start: (the adapter its training starts from, the outer state carried with
+        it): the seeded init and no state in round 1, the previous aggregate's after (cached)."""
+        from agent.train.aggregate import OUTER_STATE_FILE
         from agent.train.replay import expected_initial_adapter
 
         key = (view.job_id, rnd)
@@ -255,10 +268,14 @@ class CoordinatorRole:
                 providers = [p for p in (view.terms.submitter,) if p != self.agent.peer_id]
                 await self.agent.content.fetch(previous.adapter_cid, bundle, timeout=self.agent.config.fetch_timeout,
                                                providers=providers)
-                directory = unpack(bundle, work / f"initial-r{rnd}", allowed=ADAPTER_FILES, max_bytes=1 << 30)
+                directory = unpack(bundle, work / f"initial-r{rnd}", allowed=AGGREGATE_FILES, max_bytes=1 << 30)
             if len(self._initial) > 64:
                 self._initial.clear()
-            self._initial[key] = await trio.to_thread.run_sync(run_torch, expected_initial_adapter, config, directory)
+            tensors = await trio.to_thread.run_sync(run_torch, expected_initial_adapter, config, directory)
+            state = {}
+            if directory is not None and (directory / OUTER_STATE_FILE).exists():
+                state = await trio.to_thread.run_sync(_load_tensors, directory / OUTER_STATE_FILE)
+            self._initial[key] = (tensors, state)
         return self._initial[key]
 
     async def _checkpoint(self, checkpoints: dict[int, str], step: int, work: Path, providers: list[str]) -> Path:
@@ -291,24 +308,61 @@ class CoordinatorRole:
                 entry = (unpack(bundle, work / f"adapter-{shard}", allowed=ADAPTER_FILES), report.samples)
             inputs.append(entry)
         out = work / "adapter"
-        await trio.to_thread.run_sync(run_torch, _aggregate_adapters, terms.aggregation, inputs, out)
+        config, start, validation = None, None, None
+        if terms.outer is not None or terms.validation_cid:
+            model_path = agent.local_model(terms)
+            if model_path is None:
+                raise RuntimeError(f"this coordinator does not hold base model {terms.base_model!r}")
+            config = train_config(terms, model_path, round=action.round, threads=agent.config.threads)
+        if terms.outer is not None:
+            start = await self._round_start(view, action.round, config, work)
+        await trio.to_thread.run_sync(run_torch, partial(_aggregate_adapters, terms, inputs, out, action.round, start))
+        if terms.validation_cid:
+            validation = await self._score(view, config, out, work, with_base=action.round == 1)
         cid = await agent.content.add_file(pack_dir(out, work / "adapter.tar"))
         if not agent.is_coordinator(view):
             return
         final = action.round == terms.rounds
+        loss, base_loss = validation or (None, None)
         published = m.AggregatePublished(view.job_id, action.round, view.coordination.term, str(cid),
                                          terms.aggregation, tuple(action.accepted_shards),
-                                         sum(n for _, n in inputs), final)
+                                         sum(n for _, n in inputs), final, loss, base_loss)
         actions = view.apply_decision(published, agent.clock())
         if actions is None:
             return
         agent.apply_actions(view, actions)
         agent.counters["aggregates_published"] += 1
         await agent.publish(published)
-        agent.ledger(view.job_id, "aggregate", {"round": action.round, "adapter_cid": str(cid),
-                                                "method": terms.aggregation, "shards": list(action.accepted_shards)})
-        log.info("job %s: round %d aggregate %s (%s over shards %s)", view.job_id.hex()[:8], action.round, cid,
-                 terms.aggregation, list(action.accepted_shards))
+        entry = {"round": action.round, "adapter_cid": str(cid), "method": terms.aggregation,
+                 "shards": list(action.accepted_shards)}
+        if terms.outer is not None:
+            entry["outer"] = terms.outer.optimizer
+        if loss is not None:
+            entry["validation_loss"] = loss
+        if base_loss is not None:
+            entry["base_validation_loss"] = base_loss
+        agent.ledger(view.job_id, "aggregate", entry)
+        log.info("job %s: round %d aggregate %s (%s%s over shards %s)%s", view.job_id.hex()[:8], action.round, cid,
+                 terms.aggregation, f" + {terms.outer.optimizer}" if terms.outer else "",
+                 list(action.accepted_shards), f", validation loss {loss:.4f}" if loss is not None else "")
+
+    async def _score(self, view: JobView, config: Any, adapter_dir: Path, work: Path,
+                     with_base: bool) -> tuple[float, float | None]:
+        """Validation loss of the aggregate in ``adapter_dir`` (and of the base model) on the job's split."""
+        from agent.train.run import validation_losses
+
+        path = self._validation.get(view.job_id)
+        if path is None or not path.exists():
+            path = work.parent / "validation.jsonl"
+            providers = [p for p in (view.terms.submitter,) if p != self.agent.peer_id]
+            await self.agent.content.fetch(view.terms.validation_cid, path, timeout=self.agent.config.fetch_timeout,
+                                           providers=providers)
+            self._validation[view.job_id] = path
+        adapters = [adapter_dir / "adapter_model.safetensors"]
+        if with_base:
+            adapters.append(None)  # the seeded initial adapter: B = 0, so exactly the base model
+        losses = await trio.to_thread.run_sync(run_torch, validation_losses, config, path, adapters)
+        return losses[0], losses[1] if with_base else None
 
 
 def _check_adapter(adapter_dir: Path, terms: m.JobTerms) -> dict:
@@ -338,13 +392,29 @@ def _check_adapter(adapter_dir: Path, terms: m.JobTerms) -> dict:
     return tensors
 
 
-def _aggregate_adapters(method: str, inputs: list[tuple[Path, int]], out: Path) -> None:
+def _load_tensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _aggregate_adapters(terms: m.JobTerms, inputs: list[tuple[Path, int]], out: Path, rnd: int,
+                        start: tuple[dict, dict] | None) -> None:
+    """The round's aggregate into ``out``: the job's rule, then its outer step from ``start`` (if any)."""
     from safetensors.torch import load_file, save_file
 
-    from agent.train.aggregate import aggregate
+    from agent.train.aggregate import OUTER_STATE_FILE, OuterOptimizer, aggregate, frozen_keys, outer_step
 
     pairs = [(load_file(str(d / "adapter_model.safetensors")), n) for d, n in inputs]
-    merged = aggregate(method, pairs)
+    merged = aggregate(terms.aggregation, pairs)
     out.mkdir(parents=True, exist_ok=True)
+    if terms.outer is not None and start is not None:
+        previous, state = start
+        o = terms.outer
+        outer = OuterOptimizer(o.optimizer, o.lr, o.momentum, o.beta1, o.beta2)
+        merged, state = outer_step(previous, merged, state, outer, step=rnd,
+                                   frozen=frozen_keys(previous, terms.lora.freeze_a))
+        if state:
+            save_file(state, str(out / OUTER_STATE_FILE), metadata={"format": "pt", "round": str(rnd)})
     save_file(merged, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     shutil.copy(inputs[0][0] / "adapter_config.json", out / "adapter_config.json")

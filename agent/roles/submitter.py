@@ -68,7 +68,7 @@ class SubmitterRole:
             base_model_sha256=bytes.fromhex(model_hash), method=spec.method, runtime=spec.runtime, seed=spec.seed,
             shards=tuple(shards), validation_cid=validation_cid,
             training=m.TrainingTerms(t.epochs, t.learning_rate, t.batch_size, t.gradient_accumulation_steps,
-                                     t.max_seq_len, t.max_steps),
+                                     t.max_seq_len, t.max_steps, t.schedule, t.warmup_rounds),
             lora=m.LoraTerms(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules), lora.freeze_a),
             proof=m.ProofTerms(proof.checkpoint_every, proof.verify_segments, proof.tolerance),
             rounds=spec.rounds, aggregation=spec.aggregation, min_accepted_fraction=spec.min_accepted_fraction,
@@ -76,6 +76,8 @@ class SubmitterRole:
             min_vram_gb=spec.resources.min_vram_gb,
             deadline=deadline if deadline is not None else now + int(spec.resources.max_runtime_hours * 3600),
             price_per_hour=spec.budget.price_per_hour, budget=spec.budget.total, created=now,
+            outer=None if spec.outer.optimizer == "none" else m.OuterTerms(
+                spec.outer.optimizer, spec.outer.lr, spec.outer.momentum, spec.outer.beta1, spec.outer.beta2),
         )
 
     async def announce(self, terms: m.JobTerms) -> "JobView":

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from agent.bundle import ADAPTER_FILES, pack_dir, unpack
+from agent.bundle import AGGREGATE_FILES, pack_dir, unpack
 from agent.roles.job import JobView, run_torch, train_config
 from protocol import messages as m
 from protocol import state as st
@@ -189,8 +189,8 @@ class WorkerRole:
             bundle = run_dir / "initial.tar"
             providers = [p for p in (view.coordination.coordinator, terms.submitter) if p and p != agent.peer_id]
             await self._fetch(view, lease, lease.initial_adapter_cid, bundle, providers)
-            initial = unpack(bundle, run_dir / "initial", allowed=ADAPTER_FILES)
-        config = train_config(terms, model_path, threads=agent.config.threads, log_every=5)
+            initial = unpack(bundle, run_dir / "initial", allowed=AGGREGATE_FILES)
+        config = train_config(terms, model_path, round=lease.round, threads=agent.config.threads, log_every=5)
         if agent.config.misbehave == "wrong_base":
             config = config.with_(base_model_sha256=None)
         request = TrainRequest(config, shard_path, run_dir / "run", initial_adapter=initial, job_id=view.job_id,

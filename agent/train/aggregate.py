@@ -423,3 +423,133 @@ def _lora_modules(adapter: Adapter) -> tuple[list[LoraModule], list[str]]:
         paired.update((key, b_key))
     return modules, [key for key in adapter if key not in paired]
 
+
+
+# --- outer optimizers across rounds (IPIP-0006 §2.4) ---------------------------------------------
+#
+# A round's workers all start from the previous aggregate θ and each runs its inner steps; the rule
+# above (exact, fedavg, ...) gives their mean θ̄. Plain averaging takes θ̄ as the next aggregate. An
+# outer optimizer instead treats the pseudo-gradient g = θ − θ̄ as a gradient and takes one step of
+# its own on θ (DiLoCo: Nesterov momentum; FedOpt: SGD with server lr, Adam). With ``sgd`` at lr 1
+# and no momentum the step lands on θ̄ up to float rounding; ``none`` takes θ̄ itself.
+#
+# Determinism: every coordinator must get the same bits from the same inputs on the same CPU, so
+# the arithmetic is float32 elementwise ops in a fixed order, per tensor, one thread per tensor,
+# and the state is plain named tensors (safetensors) travelling in the aggregate's bundle.
+
+OUTER_OPTIMIZERS = ("none", "sgd", "nesterov", "adam")
+OUTER_STATE_FILE = "outer_state.safetensors"
+
+
+@dataclass(frozen=True)
+class OuterOptimizer:
+    """The job's outer optimizer (spec key ``outer``): ``none`` keeps the mean θ̄ as is."""
+
+    optimizer: str = "none"
+    lr: float = 1.0
+    momentum: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.99
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OUTER_OPTIMIZERS:
+            raise AggregationError(f"unknown outer optimizer {self.optimizer!r}; known: {', '.join(OUTER_OPTIMIZERS)}")
+        for name, value, low, high in (("lr", self.lr, 0.0, 100.0), ("momentum", self.momentum, 0.0, 1.0),
+                                       ("beta1", self.beta1, 0.0, 1.0), ("beta2", self.beta2, 0.0, 1.0)):
+            if not (isinstance(value, Real) and math.isfinite(value) and low <= value < high) or \
+                    (name == "lr" and value == 0):
+                raise AggregationError(f"outer.{name} must be in {'(' if name == 'lr' else '['}{low:g}, {high:g}), got {value!r}")
+        if not (isinstance(self.eps, Real) and 0 < self.eps < 1):
+            raise AggregationError(f"outer.eps must be in (0, 1), got {self.eps!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.optimizer != "none"
+
+
+@torch.no_grad()
+def outer_step(
+    previous: Adapter, averaged: Adapter, state: Mapping[str, torch.Tensor], outer: OuterOptimizer, *,
+    step: int, frozen: Sequence[str] = (),
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One outer step from ``previous`` (θ) given this round's mean ``averaged`` (θ̄): (θ', state').
+
+    ``step`` is this outer step's number, 1 for the first round (Adam's bias correction reads it).
+    Keys in ``frozen`` (lora_A under FFA-LoRA) must be equal in θ and θ̄ and are copied; they keep no
+    state. ``state`` is last round's (empty in round 1): ``<key>.momentum`` for sgd/nesterov, ``<key>.m``
+    and ``<key>.v`` for adam. Raises AggregationError naming the key on a layout mismatch.
+    """
+    if previous.keys() != averaged.keys():
+        missing, extra = previous.keys() - averaged.keys(), averaged.keys() - previous.keys()
+        raise AggregationError(f"outer: the round's mean and the previous aggregate differ in keys: "
+                               f"missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]}")
+    if not isinstance(step, Integral) or step < 1:
+        raise AggregationError(f"outer: step must be a positive integer, got {step!r}")
+    frozen_set = set(frozen)
+    result: dict[str, torch.Tensor] = {}
+    new_state: dict[str, torch.Tensor] = {}
+    for key, theta in previous.items():
+        mean = averaged[key]
+        if theta.shape != mean.shape or theta.dtype != mean.dtype:
+            raise AggregationError(f"outer: {key}: previous {tuple(theta.shape)} {theta.dtype}, "
+                                   f"mean {tuple(mean.shape)} {mean.dtype}")
+        if key in frozen_set:
+            if not torch.equal(theta, mean):
+                raise AggregationError(f"outer: {key} is frozen but the round's mean changed it")
+            result[key] = theta.clone()
+            continue
+        if not outer.active:
+            result[key] = mean.clone()
+            continue
+        compute = _compute_dtype(theta.dtype)
+        theta32 = theta.to(compute)
+        gradient = theta32 - mean.to(compute)  # the pseudo-gradient: where the workers did not go
+        update, tensors = _outer_update(key, gradient, state, outer, step, compute)
+        new_state.update(tensors)
+        new = theta32 - outer.lr * update
+        _require_finite(new, f"outer: {key}")
+        result[key] = new.to(theta.dtype)
+    expected = {name for name in new_state}
+    unexpected = set(state) - expected
+    if outer.active and unexpected:
+        raise AggregationError(f"outer: state has tensors that fit no trained key: {sorted(unexpected)[:3]}")
+    return result, new_state
+
+
+def _outer_update(key: str, gradient: torch.Tensor, state: Mapping[str, torch.Tensor], outer: OuterOptimizer,
+                  step: int, compute: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The step direction for one tensor (to be scaled by lr), and its new state tensors."""
+
+    def previous_state(name: str) -> torch.Tensor:
+        value = state.get(f"{key}.{name}")
+        if value is None:
+            return torch.zeros_like(gradient)
+        if value.shape != gradient.shape:
+            raise AggregationError(f"outer: state {key}.{name} has shape {tuple(value.shape)}, "
+                                   f"expected {tuple(gradient.shape)}")
+        _require_finite(value, f"outer: state {key}.{name}")
+        return value.to(compute, copy=True)  # never update the caller's state in place
+
+    if outer.optimizer == "sgd":
+        if outer.momentum == 0:
+            return gradient, {}
+        buffer = previous_state("momentum").mul_(outer.momentum).add_(gradient)
+        return buffer, {f"{key}.momentum": buffer}
+    if outer.optimizer == "nesterov":  # torch.optim.SGD(nesterov=True): g + μ·(μ·buf + g)
+        buffer = previous_state("momentum").mul_(outer.momentum).add_(gradient)
+        return gradient + outer.momentum * buffer, {f"{key}.momentum": buffer}
+    # adam, with bias correction (FedAdam without it is the same up to the first rounds' scale)
+    m = previous_state("m").mul_(outer.beta1).add_(gradient, alpha=1 - outer.beta1)
+    v = previous_state("v").mul_(outer.beta2).addcmul_(gradient, gradient, value=1 - outer.beta2)
+    m_hat = m / (1 - outer.beta1 ** step)
+    v_hat = v / (1 - outer.beta2 ** step)
+    return m_hat / (v_hat.sqrt() + outer.eps), {f"{key}.m": m, f"{key}.v": v}
+
+
+def frozen_keys(adapter: Adapter, freeze_a: bool) -> list[str]:
+    """The keys an outer step leaves alone: every lora_A factor when A is frozen (FFA-LoRA)."""
+    if not freeze_a:
+        return []
+    modules, _ = _lora_modules(adapter)
+    return [module.a_key for module in modules]

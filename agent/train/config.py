@@ -8,6 +8,10 @@ Rules of this file:
   ``threads`` is always explicit: it is passed to ``torch.set_num_threads`` and recorded in the
   proof header, because it changes float results.
 - ``max_steps = 0`` means "as many steps as ``epochs`` passes over the shard take".
+- ``round`` is the job round the training belongs to: the shard's sample stream continues across
+  rounds (round r's step s draws the samples of stream position (r-1)·steps + s), so a job's rounds
+  walk on through the shard's epochs instead of repeating round 1's batches. ``learning_rate`` is
+  already the round's (agent/train/schedule.py).
 This module imports no torch.
 """
 
@@ -47,6 +51,7 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1
     max_seq_len: int = 512
     max_steps: int = 0
+    round: int = 1
     # lora
     rank: int = 8
     alpha: float = 16.0
@@ -77,6 +82,7 @@ class TrainConfig:
             (self.threads >= 1, "threads must be >= 1"),
             (self.max_seq_len >= 8, "max_seq_len must be >= 8"),
             (self.epochs >= 1 and self.max_steps >= 0, "epochs must be >= 1 and max_steps >= 0"),
+            (self.round >= 1, "round must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:

@@ -3,7 +3,8 @@
 Rules of this file:
 - ``LoraSession.step(s)`` is a pure function of (adapter, optimizer state, shard, config, s): it
   reseeds torch from SHA-256("infernet/step-rng/v1", seed, s) first (so dropout never depends on
-  what ran before), takes the examples ``data.step_samples`` names, runs
+  what ran before), takes the examples ``data.step_samples`` names (at stream position
+  ``offset + s``, where ``offset`` = (config.round - 1) x the shard's steps per round), runs
   ``gradient_accumulation_steps`` micro-batches of ``batch_size``, and makes one AdamW step. This
   is what lets a verifier resume from any checkpoint and land on the same bits.
 - The loss of a step is the mean cross-entropy over all its label tokens (token-weighted across
@@ -81,14 +82,16 @@ class LoraSession:
         self.dtype = dtype
         self.pad_id = pad_id
         self.parameters = {peft_name(n): p for n, p in model.named_parameters() if p.requires_grad}
+        self.offset = (config.round - 1) * config.total_steps(len(self.examples))
         self.optimizer = torch.optim.AdamW(
             list(self.parameters.values()), lr=config.learning_rate, weight_decay=0.0, foreach=False)
 
     def step(self, step: int) -> StepResult:
         """Optimizer step number ``step`` (0-based) of this shard."""
         config = self.config
-        torch.manual_seed(step_seed(config.seed, step))
-        indices = step_samples(len(self.examples), config.samples_per_step, config.seed, step)
+        position = self.offset + step
+        torch.manual_seed(step_seed(config.seed, position))
+        indices = step_samples(len(self.examples), config.samples_per_step, config.seed, position)
         label_tokens = sum(self.examples[i].n_label_tokens for i in indices)
         self.model.train()
         loss_total, tokens = 0.0, 0

@@ -154,6 +154,26 @@ def open_session(config: TrainConfig, examples: list[Example], *, pad_id: int, b
     return LoraSession(model, examples, config, device=device, dtype=dtype, pad_id=pad_id)
 
 
+MAX_VALIDATION_EXAMPLES = 256  # a coordinator scores each round on at most this many (IPIP-0006 §2.6)
+
+
+def validation_losses(config: TrainConfig, path: Path, adapters: list[Path | None]) -> list[float]:
+    """Mean token loss on the first MAX_VALIDATION_EXAMPLES examples of ``path`` for each adapter
+    file (None: the job's seeded initial adapter, i.e. the base model), one model build for all."""
+    set_threads(config.threads)
+    tokenizer = load_tokenizer(config.base_model)
+    examples = load_shard(config, tokenizer, path).examples[:MAX_VALIDATION_EXAMPLES]
+    if not examples:
+        raise TrainError(f"{path}: the validation split has no example with assistant tokens")
+    session = open_session(config, examples, pad_id=pad_token_id(tokenizer))
+    initial = {name: tensor.clone() for name, tensor in session.adapter_tensors().items()}
+    losses = []
+    for adapter in adapters:
+        load_adapter_state(session.model, initial if adapter is None else load_file(str(adapter)))
+        losses.append(session.evaluate(examples))
+    return losses
+
+
 def load_shard(config: TrainConfig, tokenizer: Any, path: Path) -> PreparedShard:
     return prepare_examples(path, tokenizer, max_seq_len=config.max_seq_len, packing=config.packing,
                             skip_bad=config.skip_bad_lines)
@@ -177,6 +197,8 @@ def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None
                 backend: str = "peft") -> TrainResult:
     """Train ``request.shard`` into ``request.run_dir``; see the module docstring."""
     config = request.config
+    if config.round != request.round:
+        raise TrainError(f"train config is for round {config.round}, the request for round {request.round}")
     started = time.time()
     started_at = datetime.now(timezone.utc)
     base_hash = check_base_model(config)
@@ -221,7 +243,7 @@ def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None
             if result.step % config.log_every and result.step != total_steps:
                 continue
             elapsed = time.time() - train_started
-            line = {"step": result.step, "loss": sum(window_losses) / len(window_losses),
+            line = {"step": result.step, "round": config.round, "loss": sum(window_losses) / len(window_losses),
                     "learning_rate": config.learning_rate, "tokens": tokens,
                     "tokens_per_s": tokens / elapsed if elapsed else 0.0, "elapsed_s": elapsed}
             if validation:

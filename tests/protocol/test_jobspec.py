@@ -227,7 +227,8 @@ def test_a_spec_at_every_maximum_fits_the_job_terms():
         "base_model": spec["base_model"], "base_model_sha256": bytes(32),
         "method": spec["method"], "runtime": spec["runtime"], "seed": spec["seed"],
         "shards": [{"index": i, "cid": cid, "records": 1, "size": 1} for i in range(spec["shards"])],
-        "validation_cid": None, "training": spec["training"], "lora": spec["lora"], "proof": spec["proof"],
+        "validation_cid": None, "training": m.TrainingTerms(**spec["training"]).to_wire(),
+        "lora": spec["lora"], "proof": spec["proof"],
         "rounds": spec["rounds"], "aggregation": spec["aggregation"],
         "min_accepted_fraction": spec["min_accepted_fraction"], "max_retries": spec["max_retries"],
         "lease_seconds": spec["lease_seconds"], "min_vram_gb": spec["resources"]["min_vram_gb"],
@@ -235,6 +236,8 @@ def test_a_spec_at_every_maximum_fits_the_job_terms():
         "price_per_hour": spec["budget"]["price_per_hour"], "budget": spec["budget"]["total"],
         "created": 1_790_000_000,
     }
+    if spec["outer"]["optimizer"] != "none":
+        wire["outer"] = spec["outer"]
     m.JobTerms.from_wire(wire)
 
 

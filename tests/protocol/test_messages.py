@@ -101,3 +101,45 @@ def test_lists_and_maps_are_bounded():
     report["metrics"] = {f"k{i}": 1.0 for i in range(m.MAX_MAP + 1)}
     with pytest.raises(CodecError, match="more than"):
         m.decode_body("report", report)
+
+
+# --- extension fields (added after the message first shipped) -----------------------------------
+
+def test_extension_fields_at_their_default_leave_the_wire_and_the_job_id_unchanged():
+    wire = TERMS.to_wire()
+    assert "outer" not in wire and "schedule" not in wire["training"] and "warmup_rounds" not in wire["training"]
+    outer = m.OuterTerms("nesterov", 0.7, 0.9, 0.9, 0.99)
+    training = dataclasses.replace(TERMS.training, schedule="cosine", warmup_rounds=1)
+    changed = dataclasses.replace(TERMS, outer=outer, training=training)
+    assert changed.job_id() != JOB
+    ann = m.JobAnnouncement.for_terms(changed)
+    assert m.decode_body("job", ann.to_wire()) == ann
+    published = m.AggregatePublished(JOB, 1, 1, CID, "exact", (0, 1), 200, False, 0.5, 9.25)
+    assert m.decode_body("aggregate", published.to_wire()) == published
+    assert "validation_loss" not in m.AggregatePublished(JOB, 1, 1, CID, "exact", (0,), 2, True).to_wire()
+
+
+@pytest.mark.parametrize(
+    "patch, expected",
+    [
+        ({"outer": None}, "terms.outer: holds its default; leave it out"),
+        ({"training": {**TERMS.training.to_wire(), "schedule": "constant"}},
+         "terms.training.schedule: holds its default; leave it out"),
+        ({"training": {**TERMS.training.to_wire(), "schedule": "linear"}},
+         "terms.training.schedule: expected one of constant, cosine"),
+        ({"outer": {"optimizer": "none", "lr": 1.0, "momentum": 0.0, "beta1": 0.9, "beta2": 0.99}},
+         "terms.outer.optimizer: 'none' is written by leaving outer out"),
+        ({"outer": {"optimizer": "sgd", "lr": 0.0, "momentum": 0.0, "beta1": 0.9, "beta2": 0.99}},
+         "terms.outer.lr: expected (0, 100)"),
+        ({"outer": {"optimizer": "nesterov", "lr": 0.7, "momentum": 1.0, "beta1": 0.9, "beta2": 0.99}},
+         "terms.outer.momentum: expected [0, 1)"),
+        ({"aggregation": "svd", "outer": {"optimizer": "sgd", "lr": 0.7, "momentum": 0.0, "beta1": 0.9, "beta2": 0.99}},
+         "terms.outer: an outer optimizer needs aggregation fedavg or exact, not svd"),
+    ],
+)
+def test_extension_fields_are_strict(patch, expected):
+    wire = m.JobAnnouncement.for_terms(TERMS).to_wire()
+    wire["terms"].update(patch)
+    with pytest.raises(CodecError) as info:
+        m.decode_body("job", wire)
+    assert expected in str(info.value)

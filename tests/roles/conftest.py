@@ -23,7 +23,8 @@ def write_dataset(path: Path, n: int = 160) -> Path:
     return path
 
 
-def fast_spec(shards: int = 4, rounds: int = 2, max_retries: int = 4, lease_seconds: int = 60, max_steps: int = 8):
+def fast_spec(shards: int = 4, rounds: int = 2, max_retries: int = 4, lease_seconds: int = 60, max_steps: int = 8,
+              extra: str = "", training: str = ""):
     """A small job the tiny model trains in about a second per shard (jobspec defaults otherwise)."""
     from protocol.jobspec import parse_spec
 
@@ -32,14 +33,14 @@ name: role-test
 base_model: {MODEL_NAME}
 seed: 3
 input: {{dataset: demo.jsonl, validation_split: 0.1}}
-training: {{batch_size: 8, learning_rate: 0.01, max_steps: {max_steps}, max_seq_len: 96}}
+training: {{batch_size: 8, learning_rate: 0.01, max_steps: {max_steps}, max_seq_len: 96{training}}}
 lora: {{rank: 4, alpha: 8, target_modules: [q_proj, v_proj]}}
 shards: {shards}
 rounds: {rounds}
 max_retries: {max_retries}
 proof: {{checkpoint_every: 4, verify_segments: 1, tolerance: 0.0001}}
 lease_seconds: {lease_seconds}
-"""
+{extra}"""
     return parse_spec(text, "test-spec")
 
 

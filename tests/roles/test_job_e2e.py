@@ -14,16 +14,23 @@ pytestmark = pytest.mark.network
 
 
 async def test_job_completes_and_aggregate_beats_base(tmp_path, tiny_model_dir):
+    """With an outer optimizer and a schedule across rounds: each aggregate is scored and carries its state."""
     dataset = write_dataset(tmp_path / "demo.jsonl")
+    spec = fast_spec(extra="outer: {optimizer: nesterov, lr: 0.8, momentum: 0.5}\n", training=", schedule: cosine")
     async with network(tmp_path, tiny_model_dir) as net:
         submitter, workers = net.submitter, net.workers
-        terms = await submitter.submitter.prepare_terms(fast_spec(), dataset, str(tiny_model_dir))
+        terms = await submitter.submitter.prepare_terms(spec, dataset, str(tiny_model_dir))
+        assert terms.outer.optimizer == "nesterov" and terms.training.schedule == "cosine"
         view = await submitter.submitter.announce(terms)
         await submitter.wait_for(lambda: view.state.terminal, timeout=240)
         assert view.state.phase is st.JobPhase.DONE, view.state.reason
         assert set(view.aggregates) == {1, 2}
         final = view.aggregates[2]
         assert final.final and final.method == "exact" and sorted(final.shards) == [0, 1, 2, 3]
+        first = view.aggregates[1]  # scored by the coordinator on the job's validation split
+        assert first.base_validation_loss > first.validation_loss > final.validation_loss > 0, \
+            (first.base_validation_loss, first.validation_loss, final.validation_loss)
+        assert final.base_validation_loss is None
         # every worker's mirror agrees
         for w in workers:
             await w.wait_for(lambda w=w: view.job_id in w.jobs and w.jobs[view.job_id].state.terminal, timeout=20)
@@ -40,12 +47,13 @@ def _losses(model_dir, bundle, tmp_path, terms):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from agent.bundle import ADAPTER_FILES, unpack
+    from agent.bundle import AGGREGATE_FILES, unpack
     from agent.roles.job import train_config
     from agent.train.run import load_shard
     from agent.train.model import load_tokenizer
 
-    adapter_dir = unpack(bundle, tmp_path / "aggregate", allowed=ADAPTER_FILES)
+    adapter_dir = unpack(bundle, tmp_path / "aggregate", allowed=AGGREGATE_FILES)
+    assert (adapter_dir / "outer_state.safetensors").exists()  # the successor's outer momentum
     tokenizer = load_tokenizer(str(model_dir))
     val = tmp_path / "val.jsonl"
     write_chatml(val, demo_records(48, seed=99))

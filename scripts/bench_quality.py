@@ -1,0 +1,296 @@
+"""Distributed efficiency: does a job spread over W workers train as well as one machine would?
+
+For each task and worker count W, the same total optimizer steps T are spent three ways:
+  centralized   one machine, `train run --local` on the whole training split, T steps;
+  sync-DP       synchronous data parallel: W workers, one all-reduce per step, i.e. batch x W for
+                T/W steps (the baseline DiLoCo reports against: the same examples, every step synced);
+  network       the protocol's way: R rounds, each worker trains its shard for H = T/(W*R) steps from
+                the round's aggregate, then the job's aggregation rule and outer optimizer make the
+                next aggregate (agent/train/aggregate.py), exactly as a coordinator does.
+Validation loss is measured on held-out records of the task. The figure is the distributed
+efficiency E = (centralized steps that reach the network's validation loss) / T: 1.0 means the
+network's W machines are worth W machines, 1/W that they are worth one. E_sync compares with
+sync-DP the same way: (sync-DP steps that reach the network's loss) / (T/W).
+
+It runs the aggregation math in this process (it tests the rule, not the network): the same
+LoraSession loop a worker runs (seeded LoRA, deterministic batches, AdamW), the same shard split
+(agent/train/data.split_dataset) and the same aggregation code. `--network` adds one row from a
+real `infernet demo` run (separate agent processes over libp2p) to show the network lands on the
+same number.
+
+Tasks: `demo` is the demo's dataset (agent/data/demo.jsonl; validation on the demo's 48 held-out
+records); `hard` is a second synthetic task made here so the defaults are not tuned to one dataset:
+single-digit sums, successors of two-digit numbers, sorting three digits and spelling random
+four-letter strings backwards (all need a rule, not recall).
+
+Prints one JSON object per figure:
+  {"bench": "efficiency/<task>/W<w>/<optimizer>", "value": E, "unit": "E", "reference": 1.0,
+   "ratio": E, "goal": 0.8}
+plus the same with "efficiency_sync/..." against sync-DP, and "val_loss/..." lines with the raw
+losses (reference = the centralized loss at T; ratio = reference / value, higher is better).
+Usage: python scripts/bench_quality.py [--tasks demo,hard] [--workers 2,4,8] [--total 800]
+       [--rounds 8] [--outer nesterov:0.7:0.9,none] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from agent.train.aggregate import OuterOptimizer, aggregate, frozen_keys, outer_step  # noqa: E402
+from agent.train.config import TrainConfig  # noqa: E402
+from agent.train.data import Example, read_chatml, split_dataset, write_chatml  # noqa: E402
+from agent.train.loop import LoraSession  # noqa: E402
+from agent.train.model import adapter_state, load_adapter_state, load_tokenizer  # noqa: E402
+from agent.train.run import build_lora_model, load_shard, pad_token_id  # noqa: E402
+from agent.train.schedule import round_learning_rate  # noqa: E402
+from agent.train.tiny import demo_records, tiny_model  # noqa: E402
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GOAL = 0.8
+
+
+# --- tasks -----------------------------------------------------------------------------------------
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def hard_records(n: int, seed: int) -> list[dict]:
+    """The second task: rules to learn (sum, successor, sort, reverse-spell), not facts to recall."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(n):
+        kind = i % 4
+        if kind == 0:
+            a, b = rng.randrange(10), rng.randrange(10)
+            question, answer = f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}."
+        elif kind == 1:
+            k = rng.randrange(10, 98)
+            question, answer = f"What number comes after {k}?", f"After {k} comes {k + 1}."
+        elif kind == 2:
+            digits = [rng.randrange(10) for _ in range(3)]
+            question = "Sort: " + " ".join(map(str, digits))
+            answer = " ".join(map(str, sorted(digits)))
+        else:
+            word = "".join(rng.choice(LETTERS) for _ in range(4))
+            question, answer = f"Spell {word} backwards.", "-".join(reversed(word.upper()))
+        records.append({"messages": [{"role": "user", "content": question},
+                                     {"role": "assistant", "content": answer}], "meta": {"id": i}})
+    return records
+
+
+@dataclass
+class Task:
+    name: str
+    train_file: Path
+    validation_file: Path
+
+
+def make_task(name: str, directory: Path) -> Task:
+    train, validation = directory / f"{name}-train.jsonl", directory / f"{name}-validation.jsonl"
+    if name == "demo":
+        from agent.demo import demo_dataset
+
+        records = [{"messages": list(r.messages)} for r in read_chatml(demo_dataset()).records]
+        write_chatml(train, records)
+        write_chatml(validation, demo_records(48, seed=99))
+    elif name == "hard":
+        write_chatml(train, hard_records(400, seed=1))
+        write_chatml(validation, hard_records(48, seed=99))
+    else:
+        raise SystemExit(f"bench_quality: unknown task {name!r} (known: demo, hard)")
+    return Task(name, train, validation)
+
+
+# --- the simulation ----------------------------------------------------------------------------------
+
+
+def snapshot(tensors: dict) -> dict:
+    """Copies: on the CPU adapter_state() returns views of the live parameters."""
+    return {name: tensor.clone() for name, tensor in tensors.items()}
+
+
+class Trainer:
+    """One model in memory; trains from any adapter with a fresh AdamW, as a worker does each round."""
+
+    def __init__(self, config: TrainConfig, task: Task) -> None:
+        torch.set_num_threads(config.threads)
+        self.config = config
+        tokenizer = load_tokenizer(config.base_model)
+        self.pad_id = pad_token_id(tokenizer)
+        self.examples = load_shard(config, tokenizer, task.train_file).examples
+        self.validation = load_shard(config, tokenizer, task.validation_file).examples
+        self.model = build_lora_model(config, "cpu", torch.float32, "peft")
+        self.initial = snapshot(adapter_state(self.model))
+        self.frozen = frozen_keys(self.initial, config.freeze_a)
+
+    def split(self, shards: int, validation_split: float = 0.1) -> list[list[Example]]:
+        """The shards' examples as the submitter splits the dataset (validation held out first)."""
+        split = split_dataset(len(self.examples), shards, validation_split, self.config.seed)
+        return [[self.examples[i] for i in indices] for indices in split.shards]
+
+    def session(self, adapter: dict, examples: list[Example], config: TrainConfig) -> LoraSession:
+        load_adapter_state(self.model, adapter)
+        return LoraSession(self.model, examples, config, device="cpu", dtype=torch.float32, pad_id=self.pad_id)
+
+    def train(self, adapter: dict, examples: list[Example], config: TrainConfig, steps: int,
+              offset: int = 0, every: int = 0, on_eval=None) -> dict:
+        session = self.session(adapter, examples, config)
+        for step in range(steps):
+            session.step(offset + step)
+            if every and (step + 1) % every == 0:
+                on_eval(step + 1, session.evaluate(self.validation))
+        return snapshot(session.adapter_tensors())
+
+    def evaluate(self, adapter: dict) -> float:
+        return self.session(adapter, self.examples[:1], self.config).evaluate(self.validation)
+
+
+def curve(trainer: Trainer, examples: list[Example], config: TrainConfig, steps: int, every: int) -> list[tuple[int, float]]:
+    """Validation loss every ``every`` steps of one uninterrupted run (step 0 = the base + init)."""
+    points = [(0, trainer.evaluate(trainer.initial))]
+    trainer.train(trainer.initial, examples, config, steps, every=every,
+                  on_eval=lambda step, loss: points.append((step, loss)))
+    return points
+
+
+def steps_to_reach(points: list[tuple[int, float]], loss: float) -> tuple[float, bool]:
+    """First (interpolated) step at which the best-so-far loss of ``points`` is <= ``loss``;
+    (last step, True) when the curve never gets there (the efficiency is then a lower bound)."""
+    best_step, best = points[0]
+    if best <= loss:
+        return 0.0, False
+    for step, value in points[1:]:
+        if value <= loss:
+            # linear between the best point so far and this one
+            return best_step + (step - best_step) * (best - loss) / (best - value), False
+        if value < best:
+            best_step, best = step, value
+    return float(points[-1][0]), True
+
+
+def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConfig, *, rounds: int,
+                steps: int, method: str, outer: OuterOptimizer, schedule: str = "constant",
+                warmup_rounds: int = 0, continue_data: bool = True, lr_scale: float = 1.0) -> list[float]:
+    """The protocol's training, in process: validation loss after each round's aggregate."""
+    aggregate_now, state = trainer.initial, {}
+    losses = []
+    for rnd in range(1, rounds + 1):
+        lr = lr_scale * round_learning_rate(config.learning_rate, rnd, rounds, schedule=schedule,
+                                            warmup_rounds=warmup_rounds)
+        round_config = config.with_(learning_rate=lr)
+        offset = (rnd - 1) * steps if continue_data else 0
+        pairs = [(trainer.train(aggregate_now, shard, round_config, steps, offset=offset), len(shard))
+                 for shard in shards]
+        mean = aggregate(method, pairs)
+        aggregate_now, state = outer_step(aggregate_now, mean, state, outer, step=rnd, frozen=trainer.frozen)
+        losses.append(trainer.evaluate(aggregate_now))
+    return losses
+
+
+def parse_outer(text: str) -> OuterOptimizer:
+    """``none``, ``sgd:LR[:MOMENTUM]``, ``nesterov:LR:MOMENTUM``, ``adam:LR[:BETA1:BETA2]``."""
+    name, *numbers = text.split(":")
+    values = [float(x) for x in numbers]
+    if name == "none":
+        return OuterOptimizer()
+    if name in ("sgd", "nesterov"):
+        return OuterOptimizer(name, *values[:2])
+    if name == "adam":
+        return OuterOptimizer("adam", values[0], 0.0, *values[1:3])
+    raise SystemExit(f"bench_quality: bad --outer {text!r}")
+
+
+def emit(bench: str, value: float, unit: str, reference: float, ratio: float, goal: float | None, **extra) -> None:
+    print(json.dumps({"bench": bench, "value": round(value, 4), "unit": unit, "reference": round(reference, 4),
+                      "ratio": round(ratio, 4), "goal": goal, **extra}), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tasks", default="demo,hard")
+    parser.add_argument("--workers", default="2,4,8")
+    parser.add_argument("--total", type=int, default=800, help="optimizer steps of compute, all workers together")
+    parser.add_argument("--rounds", default="8", help="rounds per job (comma list to sweep)")
+    parser.add_argument("--outer", default="none,nesterov:0.7:0.9", help="outer optimizers (comma list)")
+    parser.add_argument("--method", default="exact")
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--schedule", default="constant", help="constant | cosine (inner lr across rounds)")
+    parser.add_argument("--warmup-rounds", type=int, default=0)
+    parser.add_argument("--inner-scale", default="none", help="none | sqrt: the network's inner lr is --lr x sqrt(W)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--extend", type=float, default=1.5, help="centralized run length as a multiple of --total")
+    parser.add_argument("--same-data-each-round", action="store_true",
+                        help="restart each round's sample order at step 0 (the protocol before IPIP-0006 §2.5)")
+    parser.add_argument("--no-sync", action="store_true", help="skip the sync-DP baseline")
+    parser.add_argument("--quick", action="store_true", help="demo task, W=4, T=200: a smoke run")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.tasks, args.workers, args.total, args.extend = "demo", "4", 200, 1.0
+    model = tiny_model()
+    config = TrainConfig(base_model=str(model), seed=7, learning_rate=args.lr, batch_size=args.batch,
+                         max_seq_len=96, rank=16, alpha=32.0, target_modules=TARGETS,
+                         freeze_a=args.method == "exact", threads=args.threads)
+    outers = [(text, parse_outer(text)) for text in args.outer.split(",")]
+    with tempfile.TemporaryDirectory(prefix="bench-quality-") as tmp:
+        for task_name in args.tasks.split(","):
+            task = make_task(task_name, Path(tmp))
+            trainer = Trainer(config, task)
+            started = time.perf_counter()
+            [everything] = trainer.split(1)
+            every = max(1, args.total // 32)
+            central = curve(trainer, everything, config, int(args.total * args.extend), every)
+            central_at_total = min(loss for step, loss in central if step <= args.total)
+            print("# centralized curve: " + " ".join(f"{step}:{loss:.3f}" for step, loss in central),
+                  file=sys.stderr, flush=True)
+            print(f"# {task_name}: centralized {args.total} steps: best val loss {central_at_total:.4f} "
+                  f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+            for workers in (int(w) for w in args.workers.split(",")):
+                shards = trainer.split(workers)
+                sync = None
+                if not args.no_sync:
+                    sync_steps = args.total // workers
+                    sync = curve(trainer, everything, config.with_(batch_size=args.batch * workers), sync_steps,
+                                 max(1, sync_steps // 32))
+                    sync_final = min(loss for _, loss in sync)
+                    reached, capped = steps_to_reach(central, sync_final)
+                    emit(f"efficiency/{task_name}/W{workers}/sync-DP", reached / args.total, "E", 1.0,
+                         reached / args.total, GOAL, lower_bound=capped, val_loss=round(sync_final, 4))
+                for rounds in (int(r) for r in args.rounds.split(",")):
+                    steps = args.total // (workers * rounds)
+                    if steps < 1:
+                        continue
+                    for label, outer in outers:
+                        started = time.perf_counter()
+                        losses = network_run(trainer, shards, config, rounds=rounds, steps=steps, method=args.method,
+                                             outer=outer, schedule=args.schedule, warmup_rounds=args.warmup_rounds,
+                                             continue_data=not args.same_data_each_round,
+                                             lr_scale=workers ** 0.5 if args.inner_scale == "sqrt" else 1.0)
+                        final = losses[-1]
+                        reached, capped = steps_to_reach(central, final)
+                        efficiency = reached / args.total
+                        name = f"{task_name}/W{workers}/R{rounds}x{steps}/{label}"
+                        emit(f"efficiency/{name}", efficiency, "E", 1.0, efficiency, GOAL, lower_bound=capped)
+                        if sync is not None:
+                            reached_sync, capped_sync = steps_to_reach(sync, final)
+                            e_sync = reached_sync / (args.total // workers)
+                            emit(f"efficiency_sync/{name}", e_sync, "E", 1.0, e_sync, None, lower_bound=capped_sync)
+                        emit(f"val_loss/{name}", final, "nats", central_at_total, central_at_total / final, None,
+                             per_round=[round(x, 4) for x in losses],
+                             seconds=round(time.perf_counter() - started, 1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,120 @@
+"""Outer optimizers across rounds (agent/train/aggregate.outer_step, IPIP-0006 §2.4), checked
+against plain numpy written from the formulas, plus the round schedule (agent/train/schedule.py)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from agent.train.aggregate import AggregationError, OuterOptimizer, exact, frozen_keys, outer_step
+from agent.train.schedule import round_learning_rate
+
+A, B = "m.lora_A.weight", "m.lora_B.weight"
+
+
+def adapter(b: np.ndarray, a: np.ndarray | None = None) -> dict[str, torch.Tensor]:
+    a = np.ones((b.shape[1], 3)) if a is None else a
+    return {A: torch.tensor(a, dtype=torch.float32), B: torch.tensor(b, dtype=torch.float32)}
+
+
+def rounds_of(outer: OuterOptimizer, means: list[np.ndarray], start: np.ndarray):
+    theta, state = adapter(start), {}
+    out = []
+    for step, mean in enumerate(means, start=1):
+        theta, state = outer_step(theta, adapter(mean), state, outer, step=step, frozen=[A])
+        out.append(theta[B].numpy().astype(np.float64))
+    return out, state
+
+
+def test_none_takes_the_mean_exactly_and_plain_sgd_up_to_rounding():
+    rng = np.random.default_rng(0)
+    start, mean = rng.normal(size=(4, 2)), rng.normal(size=(4, 2))
+    for outer in (OuterOptimizer(), OuterOptimizer("sgd", 1.0, 0.0)):
+        theta, state = outer_step(adapter(start), adapter(mean), {}, outer, step=1, frozen=[A])
+        if outer.active:
+            torch.testing.assert_close(theta[B], torch.tensor(mean, dtype=torch.float32), rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(theta[B], torch.tensor(mean, dtype=torch.float32))
+        assert torch.equal(theta[A], adapter(start)[A]) and state == {}
+
+
+@pytest.mark.parametrize("lr,mu", [(0.7, 0.9), (1.5, 0.5)])
+def test_nesterov_matches_numpy_over_rounds(lr, mu):
+    rng = np.random.default_rng(1)
+    start = rng.normal(size=(4, 2)).astype(np.float32)
+    means = [rng.normal(size=(4, 2)).astype(np.float32) for _ in range(3)]
+    got, state = rounds_of(OuterOptimizer("nesterov", lr, mu), means, start)
+    theta, buf = start.astype(np.float64), np.zeros_like(start, dtype=np.float64)
+    for mean, mine in zip(means, got):
+        g = theta - mean
+        buf = mu * buf + g
+        theta = theta - lr * (g + mu * buf)
+        np.testing.assert_allclose(mine, theta, rtol=1e-5, atol=1e-5)
+        theta = mine  # continue from the float32 result, as the protocol does
+    assert set(state) == {f"{B}.momentum"}
+
+
+def test_sgd_momentum_and_adam_match_numpy():
+    rng = np.random.default_rng(2)
+    start = rng.normal(size=(3, 2)).astype(np.float32)
+    means = [rng.normal(size=(3, 2)).astype(np.float32) for _ in range(3)]
+    got, _ = rounds_of(OuterOptimizer("sgd", 0.9, 0.5), means, start)
+    theta, buf = start.astype(np.float64), 0.0
+    for mean, mine in zip(means, got):
+        buf = 0.5 * buf + (theta - mean)
+        np.testing.assert_allclose(mine, theta - 0.9 * buf, rtol=1e-5, atol=1e-5)
+        theta = mine
+    got, state = rounds_of(OuterOptimizer("adam", 0.05, 0.0, 0.8, 0.95, 1e-8), means, start)
+    theta, m, v = start.astype(np.float64), 0.0, 0.0
+    for t, (mean, mine) in enumerate(zip(means, got), start=1):
+        g = theta - mean
+        m, v = 0.8 * m + 0.2 * g, 0.95 * v + 0.05 * g * g
+        expected = theta - 0.05 * (m / (1 - 0.8**t)) / (np.sqrt(v / (1 - 0.95**t)) + 1e-8)
+        np.testing.assert_allclose(mine, expected, rtol=1e-4, atol=1e-6)
+        theta = mine
+    assert set(state) == {f"{B}.m", f"{B}.v"}
+
+
+def test_outer_step_is_deterministic_and_leaves_its_inputs_alone():
+    """Two coordinators, the same inputs: the same bits (a failover must not change the aggregate)."""
+    rng = np.random.default_rng(3)
+    previous = adapter(rng.normal(size=(64, 16)))
+    state = {f"{B}.momentum": torch.tensor(rng.normal(size=(64, 16)), dtype=torch.float32)}
+    kept = {k: v.clone() for k, v in state.items()}
+    workers = [(adapter(rng.normal(size=(64, 16))), n) for n in (3, 5, 7)]
+    outer = OuterOptimizer("nesterov", 0.7, 0.9)
+    one = outer_step(previous, exact(workers), state, outer, step=2, frozen=[A])
+    two = outer_step(previous, exact(workers), state, outer, step=2, frozen=[A])
+    for first, second in zip(one, two):
+        assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert all(torch.equal(state[k], kept[k]) for k in state)
+
+
+def test_outer_step_refuses_what_does_not_fit():
+    outer = OuterOptimizer("nesterov", 0.7, 0.9)
+    moved_a = adapter(np.zeros((4, 2)), a=np.full((2, 3), 2.0))
+    with pytest.raises(AggregationError, match=r"lora_A.weight is frozen but the round's mean changed it"):
+        outer_step(adapter(np.zeros((4, 2))), moved_a, {}, outer, step=1, frozen=[A])
+    with pytest.raises(AggregationError, match=r"state m.lora_B.weight.momentum has shape \(3, 3\)"):
+        outer_step(adapter(np.zeros((4, 2))), adapter(np.ones((4, 2))),
+                   {f"{B}.momentum": torch.zeros(3, 3)}, outer, step=2, frozen=[A])
+    with pytest.raises(AggregationError, match="fit no trained key"):
+        outer_step(adapter(np.zeros((4, 2))), adapter(np.ones((4, 2))),
+                   {"other.momentum": torch.zeros(1)}, outer, step=2, frozen=[A])
+    with pytest.raises(AggregationError, match="outer.momentum must be in"):
+        OuterOptimizer("nesterov", 0.7, 1.0)
+    assert frozen_keys(adapter(np.zeros((4, 2))), freeze_a=True) == [A]
+    assert frozen_keys(adapter(np.zeros((4, 2))), freeze_a=False) == []
+
+
+def test_round_learning_rate():
+    assert [round_learning_rate(0.01, r, 4) for r in range(1, 5)] == [0.01] * 4
+    cosine = [round_learning_rate(0.01, r, 5, schedule="cosine") for r in range(1, 6)]
+    assert cosine[0] == 0.01 and math.isclose(cosine[-1], 0.001) and cosine == sorted(cosine, reverse=True)
+    warm = [round_learning_rate(0.01, r, 5, schedule="cosine", warmup_rounds=1) for r in range(1, 6)]
+    assert warm[0] == 0.005 and warm[1] == 0.01 and math.isclose(warm[-1], 0.001)
+    with pytest.raises(ValueError, match="outside 1..3"):
+        round_learning_rate(0.01, 4, 3)
