@@ -22,8 +22,11 @@ from pathlib import Path
 
 ADAPTER_FILES = frozenset({"adapter_config.json", "adapter_model.safetensors"})
 CHECKPOINT_FILES = ADAPTER_FILES | {"optimizer.safetensors", "state.json"}
-# a round's aggregate: the adapter, and the outer optimizer's state when the job has one (IPIP-0006 §2.4)
-AGGREGATE_FILES = ADAPTER_FILES | {"outer_state.safetensors"}
+# a worker's report: the adapter, and its final AdamW state when the job carries it (IPIP-0006 §2.3)
+REPORT_FILES = ADAPTER_FILES | {"optimizer.safetensors"}
+# a round's aggregate: the adapter, the averaged AdamW state when the job carries it, and the outer
+# optimizer's state when the job has one (IPIP-0006 §2.3, §2.4)
+AGGREGATE_FILES = REPORT_FILES | {"outer_state.safetensors"}
 DEFAULT_MAX_BYTES = 4 << 30
 
 

@@ -56,6 +56,7 @@ ROBUST_AGGREGATIONS = ("median", "trimmed_mean")
 OUTER_OPTIMIZERS = ("none", "sgd", "nesterov", "adam")
 OUTER_METHODS = ("fedavg", "exact")  # an outer step needs a mean in the adapters' own coordinates
 LR_SCHEDULES = ("constant", "cosine")
+OPTIMIZER_STATES = ("fresh", "carried")  # a round's AdamW: afresh, or the previous round's averaged state
 # The outer optimizer a spec gets when it names none; chosen from scripts/bench_quality.py (IPIP-0006 §2.4).
 OUTER_DEFAULT = {"optimizer": "none", "lr": 1.0, "momentum": 0.0}
 MIN_SHARDS_FOR_ROBUST = 3  # a median or trimmed mean of two updates is just their mean
@@ -245,6 +246,7 @@ class TrainingSpec:
     max_steps: int = _key(0, _Integer(0))  # 0 = no limit
     schedule: str = _key("constant", _Choice(*LR_SCHEDULES))
     warmup_rounds: int = _key(0, _Integer(0, 1000))
+    optimizer_state: str = _key("carried", _Choice(*OPTIMIZER_STATES))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -372,6 +374,8 @@ training:                         # what each worker does with its shard in each
   schedule: constant              # constant | cosine: the learning rate across rounds (cosine decays
                                   #   it to 0.1x by the last round); constant within a round
   warmup_rounds: 0                # first rounds ramp the rate up linearly, < rounds
+  optimizer_state: carried        # carried | fresh: each round's AdamW starts from the accepted
+                                  #   workers' averaged state (carried), or afresh as in round 1
 
 lora:
   rank: 8                         # r, >= 1

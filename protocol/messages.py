@@ -47,6 +47,7 @@ AGGREGATION_METHODS = ("fedavg", "exact", "svd", "median", "trimmed_mean")
 OUTER_OPTIMIZERS = ("none", "sgd", "nesterov", "adam")
 OUTER_METHODS = ("fedavg", "exact")  # the rules whose mean lives in the adapters' own coordinates
 LR_SCHEDULES = ("constant", "cosine")
+OPTIMIZER_STATES = ("fresh", "carried")
 
 
 def job_topic(job_id: bytes) -> str:
@@ -289,6 +290,9 @@ class TrainingTerms(Wire):
     # the inner learning rate across rounds (IPIP-0006 §2.5; agent/train/schedule.py)
     schedule: str = extension_field("constant", "enum", choices=LR_SCHEDULES)
     warmup_rounds: int = extension_field(0, "count", maximum=1000)
+    # where a round's AdamW starts: afresh, or from the accepted workers' averaged state that the
+    # previous aggregate carries (IPIP-0006 §2.3)
+    optimizer_state: str = extension_field("fresh", "enum", choices=OPTIMIZER_STATES)
 
 
 @record

@@ -163,9 +163,13 @@ class CommitmentHeader:
     checkpoint_every: int
     initial_adapter_hash: bytes
     environment: Mapping[str, str | int]
+    # the AdamW state training starts from: none (a fresh optimizer) unless the job carries the
+    # state across rounds (IPIP-0006 §2.3); written into the header only when not empty, so the
+    # headers (and genesis hashes) of fresh-optimizer proofs are what they always were
+    initial_optimizer_hash: bytes = EMPTY_TENSOR_SET
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "job_id": self.job_id.hex(), "round": self.round, "shard": self.shard,
             "attempt": self.attempt, "worker": self.worker,
             "base_model_sha256": self.base_model_sha256, "seed": self.seed,
@@ -173,6 +177,9 @@ class CommitmentHeader:
             "initial_adapter_hash": self.initial_adapter_hash.hex(),
             "environment": dict(sorted(self.environment.items())),
         }
+        if self.initial_optimizer_hash != EMPTY_TENSOR_SET:
+            out["initial_optimizer_hash"] = self.initial_optimizer_hash.hex()
+        return out
 
     @classmethod
     def from_json(cls, obj: Mapping) -> "CommitmentHeader":
@@ -184,6 +191,7 @@ class CommitmentHeader:
                 checkpoint_every=int(obj["checkpoint_every"]),
                 initial_adapter_hash=bytes.fromhex(obj["initial_adapter_hash"]),
                 environment={str(k): v for k, v in dict(obj["environment"]).items()},
+                initial_optimizer_hash=bytes.fromhex(obj.get("initial_optimizer_hash", EMPTY_TENSOR_SET.hex())),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProofError(f"commitment header: bad or missing field ({exc})") from None
@@ -194,6 +202,7 @@ class CommitmentHeader:
         """The chain's first head: SHA-256 of the header as canonical JSON (sorted keys, no spaces)."""
         _digest(self.job_id, "header.job_id")
         _digest(self.initial_adapter_hash, "header.initial_adapter_hash")
+        _digest(self.initial_optimizer_hash, "header.initial_optimizer_hash")
         if self.checkpoint_every < 1:
             raise ProofError("header.checkpoint_every must be at least 1")
         for key, value in self.environment.items():
@@ -287,7 +296,7 @@ class Commitment:
         if not 0 <= index < len(self.links):
             raise ProofError(f"segment {index} out of range (0..{len(self.links) - 1})")
         if index == 0:
-            return 0, self.header.initial_adapter_hash, EMPTY_TENSOR_SET
+            return 0, self.header.initial_adapter_hash, self.header.initial_optimizer_hash
         before = self.links[index - 1]
         return before.step, before.adapter_hash, before.optimizer_hash
 

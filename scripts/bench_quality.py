@@ -47,7 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from agent.train.aggregate import OuterOptimizer, aggregate, frozen_keys, outer_step  # noqa: E402
+from agent.train.aggregate import (  # noqa: E402
+    OuterOptimizer, aggregate, average_optimizer_states, frozen_keys, outer_step,
+)
 from agent.train.config import TrainConfig  # noqa: E402
 from agent.train.data import Example, read_chatml, split_dataset, write_chatml  # noqa: E402
 from agent.train.loop import LoraSession  # noqa: E402
@@ -144,13 +146,16 @@ class Trainer:
         return LoraSession(self.model, examples, config, device="cpu", dtype=torch.float32, pad_id=self.pad_id)
 
     def train(self, adapter: dict, examples: list[Example], config: TrainConfig, steps: int,
-              offset: int = 0, every: int = 0, on_eval=None) -> dict:
+              offset: int = 0, every: int = 0, on_eval=None, optimizer: dict | None = None) -> tuple[dict, dict]:
+        """(adapter, AdamW state) after ``steps`` steps from ``adapter`` (and ``optimizer``, else fresh)."""
         session = self.session(adapter, examples, config)
+        if optimizer:
+            session.load_optimizer_tensors(optimizer)
         for step in range(steps):
             session.step(offset + step)
             if every and (step + 1) % every == 0:
                 on_eval(step + 1, session.evaluate(self.validation))
-        return snapshot(session.adapter_tensors())
+        return snapshot(session.adapter_tensors()), snapshot(session.optimizer_tensors())
 
     def evaluate(self, adapter: dict) -> float:
         return self.session(adapter, self.examples[:1], self.config).evaluate(self.validation)
@@ -181,18 +186,21 @@ def steps_to_reach(points: list[tuple[int, float]], loss: float) -> tuple[float,
 
 def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConfig, *, rounds: int,
                 steps: int, method: str, outer: OuterOptimizer, schedule: str = "constant",
-                warmup_rounds: int = 0, continue_data: bool = True, lr_scale: float = 1.0) -> list[float]:
+                warmup_rounds: int = 0, continue_data: bool = True, lr_scale: float = 1.0,
+                carry: bool = True) -> list[float]:
     """The protocol's training, in process: validation loss after each round's aggregate."""
-    aggregate_now, state = trainer.initial, {}
+    aggregate_now, state, optimizer = trainer.initial, {}, None
     losses = []
     for rnd in range(1, rounds + 1):
         lr = lr_scale * round_learning_rate(config.learning_rate, rnd, rounds, schedule=schedule,
                                             warmup_rounds=warmup_rounds)
         round_config = config.with_(learning_rate=lr)
         offset = (rnd - 1) * steps if continue_data else 0
-        pairs = [(trainer.train(aggregate_now, shard, round_config, steps, offset=offset), len(shard))
-                 for shard in shards]
-        mean = aggregate(method, pairs)
+        trained = [(trainer.train(aggregate_now, shard, round_config, steps, offset=offset, optimizer=optimizer),
+                    len(shard)) for shard in shards]
+        mean = aggregate(method, [(adapter, n) for (adapter, _), n in trained])
+        if carry:  # IPIP-0006 §2.3: the next round starts from the averaged AdamW state
+            optimizer = average_optimizer_states([(opt, n) for (_, opt), n in trained])
         aggregate_now, state = outer_step(aggregate_now, mean, state, outer, step=rnd, frozen=trainer.frozen)
         losses.append(trainer.evaluate(aggregate_now))
     return losses
@@ -233,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--same-data-each-round", action="store_true",
                         help="restart each round's sample order at step 0 (the protocol before IPIP-0006 §2.5)")
     parser.add_argument("--no-sync", action="store_true", help="skip the sync-DP baseline")
+    parser.add_argument("--optimizer-state", default="carried,fresh",
+                        help="carried | fresh (comma list): each round's AdamW from the averaged state, or afresh")
     parser.add_argument("--quick", action="store_true", help="demo task, W=4, T=200: a smoke run")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
@@ -271,12 +281,14 @@ def main(argv: list[str] | None = None) -> int:
                     steps = args.total // (workers * rounds)
                     if steps < 1:
                         continue
-                    for label, outer in outers:
+                    for (label, outer), carried in ((o, c) for o in outers for c in args.optimizer_state.split(",")):
                         started = time.perf_counter()
                         losses = network_run(trainer, shards, config, rounds=rounds, steps=steps, method=args.method,
                                              outer=outer, schedule=args.schedule, warmup_rounds=args.warmup_rounds,
                                              continue_data=not args.same_data_each_round,
-                                             lr_scale=workers ** 0.5 if args.inner_scale == "sqrt" else 1.0)
+                                             lr_scale=workers ** 0.5 if args.inner_scale == "sqrt" else 1.0,
+                                             carry=carried == "carried")
+                        label = f"{label}+{carried}"
                         final = losses[-1]
                         reached, capped = steps_to_reach(central, final)
                         efficiency = reached / args.total

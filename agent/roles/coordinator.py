@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from agent.bundle import ADAPTER_FILES, AGGREGATE_FILES, CHECKPOINT_FILES, pack_dir, unpack
+from agent.bundle import AGGREGATE_FILES, CHECKPOINT_FILES, REPORT_FILES, pack_dir, unpack
 from agent.roles.job import JobView, run_torch, train_config
 from protocol import messages as m
 from protocol import state as st
@@ -67,7 +67,7 @@ class CoordinatorRole:
         self._banned: dict[bytes, set[str]] = {}
         self.accepted_adapters: dict[tuple[bytes, int, int], tuple[Path, int]] = {}
         # (job, round) -> the adapter training starts from, and the outer state it carries
-        self._initial: dict[tuple[bytes, int], tuple[dict, dict]] = {}
+        self._initial: dict[tuple[bytes, int], tuple[dict, dict, dict]] = {}
         self._validation: dict[bytes, Path] = {}  # job -> its validation split, fetched
 
     # -- leases -----------------------------------------------------------------------------------
@@ -215,10 +215,14 @@ class CoordinatorRole:
             raise Rejection(f"checkpoints.json: {exc}") from None
 
         await agent.content.fetch(report.adapter_cid, work / "adapter.tar", timeout=timeout, providers=providers)
-        adapter_dir = unpack(work / "adapter.tar", work / "adapter", allowed=ADAPTER_FILES, max_bytes=1 << 30)
+        adapter_dir = unpack(work / "adapter.tar", work / "adapter", allowed=REPORT_FILES, max_bytes=1 << 30)
         adapter = await trio.to_thread.run_sync(run_torch, _check_adapter, adapter_dir, terms)
         if tensors_hash(adapter) != commitment.links[-1].adapter_hash:
             raise Rejection("the adapter does not hash to the last committed checkpoint")
+        if terms.training.optimizer_state == "carried":  # it becomes part of the next round's start
+            problem = await trio.to_thread.run_sync(_check_final_optimizer, adapter_dir, commitment.links[-1].optimizer_hash)
+            if problem is not None:
+                raise Rejection(problem)
 
         shard_path = work / "shard.jsonl"
         await agent.content.fetch(terms.shards[report.shard].cid, shard_path, timeout=timeout,
@@ -230,8 +234,9 @@ class CoordinatorRole:
 
         # training started where it had to: the seeded init in round 1, the last aggregate after
         genesis = await self._checkpoint(checkpoints, 0, work, providers)
-        expected = await self._initial_adapter(view, report.round, config, work)
-        problem = await trio.to_thread.run_sync(run_torch, check_initial_adapter, genesis, commitment, expected)
+        expected, _, expected_optimizer = await self._round_start(view, report.round, config, work)
+        problem = await trio.to_thread.run_sync(run_torch, check_initial_adapter, genesis, commitment, expected,
+                                                expected_optimizer)
         if problem is not None:
             raise Rejection(problem)
         seed = segment_selection_seed(report.chain_head, os.urandom(16))
@@ -247,14 +252,11 @@ class CoordinatorRole:
                 raise Rejection(f"segment {index} does not replay: {verdict.reason}")
         return segments, adapter_dir
 
-    async def _initial_adapter(self, view: JobView, rnd: int, config: Any, work: Path) -> dict:
-        """The adapter round ``rnd``'s training must start from (cached per job and round)."""
-        return (await self._round_start(view, rnd, config, work))[0]
-
-    async def _round_start(self, view: JobView, rnd: int, config: Any, work: Path) -> tuple[dict, dict]:
-        """Round ``rnd``'s start: (the adapter its training starts from, the outer state carried with
-        it): the seeded init and no state in round 1, the previous aggregate's after (cached)."""
-        from agent.train.aggregate import OUTER_STATE_FILE
+    async def _round_start(self, view: JobView, rnd: int, config: Any, work: Path) -> tuple[dict, dict, dict]:
+        """Round ``rnd``'s start (cached): the adapter its training starts from, the outer optimizer
+        state and the AdamW state carried with it: the seeded init and no state in round 1, the
+        previous aggregate's after (its AdamW state only if the job carries it, IPIP-0006 §2.3)."""
+        from agent.train.aggregate import OPTIMIZER_FILE, OUTER_STATE_FILE
         from agent.train.replay import expected_initial_adapter
 
         key = (view.job_id, rnd)
@@ -272,10 +274,14 @@ class CoordinatorRole:
             if len(self._initial) > 64:
                 self._initial.clear()
             tensors = await trio.to_thread.run_sync(run_torch, expected_initial_adapter, config, directory)
-            state = {}
+            state, optimizer = {}, {}
             if directory is not None and (directory / OUTER_STATE_FILE).exists():
                 state = await trio.to_thread.run_sync(_load_tensors, directory / OUTER_STATE_FILE)
-            self._initial[key] = (tensors, state)
+            if directory is not None and view.terms.training.optimizer_state == "carried":
+                if not (directory / OPTIMIZER_FILE).exists():
+                    raise RuntimeError(f"round {rnd - 1}'s aggregate carries no {OPTIMIZER_FILE}")
+                optimizer = await trio.to_thread.run_sync(_load_tensors, directory / OPTIMIZER_FILE)
+            self._initial[key] = (tensors, state, optimizer)
         return self._initial[key]
 
     async def _checkpoint(self, checkpoints: dict[int, str], step: int, work: Path, providers: list[str]) -> Path:
@@ -305,7 +311,7 @@ class CoordinatorRole:
                 bundle = work / f"adapter-{shard}.tar"
                 await agent.content.fetch(report.adapter_cid, bundle, timeout=agent.config.fetch_timeout,
                                           providers=[terms.submitter, worker])
-                entry = (unpack(bundle, work / f"adapter-{shard}", allowed=ADAPTER_FILES), report.samples)
+                entry = (unpack(bundle, work / f"adapter-{shard}", allowed=REPORT_FILES), report.samples)
             inputs.append(entry)
         out = work / "adapter"
         config, start, validation = None, None, None
@@ -392,6 +398,25 @@ def _check_adapter(adapter_dir: Path, terms: m.JobTerms) -> dict:
     return tensors
 
 
+def _check_final_optimizer(adapter_dir: Path, committed: bytes) -> str | None:
+    """Why the report's AdamW state is not the one its last checkpoint committed, or None."""
+    from safetensors import SafetensorError
+
+    from agent.train.aggregate import OPTIMIZER_FILE
+    from agent.train.model import tensors_hash
+
+    path = adapter_dir / OPTIMIZER_FILE
+    if not path.exists():
+        return f"the job carries the optimizer state across rounds; the adapter bundle has no {OPTIMIZER_FILE}"
+    try:
+        tensors = _load_tensors(path)
+    except (OSError, SafetensorError) as exc:
+        return f"{OPTIMIZER_FILE} does not load: {exc}"
+    if tensors_hash(tensors) != committed:
+        return f"{OPTIMIZER_FILE} does not hash to the last committed checkpoint's optimizer state"
+    return None
+
+
 def _load_tensors(path: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -403,13 +428,18 @@ def _aggregate_adapters(terms: m.JobTerms, inputs: list[tuple[Path, int]], out: 
     """The round's aggregate into ``out``: the job's rule, then its outer step from ``start`` (if any)."""
     from safetensors.torch import load_file, save_file
 
-    from agent.train.aggregate import OUTER_STATE_FILE, OuterOptimizer, aggregate, frozen_keys, outer_step
+    from agent.train.aggregate import (
+        OPTIMIZER_FILE, OUTER_STATE_FILE, OuterOptimizer, aggregate, average_optimizer_states, frozen_keys, outer_step,
+    )
 
     pairs = [(load_file(str(d / "adapter_model.safetensors")), n) for d, n in inputs]
     merged = aggregate(terms.aggregation, pairs)
     out.mkdir(parents=True, exist_ok=True)
+    if terms.training.optimizer_state == "carried":
+        optimizers = [(load_file(str(d / OPTIMIZER_FILE)), n) for d, n in inputs]
+        save_file(average_optimizer_states(optimizers), str(out / OPTIMIZER_FILE), metadata={"format": "pt"})
     if terms.outer is not None and start is not None:
-        previous, state = start
+        previous, state, _ = start
         o = terms.outer
         outer = OuterOptimizer(o.optimizer, o.lr, o.momentum, o.beta1, o.beta2)
         merged, state = outer_step(previous, merged, state, outer, step=rnd,

@@ -75,6 +75,7 @@ def train_config(terms: m.JobTerms, base_model_path: str, *, round: int = 1, **l
     return TrainConfig(
         base_model=base_model_path, base_model_sha256=terms.base_model_sha256.hex(), method=terms.method,
         runtime=terms.runtime, seed=terms.seed, epochs=t.epochs, learning_rate=learning_rate, round=round,
+        carry_optimizer=t.optimizer_state == "carried",
         batch_size=t.batch_size, gradient_accumulation_steps=t.gradient_accumulation_steps,
         max_seq_len=t.max_seq_len, max_steps=t.max_steps, rank=lora.rank, alpha=lora.alpha,
         dropout=lora.dropout, target_modules=lora.target_modules, freeze_a=lora.freeze_a,

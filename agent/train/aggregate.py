@@ -553,3 +553,54 @@ def frozen_keys(adapter: Adapter, freeze_a: bool) -> list[str]:
         return []
     modules, _ = _lora_modules(adapter)
     return [module.a_key for module in modules]
+
+
+# --- carried optimizer state (IPIP-0006 §2.3) ------------------------------------------------------
+#
+# With ``training.optimizer_state: carried`` a round's AdamW does not start afresh: the aggregate
+# carries the accepted workers' final AdamW states, averaged, and every worker of the next round
+# loads them. A fresh Adam's first steps are ±lr in every coordinate (m̂/√v̂ = g/|g|), noise
+# included, so restarting it each round throws away the very averaging the round paid for
+# (scripts/bench_quality.py measures it). The state's names are loop.py's:
+# ``<adapter tensor>.exp_avg``, ``.exp_avg_sq`` and ``.step``.
+
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+@torch.no_grad()
+def average_optimizer_states(pairs: Pairs) -> dict[str, torch.Tensor]:
+    """Sample-weighted mean of the ``exp_avg`` and ``exp_avg_sq`` tensors, and the largest ``step``."""
+    if not isinstance(pairs, Sequence) or len(pairs) == 0:
+        raise AggregationError("no optimizer states to average")
+    states = [state for state, _ in pairs]
+    counts = [count for _, count in pairs]
+    if any(not isinstance(c, Integral) or isinstance(c, bool) or c <= 0 for c in counts):
+        raise AggregationError(f"optimizer states: sample counts must be positive integers, got {counts}")
+    first = states[0]
+    if not first:
+        raise AggregationError("optimizer state 0 is empty")
+    for index, state in enumerate(states[1:], start=1):
+        if state.keys() != first.keys():
+            missing, extra = first.keys() - state.keys(), state.keys() - first.keys()
+            raise AggregationError(f"optimizer state {index}: keys differ from state 0's: "
+                                   f"missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]}")
+    total = sum(counts)
+    weights = [count / total for count in counts]
+    out = {}
+    for key in first:
+        tensors = [state[key] for state in states]
+        for index, tensor in enumerate(tensors):
+            if tensor.shape != first[key].shape or not tensor.is_floating_point():
+                raise AggregationError(f"optimizer state {index}: {key}: {tuple(tensor.shape)} {tensor.dtype}, "
+                                       f"state 0 has {tuple(first[key].shape)} {first[key].dtype}")
+            _require_finite(tensor, f"optimizer state {index}: {key}")
+        if key.endswith(".step"):
+            out[key] = torch.stack([t.to(torch.float32).reshape(()) for t in tensors]).max().reshape(first[key].shape)
+            continue
+        if key.endswith(".exp_avg_sq") and any(bool((t < 0).any()) for t in tensors):
+            raise AggregationError(f"{key}: a second moment is negative")
+        total_tensor = tensors[0].to(torch.float32) * weights[0]
+        for tensor, weight in zip(tensors[1:], weights[1:]):
+            total_tensor.add_(tensor.to(torch.float32), alpha=weight)
+        out[key] = total_tensor.to(first[key].dtype)
+    return out

@@ -52,6 +52,7 @@ class TrainConfig:
     max_seq_len: int = 512
     max_steps: int = 0
     round: int = 1
+    carry_optimizer: bool = False  # start from the initial adapter's averaged AdamW state (IPIP-0006 §2.3)
     # lora
     rank: int = 8
     alpha: float = 16.0
@@ -115,6 +116,7 @@ class TrainConfig:
             gradient_accumulation_steps=spec.training.gradient_accumulation_steps,
             max_seq_len=spec.training.max_seq_len,
             max_steps=spec.training.max_steps,
+            carry_optimizer=spec.training.optimizer_state == "carried",
             rank=spec.lora.rank,
             alpha=spec.lora.alpha,
             dropout=spec.lora.dropout,

@@ -99,6 +99,14 @@ def load_base_model(path_or_name: str, *, device: str, dtype: torch.dtype, quant
     model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(path_or_name)), **kwargs)
     if not quantize_4bit:
         model.to(device)
+    else:
+        # bitsandbytes repacks 4-bit weights for its AVX512-BF16 CPU kernel at the first forward
+        # in eval mode, and a training forward after that takes the inference-only path and fails
+        # ("a view of a leaf Variable ... in-place"); the other layout would also change the float
+        # results a verifier replays. Only CPUs with that instruction set do it: keep one layout.
+        for module in model.modules():
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = False
     model.requires_grad_(False)
     return model
 

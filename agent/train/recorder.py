@@ -10,7 +10,8 @@ Rules of this file:
       adapter_model.safetensors  adapter_config.json   the adapter (loadable by stock peft)
       optimizer.safetensors                            AdamW state, see loop.py for the names
       state.json                                       step, link, head, RNG rule
-  Step 0 (the initial adapter, empty optimizer) is saved too, so segment 0 can be replayed.
+  Step 0 (the initial adapter, and the optimizer state training starts from: empty unless the
+  job carries it across rounds) is saved too, so segment 0 can be replayed.
   It is written to a temporary directory and renamed into place: never half-written.
 - The RNG state at a step boundary is fully given by (seed, step) because the loop reseeds at
   every step (loop.step_seed); state.json records that rule and the seed rather than opaque
@@ -103,10 +104,11 @@ class ProofRecorder:
         return Commitment(self.header, tuple(self.links))
 
     def start(self, session: Any) -> None:
-        """Save the step-0 checkpoint: the initial adapter the header names, no optimizer state."""
-        adapter = session.adapter_tensors()
+        """Save the step-0 checkpoint: the initial adapter and optimizer state the header names
+        (no optimizer state unless the job carries it across rounds)."""
+        adapter, optimizer = session.adapter_tensors(), session.optimizer_tensors()
         state = {"step": 0, "index": None, "head": self.head.hex(), "seed": self.header.seed, "rng": RNG_RULE}
-        write_checkpoint(self.checkpoint_dir(0), session.model, adapter, {}, state)
+        write_checkpoint(self.checkpoint_dir(0), session.model, adapter, optimizer, state)
         self._write_proof()
 
     def checkpoint_dir(self, step: int) -> Path:

@@ -71,15 +71,18 @@ def expected_initial_adapter(config: TrainConfig, initial: Path | None = None) -
     return {name: tensor.detach().to("cpu").clone() for name, tensor in adapter_state(model).items()}
 
 
-def check_initial_adapter(genesis: Path, commitment: Commitment, expected: dict[str, torch.Tensor]) -> str | None:
+def check_initial_adapter(genesis: Path, commitment: Commitment, expected: dict[str, torch.Tensor],
+                          expected_optimizer: dict[str, torch.Tensor] | None = None) -> str | None:
     """Why the proof's step-0 checkpoint is not the start it had to be, or None.
 
     The step-0 checkpoint must hash to the header's ``initial_adapter_hash`` (which the chain is
     bound to), and its tensors must equal ``expected``: exactly in float32, within the dtype's
-    rounding otherwise (a worker training in bf16 casts the same start).
+    rounding otherwise (a worker training in bf16 casts the same start). Its AdamW state must be
+    ``expected_optimizer`` exactly (empty: a fresh optimizer; the previous aggregate's averaged
+    state when the job carries it, IPIP-0006 §2.3).
     """
     try:
-        adapter, _, _ = read_checkpoint(genesis)
+        adapter, optimizer, _ = read_checkpoint(genesis)
     except (OSError, ValueError, SafetensorError) as error:
         return f"the step-0 checkpoint is unreadable: {error}"
     if tensors_hash(adapter) != commitment.header.initial_adapter_hash:
@@ -98,6 +101,13 @@ def check_initial_adapter(genesis: Path, commitment: Commitment, expected: dict[
         if not same:
             return (f"training did not start from the job's initial adapter (tensor {name} differs: "
                     "not the seeded LoRA init in round 1, or not the previous round's aggregate)")
+    if tensors_hash(optimizer) != commitment.header.initial_optimizer_hash:
+        return "the step-0 checkpoint's optimizer state does not hash to the proof's initial_optimizer_hash"
+    if expected_optimizer is not None:
+        if set(optimizer) != set(expected_optimizer) or any(
+                not torch.equal(optimizer[name], expected_optimizer[name]) for name in expected_optimizer):
+            return ("training did not start from the job's optimizer state (fresh in round 1 or when the job "
+                    "does not carry it, else the previous aggregate's averaged AdamW state)")
     return None
 
 

@@ -30,7 +30,9 @@ from typing import Any
 
 import torch
 import yaml
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
+
+from agent.train.aggregate import OPTIMIZER_FILE
 
 from agent.train.config import TrainConfig, TrainError
 from agent.train.data import Example, PreparedShard, prepare_examples
@@ -208,6 +210,15 @@ def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None
     initial = load_file(str(request.initial_adapter / "adapter_model.safetensors")) if request.initial_adapter else None
     session = open_session(config, shard.examples, pad_id=pad_token_id(tokenizer), backend=backend,
                            initial_adapter=initial)
+    if config.carry_optimizer and request.initial_adapter is not None:  # IPIP-0006 §2.3
+        state_file = request.initial_adapter / OPTIMIZER_FILE
+        if not state_file.exists():
+            raise TrainError(f"{request.initial_adapter}: the job carries the optimizer state across rounds, "
+                             f"but the initial adapter has no {OPTIMIZER_FILE}")
+        try:
+            session.load_optimizer_tensors(load_file(str(state_file)))
+        except (ValueError, KeyError) as error:
+            raise TrainError(f"{state_file}: does not fit the model's trainable tensors: {error}") from None
     run_dir = request.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "infernet.train.yml").write_text(
@@ -220,6 +231,7 @@ def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None
         job_id=request.job_id, round=request.round, shard=request.shard_index, attempt=request.attempt,
         worker=request.worker, base_model_sha256=base_hash, seed=config.seed,
         checkpoint_every=config.checkpoint_every, initial_adapter_hash=tensors_hash(session.adapter_tensors()),
+        initial_optimizer_hash=tensors_hash(session.optimizer_tensors()),
         environment=environment(session.device, session.dtype, backend),
     )
     total_steps = config.total_steps(len(shard.examples))
@@ -256,6 +268,8 @@ def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None
 
     adapter_dir = run_dir / "checkpoint-final"
     save_adapter(adapter_dir, session.model, session.adapter_tensors())
+    if config.carry_optimizer:  # the coordinator averages it into the next round's start
+        save_file(session.optimizer_tensors(), str(adapter_dir / OPTIMIZER_FILE), metadata={"format": "pt"})
     outcome = TrainResult(
         run_dir=run_dir, adapter_dir=adapter_dir, head=recorder.head, steps=total_steps,
         checkpoints=len(recorder.links), samples=total_steps * config.samples_per_step, tokens=tokens,

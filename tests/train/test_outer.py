@@ -118,3 +118,52 @@ def test_round_learning_rate():
     assert warm[0] == 0.005 and warm[1] == 0.01 and math.isclose(warm[-1], 0.001)
     with pytest.raises(ValueError, match="outside 1..3"):
         round_learning_rate(0.01, 4, 3)
+
+
+# --- carried optimizer state (IPIP-0006 §2.3) ------------------------------------------------------
+
+def test_optimizer_states_average_by_samples_and_keep_the_largest_step():
+    from agent.train.aggregate import average_optimizer_states
+
+    one = {"b.exp_avg": torch.tensor([1.0, -1.0]), "b.exp_avg_sq": torch.tensor([1.0, 4.0]), "b.step": torch.tensor(12.0)}
+    two = {"b.exp_avg": torch.tensor([0.0, 3.0]), "b.exp_avg_sq": torch.tensor([3.0, 0.0]), "b.step": torch.tensor(10.0)}
+    mean = average_optimizer_states([(one, 1), (two, 3)])
+    assert torch.equal(mean["b.exp_avg"], torch.tensor([0.25, 2.0]))
+    assert torch.equal(mean["b.exp_avg_sq"], torch.tensor([2.5, 1.0]))
+    assert mean["b.step"].item() == 12.0 and mean["b.step"].shape == ()
+    with pytest.raises(AggregationError, match="optimizer state 1: keys differ"):
+        average_optimizer_states([(one, 1), ({"b.exp_avg": torch.zeros(2)}, 1)])
+    with pytest.raises(AggregationError, match="b.exp_avg_sq: a second moment is negative"):
+        average_optimizer_states([(one, 1), ({**two, "b.exp_avg_sq": torch.tensor([-1.0, 0.0])}, 1)])
+    with pytest.raises(AggregationError, match="optimizer state 1: b.exp_avg: contains NaN"):
+        average_optimizer_states([(one, 1), ({**two, "b.exp_avg": torch.tensor([float("nan"), 0.0])}, 1)])
+
+
+def test_a_round_that_carries_the_state_proves_where_it_started(tmp_path, base_config, demo_files):
+    """Round 2 starts from round 1's AdamW state; the proof binds it; a fresh start is refused."""
+    from safetensors.torch import load_file
+
+    from agent.train.aggregate import OPTIMIZER_FILE
+    from agent.train.recorder import read_checkpoint
+    from agent.train.replay import check_initial_adapter, verify_segment
+    from agent.train.run import TrainRequest, train_shard
+    from protocol.proof import EMPTY_TENSOR_SET, Commitment
+
+    config = base_config.with_(carry_optimizer=True, max_steps=8, checkpoint_every=4, dropout=0.0)
+    first = train_shard(TrainRequest(config, demo_files["shard0"], tmp_path / "r1"))
+    assert (first.adapter_dir / OPTIMIZER_FILE).exists()
+    second = train_shard(TrainRequest(config.with_(round=2), demo_files["shard1"], tmp_path / "r2",
+                                      initial_adapter=first.adapter_dir, round=2))
+    commitment = Commitment.from_json(__import__("json").loads((tmp_path / "r2" / "proof.json").read_text()))
+    assert commitment.header.initial_optimizer_hash != EMPTY_TENSOR_SET
+    genesis = tmp_path / "r2" / "checkpoints" / "step-000000"
+    start, carried = load_file(str(first.adapter_dir / "adapter_model.safetensors")), load_file(
+        str(first.adapter_dir / OPTIMIZER_FILE))
+    assert check_initial_adapter(genesis, commitment, start, carried) is None
+    assert "did not start from the job's optimizer state" in check_initial_adapter(genesis, commitment, start, {})
+    # segment 0 replays from the carried state, exactly
+    verdict = verify_segment(commitment, 0, start=genesis, shard=demo_files["shard1"], config=config.with_(round=2),
+                             claimed_head=second.head)
+    assert verdict.accepted and verdict.exact, verdict
+    _, optimizer, _ = read_checkpoint(genesis)
+    assert set(optimizer) == set(carried)
