@@ -390,6 +390,8 @@ class Agent:
         self.store.update_job(view.job_id, self.clock(), state=view.state.phase.value, round=view.state.round,
                               coordinator_term=view.coordination.term)
         self.coordinator.on_actions(view, actions)
+        if self.worker is not None and actions:
+            self.worker.wake()
         if self.observer is not None and actions:
             self.observer("state", view, actions)
         for action in actions:

@@ -46,7 +46,8 @@ class WorkerRole:
         self.agent = agent
         self.candidates: dict[bytes, JobView] = {}
         self.active: dict[tuple[bytes, int, int, int], m.ShardLease] = {}
-        self._last_claim: dict[bytes, float] = {}
+        self._last_claim: dict[bytes, tuple[float, int]] = {}  # job -> (when, round) of our last claim
+        self._wake = trio.Event()
 
     # -- choosing jobs ----------------------------------------------------------------------------
 
@@ -75,10 +76,19 @@ class WorkerRole:
 
     # -- claiming ---------------------------------------------------------------------------------
 
+    def wake(self) -> None:
+        """Something changed (a job's state, one of our shards ended): look for a shard to claim now."""
+        self._wake.set()
+
     async def claim_loop(self) -> None:
+        """Claim an open shard whenever we have room: at once when woken (a new round, a shard
+        reopened, our last shard done), else every ``claim_interval``. A claim that got no lease is
+        not repeated within 2 x ``claim_interval`` in the same round, unless one of our shards ended."""
         agent = self.agent
         while True:
-            await trio.sleep(agent.config.claim_interval)
+            with trio.move_on_after(agent.config.claim_interval):
+                await self._wake.wait()
+            self._wake = trio.Event()
             if len(self.active) >= agent.config.max_concurrent_shards:
                 continue
             now = agent.clock()
@@ -93,9 +103,11 @@ class WorkerRole:
                 if any(k[0] == view.job_id for k in self.active):
                     continue
                 open_shards = view.open_shards()
-                if not open_shards or now - self._last_claim.get(view.job_id, 0.0) < 2 * agent.config.claim_interval:
+                last_time, last_round = self._last_claim.get(view.job_id, (0.0, 0))
+                if not open_shards or (last_round == view.state.round and
+                                       now - last_time < 2 * agent.config.claim_interval):
                     continue
-                self._last_claim[view.job_id] = now
+                self._last_claim[view.job_id] = (now, view.state.round)
                 await agent.publish(m.ShardClaim(view.job_id, view.state.round, random.choice(open_shards)))
                 break
 
@@ -140,6 +152,8 @@ class WorkerRole:
                                                    str(exc)[:1000] or type(exc).__name__))
         finally:
             self.active.pop(key, None)
+            self._last_claim.pop(view.job_id, None)
+            self.wake()
 
     async def _fetch(self, view: JobView, lease: m.ShardLease, cid: str, out: Path, providers: list[str],
                      tries: int = 3) -> None:
