@@ -4,7 +4,9 @@ Rules of this file:
 - ``LoraSession.step(s)`` is a pure function of (adapter, optimizer state, shard, config, s): it
   reseeds torch from SHA-256("infernet/step-rng/v1", seed, s) first (so dropout never depends on
   what ran before), takes the examples ``data.step_samples`` names, runs
-  ``gradient_accumulation_steps`` micro-batches of ``batch_size``, and makes one AdamW step. This
+  ``gradient_accumulation_steps`` micro-batches of ``batch_size`` (or the worker's
+  ``micro_batch_size``: the same samples split otherwise, the same token-weighted mean), and makes
+  one AdamW step. This
   is what lets a verifier resume from any checkpoint and land on the same bits.
 - The loss of a step is the mean cross-entropy over all its label tokens (token-weighted across
   micro-batches), computed here from the logits, not by the model.
@@ -92,8 +94,8 @@ class LoraSession:
         label_tokens = sum(self.examples[i].n_label_tokens for i in indices)
         self.model.train()
         loss_total, tokens = 0.0, 0
-        for start in range(0, len(indices), config.batch_size):
-            batch = collate([self.examples[i] for i in indices[start:start + config.batch_size]],
+        for start in range(0, len(indices), config.micro_batch):
+            batch = collate([self.examples[i] for i in indices[start:start + config.micro_batch]],
                             self.pad_id, self.device)
             loss_sum = token_loss_sum(self.model, batch)
             (loss_sum / label_tokens).backward()
