@@ -88,6 +88,7 @@ class PeerInfo:
     last_heartbeat: float
     capability: m.Capability | None = None
     live_since: float = 0.0  # when its heartbeats started arriving again after a silence
+    active_shards: int = 0  # from its latest heartbeat: busy (> 0) or idle
 
 
 class Agent:
@@ -305,6 +306,7 @@ class Agent:
                 if now - info.last_heartbeat > self.config.heartbeat_seconds * self.config.missed_heartbeats:
                     info.live_since = now  # back after a silence (it restarted, or a partition healed)
                 info.last_heartbeat = now
+                info.active_shards = msg.active_shards
                 for entry in msg.coordinating:
                     view = self.jobs.get(entry.job_id)
                     if view is not None and signer != self.peer_id:
