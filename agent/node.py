@@ -92,7 +92,8 @@ class PeerInfo:
 
 
 class Agent:
-    def __init__(self, identity: Identity, config: AgentConfig, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, identity: Identity, config: AgentConfig, *, clock: Callable[[], float] = time.time,
+                 machine: Any = None) -> None:
         self.identity = identity
         self.config = config
         self.clock = clock
@@ -119,7 +120,9 @@ class Agent:
         # verified message we receive and ("state", JobView, actions) for every state change; never
         # set in production, and it must not raise
         self.observer: Callable[..., None] | None = None
-        self.machine: Any = None  # agent/hardware.Machine, measured in run()
+        # agent/hardware.Machine: measured in run(), unless declared here (the harness declares GPUs this
+        # machine lacks, so that GPU jobs' decisions run on real agents; training itself runs on what torch has)
+        self.machine: Any = machine
         self.models_held: tuple[m.ModelHeld, ...] = ()
         self.published_capability: m.Capability | None = None
         self._hashes_saved = 0  # position in FILE_HASHES already saved to the store
@@ -179,7 +182,8 @@ class Agent:
         from agent.train.model import FILE_HASHES
 
         FILE_HASHES.load(self.store.file_hashes())
-        self.machine = await trio.to_thread.run_sync(hardware.detect)
+        if self.machine is None:
+            self.machine = await trio.to_thread.run_sync(hardware.detect)
         held = []
         for name, path in self.config.models[:m.MAX_MODELS]:
             try:
