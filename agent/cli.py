@@ -316,6 +316,12 @@ def cmd_peers(args: argparse.Namespace) -> int:
     from agent.control import request
 
     peers = request(_home(args), "peers")
+    _emit(args, peers, peers_table(peers) if peers else "no peers yet")
+    return 0
+
+
+def peers_table(peers: list[dict]) -> str:
+    """``infernet peers`` as text: liveness, roles, busy/idle, price, GPU, VRAM free/total, models."""
     lines = [f"{'peer':<54} {'live':<5} {'seen':>6} {'trains':<6} {'coord':<5} {'state':<5} {'price/h':>7}  "
              f"{'gpu':<28} {'vram GB':>9}  models"]
     for p in peers:
@@ -328,8 +334,7 @@ def cmd_peers(args: argparse.Namespace) -> int:
         lines.append(f"{p['peer_id']:<54} {'yes' if p['live'] else 'no':<5} {p['last_heartbeat_s']:>5.0f}s "
                      f"{_yn(p['accepts_training']):<6} {_yn(p['can_coordinate']):<5} "
                      f"{'busy' if p.get('busy') else 'idle':<5} {price:>7}  {gpu[:28]:<28} {vram:>9}  {models}")
-    _emit(args, peers, "\n".join(lines) if peers else "no peers yet")
-    return 0
+    return "\n".join(lines)
 
 
 def _yn(value: Any) -> str:

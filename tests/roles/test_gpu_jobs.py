@@ -45,6 +45,18 @@ async def test_a_gpu_job_goes_to_gpu_workers_and_the_ledger_records_the_real_dev
             assert gpu_workers[0].worker.refusal(unsloth) == "runtime unsloth is not offered here (offers: peft)"
         # only the declared-GPU peers can replay it, so only they are eligible to coordinate
         assert submitter.eligible_coordinators(terms) == frozenset(a.peer_id for a in gpu_workers)
+        # what `infernet peers` shows: GPU, VRAM free/total, models, price, busy/idle
+        from agent.cli import peers_table
+        from agent.control import _peers
+
+        table = await _peers(submitter)
+        row = next(p for p in table if p["peer_id"] == gpu_workers[0].peer_id)
+        assert row["gpus"][0]["name"] == "Declared GPU" and row["gpus"][0]["vram_free_gb"] == 20.0
+        assert row["models"] == [{"name": MODEL_NAME, "sha256": terms.base_model_sha256.hex()}] and not row["busy"]
+        text = peers_table(table).splitlines()
+        assert "vram GB" in text[0] and any("Declared GPU" in line and "20/24" in line and MODEL_NAME in line
+                                            and " idle " in line for line in text[1:])
+        assert any(" cpu " in line for line in text[1:])  # the CPU worker
         view = await submitter.submitter.announce(terms)
         await submitter.wait_for(lambda: view.state.terminal, timeout=240)
         assert view.state.phase is st.JobPhase.DONE, view.state.reason
