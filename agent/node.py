@@ -188,7 +188,7 @@ class Agent:
         for name, path in self.config.models[:m.MAX_MODELS]:
             try:
                 digest = await self.base_model_hash(path)
-            except (OSError, ValueError) as exc:
+            except Exception as exc:  # noqa: BLE001 - a model we cannot read is not advertised; the agent runs on
                 log.warning("model %s at %s: cannot hash it (%s); not advertised", name, path, exc)
                 continue
             held.append(m.ModelHeld(name[:m.MAX_STR], bytes.fromhex(digest)))

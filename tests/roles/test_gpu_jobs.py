@@ -32,6 +32,9 @@ async def test_a_gpu_job_goes_to_gpu_workers_and_the_ledger_records_the_real_dev
         cap = cpu_worker.published_capability
         assert cap.hardware.device == "cpu" and cap.devices == () and cap.backends == ("peft",)
         assert [x.name for x in cap.models] == [MODEL_NAME]
+        # the model's file hashes are in the store: a restart does not read the model again
+        stored = {key[0] for key, _ in cpu_worker.store.file_hashes()}
+        assert str((tiny_model_dir / "model.safetensors").resolve()) in stored
         terms = await submitter.submitter.prepare_terms(spec, dataset, str(tiny_model_dir))
         assert terms.min_vram_gb == 8.0 and cap.models[0].sha256 == terms.base_model_sha256
         assert cpu_worker.worker.refusal(terms) == "job needs 8 GB of VRAM; this agent has no GPU"
