@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     trun.add_argument("--model", type=Path, help="local base model directory (default: the spec's base_model)")
     trun.add_argument("--output", type=Path, metavar="DIR", help="run directory (default: runs/NAME-TIME)")
     trun.add_argument("--threads", type=int, default=None)
+    trun.add_argument("--preset", choices=("quick-test", "auto"), default=None,
+                      help="quick-test: at most 20 steps, short sequences; auto: device, dtype and micro-batch "
+                           "from this machine's free VRAM (the spec's effective batch kept)")
 
     data = sub.add_parser("data", help="content addresses of dataset files").add_subparsers(
         dest="action", metavar="ACTION", required=True)
@@ -313,12 +316,25 @@ def cmd_peers(args: argparse.Namespace) -> int:
     from agent.control import request
 
     peers = request(_home(args), "peers")
-    lines = [f"{'peer':<54} {'live':<5} {'seen':>6} {'trains':<6} {'coord':<5} version"]
-    for p in peers:
-        lines.append(f"{p['peer_id']:<54} {'yes' if p['live'] else 'no':<5} {p['last_heartbeat_s']:>5.0f}s "
-                     f"{_yn(p['accepts_training']):<6} {_yn(p['can_coordinate']):<5} {p['version'] or '?'}")
-    _emit(args, peers, "\n".join(lines) if peers else "no peers yet")
+    _emit(args, peers, peers_table(peers) if peers else "no peers yet")
     return 0
+
+
+def peers_table(peers: list[dict]) -> str:
+    """``infernet peers`` as text: liveness, roles, busy/idle, price, GPU, VRAM free/total, models."""
+    lines = [f"{'peer':<54} {'live':<5} {'seen':>6} {'trains':<6} {'coord':<5} {'state':<5} {'price/h':>7}  "
+             f"{'gpu':<28} {'vram GB':>9}  models"]
+    for p in peers:
+        gpus = p.get("gpus") or []
+        gpu = (f"{len(gpus)}x {gpus[0]['name']}" if len(gpus) > 1 else gpus[0]["name"]) if gpus else \
+            ("cpu" if p.get("device") else "?")
+        vram = f"{sum(g['vram_free_gb'] for g in gpus):.0f}/{sum(g['vram_total_gb'] for g in gpus):.0f}" if gpus else "-"
+        models = ", ".join(x["name"] for x in p.get("models") or []) or "-"
+        price = f"{p['price_per_hour']:.2f}" if p.get("price_per_hour") is not None else "?"
+        lines.append(f"{p['peer_id']:<54} {'yes' if p['live'] else 'no':<5} {p['last_heartbeat_s']:>5.0f}s "
+                     f"{_yn(p['accepts_training']):<6} {_yn(p['can_coordinate']):<5} "
+                     f"{'busy' if p.get('busy') else 'idle':<5} {price:>7}  {gpu[:28]:<28} {vram:>9}  {models}")
+    return "\n".join(lines)
 
 
 def _yn(value: Any) -> str:
@@ -471,8 +487,17 @@ def cmd_train_run(args: argparse.Namespace) -> int:
         write_chatml(validation, [records[i] for i in split.validation])
     threads = args.threads or max(1, min(os.cpu_count() or 1, 8))
     config = TrainConfig.from_spec(spec, threads=threads).with_(base_model=str(model))
+    if args.preset:
+        from agent.hardware import cuda_devices
+        from agent.train.presets import apply_preset
+
+        gpus = cuda_devices()
+        config = apply_preset(config, args.preset, model_dir=model,
+                              free_vram_gb=max(d.vram_free_gb for d in gpus) if gpus else None)
     if not args.json:
-        print(f"training {spec.name}: {len(split.shards[0])} records, base model {model}, {threads} threads -> {run_dir}")
+        preset = (f", preset {args.preset} (micro-batch {config.micro_batch} x "
+                  f"{config.samples_per_step // config.micro_batch})") if args.preset else ""
+        print(f"training {spec.name}: {len(split.shards[0])} records, base model {model}, {threads} threads{preset} -> {run_dir}")
     result = train_shard(TrainRequest(config, train_path, run_dir, validation=validation,
                                       spec_text=config_path.read_text()))
     out = result.to_json()

@@ -189,8 +189,23 @@ async def _peers(agent: "Agent") -> list[dict]:
                     "accepts_training": cap.accepts_training if cap else None,
                     "can_coordinate": cap.can_coordinate if cap else None,
                     "price_per_hour": cap.price_per_hour if cap else None,
-                    "version": cap.agent_version if cap else None})
+                    "version": cap.agent_version if cap else None,
+                    **_hardware_fields(cap),
+                    "active_shards": info.active_shards,
+                    "max_concurrent_shards": cap.max_concurrent_shards if cap else None,
+                    "busy": info.active_shards > 0})
     return out
+
+
+def _hardware_fields(cap: Any) -> dict:
+    """What a peer's signed capability says about its hardware and models (None: not heard yet)."""
+    if cap is None:
+        return {"device": None, "gpus": [], "vram_gb": None, "cpu": None, "runtimes": [], "models": []}
+    return {"device": cap.hardware.device, "cpu": cap.cpu_model, "vram_gb": cap.hardware.vram_gb,
+            "gpus": [{"kind": d.kind, "index": d.index, "name": d.name, "vram_total_gb": d.vram_total_gb,
+                      "vram_free_gb": d.vram_free_gb, "compute_capability": d.compute_capability, "bf16": d.bf16}
+                     for d in cap.devices],
+            "runtimes": list(cap.backends), "models": [{"name": x.name, "sha256": x.sha256.hex()} for x in cap.models]}
 
 
 async def _job_announce(agent: "Agent", spec: str, dataset: str | None = None) -> dict:

@@ -6,8 +6,11 @@ Rules of this file:
   shard trainings, the coordinator's verifications and aggregations). Leaving ``run`` (``stop()``,
   cancellation or an error) ends them all.
 - Peers are known by their signed ``cap`` and ``heartbeat`` messages. A peer is *live* while its
-  heartbeats arrive (protocol/election.live_peers); coordinators are elected among live peers
-  that announced ``can_coordinate``.
+  heartbeats arrive (protocol/election.live_peers); a job's coordinator is elected among live peers
+  whose capability can coordinate *that job* (protocol/election.eligible_for_job: it holds the base
+  model and, for GPU jobs, a GPU), ourselves judged by the capability we last published.
+- Hardware is measured at start (agent/hardware.py) and the base models we hold are hashed (once
+  per file size and mtime, the hashes kept in the store); both go into the signed ``cap``.
 - Election view: a job's coordinator is elected once the job has been known for ``grace_seconds``
   (so that peers whose views converged agree on term 1), and stays until it falls silent; then the
   next peer by rendezvous takes the job with term + 1 (protocol/election.Coordination). A peer acts
@@ -46,7 +49,7 @@ from agent.store import Store
 from protocol import messages as m
 from protocol import state as st
 from protocol.election import hears_submitter as election_hears_submitter
-from protocol.election import keep_or_elect, live_peers
+from protocol.election import eligible_for_job, keep_or_elect, live_peers
 from protocol.identity import Identity
 
 log = logging.getLogger(__name__)
@@ -85,10 +88,12 @@ class PeerInfo:
     last_heartbeat: float
     capability: m.Capability | None = None
     live_since: float = 0.0  # when its heartbeats started arriving again after a silence
+    active_shards: int = 0  # from its latest heartbeat: busy (> 0) or idle
 
 
 class Agent:
-    def __init__(self, identity: Identity, config: AgentConfig, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, identity: Identity, config: AgentConfig, *, clock: Callable[[], float] = time.time,
+                 machine: Any = None) -> None:
         self.identity = identity
         self.config = config
         self.clock = clock
@@ -115,6 +120,12 @@ class Agent:
         # verified message we receive and ("state", JobView, actions) for every state change; never
         # set in production, and it must not raise
         self.observer: Callable[..., None] | None = None
+        # agent/hardware.Machine: measured in run(), unless declared here (the harness declares GPUs this
+        # machine lacks, so that GPU jobs' decisions run on real agents; training itself runs on what torch has)
+        self.machine: Any = machine
+        self.models_held: tuple[m.ModelHeld, ...] = ()
+        self.published_capability: m.Capability | None = None
+        self._hashes_saved = 0  # position in FILE_HASHES already saved to the store
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -145,6 +156,7 @@ class Agent:
             self.content = await stack.enter_async_context(
                 open_content(self.net.host, self.net.discovery, home, ipfs_api=self.config.ipfs_api))
             self.sync.install(self.net.host)
+            await self._measure()
             self.started_at = self.clock()
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
@@ -164,22 +176,72 @@ class Agent:
 
     # -- peers and election ----------------------------------------------------------------------
 
+    async def _measure(self) -> None:
+        """Measure the hardware and hash the base models we hold (cached by file size and mtime)."""
+        from agent import hardware
+        from agent.train.model import FILE_HASHES
+
+        FILE_HASHES.load(self.store.file_hashes())
+        if self.machine is None:
+            self.machine = await trio.to_thread.run_sync(hardware.detect)
+        held = []
+        for name, path in self.config.models[:m.MAX_MODELS]:
+            try:
+                digest = await self.base_model_hash(path)
+            except Exception as exc:  # noqa: BLE001 - a model we cannot read is not advertised; the agent runs on
+                log.warning("model %s at %s: cannot hash it (%s); not advertised", name, path, exc)
+                continue
+            held.append(m.ModelHeld(name[:m.MAX_STR], bytes.fromhex(digest)))
+        self.models_held = tuple(held)
+        self.save_file_hashes()
+
+    async def base_model_hash(self, path: str) -> str:
+        """A base model's content hash (agent/train/model.base_model_sha256), each file read once per
+        (path, size, mtime) across restarts: the hashes are kept in our store."""
+        from agent.train.model import base_model_sha256
+
+        digest = await trio.to_thread.run_sync(base_model_sha256, path)
+        self.save_file_hashes()
+        return digest
+
+    def save_file_hashes(self) -> None:
+        from agent.train.model import FILE_HASHES
+
+        entries, self._hashes_saved = FILE_HASHES.since(self._hashes_saved)
+        if entries and self.store is not None:
+            self.store.save_file_hashes(entries)
+
     def capability(self) -> m.Capability:
-        import os
+        """Our capability now: measured devices (free memory as last measured), runtimes, models held."""
+        from agent import hardware
 
-        hardware = m.Hardware("cpu", "cpu", 0.0, _ram_gb(), os.cpu_count() or 1)
-        return m.Capability(hardware, ("peft",), self.config.price_per_hour, self.worker is not None,
-                            self.config.can_coordinate, self.config.max_concurrent_shards, __version__)
+        machine = self.machine or hardware.Machine(hardware.cpu_model(), _cpu_count(), _ram_gb())
+        return m.Capability(hardware.summary(machine), hardware.runtimes(machine), self.config.price_per_hour,
+                            self.worker is not None, self.config.can_coordinate, self.config.max_concurrent_shards,
+                            __version__, machine.cpu_model, machine.devices, self.models_held)
 
-    def eligible_coordinators(self) -> frozenset[str]:
-        """Live peers that said they can coordinate (ourselves included if we can)."""
+    async def publish_capability(self) -> None:
+        from agent import hardware
+
+        if self.machine is not None and self.machine.cuda:
+            self.machine = await trio.to_thread.run_sync(hardware.refresh_free, self.machine)
+        cap = self.capability()
+        self.published_capability = cap
+        await self.publish(cap)
+
+    def eligible_coordinators(self, terms: m.JobTerms | None = None) -> frozenset[str]:
+        """Live peers that said they can coordinate (ourselves included if we can); for a job
+        (``terms``), only those whose capability can replay it (protocol/election.eligible_for_job)."""
         now = self.clock()
         live = live_peers({p: i.last_heartbeat for p, i in self.peers.items()}, now,
                           self.config.heartbeat_seconds, self.config.missed_heartbeats)
-        eligible = {p for p in live if self.peers[p].capability and self.peers[p].capability.can_coordinate}
+        caps = {p: self.peers[p].capability for p in live}
         if self.config.can_coordinate:
-            eligible.add(self.peer_id)
-        return frozenset(eligible)
+            live = live | {self.peer_id}
+            caps[self.peer_id] = self.published_capability or self.capability()
+        if terms is not None:
+            return eligible_for_job(live, caps, terms)
+        return frozenset(p for p in live if caps.get(p) is not None and caps[p].can_coordinate)
 
     def hears_submitter(self, view: JobView, *, settled: bool = False) -> bool:
         """Is the job's submitter live to us (or are we it)? Only then may we act as coordinator, and
@@ -200,7 +262,7 @@ class Agent:
         if not self.hears_submitter(view, settled=True):
             return  # cut off from the submitter (or just back): its side decides; we wait
         before = view.coordination
-        view.coordination = keep_or_elect(before, self.eligible_coordinators())
+        view.coordination = keep_or_elect(before, self.eligible_coordinators(view.terms))
         if before.coordinator is not None and view.coordination.coordinator != before.coordinator:
             log.info("job %s: coordinator %s went silent; %s takes over in term %d",
                      view.job_id.hex()[:8], before.coordinator[-8:], (view.coordination.coordinator or "none")[-8:],
@@ -225,7 +287,7 @@ class Agent:
         await self.net.gossip.publish(message)
 
     async def _heartbeats(self) -> None:
-        await self.publish(self.capability())
+        await self.publish_capability()
         last_cap = self.clock()
         while True:
             self._heartbeat_seq += 1
@@ -234,7 +296,7 @@ class Agent:
             active = len(self.worker.active) if self.worker else 0
             await self.publish(m.Heartbeat(self._heartbeat_seq, active, coordinating[:32]))
             if self.clock() - last_cap > 30:
-                await self.publish(self.capability())
+                await self.publish_capability()
                 last_cap = self.clock()
             await trio.sleep(self.config.heartbeat_seconds)
 
@@ -248,10 +310,11 @@ class Agent:
                 if now - info.last_heartbeat > self.config.heartbeat_seconds * self.config.missed_heartbeats:
                     info.live_since = now  # back after a silence (it restarted, or a partition healed)
                 info.last_heartbeat = now
+                info.active_shards = msg.active_shards
                 for entry in msg.coordinating:
                     view = self.jobs.get(entry.job_id)
                     if view is not None and signer != self.peer_id:
-                        view.check_coordinator(signer, entry.term, self.eligible_coordinators())
+                        view.check_coordinator(signer, entry.term, self.eligible_coordinators(view.terms))
             elif isinstance(msg, m.Capability):
                 self.peers.setdefault(signer, PeerInfo(now, live_since=now)).capability = msg
             elif isinstance(msg, m.JobAnnouncement):
@@ -367,7 +430,7 @@ class Agent:
                 await self.coordinator.on_claim(view, msg, signer)
                 continue
             self.store.record(received.envelope.to_bytes(), now)
-            actions = view.apply(msg, signer, now, self.eligible_coordinators())
+            actions = view.apply(msg, signer, now, self.eligible_coordinators(view.terms))
             if actions is None:
                 continue
             self.apply_actions(view, actions)
@@ -418,7 +481,7 @@ class Agent:
                 self.apply_actions(view, view.step(Tick(), now))
                 if view.job_id not in self._resyncing and \
                         now - self._last_resync.get(view.job_id, 0.0) > RESYNC_INTERVAL and \
-                        needs_resync(view, self.eligible_coordinators(), now):
+                        needs_resync(view, self.eligible_coordinators(view.terms), now):
                     self._last_resync[view.job_id] = now
                     self._resyncing.add(view.job_id)
                     self.nursery.start_soon(self._resync, view)
@@ -427,6 +490,7 @@ class Agent:
                 elif view.job_id not in self._coordinating:  # newly elected, or resumed after a restart
                     self._coordinating.add(view.job_id)
                     self.coordinator.take_over(view)
+            self.save_file_hashes()  # hashes taken in training, replay or verification threads
             await trio.sleep(0.5)
 
     async def _resync(self, view: JobView) -> None:
@@ -460,6 +524,12 @@ def _action_data(action: Any) -> dict:
     data = dict(action.__dict__)
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in data.items()
             if isinstance(v, (int, float, str, tuple)) and not (isinstance(v, float) and not math.isfinite(v))}
+
+
+def _cpu_count() -> int:
+    import os
+
+    return os.cpu_count() or 1
 
 
 def _ram_gb() -> float:

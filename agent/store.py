@@ -18,7 +18,9 @@ Rules of this file:
   ``envelopes``: every signed envelope we accepted, byte for byte as received, keyed by message ID,
   so that a successor coordinator can rebuild a job from its own store. ``leases``, ``reports``,
   ``verdicts``, ``aggregates``: decoded columns of those envelopes for queries; the bytes stay in
-  ``envelopes``. ``ledger``: the per-job event log below. ``schema_version``: one row.
+  ``envelopes``. ``ledger``: the per-job event log below. ``schema_version``: one row. ``file_hashes``
+  (version 2): the cache of file hashes by (path, size, mtime), so base models are hashed once;
+  a version-1 store is migrated on open.
 - Evidence is verified on the way in and on the way out. ``record`` checks an envelope's signature
   and body again before storing it (the receive-time rules, clock window and replay, are the
   receiver's business and not a property of stored evidence); every read re-checks the signature
@@ -50,7 +52,7 @@ from protocol.errors import CodecError, KeyFileError
 from protocol.identity import Identity, peer_id_from_public_key, public_key_from_peer_id, verify_signature
 from protocol.messages import JobTerms
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 STORE_FILENAME = "agent.sqlite3"
 ROLES = ("submitter", "worker", "coordinator", "observer")
 
@@ -112,7 +114,15 @@ _SCHEMA = (
         job_id BLOB NOT NULL, seq INTEGER NOT NULL, kind TEXT NOT NULL, signer BLOB NOT NULL,
         entry BLOB NOT NULL, signature BLOB NOT NULL, hash BLOB NOT NULL,
         PRIMARY KEY (job_id, seq))""",
+) + (
+    # version 2: the cache of file hashes (agent/train/model.py FileHashCache); not evidence
+    """CREATE TABLE file_hashes (
+        path TEXT NOT NULL, size INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, sha256 TEXT NOT NULL,
+        PRIMARY KEY (path))""",
 )
+_MIGRATIONS = {1: ("CREATE TABLE file_hashes (path TEXT NOT NULL, size INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, "
+                   "sha256 TEXT NOT NULL, PRIMARY KEY (path))",)}
+"""Statements that take a store from version N to N + 1."""
 
 # The typed tables that envelopes of these message types are also indexed in.
 _MESSAGE_TABLES = {"lease": "leases", "report": "reports", "verdict": "verdicts", "aggregate": "aggregates"}
@@ -336,6 +346,11 @@ class Store:
                 raise StoreError(
                     f"{self.path}: written by a newer infernet-agent (schema version {version}, this one "
                     f"reads up to {SCHEMA_VERSION}); upgrade the agent or use another data directory")
+            while isinstance(version, int) and version in _MIGRATIONS:
+                for statement in _MIGRATIONS[version]:
+                    db.execute(statement)
+                version += 1
+                db.execute("UPDATE schema_version SET version = ?", (version,))
             if version != SCHEMA_VERSION:
                 raise StoreError(f"{self.path}: unknown schema version {version!r}")
 
@@ -386,6 +401,22 @@ class Store:
     def _one(self, sql: str, params: tuple) -> Optional[tuple]:
         rows = self._rows(sql, params)
         return rows[0] if rows else None
+
+    # -- file hashes (a cache: a 7B model is hashed once, not per shard) -------------------------------
+
+    def file_hashes(self) -> list[tuple[tuple[str, int, int], str]]:
+        """Every cached ``((path, size, mtime_ns), sha256 hex)``."""
+        return [((path, size, mtime), digest)
+                for path, size, mtime, digest in self._rows("SELECT path, size, mtime_ns, sha256 FROM file_hashes")]
+
+    def save_file_hashes(self, entries: list[tuple[tuple[str, int, int], str]]) -> None:
+        """Remember file hashes; a path's newer (size, mtime) replaces its old entry."""
+        if not entries:
+            return
+        with self.transaction():
+            for (path, size, mtime), digest in entries:
+                self._db.execute("INSERT OR REPLACE INTO file_hashes (path, size, mtime_ns, sha256) VALUES (?, ?, ?, ?)",
+                                 (path, size, mtime, digest))
 
     # -- jobs ----------------------------------------------------------------------------------------
 

@@ -28,6 +28,10 @@ Rules of this file:
   Terms therefore never decrease. Peers with the same live view compute the same coordinator;
   while views differ, terms may climb until they agree, which is safe because a stale term never
   passes.
+- Eligibility. A peer is eligible for a job when its latest signed ``cap`` says ``can_coordinate``
+  and the capability can replay the job's segments (protocol/fit.replay_refusals: it holds the base
+  model by hash, and a CUDA GPU large enough when the job needs one): a coordinator that cannot
+  verify a report must never be elected for that job (``eligible_for_job``).
 - Errors. A malformed job ID or peer ID, a stale or conflicting term: ``StateError``, nothing else.
 
 The document is ``ipips/0006-election-aggregation.md``; ``ipips/vectors/election-*.json`` are
@@ -90,6 +94,19 @@ def elect(job_id: bytes, live: Iterable[str]) -> str | None:
     """The coordinator among the eligible live peers, or None when there is none."""
     ranking = rank_peers(job_id, live)
     return ranking[0] if ranking else None
+
+
+def eligible_for_job(live: Iterable[str], capabilities: Mapping[str, object], terms: object) -> frozenset[str]:
+    """The live peers that may coordinate the job: their capability (``protocol.messages.Capability``,
+    None when not heard yet) says ``can_coordinate`` and can replay the job (protocol/fit.py)."""
+    from protocol.fit import replay_refusals
+
+    out = set()
+    for peer in live:
+        cap = capabilities.get(peer)
+        if cap is not None and cap.can_coordinate and not replay_refusals(cap, terms):
+            out.add(peer)
+    return frozenset(out)
 
 
 def live_peers(

@@ -399,8 +399,43 @@ class Hardware(Wire):
     cpu_threads: int = count_field(4096)
 
 
+MAX_DEVICES = 16
+MAX_MODELS = 64
+MAX_VRAM_GB = 65_536.0
+
+
+@record
+class Device(Wire):
+    """One accelerator as the agent measured it at start (free memory again at each ``cap``)."""
+
+    kind: str = enum_field("cuda", "mps")
+    index: int = count_field(MAX_DEVICES - 1)
+    name: str = field()
+    vram_total_gb: float = field()
+    vram_free_gb: float = field()
+    compute_capability: str = field(metadata=_meta(max_len=16))  # "8.0" for an A100; "" when unknown
+    bf16: bool = field()
+
+    def check(self, path: str) -> None:
+        if not 0.0 <= self.vram_total_gb <= MAX_VRAM_GB:
+            raise CodecError("bad-field", f"{path}.vram_total_gb: expected 0..{MAX_VRAM_GB:g}")
+        if not 0.0 <= self.vram_free_gb <= self.vram_total_gb:
+            raise CodecError("bad-field", f"{path}.vram_free_gb: expected 0..vram_total_gb")
+
+
+@record
+class ModelHeld(Wire):
+    """A base model the agent holds: the name jobs use for it and its content hash (IPIP-0005 §4)."""
+
+    name: str = text_field(MAX_STR)
+    sha256: bytes = digest_field()
+
+
 @message("cap", "jobs")
 class Capability(Wire):
+    """What an agent offers. ``hardware`` summarises the best device (old field, same meaning);
+    ``devices`` lists every accelerator measured, ``models`` the base models held by hash."""
+
     hardware: Hardware = field()
     backends: tuple[str, ...] = field(metadata=_meta(max_len=16))
     price_per_hour: float = field()
@@ -408,6 +443,15 @@ class Capability(Wire):
     can_coordinate: bool = field()
     max_concurrent_shards: int = count_field(1024)
     agent_version: str = field()
+    cpu_model: str = field()
+    devices: tuple[Device, ...] = field(metadata=_meta(max_len=MAX_DEVICES))
+    models: tuple[ModelHeld, ...] = field(metadata=_meta(max_len=MAX_MODELS))
+
+    def check(self, path: str) -> None:
+        if len({(d.kind, d.index) for d in self.devices}) != len(self.devices):
+            raise CodecError("bad-field", f"{path}.devices: a device is listed twice")
+        if not 0.0 <= self.hardware.vram_gb <= MAX_VRAM_GB or not 0.0 <= self.hardware.ram_gb:
+            raise CodecError("bad-field", f"{path}.hardware: memory sizes must be non-negative")
 
 
 @message("claim", "job")

@@ -58,6 +58,8 @@ DETERMINISM_FIELDS = (
     "cpu_capability", "mkl_cbwr", "aten_cpu_capability", "backend",
 )
 """Environment fields a commitment header records; equal fields on CPU/float32 mean exact replay."""
+GPU_DETERMINISM_FIELDS = ("device_class", "cuda", "micro_batch", "quantization", "bitsandbytes", "unsloth")
+"""Fields added for GPU work (IPIP-0005 §8): equal when both sides leave them out, else must match."""
 
 MAX_NAME_BYTES = 1024
 MAX_NDIM = 16
@@ -383,7 +385,7 @@ def environments_match(worker: Mapping[str, str | int], verifier: Mapping[str, s
     return all(
         key in worker and key in verifier and worker[key] == verifier[key]
         for key in DETERMINISM_FIELDS
-    )
+    ) and all(worker.get(key) == verifier.get(key) for key in GPU_DETERMINISM_FIELDS)
 
 
 def acceptance_tolerance(

@@ -7,7 +7,9 @@ Prints one JSON object per figure:
   replay_segment_seconds  verify_segment of one segment (load, hash checks, re-run, compare) against
                           the time the worker spent training that segment; ratio = replay / train.
 Both sides run in this process, alternately, best of ``--repeats``: the machine is shared and
-the first run pays for lazy imports. Usage: python scripts/bench_train.py [--steps 60] [--threads 1]
+the first run pays for lazy imports. ``--device cuda`` runs both sides on the GPU (bf16 where it
+is supported; ``--model DIR`` for a larger model than the tiny one).
+Usage: python scripts/bench_train.py [--steps 60] [--threads 1] [--device cpu|cuda] [--model DIR]
 """
 
 from __future__ import annotations
@@ -39,15 +41,16 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 def bare_loop(config: TrainConfig, shard: Path) -> tuple[int, float]:
     """The reference: stock peft LoRA, AdamW, the model's own loss, nothing recorded; (tokens, seconds)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+    from agent.train.model import load_base_model, pick_device, pick_dtype
 
     torch.set_num_threads(config.threads)
     tokenizer = load_tokenizer(config.base_model)
     examples = load_shard(config, tokenizer, shard).examples
-    model = AutoModelForCausalLM.from_pretrained(config.base_model)
+    device = pick_device(config.device)
+    model = load_base_model(config.base_model, device=device, dtype=pick_dtype(config.dtype, device),
+                            quantize_4bit=config.method == "qlora")
+    model.requires_grad_(False)
     model = get_peft_model(model, LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
                                              target_modules=list(config.target_modules), task_type="CAUSAL_LM"))
     for name, parameter in model.named_parameters():
@@ -59,7 +62,7 @@ def bare_loop(config: TrainConfig, shard: Path) -> tuple[int, float]:
     started = time.perf_counter()
     for step in range(config.max_steps):
         indices = step_samples(len(examples), config.samples_per_step, config.seed, step)
-        batch = collate([examples[i] for i in indices], pad_token_id(tokenizer), "cpu")
+        batch = collate([examples[i] for i in indices], pad_token_id(tokenizer), device)
         loss = model(**batch).loss
         loss.backward()
         loss.item()
@@ -67,6 +70,8 @@ def bare_loop(config: TrainConfig, shard: Path) -> tuple[int, float]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         tokens += int(batch["attention_mask"].sum())
+    if device == "cuda":
+        torch.cuda.synchronize()
     return tokens, time.perf_counter() - started
 
 
@@ -76,16 +81,20 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--model", type=Path, default=None, help="base model directory (default: the tiny model)")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_train: --device cuda but no CUDA GPU is available")
 
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))
     records = demo_records(400, seed=0)
     shard = work / "shard.jsonl"
     write_chatml(shard, [records[i] for i in split_dataset(len(records), 2, 0.0, seed=0).shards[0]])
     config = TrainConfig(
-        base_model=str(tiny_model()), seed=1, batch_size=8, learning_rate=1e-3, rank=8, alpha=16.0,
+        base_model=str(args.model or tiny_model()), seed=1, batch_size=8, learning_rate=1e-3, rank=8, alpha=16.0,
         dropout=0.0, target_modules=PROJECTIONS, max_steps=args.steps, checkpoint_every=args.checkpoint_every,
-        threads=args.threads, log_every=args.steps, max_seq_len=128,
+        threads=args.threads, log_every=args.steps, max_seq_len=128, device=args.device,
     )
 
     bare_rates, worker_rates, replays = [], [], []
@@ -114,7 +123,7 @@ def main() -> None:
     worker, bare = max(worker_rates), max(bare_rates)
     print(json.dumps({"bench": "train_tokens_per_s", "value": round(worker, 1), "unit": "tokens/s",
                       "reference": round(bare, 1), "ratio": round(worker / bare, 3), "goal": 0.95,
-                      "threads": args.threads}))
+                      "threads": args.threads, "device": args.device}))
     replay, train = min(replays, key=lambda pair: pair[0] / pair[1])
     print(json.dumps({"bench": "replay_segment_seconds", "value": round(replay, 3), "unit": "s",
                       "reference": round(train, 3), "ratio": round(replay / train, 3), "goal": 1.25,

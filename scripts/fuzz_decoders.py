@@ -47,7 +47,7 @@ from protocol.errors import CIDError, CodecError, SpecError  # noqa: E402
 from protocol.identity import Identity  # noqa: E402
 from protocol.jobspec import parse_spec  # noqa: E402
 from protocol.unixfs import decode_node, import_bytes  # noqa: E402
-from scripts.make_envelope_vectors import sample_terms  # noqa: E402
+from scripts.make_envelope_vectors import sample_capability, sample_terms  # noqa: E402
 
 NOW = 1_790_000_000.0
 ALICE = Identity(bytes([1]) * 32)
@@ -89,7 +89,7 @@ def sample_messages() -> list[Any]:
     job = terms.job_id()
     msgs = [
         m.JobAnnouncement.for_terms(terms),
-        m.Capability(m.Hardware("cpu", "x86_64", 0.0, 24.0, 2), ("peft",), 0.2, True, True, 1, "0.1.0"),
+        sample_capability(),
         m.ShardClaim(job, 1, 1),
         m.ShardLease(job, 1, 1, 1, BOB.peer_id, 1, NOW + 120, CID_V1),
         m.ShardRelease(job, 1, 1, 1, "dataset hash mismatch"),

@@ -99,3 +99,58 @@ side = {
     "cases": cases,
 }
 Path("ipips/vectors/election-submitter.json").write_text(json.dumps(side, indent=1) + "\n")
+
+# --- eligibility for a job reads the capability (IPIP-0006 §1.2, protocol/fit.replay_refusals) --------
+from dataclasses import replace as _replace
+
+from protocol import messages as m
+from protocol.election import eligible_for_job
+from protocol.fit import replay_refusals
+from scripts.make_envelope_vectors import sample_capability, sample_terms
+
+MODEL_A, MODEL_B = hashlib.sha256(b"model a").digest(), hashlib.sha256(b"model b").digest()
+base_cap = sample_capability()
+
+
+def cap_for(can_coordinate, gpus, models):
+    devices = tuple(m.Device("cuda", i, "GPU", float(gb), float(gb), "8.0", True) for i, gb in enumerate(gpus))
+    return _replace(base_cap, can_coordinate=can_coordinate, devices=devices,
+                    models=tuple(m.ModelHeld(f"model-{d.hex()[:4]}", d) for d in models),
+                    backends=("peft", "unsloth") if gpus else ("peft",))
+
+
+declared = {  # peer -> (can_coordinate, GPUs' total GB, models held)
+    peers[0]: (True, [], [MODEL_A]),
+    peers[1]: (True, [24.0], [MODEL_A]),
+    peers[2]: (True, [80.0, 80.0], [MODEL_A, MODEL_B]),
+    peers[3]: (False, [80.0], [MODEL_A]),
+    peers[4]: (True, [16.0], [MODEL_B]),
+    peers[5]: (True, [], []),
+}
+caps = {p: cap_for(*v) for p, v in declared.items()}
+terms0 = sample_terms(Identity(bytes([1]) * 32))
+jobs_e = [
+    ("cpu job on model a", MODEL_A, "peft", 0.0),
+    ("cpu job on model b", MODEL_B, "peft", 0.0),
+    ("20 GB job on model a", MODEL_A, "peft", 20.0),
+    ("40 GB job on model a", MODEL_A, "peft", 40.0),
+    ("unsloth job on model a", MODEL_A, "unsloth", 0.0),
+    ("job on a model nobody holds", hashlib.sha256(b"model c").digest(), "peft", 0.0),
+]
+cases = []
+for name, model, runtime, vram in jobs_e:
+    terms = _replace(terms0, base_model_sha256=model, runtime=runtime, min_vram_gb=vram)
+    eligible = eligible_for_job(peers, caps, terms)
+    ranking = rank_peers(terms.job_id(), eligible)
+    cases.append({"name": name, "base_model_sha256": model.hex(), "runtime": runtime, "min_vram_gb": vram,
+                  "job_id_hex": terms.job_id().hex(), "eligible": sorted(eligible),
+                  "coordinator": ranking[0] if ranking else None,
+                  "why_not": {p: replay_refusals(caps[p], terms) for p in peers
+                              if p not in eligible and caps[p].can_coordinate}})
+eligibility = {
+    "description": "IPIP-0006 §1.2 eligibility: a live peer may coordinate a job when its capability says can_coordinate and it can replay the job (protocol/fit.replay_refusals): it holds the base model by sha256, and when min_vram_gb > 0 or runtime is unsloth it has a CUDA device whose total VRAM is >= min_vram_gb. Each peer's capability is scripts/make_envelope_vectors.sample_capability() with can_coordinate, devices (cuda, total = free = the GB listed) and models (by sha256) replaced; each job is sample_terms(Identity(0x01 * 32)) with base_model_sha256, runtime and min_vram_gb replaced (its job_id given). All six peers are live. 'why_not' is not normative.",
+    "peers": {p: {"can_coordinate": v[0], "cuda_total_gb": v[1], "models": [d.hex() for d in v[2]]}
+              for p, v in declared.items()},
+    "jobs": cases,
+}
+Path("ipips/vectors/election-eligibility.json").write_text(json.dumps(eligibility, indent=1) + "\n")

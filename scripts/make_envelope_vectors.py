@@ -51,6 +51,17 @@ def sample_terms(submitter: Identity) -> m.JobTerms:
     )
 
 
+def sample_capability() -> m.Capability:
+    """A GPU worker's capability: two measured CUDA devices and one base model held."""
+    devices = (
+        m.Device("cuda", 0, "NVIDIA H100 80GB HBM3", 79.19, 78.5, "9.0", True),
+        m.Device("cuda", 1, "Tesla T4", 14.58, 14.47, "7.5", False),
+    )
+    return m.Capability(
+        m.Hardware("cuda", "NVIDIA H100 80GB HBM3", 79.19, 251.7, 32), ("peft", "unsloth"), 2.5, True, True, 2,
+        "0.1.0", "AMD EPYC 9554 64-Core Processor", devices, (m.ModelHeld("tiny-qwen2", bytes(range(32))),))
+
+
 def main() -> None:
     alice, bob = Identity(bytes([1]) * 32), Identity(bytes([2]) * 32)
     terms = sample_terms(alice)
@@ -58,6 +69,7 @@ def main() -> None:
         ("heartbeat", alice, m.Heartbeat(7, 1, ())),
         ("job", alice, m.JobAnnouncement.for_terms(terms)),
         ("ckpt", bob, m.CheckpointCommit(terms.job_id(), 0, 1, 0, 20, 2, bytes(32), bytes([9]) * 32, 2.5, None)),
+        ("cap", bob, sample_capability()),
     ]
     vectors = []
     for i, (name, who, msg) in enumerate(cases):

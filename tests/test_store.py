@@ -451,3 +451,25 @@ if __name__ == "__main__":
         import tempfile
         with tempfile.TemporaryDirectory() as tmp:
             write_vectors(os.path.join(tmp, "vectors.sqlite3"))
+
+
+# -- the file-hash cache (version 2) -----------------------------------------------------------------
+
+def test_file_hashes_persist_and_a_version_1_store_is_migrated(db_path):
+    entries = [(("/models/a/model.safetensors", 10, 123), "ab" * 32), (("/models/a/config.json", 5, 9), "cd" * 32)]
+    with Store(db_path, COORD) as store:
+        store.add_job(TERMS, "coordinator", NOW)
+        store.save_file_hashes(entries)
+        store.save_file_hashes([(("/models/a/config.json", 6, 10), "ef" * 32)])  # the file changed: replaced
+    with Store(db_path, COORD) as again:
+        assert sorted(again.file_hashes()) == sorted([entries[0], (("/models/a/config.json", 6, 10), "ef" * 32)])
+    # a store written by version 1 (no file_hashes table) opens, keeps its jobs and gains the table
+    db = raw(db_path)
+    db.execute("DROP TABLE file_hashes")
+    db.execute("UPDATE schema_version SET version = 1")
+    db.commit()
+    db.close()
+    with Store(db_path, COORD) as migrated:
+        assert migrated.job(JOB).terms == TERMS and migrated.file_hashes() == []
+        migrated.save_file_hashes(entries[:1])
+    assert raw(db_path).execute("SELECT version FROM schema_version").fetchone()[0] == SCHEMA_VERSION == 2

@@ -58,6 +58,7 @@ class LoopbackNet:
     gossip_faults: dict[str, dict] = field(default_factory=dict)  # name -> GossipFaults settings
     processes: dict[str, Any] = field(default_factory=dict)  # name -> subprocess.Popen (agents run as processes)
     process_names: set[str] = field(default_factory=set)  # agents that run as processes
+    machines: dict[str, Any] = field(default_factory=dict)  # name -> declared agent/hardware.Machine (tests)
 
     # -- who is who -------------------------------------------------------------------------------
 
@@ -100,7 +101,7 @@ class LoopbackNet:
         if name in self.process_names:
             await self._start_process(name, config)
             return None
-        agent = Agent(identity_for(self.seed, name), config)
+        agent = Agent(identity_for(self.seed, name), config, machine=self.machines.get(name))
         if self.observer is not None:
             agent.observer = lambda kind, *args, _n=name, _a=agent: self.observer(_n, _a, kind, args)
         scope = trio.CancelScope()
@@ -277,13 +278,15 @@ async def network(home: Path, model_dir: Path, workers: int = 3, *, seed: int = 
                   observer: Callable[[str, Agent, str, tuple], None] | None = None,
                   reannounce_seconds: float | None = None,
                   common: dict | None = None,
-                  processes: tuple[int, ...] = ()) -> AsyncIterator[LoopbackNet]:
+                  processes: tuple[int, ...] = (),
+                  machines: dict[int, Any] | None = None) -> AsyncIterator[LoopbackNet]:
     """A submitter (bootstrap, never a coordinator) and ``workers`` training agents ``w0``...
 
     Byzantine workers never coordinate (a Byzantine coordinator is another test's subject); a
     ``crash`` worker (faulty, not malicious) may.
     Workers in ``late`` are configured but not started: ``net.start(name, net.configs[name])``.
     ``common`` are AgentConfig fields for the submitter (``overrides`` are per worker).
+    ``machines`` declares a worker's hardware (agent/hardware.Machine) instead of measuring it.
     Waits until every started agent hears every honest coordinator-to-be, then yields.
     """
     misbehave = misbehave or {}
@@ -291,6 +294,7 @@ async def network(home: Path, model_dir: Path, workers: int = 3, *, seed: int = 
     async with trio.open_nursery() as nursery:
         net = LoopbackNet(nursery, seed, home, observer=observer)
         net.process_names = {f"w{i}" for i in processes}
+        net.machines = {f"w{i}": machine for i, machine in (machines or {}).items()}
         submitter = await net.start("submitter", AgentConfig(home=home / "submitter", can_coordinate=False,
                                                              models=models, **(common or {})))
         if reannounce_seconds is not None:

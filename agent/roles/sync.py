@@ -203,7 +203,7 @@ async def resync(agent: Any, view: Any, timeout: float = TIMEOUT) -> list[tuple[
     term = view.coordination.term  # still-held live messages may apply now, except stale decisions
     view.pending = [p for p in held if p[2] != view.me and getattr(p[1], "term", term) >= term]
     view.take_applied()
-    view.retry_pending(now, agent.eligible_coordinators())
+    view.retry_pending(now, agent.eligible_coordinators(view.terms))
     applied = view.take_applied()
     log.warning("job %s: mirror rebuilt from the submitter's history (%d messages): was %s round %d with %d held, "
                 "now %s round %d, term %d", view.job_id.hex()[:8], len(verified), *before,

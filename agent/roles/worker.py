@@ -3,7 +3,13 @@
 Rules of this file:
 - Only an agent that opted in (``accept_training``) has this role. A job is taken only if its base
   model is one we hold locally (``models``) and allow (``allowed_base_models``), its price is at
-  least our minimum, and our hardware fits its resources.
+  least our minimum, and our measured capability fits it (protocol/fit.training_refusals: we offer
+  its runtime, hold its base model by hash, and one GPU has ``min_vram_gb`` free). Each unmet
+  requirement is its own reason in the log.
+- Training goes through the job's runtime (agent/train/backends.select_backend): peft in a thread
+  here, unsloth in its child process; both record the same proof. On a GPU the micro-batch is
+  chosen from the device's free VRAM, the job's effective batch kept (agent/train/presets.py). The
+  ledger's report records the device, its VRAM, the dtype and the runtime the proof names.
 - We claim an OPEN shard while we hold fewer than ``max_concurrent_shards`` leases; the coordinator
   decides. On a lease for us: fetch the shard by CID (every block hash-checked by the content
   room), check the local base model's content hash against the job's, and only then train. A
@@ -30,6 +36,7 @@ from agent.bundle import AGGREGATE_FILES, pack_dir, unpack
 from agent.roles.job import JobView, run_torch, train_config
 from protocol import messages as m
 from protocol import state as st
+from protocol.fit import training_refusals
 
 if TYPE_CHECKING:
     from agent.node import Agent
@@ -60,11 +67,8 @@ class WorkerRole:
             return f"base model {terms.base_model!r} is not available locally"
         if terms.price_per_hour < config.min_price_per_hour:
             return f"price {terms.price_per_hour}/h is below our minimum {config.min_price_per_hour}/h"
-        if terms.min_vram_gb > 0:
-            return f"job needs {terms.min_vram_gb} GB of VRAM; this agent trains on the CPU"
-        if terms.runtime == "unsloth":
-            return "runtime unsloth needs a CUDA GPU; none found"
-        return None
+        reasons = training_refusals(self.agent.capability(), terms)
+        return "; ".join(reasons) if reasons else None
 
     def consider(self, view: JobView) -> None:
         reason = self.refusal(view.terms)
@@ -141,6 +145,29 @@ class WorkerRole:
 
     # -- one shard --------------------------------------------------------------------------------
 
+    def _fit_to_device(self, config: Any, model_path: str) -> Any:
+        """On a CUDA GPU: the micro-batch from its free VRAM, the job's effective batch kept. On a CPU
+        the job's own split (CPU runs replay bit for bit)."""
+        from agent.hardware import refresh_free
+        from agent.train.presets import auto_micro_batch
+
+        machine = self.agent.machine
+        if machine is None or not machine.cuda:
+            return config
+        machine = self.agent.machine = refresh_free(machine)
+        plan = auto_micro_batch(config, machine.best_free_vram_gb(), model_path)
+        if not plan.fits:
+            log.warning("the model may not fit in %.1f GB free VRAM (estimated %.1f GB); trying one sample at a time",
+                        machine.best_free_vram_gb(), plan.estimate_gb)
+        return config.with_(micro_batch_size=plan.micro_batch)
+
+    def _hardware_record(self, environment: dict) -> dict:
+        """What the ledger says a report ran on: the device, its VRAM, dtype and runtime the proof names."""
+        device = str(environment.get("device", "cpu"))
+        return {"hardware": device, "device_class": str(environment.get("device_class", "cpu")),
+                "vram_gb": _device_vram_gb(self.agent.machine, device), "dtype": str(environment.get("dtype", "")),
+                "runtime": str(environment.get("backend", "")), "micro_batch": int(environment.get("micro_batch", 0))}
+
     async def _run_shard(self, view: JobView, lease: m.ShardLease, key: tuple) -> None:
         agent = self.agent
         try:
@@ -175,8 +202,8 @@ class WorkerRole:
                 await trio.sleep(attempt)
 
     async def _train_and_report(self, view: JobView, lease: m.ShardLease) -> None:
-        from agent.train import base_model_sha256
-        from agent.train.run import TrainRequest, train_shard
+        from agent.train.backends import select_backend
+        from agent.train.run import TrainRequest
 
         agent, terms = self.agent, view.terms
         ref = terms.shards[lease.shard]
@@ -194,7 +221,7 @@ class WorkerRole:
 
             model_path = str(await trio.to_thread.run_sync(run_torch, tiny_model, agent.config.home / "models", 7))
         else:
-            have = await trio.to_thread.run_sync(base_model_sha256, model_path)
+            have = await agent.base_model_hash(model_path)
             if have != terms.base_model_sha256.hex():
                 raise RuntimeError(f"base model hash mismatch: local {terms.base_model!r} is {have[:16]}…, "
                                    f"the job names {terms.base_model_sha256.hex()[:16]}…")
@@ -205,6 +232,8 @@ class WorkerRole:
             await self._fetch(view, lease, lease.initial_adapter_cid, bundle, providers)
             initial = unpack(bundle, run_dir / "initial", allowed=AGGREGATE_FILES)
         config = train_config(terms, model_path, round=lease.round, threads=agent.config.threads, log_every=5)
+        config = await trio.to_thread.run_sync(self._fit_to_device, config, model_path)
+        backend = select_backend(terms.runtime)  # TrainError (one line) if this machine cannot run it
         if agent.config.misbehave == "wrong_base":
             config = config.with_(base_model_sha256=None)
         request = TrainRequest(config, shard_path, run_dir / "run", initial_adapter=initial, job_id=view.job_id,
@@ -223,7 +252,7 @@ class WorkerRole:
             trio.from_thread.run(commit, event)
 
         log.info("job %s shard %d attempt %d: training", view.job_id.hex()[:8], lease.shard, lease.attempt)
-        result = await trio.to_thread.run_sync(run_torch, train_shard, request, on_checkpoint)
+        result = await trio.to_thread.run_sync(run_torch, backend.train, request, on_checkpoint)
         genesis = request.run_dir / "checkpoints" / "step-000000"
         checkpoint_cids[0] = str(await agent.content.add_file(pack_dir(genesis, genesis.with_suffix(".tar")),
                                                               provide=False))
@@ -247,10 +276,18 @@ class WorkerRole:
         agent.ledger(view.job_id, "report", {
             "round": lease.round, "shard": lease.shard, "attempt": lease.attempt, "worker": agent.peer_id,
             "adapter_cid": str(adapter_cid), "duration": float(result.train_seconds), "samples": result.samples,
-            "hardware": "cpu", "price_per_hour": agent.config.price_per_hour})
+            "price_per_hour": agent.config.price_per_hour, **self._hardware_record(result.environment)})
         agent.counters["shards_trained"] += 1
         log.info("job %s shard %d: reported (loss %.3f, %d steps)", view.job_id.hex()[:8], lease.shard,
                  result.final_loss, result.steps)
+
+
+def _device_vram_gb(machine: Any, device: str) -> float:
+    """Total VRAM of the device a proof names (``cuda:<name>``), from what we measured at start."""
+    if machine is None or not device.startswith("cuda:"):
+        return 0.0
+    named = [d for d in machine.cuda if d.name == device[5:]]
+    return max((d.vram_total_gb for d in named or machine.cuda), default=0.0)
 
 
 def _randomise_adapter(adapter_dir: Path) -> None:

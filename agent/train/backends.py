@@ -10,6 +10,8 @@ Rules of this file:
   writes checkpoint events and the result as ``EVENT_PREFIX``/``RESULT_PREFIX`` JSON lines on
   stdout; anything else it prints is passed through to our stderr.
 - Selecting unsloth without a GPU fails at once with one line, before any work.
+- The request file also carries the base model's file hashes this process knows
+  (model.FILE_HASHES), so the child checks the model's hash without reading it again.
 """
 
 from __future__ import annotations
@@ -54,8 +56,14 @@ class UnslothBackend:
 
     def train(self, request: TrainRequest, on_checkpoint: OnCheckpoint | None = None) -> TrainResult:
         request.run_dir.mkdir(parents=True, exist_ok=True)
+        from agent.train.model import FILE_HASHES, resolve_model_dir
+
+        data = request.to_json()
+        # the base model's file hashes we already know, so the child does not read the model again
+        data["file_hashes"] = [[list(key), digest] for key, digest in
+                               FILE_HASHES.under(resolve_model_dir(request.config.base_model))]
         with tempfile.NamedTemporaryFile("w", suffix=".json", dir=request.run_dir, delete=False) as handle:
-            json.dump(request.to_json(), handle)
+            json.dump(data, handle)
         try:
             return self._run(Path(handle.name), on_checkpoint)
         finally:

@@ -68,6 +68,7 @@ class TrainConfig:
     device: str = "auto"
     dtype: str = "auto"
     packing: bool = False
+    micro_batch_size: int = 0  # samples per forward pass; 0: the job's batch_size (agent/train/presets.py)
     log_every: int = 10
     skip_bad_lines: bool = False
     max_grad_norm: float = 1.0
@@ -79,6 +80,7 @@ class TrainConfig:
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}"),
             (self.device in DEVICES, f"device must be one of {DEVICES}"),
             (self.batch_size >= 1 and self.gradient_accumulation_steps >= 1, "batch sizes must be >= 1"),
+            (self.micro_batch_size >= 0, "micro_batch_size must be >= 0 (0: the job's batch_size)"),
             (self.checkpoint_every >= 1, "checkpoint_every must be >= 1"),
             (self.threads >= 1, "threads must be >= 1"),
             (self.max_seq_len >= 8, "max_seq_len must be >= 8"),
@@ -89,6 +91,11 @@ class TrainConfig:
             if not ok:
                 raise TrainError(f"train config: {message}")
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
+
+    @property
+    def micro_batch(self) -> int:
+        """Samples per forward pass: the worker's choice, else the job's batch_size."""
+        return self.micro_batch_size or self.batch_size
 
     @property
     def samples_per_step(self) -> int:

@@ -34,7 +34,24 @@ def set_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def environment(device: str, dtype: torch.dtype, backend: str) -> dict[str, str | int]:
+def _version(module: str) -> str:
+    """A library's version if this process imported it (a run that did not use it records "")."""
+    import sys
+
+    loaded = sys.modules.get(module)
+    return str(getattr(loaded, "__version__", "")) if loaded is not None else ""
+
+
+def device_class(device: str) -> str:
+    """``cpu``, or ``cuda-sm<major><minor>`` of the current CUDA device (kernels differ per architecture)."""
+    if device == "cpu":
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability()
+    return f"cuda-sm{major}{minor}"
+
+
+def environment(device: str, dtype: torch.dtype, backend: str, *, micro_batch: int = 0,
+                quantization: str = "none") -> dict[str, str | int]:
     import peft
     import transformers
 
@@ -43,10 +60,16 @@ def environment(device: str, dtype: torch.dtype, backend: str) -> dict[str, str 
         "peft": peft.__version__,
         "transformers": transformers.__version__,
         "device": "cpu" if device == "cpu" else f"cuda:{torch.cuda.get_device_name()}",
+        "device_class": device_class(device),
+        "cuda": "" if device == "cpu" else str(torch.version.cuda or ""),
         "dtype": DTYPE_NAMES[dtype],
         "threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "mkl_cbwr": os.environ.get("MKL_CBWR", ""),
         "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", ""),
         "backend": backend,
+        "micro_batch": int(micro_batch),
+        "quantization": quantization,
+        "bitsandbytes": _version("bitsandbytes") if quantization != "none" else "",
+        "unsloth": _version("unsloth") if backend == "unsloth" else "",
     }

@@ -5,7 +5,9 @@ Rules of this file:
   reseeds torch from SHA-256("infernet/step-rng/v1", seed, s) first (so dropout never depends on
   what ran before), takes the examples ``data.step_samples`` names (at stream position
   ``offset + s``, where ``offset`` = (config.round - 1) x the shard's steps per round), runs
-  ``gradient_accumulation_steps`` micro-batches of ``batch_size``, and makes one AdamW step. This
+  ``gradient_accumulation_steps`` micro-batches of ``batch_size`` (or the worker's
+  ``micro_batch_size``: the same samples split otherwise, the same token-weighted mean), and makes
+  one AdamW step. This
   is what lets a verifier resume from any checkpoint and land on the same bits.
 - The loss of a step is the mean cross-entropy over all its label tokens (token-weighted across
   micro-batches), computed here from the logits, not by the model.
@@ -13,6 +15,11 @@ Rules of this file:
   Only LoRA parameters train; with ``freeze_a`` only the B matrices.
 - Optimizer state is exported as named tensors ``<adapter tensor name>.<exp_avg|exp_avg_sq|step>``
   so it can be hashed and stored as safetensors, and imported back exactly.
+- Data parallel (one worker, several GPUs): when torch.distributed is initialised, rank r runs the
+  micro-batches r, r + W, ... of each step and the gradients, losses and token counts are summed
+  across ranks before clipping, so every rank takes the same AdamW step and the result equals a
+  single process's within float summation order. Dropout masks then differ from a single
+  process's (each rank draws from the same per-step seed): exact agreement needs dropout 0.
 - No I/O here: the recorder (recorder.py) and the run (run.py) decide what to save and when.
 """
 
@@ -29,6 +36,15 @@ import torch.nn.functional as F
 from agent.train.config import TrainConfig
 from agent.train.data import IGNORE_INDEX, Example, step_samples
 from agent.train.model import adapter_state, peft_name
+
+
+def data_parallel() -> tuple[int, int]:
+    """(world size, rank) of the torch.distributed group this process is in; (1, 0) when none."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -95,18 +111,35 @@ class LoraSession:
         label_tokens = sum(self.examples[i].n_label_tokens for i in indices)
         self.model.train()
         loss_total, tokens = 0.0, 0
-        for start in range(0, len(indices), config.batch_size):
-            batch = collate([self.examples[i] for i in indices[start:start + config.batch_size]],
+        world, rank = data_parallel()
+        starts = range(0, len(indices), config.micro_batch)
+        for start in list(starts)[rank::world]:  # data parallel: micro-batches dealt round-robin to ranks
+            batch = collate([self.examples[i] for i in indices[start:start + config.micro_batch]],
                             self.pad_id, self.device)
             loss_sum = token_loss_sum(self.model, batch)
             (loss_sum / label_tokens).backward()
             loss_total += loss_sum.item()
             tokens += int(batch["attention_mask"].sum())
+        if world > 1:
+            loss_total, tokens = self._all_reduce(loss_total, tokens)
         if config.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(self.parameters.values(), config.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(step + 1, tuple(indices), loss_total / label_tokens, tokens)
+
+    def _all_reduce(self, loss_total: float, tokens: int) -> tuple[float, int]:
+        """Sum every rank's gradients, loss and token count: each rank then holds the whole step's
+        gradient (the token-weighted mean, as one process computes it) and takes the same AdamW step."""
+        import torch.distributed as dist
+
+        for parameter in self.parameters.values():
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+            dist.all_reduce(parameter.grad)
+        totals = torch.tensor([loss_total, float(tokens)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)
+        return float(totals[0]), int(totals[1])
 
     @torch.no_grad()
     def evaluate(self, examples: Sequence[Example]) -> float:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+import threading
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -46,17 +47,77 @@ def resolve_model_dir(path_or_name: str) -> Path:
     return Path(snapshot_download(path_or_name, local_files_only=True))
 
 
-def base_model_sha256(path_or_name: str) -> str:
-    """Content hash of a base model's config.json and *.safetensors (see the module docstring)."""
+FileKey = tuple[str, int, int]  # (absolute path, size in bytes, mtime in ns)
+
+
+class FileHashCache:
+    """sha256 of files by (absolute path, size, mtime): a 7B model is read once, not per shard,
+    report and replayed segment. Thread-safe (training and replay run in worker threads). Entries
+    are also kept in order so an agent can persist the new ones in its store (``since``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hashes: dict[FileKey, str] = {}
+        self._log: list[tuple[FileKey, str]] = []
+
+    def get(self, key: FileKey) -> str | None:
+        with self._lock:
+            return self._hashes.get(key)
+
+    def put(self, key: FileKey, digest: str) -> None:
+        with self._lock:
+            if self._hashes.get(key) != digest:
+                self._hashes[key] = digest
+                self._log.append((key, digest))
+
+    def load(self, entries: list[tuple[FileKey, str]]) -> None:
+        for key, digest in entries:
+            self.put(key, digest)
+
+    def since(self, position: int) -> tuple[list[tuple[FileKey, str]], int]:
+        """Entries added after ``position`` (0: all), and the position to ask from next time."""
+        with self._lock:
+            return self._log[position:], len(self._log)
+
+    def under(self, root: Path) -> list[tuple[FileKey, str]]:
+        prefix = str(root.resolve()) + "/"
+        with self._lock:
+            return [(k, v) for k, v in self._hashes.items() if k[0].startswith(prefix)]
+
+
+FILE_HASHES = FileHashCache()
+"""This process's cache; an agent loads it from and saves it to its store (agent/store.py)."""
+
+
+def _file_key(path: Path) -> FileKey:
+    st = path.stat()
+    return (str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+def file_sha256(path: Path, cache: FileHashCache | None = FILE_HASHES) -> str:
+    """sha256 hex of a file, read only when its (path, size, mtime) is not in ``cache``."""
+    key = _file_key(path)
+    if cache is not None:
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    if cache is not None and _file_key(path) == key:  # not changed while we read it
+        cache.put(key, digest.hexdigest())
+    return digest.hexdigest()
+
+
+def base_model_sha256(path_or_name: str, cache: FileHashCache | None = FILE_HASHES) -> str:
+    """Content hash of a base model's config.json and *.safetensors (see the module docstring).
+    Each file is hashed once per (path, size, mtime) through ``cache``."""
     root = resolve_model_dir(path_or_name)
     files = sorted([root / "config.json", *root.rglob("*.safetensors")], key=lambda p: p.relative_to(root).as_posix())
     listing = hashlib.sha256()
     for file in files:
-        digest = hashlib.sha256()
-        with open(file, "rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(chunk)
-        listing.update(f"{digest.hexdigest()}  {file.relative_to(root).as_posix()}\n".encode())
+        listing.update(f"{file_sha256(file, cache)}  {file.relative_to(root).as_posix()}\n".encode())
     return listing.hexdigest()
 
 

@@ -138,7 +138,10 @@ def verify_segment(commitment: Commitment, index: int, *, start: Path, shard: Pa
         return _rejected(index, f"cannot replay training in dtype {dtype!r}")
     # the worker's thread count, when this machine has that many cores (else the tolerance applies)
     threads = min(int(header.environment.get("threads", config.threads)), os.cpu_count() or 1)
-    config = config.with_(seed=header.seed, threads=max(threads, 1), dtype=dtype)
+    # the worker's micro-batch split (its own choice, presets.py): the same split replays the same bits
+    micro = header.environment.get("micro_batch", 0)
+    micro = micro if isinstance(micro, int) and 0 < micro <= config.samples_per_step else 0
+    config = config.with_(seed=header.seed, threads=max(threads, 1), dtype=dtype, micro_batch_size=micro)
 
     tokenizer = load_tokenizer(config.base_model)
     examples = load_shard(config, tokenizer, shard).examples
@@ -158,7 +161,8 @@ def verify_segment(commitment: Commitment, index: int, *, start: Path, shard: Pa
         optimizer_hash=tensors_hash(replay_optimizer), batches_digest=batches_digest(steps),
         loss=sum(losses) / len(losses),
     )
-    verifier_env = environment(session.device, session.dtype, "peft")
+    verifier_env = environment(session.device, session.dtype, "peft", micro_batch=config.micro_batch,
+                               quantization="nf4" if config.method == "qlora" else "none")
     tolerance = acceptance_tolerance(header.environment, verifier_env, config.tolerance)
     distances = None
     if end is not None and tolerance > 0 and replayed.adapter_hash != committed.adapter_hash:

@@ -232,7 +232,8 @@ def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None
         worker=request.worker, base_model_sha256=base_hash, seed=config.seed,
         checkpoint_every=config.checkpoint_every, initial_adapter_hash=tensors_hash(session.adapter_tensors()),
         initial_optimizer_hash=tensors_hash(session.optimizer_tensors()),
-        environment=environment(session.device, session.dtype, backend),
+        environment=environment(session.device, session.dtype, backend, micro_batch=config.micro_batch,
+                                quantization="nf4" if config.method == "qlora" else "none"),
     )
     total_steps = config.total_steps(len(shard.examples))
     recorder = ProofRecorder(header, run_dir, total_steps, on_checkpoint)

@@ -23,10 +23,13 @@ def main(argv: list[str]) -> int:
         return 1
     from agent.train.backends import ERROR_PREFIX, EVENT_PREFIX, RESULT_PREFIX
     from agent.train.config import TrainError
+    from agent.train.model import FILE_HASHES
     from agent.train.run import TrainRequest, train_shard
 
     with open(argv[0], encoding="utf-8") as handle:
-        request = TrainRequest.from_json(json.load(handle))
+        data = json.load(handle)
+    request = TrainRequest.from_json(data)
+    FILE_HASHES.load([((str(k[0]), int(k[1]), int(k[2])), str(v)) for k, v in data.get("file_hashes", [])])
 
     def report(event) -> None:
         print(EVENT_PREFIX + json.dumps(event.to_json()), flush=True)

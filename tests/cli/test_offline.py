@@ -96,8 +96,11 @@ def test_train_run_local_trains_and_writes_the_run_layout(tmp_path, tiny_model_d
     spec = small_spec(tmp_path / "infernet.train.yml", shards=1, steps=6)
     out = tmp_path / "run"
     result = cli_json("train", "run", "--local", "--config", str(spec), "--output", str(out), "--threads", "1",
-                      timeout=300)
+                      "--preset", "auto", timeout=300)
     assert result["steps"] == 6 and result["validation_loss"] < result["initial_validation_loss"]
+    used = json.loads((out / "train_config.json").read_text())
+    if not result["environment"]["device"].startswith("cuda"):  # preset auto on a CPU keeps the spec's split
+        assert used["micro_batch_size"] == used["batch_size"] and result["environment"]["micro_batch"] == used["batch_size"]
     for name in ("README.md", "metrics.jsonl", "proof.json", "train_config.json", "infernet.train.yml", "result.json"):
         assert (out / name).is_file(), name
     assert {p.name for p in (out / "checkpoint-final").iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}

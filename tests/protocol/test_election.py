@@ -274,3 +274,37 @@ def test_election_submitter_side_vector():
                               case["now"], settled=case["settled"], heartbeat_seconds=vector["heartbeat_seconds"],
                               missed_heartbeats=vector["missed_heartbeats"])
         assert got == case["expect"], case["name"]
+
+
+def test_eligibility_vectors_read_the_capability():
+    """ipips/vectors/election-eligibility.json: who may coordinate a job depends on its capability."""
+    import json
+    from dataclasses import replace
+
+    from protocol import messages as m
+    from protocol.election import eligible_for_job, rank_peers
+    from protocol.identity import Identity
+    from scripts.make_envelope_vectors import sample_capability, sample_terms
+
+    doc = json.loads((Path(__file__).resolve().parents[2] / "ipips/vectors/election-eligibility.json").read_text())
+    base = sample_capability()
+    caps = {}
+    for peer, d in doc["peers"].items():
+        devices = tuple(m.Device("cuda", i, "GPU", gb, gb, "8.0", True) for i, gb in enumerate(d["cuda_total_gb"]))
+        models = tuple(m.ModelHeld(f"model-{h[:4]}", bytes.fromhex(h)) for h in d["models"])
+        caps[peer] = replace(base, can_coordinate=d["can_coordinate"], devices=devices, models=models,
+                             backends=("peft", "unsloth") if devices else ("peft",))
+    terms0 = sample_terms(Identity(bytes([1]) * 32))
+    seen = set()
+    for job in doc["jobs"]:
+        terms = replace(terms0, base_model_sha256=bytes.fromhex(job["base_model_sha256"]), runtime=job["runtime"],
+                        min_vram_gb=job["min_vram_gb"])
+        assert terms.job_id().hex() == job["job_id_hex"]
+        eligible = eligible_for_job(caps, caps, terms)
+        assert sorted(eligible) == job["eligible"], job["name"]
+        ranking = rank_peers(terms.job_id(), eligible)
+        assert (ranking[0] if ranking else None) == job["coordinator"], job["name"]
+        seen.add(len(eligible))
+        # a peer not heard yet (no capability) is never eligible
+        assert not eligible_for_job(caps, {p: None for p in caps}, terms)
+    assert len(seen) >= 3  # the vectors exercise different outcomes, not one

@@ -8,7 +8,7 @@ from protocol import messages as m
 from protocol.envelope import open_envelope, seal
 from protocol.errors import CodecError
 from protocol.identity import Identity
-from scripts.make_envelope_vectors import sample_terms
+from scripts.make_envelope_vectors import sample_capability, sample_terms
 
 NOW = 1_790_000_000.0
 ALICE = Identity(bytes([1]) * 32)
@@ -21,7 +21,7 @@ JOB = TERMS.job_id()
 def every_message():
     return [
         m.JobAnnouncement.for_terms(TERMS),
-        m.Capability(m.Hardware("cpu", "x86_64", 0.0, 24.0, 2), ("peft",), 0.2, True, True, 1, "0.1.0"),
+        sample_capability(),
         m.ShardClaim(JOB, 0, 1),
         m.ShardLease(JOB, 0, 1, 0, BOB.peer_id, 1, NOW + 120, None),
         m.ShardRelease(JOB, 0, 1, 0, "dataset hash mismatch"),
@@ -143,3 +143,27 @@ def test_extension_fields_are_strict(patch, expected):
     with pytest.raises(CodecError) as info:
         m.decode_body("job", wire)
     assert expected in str(info.value)
+
+
+def test_capability_devices_and_models_are_bounded_and_checked():
+    from scripts.make_envelope_vectors import sample_capability
+
+    cap = sample_capability()
+    wire = cap.to_wire()
+    assert m.Capability.from_wire(wire) == cap
+    device = wire["devices"][0]
+    cases = [
+        ({**wire, "devices": [device, device]}, "devices: a device is listed twice"),
+        ({**wire, "devices": [{**device, "vram_free_gb": 90.0}]}, "devices[0].vram_free_gb: expected 0..vram_total_gb"),
+        ({**wire, "devices": [{**device, "vram_total_gb": -1.0}]}, "devices[0].vram_total_gb"),
+        ({**wire, "devices": [{**device, "kind": "tpu"}]}, "devices[0].kind: expected one of cuda, mps"),
+        ({**wire, "devices": [{**device, "index": i} for i in range(17)]}, "devices: more than 16 items"),
+        ({**wire, "devices": [{**device, "bf16": 1}]}, "devices[0].bf16: expected a boolean"),
+        ({**wire, "models": [{"name": "x", "sha256": b"short"}]}, "models[0].sha256: expected a 32-byte digest"),
+        ({**wire, "models": [{"name": "x", "sha256": bytes(32)}] * 65}, "models: more than 64 items"),
+        ({k: v for k, v in wire.items() if k != "devices"}, "devices: missing field"),
+        ({**wire, "cpu_model": "x" * 300}, "cpu_model: string longer than 256"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(CodecError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            m.Capability.from_wire(bad, "cap")

@@ -1,0 +1,160 @@
+"""The GPU-only checks of issue 11 in one run: train, replay across workers, drift and tokens/s.
+
+On a machine with a CUDA GPU and torch/transformers/peft installed (no hub access needed):
+  1. builds a random-weight model of Qwen2.5-0.5B's shape from its config, in code (the tiny
+     model's tokenizer; ids stay below the vocabulary), saved as bf16 safetensors;
+  2. for each case -- peft bf16, qlora (nf4 + bf16 compute; needs bitsandbytes), unsloth (only if
+     importable) -- trains the same shard as two workers (A and B, separate runs), replays one
+     segment of A as a verifier would (verify_segment), and measures A against B;
+  3. prints JSON lines ``{"bench", "value", "unit", "reference", "ratio", "goal"}`` (ratio higher =
+     better): tokens/s against a bare torch + peft loop (goal 0.95); replay and run-to-run drift
+     (max relative L2 over adapter tensors) against the dtype's tolerance (ratio = tolerance /
+     drift, goal 1.0: the tolerance holds with room to spare when the ratio is far above 1).
+These drift figures are the ones IPIP-0005 §8.1 asks for. ``--cpu-smoke`` runs the same code on
+the tiny model on the CPU in float32 (peft and qlora if bitsandbytes has a CPU backend), to check
+the script itself where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+QWEN25_05B = dict(  # Qwen/Qwen2.5-0.5B config.json, the fields that shape the weights
+    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+    num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    tie_word_embeddings=True, hidden_act="silu",
+)
+
+
+def build_model(out: Path, *, smoke: bool) -> Path:
+    """A random-weight model directory: Qwen2.5-0.5B's shape (or the tiny model for --cpu-smoke)."""
+    from agent.train.tiny import tiny_model
+
+    tiny = tiny_model()
+    if smoke:
+        return tiny
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if (out / "model.safetensors").exists():
+        return out
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B)).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny / name).exists():
+            shutil.copy(tiny / name, out / name)
+    return out
+
+
+def max_drift(a_dir: Path, b_dir: Path) -> float:
+    from safetensors.torch import load_file
+
+    from agent.train.replay import relative_l2
+
+    a = load_file(str(a_dir / "adapter_model.safetensors"))
+    b = load_file(str(b_dir / "adapter_model.safetensors"))
+    return max(relative_l2(b, a).values())
+
+
+def emit(bench: str, value: float, unit: str, reference: float, ratio: float, goal: float, **extra) -> None:
+    print(json.dumps({"bench": bench, "value": value, "unit": unit, "reference": reference,
+                      "ratio": round(ratio, 4), "goal": goal, **extra}), flush=True)
+
+
+def run_case(name: str, config, shard: Path, work: Path, backend_name: str, device: str) -> None:
+    from agent.train.backends import PeftBackend, UnslothBackend
+    from agent.train.recorder import checkpoint_name
+    from agent.train.replay import verify_segment
+    from agent.train.run import TrainRequest
+    from protocol.proof import FP32_TOLERANCE, HALF_TOLERANCE, Commitment
+    from scripts.bench_train import bare_loop
+
+    backend = UnslothBackend() if backend_name == "unsloth" else PeftBackend()
+    results = []
+    for worker in ("A", "B"):
+        request = TrainRequest(config, shard, work / name / worker, worker=f"worker-{worker}")
+        results.append(backend.train(request))
+    a, b = results
+    commitment = Commitment.from_json(json.loads((a.run_dir / "proof.json").read_text()))
+    index = len(commitment.links) - 1
+    start = a.run_dir / "checkpoints" / checkpoint_name(commitment.segment_start(index)[0])
+    end = a.run_dir / "checkpoints" / checkpoint_name(commitment.links[index].step)
+    verdict = verify_segment(commitment, index, start=start, end=end, shard=shard, config=config)
+    dtype = a.environment.get("dtype", "float32")
+    tolerance = config.tolerance or (FP32_TOLERANCE if dtype == "float32" else HALF_TOLERANCE)
+    replay = 0.0 if verdict.exact else verdict.max_distance
+    run_to_run = max_drift(a.adapter_dir, b.adapter_dir)
+    tokens, seconds = bare_loop(config.with_(device=device), shard)
+    bare = tokens / seconds
+    env = {k: a.environment.get(k) for k in ("device", "device_class", "dtype", "quantization", "backend")}
+    emit(f"gpu_{name}_tokens_per_s", round(a.tokens_per_second, 1), "tokens/s", round(bare, 1),
+         a.tokens_per_second / bare, 0.95, env=env)
+    emit(f"gpu_{name}_replay_drift", replay, "rel_l2", tolerance, tolerance / max(replay, 1e-8), 1.0,
+         accepted=verdict.accepted, exact=verdict.exact, segment=index, env=env)
+    emit(f"gpu_{name}_run_to_run_drift", run_to_run, "rel_l2", tolerance, tolerance / max(run_to_run, 1e-8), 1.0,
+         env=env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU: check the script itself")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--work", type=Path, default=None, help="working directory (default: a temporary one)")
+    parser.add_argument("--only", nargs="*", default=None, help="cases to run: peft_bf16 qlora unsloth")
+    args = parser.parse_args(argv)
+
+    import importlib.util
+
+    import torch
+
+    from agent.train.config import TrainConfig
+    from agent.train.data import split_dataset, write_chatml
+    from agent.train.tiny import demo_records
+
+    smoke = args.cpu_smoke
+    if not smoke and not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU here; run with --cpu-smoke to check the script on the CPU", file=sys.stderr)
+        return 2
+    device = "cpu" if smoke else "cuda"
+    work = args.work or Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    model = build_model(work / "qwen2.5-0.5b-shape", smoke=smoke)
+    records = demo_records(400, seed=0)
+    shard = work / "shard.jsonl"
+    write_chatml(shard, [records[i] for i in split_dataset(len(records), 2, 0.0, seed=0).shards[0]])
+    steps = min(args.steps, 6) if smoke else args.steps
+    config = TrainConfig(
+        base_model=str(model), seed=1, batch_size=4, gradient_accumulation_steps=2, learning_rate=1e-3, rank=8,
+        alpha=16.0, dropout=0.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"), max_steps=steps,
+        checkpoint_every=max(steps // 2, 1), threads=1, log_every=steps, max_seq_len=128, device=device,
+        dtype="float32" if smoke else "bfloat16",
+    )
+    cases = [("peft_bf16" if not smoke else "peft_fp32", config, "peft")]
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        cases.append(("qlora", config.with_(method="qlora"), "peft"))
+    if not smoke and importlib.util.find_spec("unsloth") is not None:
+        cases.append(("unsloth", config.with_(runtime="unsloth"), "unsloth"))
+    started = time.time()
+    for name, case_config, backend in cases:
+        if args.only and name not in args.only and name.replace("fp32", "bf16") not in args.only:
+            continue
+        try:
+            run_case(name, case_config, shard, work, backend, device)
+        except Exception as exc:  # noqa: BLE001 - one failing case must not hide the others' figures
+            print(json.dumps({"bench": f"gpu_{name}", "error": f"{type(exc).__name__}: {exc}"[:500]}), flush=True)
+    print(json.dumps({"bench": "gpu_check_seconds", "value": round(time.time() - started, 1), "unit": "s",
+                      "device": torch.cuda.get_device_name() if not smoke else "cpu"}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

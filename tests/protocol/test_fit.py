@@ -1,0 +1,75 @@
+"""protocol/fit.py: a declared capability against a job's terms; each unmet requirement its own reason."""
+
+from dataclasses import replace
+
+import pytest
+
+from protocol import messages as m
+from protocol.fit import replay_refusals, training_refusals
+from protocol.identity import Identity
+from scripts.make_envelope_vectors import sample_capability, sample_terms
+
+TERMS = sample_terms(Identity(bytes([1]) * 32))
+MODEL = m.ModelHeld("tiny-qwen2", TERMS.base_model_sha256)
+CPU = replace(sample_capability(), hardware=m.Hardware("cpu", "x86", 0.0, 8.0, 2), backends=("peft",),
+              devices=(), models=(MODEL,))
+
+
+def gpu(free: float, total: float = 80.0, *, backends=("peft", "unsloth")) -> m.Capability:
+    device = m.Device("cuda", 0, "NVIDIA H100", total, free, "9.0", True)
+    return replace(CPU, devices=(device,), backends=backends)
+
+
+def test_a_cpu_peer_fits_a_cpu_peft_job():
+    assert training_refusals(CPU, TERMS) == []
+    assert replay_refusals(CPU, TERMS) == []
+
+
+def test_vram_is_refused_on_a_cpu_only_peer_with_its_own_reason():
+    reasons = training_refusals(CPU, replace(TERMS, min_vram_gb=16.0))
+    assert reasons == ["job needs 16 GB of VRAM; this agent has no GPU"]
+
+
+def test_free_vram_below_the_minimum_on_every_device_is_refused():
+    job = replace(TERMS, min_vram_gb=40.0)
+    assert training_refusals(gpu(free=60.0), job) == []
+    [reason] = training_refusals(gpu(free=30.0), job)
+    assert "40 GB of free VRAM on one GPU; the most free here is 30.0 GB (cuda:0 NVIDIA H100)" in reason
+    # two devices of 30 GB free do not add up to 40: training runs on one device
+    two = replace(gpu(free=30.0), devices=gpu(free=30.0).devices + (replace(gpu(30.0).devices[0], index=1),))
+    assert len(training_refusals(two, job)) == 1
+
+
+def test_unsloth_without_cuda_is_one_clear_reason():
+    assert training_refusals(CPU, replace(TERMS, runtime="unsloth")) == [
+        "runtime unsloth needs a CUDA GPU; this agent has none"]
+
+
+def test_unsloth_on_a_gpu_without_unsloth_installed():
+    [reason] = training_refusals(gpu(free=60.0, backends=("peft",)), replace(TERMS, runtime="unsloth"))
+    assert reason == "runtime unsloth is not offered here (offers: peft)"
+    assert training_refusals(gpu(free=60.0), replace(TERMS, runtime="unsloth")) == []
+
+
+def test_a_model_not_held_by_hash_is_refused_even_under_the_same_name():
+    other = replace(CPU, models=(m.ModelHeld("tiny-qwen2", bytes(32)),))
+    [reason] = training_refusals(other, TERMS)
+    assert reason.startswith("base model 'tiny-qwen2' (sha256 000102030405") and "not among the models" in reason
+
+
+def test_every_unmet_requirement_is_listed():
+    job = replace(TERMS, runtime="unsloth", min_vram_gb=8.0)
+    reasons = training_refusals(replace(CPU, models=()), job)
+    assert len(reasons) == 3 and "unsloth" in reasons[0] and "base model" in reasons[1] and "8 GB" in reasons[2]
+
+
+@pytest.mark.parametrize("job, peer, ok", [
+    (replace(TERMS, min_vram_gb=40.0), gpu(free=1.0, total=80.0), True),  # total, not free: a busy GPU still verifies
+    (replace(TERMS, min_vram_gb=40.0), gpu(free=20.0, total=24.0), False),
+    (replace(TERMS, min_vram_gb=40.0), CPU, False),
+    (replace(TERMS, runtime="unsloth"), CPU, False),
+    (replace(TERMS, runtime="unsloth"), gpu(free=10.0, backends=("peft",)), True),  # peft on CUDA replays it
+    (TERMS, replace(CPU, models=()), False),
+])
+def test_replay_needs_the_model_and_for_gpu_jobs_a_large_enough_gpu(job, peer, ok):
+    assert (replay_refusals(peer, job) == []) is ok
