@@ -42,7 +42,9 @@ def test_job_announce_watch_fetch_between_agent_processes(tmp_path, daemons, tin
     out = tmp_path / "adapter"
     fetched = cli_json("job", "fetch", job["id"][:12], "--out", str(out), "--home", home, timeout=120)
     assert fetched["cid"] == states[-1]["aggregates"][-1]["cid"] and fetched["final"]
-    assert {p.name for p in out.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    # the adapter, and the averaged AdamW state the job carried (to continue training; peft ignores it)
+    assert {p.name for p in out.iterdir()} == {"adapter_config.json", "adapter_model.safetensors",
+                                               "optimizer.safetensors"}
     ledger = cli_json("job", "ledger", job["id"][:12], "--home", home)
     assert ledger["verified"] and "done" in [e["kind"] for e in ledger["entries"]]
     listed = cli_json("job", "list", "--home", home)

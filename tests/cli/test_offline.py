@@ -103,5 +103,6 @@ def test_train_run_local_trains_and_writes_the_run_layout(tmp_path, tiny_model_d
         assert used["micro_batch_size"] == used["batch_size"] and result["environment"]["micro_batch"] == used["batch_size"]
     for name in ("README.md", "metrics.jsonl", "proof.json", "train_config.json", "infernet.train.yml", "result.json"):
         assert (out / name).is_file(), name
-    assert {p.name for p in (out / "checkpoint-final").iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    assert {p.name for p in (out / "checkpoint-final").iterdir()} == {
+        "adapter_config.json", "adapter_model.safetensors", "optimizer.safetensors"}  # optimizer_state: carried
     assert json.loads((out / "result.json").read_text())["steps"] == 6
