@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", parents=[common], help="run the demo network on loopback (1 submitter + 3 workers)")
     demo.add_argument("--workers", type=int, default=3, help="worker agents (default 3; one of them coordinates)")
     demo.add_argument("--shards", type=int, default=4, help="dataset shards (default 4)")
-    demo.add_argument("--rounds", type=int, default=2, help="train-then-aggregate rounds (default 2)")
-    demo.add_argument("--steps", type=int, default=100, help="optimizer steps per shard and round (default 100)")
+    demo.add_argument("--rounds", type=int, default=16, help="train-then-aggregate rounds (default 16)")
+    demo.add_argument("--steps", type=int, default=12, help="optimizer steps per shard and round (default 12)")
     demo.add_argument("--dir", type=Path, default=None, help="where the agents' homes go (default: a new temp dir)")
     demo.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
 

@@ -45,8 +45,10 @@ class DemoError(Exception):
 class DemoOptions:
     workers: int = 3
     shards: int = 4
-    rounds: int = 2
-    steps: int = 100
+    # 16 short rounds: with the AdamW state carried across rounds, the shorter a round the closer the
+    # job gets to one machine's training at the same compute (scripts/bench_quality.py, IPIP-0006 §2.3)
+    rounds: int = 16
+    steps: int = 12
     directory: Path | None = None
     timeout: float = 600.0
     verbose: bool = False

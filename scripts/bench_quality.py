@@ -206,6 +206,25 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
     return losses
 
 
+def demo_network_loss(trainer: Trainer, shards: int, rounds: int, steps: int, directory: Path) -> tuple[float, float]:
+    """Run a real `infernet demo` (separate agent processes over libp2p) with the job's defaults and
+    score its final aggregate here, the same way as the simulated rows: (validation loss, seconds)."""
+    import re
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    started = time.perf_counter()
+    command = [sys.executable, "-m", "agent.cli", "demo", "--shards", str(shards), "--rounds", str(rounds),
+               "--steps", str(steps), "--dir", str(directory)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    found = re.search(r"adapter \(Hugging Face PEFT layout\): (\S+)", done.stdout.replace("\n", ""))
+    if done.returncode != 0 or not found:
+        raise SystemExit(f"bench_quality: infernet demo failed: {(done.stdout + done.stderr)[-500:]}")
+    adapter = load_file(str(Path(found.group(1)) / "adapter_model.safetensors"))
+    return trainer.evaluate(adapter), time.perf_counter() - started
+
+
 def parse_outer(text: str) -> OuterOptimizer:
     """``none``, ``sgd:LR[:MOMENTUM]``, ``nesterov:LR:MOMENTUM``, ``adam:LR[:BETA1:BETA2]``."""
     name, *numbers = text.split(":")
@@ -245,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="carried | fresh (comma list): each round's AdamW from the averaged state, or afresh")
     parser.add_argument("--quick", action="store_true", help="demo task, W=4, T=200: a smoke run")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--network", action="store_true",
+                        help="also one row from a real `infernet demo` (demo task, W=4, the first --rounds)")
     args = parser.parse_args(argv)
     if args.quick:
         args.tasks, args.workers, args.total, args.extend = "demo", "4", 200, 1.0
@@ -301,6 +322,13 @@ def main(argv: list[str] | None = None) -> int:
                         emit(f"val_loss/{name}", final, "nats", central_at_total, central_at_total / final, None,
                              per_round=[round(x, 4) for x in losses],
                              seconds=round(time.perf_counter() - started, 1))
+            if args.network and task_name == "demo":
+                rounds = int(args.rounds.split(",")[0])
+                steps = args.total // (4 * rounds)
+                final, seconds = demo_network_loss(trainer, 4, rounds, steps, Path(tmp) / "demo-net")
+                reached, capped = steps_to_reach(central, final)
+                emit(f"efficiency/demo/W4/R{rounds}x{steps}/infernet-demo", reached / args.total, "E", 1.0,
+                     reached / args.total, GOAL, lower_bound=capped, val_loss=round(final, 4), seconds=round(seconds))
     return 0
 
 

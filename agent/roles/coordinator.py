@@ -445,6 +445,6 @@ def _aggregate_adapters(terms: m.JobTerms, inputs: list[tuple[Path, int]], out: 
         merged, state = outer_step(previous, merged, state, outer, step=rnd,
                                    frozen=frozen_keys(previous, terms.lora.freeze_a))
         if state:
-            save_file(state, str(out / OUTER_STATE_FILE), metadata={"format": "pt", "round": str(rnd)})
+            save_file(state, str(out / OUTER_STATE_FILE), metadata={"format": "pt"})  # one key: safetensors writes several in varying order
     save_file(merged, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     shutil.copy(inputs[0][0] / "adapter_config.json", out / "adapter_config.json")
