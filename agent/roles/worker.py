@@ -53,7 +53,8 @@ class WorkerRole:
         self.agent = agent
         self.candidates: dict[bytes, JobView] = {}
         self.active: dict[tuple[bytes, int, int, int], m.ShardLease] = {}
-        self._last_claim: dict[bytes, tuple[float, int]] = {}  # job -> (when, round) of our last claim
+        # job -> (when, round, whether we held a shard since) of our last claim
+        self._last_claim: dict[bytes, tuple[float, int, bool]] = {}
         self._wake = trio.Event()
 
     # -- choosing jobs ----------------------------------------------------------------------------
@@ -102,16 +103,22 @@ class WorkerRole:
                     continue
                 if view.state.phase not in (st.JobPhase.ANNOUNCED, st.JobPhase.TRAINING):
                     continue
-                if view.coordination.coordinator in (None, agent.peer_id) or view.held_by(agent.peer_id):
+                if view.coordination.coordinator in (None, agent.peer_id):
                     continue  # no coordinator yet, or it is us (we don't train what we judge)
+                if view.held_by(agent.peer_id):  # until its verdict: then claim at once
+                    if view.job_id in self._last_claim:
+                        self._last_claim[view.job_id] = (*self._last_claim[view.job_id][:2], True)
+                    continue
                 if any(k[0] == view.job_id for k in self.active):
                     continue
                 open_shards = view.open_shards()
-                last_time, last_round = self._last_claim.get(view.job_id, (0.0, 0))
-                if not open_shards or (last_round == view.state.round and
+                # a claim made while we still held a shard (reported, awaiting its verdict) was
+                # ignored by the coordinator: it does not hold back the next one
+                last_time, last_round, was_holding = self._last_claim.get(view.job_id, (0.0, 0, False))
+                if not open_shards or (last_round == view.state.round and not was_holding and
                                        now - last_time < 2 * agent.config.claim_interval):
                     continue
-                self._last_claim[view.job_id] = (now, view.state.round)
+                self._last_claim[view.job_id] = (now, view.state.round, False)
                 await agent.publish(m.ShardClaim(view.job_id, view.state.round, random.choice(open_shards)))
                 break
 
