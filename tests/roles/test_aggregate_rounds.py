@@ -75,3 +75,18 @@ def test_a_successor_coordinator_makes_the_same_aggregate_from_the_published_bun
     lost = start_from(published)
     _aggregate_adapters(terms, rounds[2], tmp_path / "lost-r2", 2, (lost[0], {}, lost[2]))
     assert digest(tmp_path / "lost-r2")["adapter_model.safetensors"] != digest(tmp_path / "first-r2")["adapter_model.safetensors"]
+
+
+def test_a_report_must_carry_the_optimizer_state_its_proof_committed(tmp_path):
+    from agent.roles.coordinator import _check_final_optimizer
+    from agent.train.model import tensors_hash
+
+    report = worker_output(tmp_path / "report", 1)
+    committed = tensors_hash(load_file(str(report / OPTIMIZER_FILE)))
+    assert _check_final_optimizer(report, committed) is None
+    state = load_file(str(report / OPTIMIZER_FILE))
+    state[f"{B}.exp_avg"][0, 0] += 1e-3  # a worker that edits its momentum after committing
+    save_file(state, str(report / OPTIMIZER_FILE))
+    assert "does not hash to the last committed checkpoint" in _check_final_optimizer(report, committed)
+    (report / OPTIMIZER_FILE).unlink()
+    assert "has no optimizer.safetensors" in _check_final_optimizer(report, committed)
