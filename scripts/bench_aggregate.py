@@ -118,7 +118,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=9, help="timed runs per method (best kept)")
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1, like the numpy reference)")
     parser.add_argument("--trim-ratio", type=float, default=0.125, help="0.125 drops 1 of 8 per side")
     parser.add_argument("--only", default=",".join(METHODS), help="comma-separated methods to time")
     args = parser.parse_args()
