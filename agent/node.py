@@ -425,6 +425,7 @@ class Agent:
                 elif view.job_id not in self._coordinating:  # newly elected, or resumed after a restart
                     self._coordinating.add(view.job_id)
                     self.coordinator.take_over(view)
+                self.coordinator.judge_reports(view)  # the coordinator's own reports, if we are their judge
             await trio.sleep(0.5)
 
     async def _resync(self, view: JobView) -> None:

@@ -28,6 +28,12 @@ Rules of this file:
   Terms therefore never decrease. Peers with the same live view compute the same coordinator;
   while views differ, terms may climb until they agree, which is safe because a stale term never
   passes.
+- Judging. A coordinator never judges its own work. A report by the job's coordinator (it held
+  a lease from the previous term when it took over) is judged by the *judge*: the first of the
+  ranking over the eligible live peers without the coordinator (``judge_of``). Its verdict carries
+  the coordinator's term and is accepted in that term from any eligible live peer other than the
+  worker it judges (``may_judge``: views of who is live may briefly differ, and the state machine
+  takes only the first verdict of an attempt); a verdict signed by the worker it judges never is.
 - Errors. A malformed job ID or peer ID, a stale or conflicting term: ``StateError``, nothing else.
 
 The document is ``ipips/0006-election-aggregation.md``; ``ipips/vectors/election-*.json`` are
@@ -163,6 +169,23 @@ class Coordination:
 
     def is_coordinator(self, peer_id: str) -> bool:
         return self.coordinator is not None and self.coordinator == peer_id
+
+
+def judge_of(job_id: bytes, coordinator: str | None, worker: str, eligible: Iterable[str]) -> str | None:
+    """Who judges ``worker``'s report: the coordinator, unless it is the worker; then the first of the
+    ranking over the eligible live peers without the worker (None when there is no other)."""
+    if coordinator is not None and coordinator != worker:
+        return coordinator
+    ranking = rank_peers(job_id, set(eligible) - {worker})
+    return ranking[0] if ranking else None
+
+
+def may_judge(view: Coordination, signer: str, worker: str, term: int, eligible: Iterable[str]) -> bool:
+    """May a verdict on ``worker``'s report, signed by ``signer`` in ``term``, be applied? Only for a
+    report by the view's coordinator (other verdicts follow ``check_message``): in the view's term,
+    from an eligible live peer that is not the worker. Never one signed by the worker it judges."""
+    return (signer != worker and view.coordinator is not None and worker == view.coordinator
+            and term == view.term and signer in set(eligible))
 
 
 def stepped_down(before: Coordination, after: Coordination, me: str) -> bool:

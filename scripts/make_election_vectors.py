@@ -99,3 +99,37 @@ side = {
     "cases": cases,
 }
 Path("ipips/vectors/election-submitter.json").write_text(json.dumps(side, indent=1) + "\n")
+
+# --- a coordinator never judges its own work (IPIP-0006 §1.3 rule 6) --------------------------------
+from protocol.election import judge_of, may_judge
+
+R = rank_peers(job, five)
+judge_cases = []
+for name, coordinator, worker, eligible in [
+    ("another worker's report: the coordinator judges", R[0], R[2], five),
+    ("the coordinator's own report: the next eligible peer by rank judges", R[0], R[0], five),
+    ("the runner-up coordinates, its own report: the first-ranked (live) judges", R[1], R[1], five),
+    ("the runner-up's own report, the first-ranked gone: the third judges", R[1], R[1], [p for p in five if p != R[0]]),
+    ("the coordinator alone: nobody can judge its report", R[0], R[0], [R[0]]),
+]:
+    judge_cases.append({"name": name, "coordinator": coordinator, "worker": worker, "eligible": sorted(eligible),
+                        "expect_judge": judge_of(job, coordinator, worker, eligible)})
+accept_cases = []
+view2 = Coordination(job, 2, R[1])
+for name, signer, worker, term, eligible in [
+    ("the judge's verdict on the coordinator's report, its term", R[0], R[1], 2, five),
+    ("any other eligible peer's verdict on it is accepted too", R[2], R[1], 2, five),
+    ("the coordinator's verdict on its own report: never", R[1], R[1], 2, five),
+    ("an ineligible signer", outsider, R[1], 2, five),
+    ("a stale term", R[0], R[1], 1, five),
+    ("a verdict on another worker's report follows the term rules, not this one", R[0], R[3], 2, five),
+]:
+    accept_cases.append({"name": name, "signer": signer, "worker": worker, "term": term, "eligible": sorted(eligible),
+                         "expect": may_judge(view2, signer, worker, term, eligible)})
+judge = {
+    "description": "IPIP-0006 §1.3 rule 6 for the job of election-terms.json (same peers, ranking and outsider): 'judges' gives who judges a worker's report (judge_of: the coordinator, unless the report is its own; then the first of the ranking over the eligible live peers without it, null if none); 'accepts' gives whether a verdict on a worker's report signed by 'signer' in 'term' is accepted by a peer whose view is (term 2, ranking[1]) under this rule (may_judge); a verdict signed by the worker it judges is never applied.",
+    "job_id_hex": job.hex(), "ranking": list(R), "outsider": outsider,
+    "view": {"term": view2.term, "coordinator": view2.coordinator},
+    "judges": judge_cases, "accepts": accept_cases,
+}
+Path("ipips/vectors/election-judge.json").write_text(json.dumps(judge, indent=1) + "\n")

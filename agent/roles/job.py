@@ -7,7 +7,9 @@ Rules of this file:
   they arrive. So a successor coordinator already holds the job's state when it takes over.
 - Worker messages (``ckpt``, ``report``, ``release``) are applied by everyone. Coordinator
   messages (``lease``, ``verdict``, ``aggregate``) only when their signer and term pass the
-  election view (protocol/election.py); echoes of our own decisions are skipped.
+  election view (protocol/election.py); echoes of our own decisions are skipped. A verdict signed
+  by the worker it judges is never applied; one on the coordinator's own report is applied from
+  another eligible peer in the coordinator's term (``election.may_judge``).
 - A message the state machine refuses (StateError) is never raised: it is untrusted input. It is
   held (at most ``PENDING_MAX``, for ``PENDING_SECONDS``) and tried again after every message that
   does apply, because gossip keeps no order: a lease for attempt 2 may arrive before the release
@@ -26,7 +28,7 @@ from typing import Any
 from agent.train.config import TrainConfig
 from protocol import messages as m
 from protocol import state as st
-from protocol.election import Coordination
+from protocol.election import Coordination, may_judge
 from protocol.errors import StateError
 
 log = logging.getLogger(__name__)
@@ -158,7 +160,10 @@ class JobView:
         decisions are applied as when we made them."""
         if isinstance(msg, m.ShardClaim):
             return  # a request to the coordinator, not a change of the job
-        if isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)) and signer == self.me:
+        if isinstance(msg, m.Verdict) and signer == self.me and \
+                may_judge(self.coordination, signer, msg.worker, msg.term, frozenset({signer})):
+            self.apply_decision(msg, at)  # we judged the coordinator's own work (IPIP-0006 §1.3)
+        elif isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)) and signer == self.me:
             if self.check_coordinator(signer, msg.term, frozenset({signer})):
                 self.apply_decision(msg, at)
         else:
@@ -204,6 +209,14 @@ class JobView:
             return actions
         if isinstance(msg, m.ShardRelease):
             return self.step(st.Released(msg.round, msg.shard, signer, msg.attempt), now, count=count)
+        if isinstance(msg, m.Verdict) and (signer == msg.worker or may_judge(self.coordination, signer, msg.worker,
+                                                                            msg.term, eligible)):
+            # a worker never judges itself; the coordinator's own work is judged by another peer
+            if signer == msg.worker and count:
+                self.refused["self-judged"] += 1
+            if signer == msg.worker or signer == self.me:
+                return None
+            return self.apply_decision(msg, now, count=count)
         if isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
             if signer == self.me or not self.check_coordinator(signer, msg.term, eligible):
                 return None

@@ -274,3 +274,21 @@ def test_election_submitter_side_vector():
                               case["now"], settled=case["settled"], heartbeat_seconds=vector["heartbeat_seconds"],
                               missed_heartbeats=vector["missed_heartbeats"])
         assert got == case["expect"], case["name"]
+
+
+def test_election_judge_vector():
+    """IPIP-0006 §1.3 rule 6: a coordinator never judges its own work; the next eligible peer by rank does."""
+    from protocol.election import judge_of, may_judge
+
+    vector = json.loads((VECTORS / "election-judge.json").read_text())
+    job = bytes.fromhex(vector["job_id_hex"])
+    assert {c["expect"] for c in vector["accepts"]} == {True, False}
+    for case in vector["judges"]:
+        got = judge_of(job, case["coordinator"], case["worker"], case["eligible"])
+        assert got == case["expect_judge"], case["name"]
+        assert got != case["worker"] or case["coordinator"] != case["worker"]
+    view = Coordination(job, vector["view"]["term"], vector["view"]["coordinator"])
+    for case in vector["accepts"]:
+        got = may_judge(view, case["signer"], case["worker"], case["term"], case["eligible"])
+        assert got == case["expect"], case["name"]
+
