@@ -8,6 +8,8 @@ Rules of this file:
 - Peers are known by their signed ``cap`` and ``heartbeat`` messages. A peer is *live* while its
   heartbeats arrive (protocol/election.live_peers); coordinators are elected among live peers
   that announced ``can_coordinate``.
+- A restarted submitter learns what it missed from its live peers (sync.submitter_catch_up) and
+  changes no election view until it has heard peers for ``missed_heartbeats`` heartbeats.
 - Election view: a job's coordinator is elected once the job has been known for ``grace_seconds``
   (so that peers whose views converged agree on term 1), and stays until it falls silent; then the
   next peer by rendezvous takes the job with term + 1 (protocol/election.Coordination). A peer acts
@@ -40,7 +42,7 @@ from agent.net.network import Network, open_network
 from agent.roles.coordinator import CoordinatorRole
 from agent.roles.job import JobView
 from agent.roles.submitter import SubmitterRole
-from agent.roles.sync import RESYNC_INTERVAL, SyncService, catch_up, needs_resync, resync
+from agent.roles.sync import RESYNC_INTERVAL, SyncService, catch_up, needs_resync, resync, submitter_catch_up
 from agent.roles.worker import WorkerRole
 from agent.store import Store
 from protocol import messages as m
@@ -100,6 +102,7 @@ class Agent:
         self.store: Store | None = None
         self.nursery: trio.Nursery | None = None
         self.started_at = 0.0
+        self.hearing_peers_since: float | None = None  # other peers' heartbeats arrive without a break since
         self.worker = WorkerRole(self) if config.accept_training else None
         self.coordinator = CoordinatorRole(self)
         self.submitter = SubmitterRole(self)
@@ -189,6 +192,8 @@ class Agent:
         info = self.peers.get(view.terms.submitter)
         heard = {} if info is None else {view.terms.submitter: info.last_heartbeat}
         since = {} if info is None else {view.terms.submitter: info.live_since}
+        if view.terms.submitter == self.peer_id:  # since when we have heard others (none yet: never)
+            since = {} if self.hearing_peers_since is None else {self.peer_id: self.hearing_peers_since}
         return election_hears_submitter(view.terms.submitter, self.peer_id, heard, since, self.clock(),
                                         settled=settled, heartbeat_seconds=self.config.heartbeat_seconds,
                                         missed_heartbeats=self.config.missed_heartbeats)
@@ -244,6 +249,8 @@ class Agent:
             if self.observer is not None:
                 self.observer("recv", received)
             if isinstance(msg, m.Heartbeat):
+                if signer != self.peer_id and not self.live_peers():
+                    self.hearing_peers_since = now  # the first peer heard since we (re)started or were alone
                 info = self.peers.setdefault(signer, PeerInfo(now, live_since=now))
                 if now - info.last_heartbeat > self.config.heartbeat_seconds * self.config.missed_heartbeats:
                     info.live_since = now  # back after a silence (it restarted, or a partition healed)
@@ -280,7 +287,7 @@ class Agent:
             if view.state.phase.value != record.state:
                 self.store.update_job(record.job_id, self.clock(), state=view.state.phase.value, round=view.state.round)
             subscription = await self.net.gossip.subscribe(m.job_topic(record.job_id))
-            self.nursery.start_soon(self._read_job_topic, view, subscription, True)
+            self.nursery.start_soon(partial(self._read_job_topic, view, subscription, True, resumed=True))
             if record.terms.submitter == self.peer_id:
                 self.nursery.start_soon(self.submitter.resume, view)
             if self.worker is not None:
@@ -347,14 +354,18 @@ class Agent:
             self.worker.consider(view)
         return view
 
-    async def _read_job_topic(self, view: JobView, subscription: Any, catch_up_first: bool = False) -> None:
+    async def _read_job_topic(self, view: JobView, subscription: Any, catch_up_first: bool = False, *,
+                              resumed: bool = False) -> None:
         """Apply the job topic's messages to our mirror; first, if asked, catch up on the job's history
-        from its submitter (live messages wait in the subscription meanwhile; agent/roles/sync.py)."""
+        from its submitter, or, if we are the submitter and ``resumed`` it after a restart, from its
+        live peers (live messages wait in the subscription meanwhile; agent/roles/sync.py)."""
         synced: set[bytes] = set()
         if catch_up_first and view.terms.submitter != self.peer_id:
             synced = await catch_up(self, view)
-            if synced:
-                self.apply_actions(view, ())
+        elif catch_up_first and resumed:
+            synced = await submitter_catch_up(self, view)
+        if synced:
+            self.apply_actions(view, ())
         async for received in subscription:
             msg, signer, now = received.message, received.signer, self.clock()
             if self.observer is not None:
@@ -430,6 +441,9 @@ class Agent:
 
     async def _resync(self, view: JobView) -> None:
         try:
+            if view.terms.submitter == self.peer_id:  # our history is the reference: ask peers what we missed
+                await submitter_catch_up(self, view)
+                return
             applied = await resync(self, view)
             if applied is not None:
                 self.apply_actions(view, ())

@@ -123,11 +123,17 @@ def hears_submitter(
     """The submitter's side decides (IPIP-0006 §1.3 rule 5): may a peer act as a job's coordinator
     (``settled=False``: the submitter is live to it, or it is the submitter), or change its election
     view of the job (``settled=True``: it has also heard the submitter for ``missed_heartbeats``
-    intervals since it was last silent, so the other peers' heartbeats have had time to come back)?"""
-    if submitter == me:
-        return True
-    seen = last_heartbeat.get(submitter)
+    intervals since it was last silent, so the other peers' heartbeats have had time to come back)?
+
+    The submitter always may act, but changes its view only once it has heard other peers for
+    ``missed_heartbeats`` intervals without a break (``live_since[me]``: since when; absent: it hears
+    nobody): a restarted (or isolated) submitter first hears its peers and learns the job's state
+    from them, so it never deposes a live coordinator it has not heard yet."""
     window = missed_heartbeats * heartbeat_seconds
+    if submitter == me:
+        since = live_since.get(me)
+        return not settled or (since is not None and now - since >= window)
+    seen = last_heartbeat.get(submitter)
     if seen is None or now - seen >= window:
         return False
     return not settled or now - live_since.get(submitter, now) >= window

@@ -81,7 +81,11 @@ from protocol.election import hears_submitter
 submitter, me = peers[0], peers[1]
 cases = []
 for name, heard, since, now, settled, who in [
-    ("we are the submitter", {}, {}, 100.0, True, submitter),
+    ("we are the submitter, hearing peers for 6 s: settled", {}, {submitter: 94.0}, 100.0, True, submitter),
+    ("we are the submitter, hearing no peer (just restarted, or alone): may act", {}, {}, 100.0, False, submitter),
+    ("we are the submitter, hearing no peer: no view change", {}, {}, 100.0, True, submitter),
+    ("we are the submitter, hearing peers for 2 s: no view change yet", {}, {submitter: 98.0}, 100.0, True, submitter),
+    ("we are the submitter, hearing peers for exactly 5 s: settled", {}, {submitter: 95.0}, 100.0, True, submitter),
     ("live: may act as coordinator", {submitter: 100.0}, {submitter: 98.0}, 100.5, False, me),
     ("back 2.5 s ago: no view change yet", {submitter: 100.0}, {submitter: 98.0}, 100.5, True, me),
     ("heard 5.5 s in a row: view may change", {submitter: 100.0}, {submitter: 95.0}, 100.5, True, me),
@@ -94,7 +98,7 @@ for name, heard, since, now, settled, who in [
                   "expect": hears_submitter(submitter, who, heard, since, now, settled=settled,
                                             heartbeat_seconds=1.0, missed_heartbeats=5)})
 side = {
-    "description": "IPIP-0006 §1.3 rule 5, with the agent's heartbeat_seconds 1.0 and missed_heartbeats 5: may 'me' act as coordinator of a job submitted by 'submitter' (settled false: the submitter is live, i.e. now - last_heartbeat < 5 s, or me is the submitter), or change its election view (settled true: also heard since live_since for at least 5 s)?",
+    "description": "IPIP-0006 §1.3 rule 5, with the agent's heartbeat_seconds 1.0 and missed_heartbeats 5: may 'me' act as coordinator of a job submitted by 'submitter' (settled false: the submitter is live, i.e. now - last_heartbeat < 5 s, or me is the submitter), or change its election view (settled true: also heard since live_since for at least 5 s; for the submitter itself, live_since[submitter] is since when it has heard other peers without a break, absent when it hears none: it may always act, and changes its view only once settled)?",
     "submitter": submitter, "heartbeat_seconds": 1.0, "missed_heartbeats": 5,
     "cases": cases,
 }

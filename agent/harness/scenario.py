@@ -617,8 +617,11 @@ class _Run:
         if action == "restart":
             names = self.resolve(value)
             for name in names:
-                await net.restart(name)
+                agent = await net.restart(name)
                 self.down.discard(name)
+                if name == "submitter" and agent is not None:  # follow the job in the restarted submitter
+                    agent.submitter.reannounce_seconds = 5.0
+                    self.view = agent.jobs.get(self.view.job_id, self.view)
             return f"restart {', '.join(names)}"
         if action == "start":
             await net.start(value, net.configs[value])
