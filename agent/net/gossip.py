@@ -7,7 +7,10 @@ Rules of this file:
   covered by py-libp2p's strict message signing), then checks that the message type belongs on the
   topic it came on (``protocol.messages.topic_for``). A message that fails is dropped, never
   forwarded, and counted against the peer that handed it to us (``invalid``, ``reasons``); a peer
-  with ``blacklist_after`` invalid messages is blacklisted (py-libp2p drops its traffic).
+  with ``blacklist_after`` invalid messages is blacklisted (py-libp2p drops its traffic). An
+  ``expired`` envelope is counted in ``reasons`` only (protocol/envelope.NOT_MISBEHAVIOUR): on
+  subscribing, a peer gets each neighbour's recent-message cache, old envelopes included, and a
+  late joiner that blamed them blacklisted the whole network.
 - The validator is synchronous and never raises: py-libp2p checks "seen" and marks "seen" around it
   without a checkpoint in between only when it is synchronous, and an exception escaping it would
   cancel the whole pubsub service.
@@ -48,7 +51,7 @@ from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pubsub import Pubsub
 
 from agent.net.host import Host
-from protocol.envelope import Envelope, ReplayCache, open_envelope, seal
+from protocol.envelope import NOT_MISBEHAVIOUR, Envelope, ReplayCache, open_envelope, seal
 from protocol.errors import CodecError
 from protocol.messages import topic_for
 
@@ -155,6 +158,17 @@ class _GuardedPubsub(Pubsub):
         # py-libp2p reads each RPC's length prefix one byte per stream read, and every Yamux read
         # may answer with a window update: buffered reads cut the frames per message several-fold
         await super().stream_handler(BufferedReads(stream))
+
+    async def _teardown_if_connected(self, peer_id: ID) -> None:
+        # py-libp2p's deletes the peer after an await, and a peer that went away meanwhile made it
+        # raise KeyError into the service (seen when a late joiner blacklisted two peers at once)
+        stream = self.peers.pop(peer_id, None)
+        if stream is not None:
+            try:
+                await stream.reset()
+            except Exception:  # noqa: BLE001 - the stream is gone either way
+                pass
+        self._forget_all_subscriptions(peer_id)
 
     def notify_subscriptions(self, publish_message: Any) -> None:
         self.deliver(publish_message)
@@ -355,8 +369,10 @@ class Gossip:
         return True
 
     def _reject(self, peer: str, reason: str) -> bool:
-        self.invalid[peer] += 1
         self.reasons[reason] += 1
+        if reason in NOT_MISBEHAVIOUR:  # an old message replayed in good faith (a cache): not held against it
+            return False
+        self.invalid[peer] += 1
         if peer != self.host.peer_id and self.invalid[peer] == self.config.blacklist_after:
             log.warning("gossip: blacklisting %s after %d invalid messages", peer, self.invalid[peer])
             self.pubsub.add_to_blacklist(ID.from_base58(peer))
