@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -446,8 +447,8 @@ def cmd_train_init(args: argparse.Namespace) -> int:
 
 
 def cmd_train_run(args: argparse.Namespace) -> int:
-    from agent.train import TrainConfig, TrainRequest, split_dataset, train_shard
-    from agent.train.data import read_chatml, write_chatml
+    from agent.train import split_dataset
+    from agent.train.data import check_dataset
     from protocol.jobspec import load_spec
 
     config_path = args.config.expanduser().resolve()
@@ -455,12 +456,29 @@ def cmd_train_run(args: argparse.Namespace) -> int:
     dataset = (args.dataset or config_path.parent / spec.input.dataset).expanduser().resolve()
     if not dataset.is_file():
         raise UserError(f"dataset {dataset}: no such file (set input.dataset in {config_path.name} or give --dataset)")
+    records = check_dataset(dataset, 1, spec.input.validation_split, spec.seed).records  # before anything is written
     model = _local_model(args.model, spec.base_model, config_path.parent)
     run_dir = (args.output or Path("runs") / f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}").expanduser().resolve()
     if run_dir.exists() and any(run_dir.iterdir()):
         raise UserError(f"{run_dir}: exists and is not empty; choose a new --output")
-    records = read_chatml(dataset).records
     split = split_dataset(len(records), 1, spec.input.validation_split, spec.seed)
+    created = not run_dir.exists()
+    try:
+        return _train_local(args, spec, config_path, model, run_dir, records, split)
+    except BaseException as exc:
+        if created:  # nothing half-written stays behind to block a rerun with the same --output
+            shutil.rmtree(run_dir, ignore_errors=True)
+        if isinstance(exc, ValueError) and "assistant tokens" in str(exc):  # assistant turns cut by max_seq_len
+            raise UserError(f"{dataset}: {exc} within training.max_seq_len {spec.training.max_seq_len} "
+                            f"of {config_path.name}") from None
+        raise
+
+
+def _train_local(args: argparse.Namespace, spec: Any, config_path: Path, model: Path, run_dir: Path,
+                 records: list, split: Any) -> int:
+    from agent.train import TrainConfig, TrainRequest, train_shard
+    from agent.train.data import write_chatml
+
     data_dir = run_dir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     train_path = data_dir / "train.jsonl"

@@ -102,3 +102,21 @@ def test_train_run_local_trains_and_writes_the_run_layout(tmp_path, tiny_model_d
         assert (out / name).is_file(), name
     assert {p.name for p in (out / "checkpoint-final").iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
     assert json.loads((out / "result.json").read_text())["steps"] == 6
+
+
+def test_train_run_local_refuses_an_untrainable_dataset_before_writing_anything(tmp_path):
+    """Issue 17: an empty dataset, or one whose assistant turns are all empty, is one line naming the
+    file, before the model is loaded; no run directory is left to block a rerun with the same --output."""
+    from tests.cli.conftest import small_spec
+
+    spec = small_spec(tmp_path / "infernet.train.yml", shards=1)
+    data = tmp_path / "data.jsonl"
+    out = tmp_path / "run"
+    data.write_text("")
+    assert_one_line_error(cli("train", "run", "--local", "--config", str(spec), "--output", str(out)),
+                          f"{data}: no records")
+    assert not out.exists()
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}\n' * 4)
+    assert_one_line_error(cli("train", "run", "--local", "--config", str(spec), "--output", str(out)),
+                          f"{data}: the training split has no assistant text to learn from")
+    assert not out.exists()
