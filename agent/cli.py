@@ -244,6 +244,8 @@ def cmd_agent_run(args: argparse.Namespace) -> int:
 
         config = replace(config, models=config.models + models)
     config = _with_tiny_model(config)
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise UserError(f"--metrics-port: must be between 0 and 65535, got {args.metrics_port}")
     from agent.net.host import parse_multiaddr, parse_peer_multiaddr  # bad addresses fail before anything starts
 
     for i, text in enumerate(config.listen):
@@ -517,10 +519,23 @@ def _local_model(explicit: Path | None, base_model: str, spec_dir: Path) -> Path
     return path
 
 
+def _regular_file(path: Path) -> Path:
+    """``path`` if it is a regular file (following links); a device such as /dev/zero or a FIFO would
+    be read forever, so it is a user error, checked before anything opens it."""
+    import stat
+
+    mode = path.stat().st_mode  # FileNotFoundError: one line, as before
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "special"
+        raise UserError(f"{path}: not a regular file ({kind}); give a file")
+    return path
+
+
 def cmd_data_add(args: argparse.Namespace) -> int:
     from protocol.unixfs import compute_cid
 
-    path = args.file.expanduser()
+    path = _regular_file(args.file.expanduser())
     with open(path, "rb") as fh:
         cid = compute_cid(fh)
     _emit(args, {"file": str(path), "cid": cid.encode(), "size": path.stat().st_size}, cid.encode())
@@ -532,7 +547,7 @@ def cmd_data_verify(args: argparse.Namespace) -> int:
     from protocol.unixfs import compute_cid
 
     expected = parse_cid(args.cid)
-    path = args.file.expanduser()
+    path = _regular_file(args.file.expanduser())
     with open(path, "rb") as fh:
         actual = compute_cid(fh, cid_version=expected.version)
     ok = actual.to_bytes() == expected.to_bytes()
