@@ -300,7 +300,7 @@ def cmd_agent_status(args: argparse.Namespace) -> int:
         f"  peers:     {s['peers']} live, {s['connected']} connected",
         f"  training:  {'accepted' if s['accept_training'] else 'not accepted'}; {s['active_shards']} active shard(s);"
         f" coordinating: {'yes' if s['can_coordinate'] else 'no'}",
-        f"  jobs:      {jobs}"]))
+        f"  jobs:      {jobs}"] + ([f"  REFUSING NEW WORK: {s['refusing_work']}"] if s.get("refusing_work") else [])))
     return 0
 
 

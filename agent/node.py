@@ -44,7 +44,7 @@ from agent.roles.job import JobView
 from agent.roles.submitter import SubmitterRole
 from agent.roles.sync import RESYNC_INTERVAL, SyncService, catch_up, needs_resync, resync, submitter_catch_up
 from agent.roles.worker import WorkerRole
-from agent.store import Store
+from agent.store import Store, StoreFullError
 from protocol import messages as m
 from protocol import state as st
 from protocol.election import hears_submitter as election_hears_submitter
@@ -103,6 +103,8 @@ class Agent:
         self.nursery: trio.Nursery | None = None
         self.started_at = 0.0
         self.hearing_peers_since: float | None = None  # other peers' heartbeats arrive without a break since
+        self.store_full: str | None = None  # why we refuse new work: our store cannot be written (disk full)
+        self._store_full_logged = 0.0
         self.worker = WorkerRole(self) if config.accept_training else None
         self.coordinator = CoordinatorRole(self)
         self.submitter = SubmitterRole(self)
@@ -171,8 +173,9 @@ class Agent:
         import os
 
         hardware = m.Hardware("cpu", "cpu", 0.0, _ram_gb(), os.cpu_count() or 1)
-        return m.Capability(hardware, ("peft",), self.config.price_per_hour, self.worker is not None,
-                            self.config.can_coordinate, self.config.max_concurrent_shards, __version__)
+        ok = self.store_full is None  # with a full disk we take no work and coordinate nothing (refuse_work)
+        return m.Capability(hardware, ("peft",), self.config.price_per_hour, self.worker is not None and ok,
+                            self.config.can_coordinate and ok, self.config.max_concurrent_shards, __version__)
 
     def eligible_coordinators(self) -> frozenset[str]:
         """Live peers that said they can coordinate (ourselves included if we can)."""
@@ -180,7 +183,7 @@ class Agent:
         live = live_peers({p: i.last_heartbeat for p, i in self.peers.items()}, now,
                           self.config.heartbeat_seconds, self.config.missed_heartbeats)
         eligible = {p for p in live if self.peers[p].capability and self.peers[p].capability.can_coordinate}
-        if self.config.can_coordinate:
+        if self.config.can_coordinate and self.store_full is None:
             eligible.add(self.peer_id)
         return frozenset(eligible)
 
@@ -341,12 +344,15 @@ class Agent:
         if len(self.jobs) >= MAX_JOBS_FOLLOWED:
             return None
         now = self.clock()
+        role = "submitter" if signer == self.peer_id else ("worker" if self.worker else "observer")
+        if not self.stored(self.store.add_job, terms, role, now):
+            if signer == self.peer_id:
+                raise StoreFullError(self.store_full or "the store cannot be written")
+            return None  # we cannot keep its evidence: we do not follow it (refused, logged)
+        if envelope is not None:
+            self.stored(self.store.record, envelope, now)
         view = JobView(terms, now, self.peer_id)
         self.jobs[job_id] = view
-        role = "submitter" if signer == self.peer_id else ("worker" if self.worker else "observer")
-        self.store.add_job(terms, role, now)
-        if envelope is not None:
-            self.store.record(envelope, now)
         subscription = await self.net.gossip.subscribe(m.job_topic(job_id))
         # the job may have a history we missed (we joined late, or were down): ask its submitter
         self.nursery.start_soon(self._read_job_topic, view, subscription, True)
@@ -360,10 +366,13 @@ class Agent:
         from its submitter, or, if we are the submitter and ``resumed`` it after a restart, from its
         live peers (live messages wait in the subscription meanwhile; agent/roles/sync.py)."""
         synced: set[bytes] = set()
-        if catch_up_first and view.terms.submitter != self.peer_id:
-            synced = await catch_up(self, view)
-        elif catch_up_first and resumed:
-            synced = await submitter_catch_up(self, view)
+        try:
+            if catch_up_first and view.terms.submitter != self.peer_id:
+                synced = await catch_up(self, view)
+            elif catch_up_first and resumed:
+                synced = await submitter_catch_up(self, view)
+        except StoreFullError as exc:
+            self.refuse_work(exc)
         if synced:
             self.apply_actions(view, ())
         async for received in subscription:
@@ -377,7 +386,8 @@ class Agent:
                 # must not become a flood of synchronous SQLite commits that stalls this loop)
                 await self.coordinator.on_claim(view, msg, signer)
                 continue
-            self.store.record(received.envelope.to_bytes(), now)
+            if not self.stored(self.store.record, received.envelope.to_bytes(), now):
+                continue  # unrecorded evidence is not applied (IPIP-0004 §11 brings it back later)
             actions = view.apply(msg, signer, now, self.eligible_coordinators())
             if actions is None:
                 continue
@@ -398,8 +408,8 @@ class Agent:
         """Carry out what the state machine asked for, in our roles; wake anyone waiting on the job."""
         if actions is None:
             return
-        self.store.update_job(view.job_id, self.clock(), state=view.state.phase.value, round=view.state.round,
-                              coordinator_term=view.coordination.term)
+        self.stored(self.store.update_job, view.job_id, self.clock(), state=view.state.phase.value,
+                    round=view.state.round, coordinator_term=view.coordination.term)
         self.coordinator.on_actions(view, actions)
         if self.observer is not None and actions:
             self.observer("state", view, actions)
@@ -410,6 +420,46 @@ class Agent:
                 self.ledger(view.job_id, kind, _action_data(action))
         self.job_events.set()
         self.job_events = trio.Event()
+
+    def stored(self, write: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+        """Run a store write; if the disk is full, refuse new work (``refuse_work``) and return False
+        instead of raising: a full disk must not bring the agent down."""
+        try:
+            write(*args, **kwargs)
+            return True
+        except StoreFullError as exc:
+            self.refuse_work(exc)
+            return False
+
+    def refuse_work(self, exc: Exception) -> None:
+        """Our store cannot be written: claim no shard, follow no new job and stop being eligible to
+        coordinate (our capability says so at once, so the next peer by rank takes our jobs) until it
+        can (re-checked every claim interval); say why in the log (once a minute) and in ``agent status``."""
+        now = self.clock()
+        if self.store_full is None and self.nursery is not None:  # tell the peers at once: we step down
+            self.nursery.start_soon(self._publish_capability)
+        self.store_full = str(exc)
+        if now - self._store_full_logged > 60:
+            self._store_full_logged = now
+            log.error("refusing new work: %s", exc)
+
+    def can_take_work(self) -> bool:
+        """Is there room to keep the evidence of new work? A small test write (one page), made before
+        each claim and, while we refuse work, every claim interval; clears ``store_full`` when it passes."""
+        try:
+            self.store.probe_write()
+        except StoreFullError as exc:
+            self.refuse_work(exc)
+            return False
+        if self.store_full is not None:
+            log.warning("the store can be written again: taking new work")
+            self.store_full = None
+            self.nursery.start_soon(self._publish_capability)
+        return True
+
+    async def _publish_capability(self) -> None:
+        with trio.move_on_after(10):
+            await self.publish(self.capability())
 
     def ledger(self, job_id: bytes, kind: str, data: dict) -> None:
         try:
@@ -441,15 +491,20 @@ class Agent:
 
     async def _resync(self, view: JobView) -> None:
         try:
-            if view.terms.submitter == self.peer_id:  # our history is the reference: ask peers what we missed
-                await submitter_catch_up(self, view)
-                return
-            applied = await resync(self, view)
-            if applied is not None:
-                self.apply_actions(view, ())
-                self._react(view, applied)  # held live messages that apply on the rebuilt mirror
+            await self._resync_once(view)
+        except StoreFullError as exc:
+            self.refuse_work(exc)
         finally:
             self._resyncing.discard(view.job_id)
+
+    async def _resync_once(self, view: JobView) -> None:
+        if view.terms.submitter == self.peer_id:  # our history is the reference: ask peers what we missed
+            await submitter_catch_up(self, view)
+            return
+        applied = await resync(self, view)
+        if applied is not None:
+            self.apply_actions(view, ())
+            self._react(view, applied)  # held live messages that apply on the rebuilt mirror
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> None:
         """Wait until ``predicate()`` holds, re-checked whenever a job changes; TooSlowError after ``timeout``."""

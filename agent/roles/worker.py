@@ -81,6 +81,8 @@ class WorkerRole:
             await trio.sleep(agent.config.claim_interval)
             if len(self.active) >= agent.config.max_concurrent_shards:
                 continue
+            if agent.store_full is not None and not agent.can_take_work():
+                continue  # the disk is full: we could not keep the evidence of new work (agent.refuse_work)
             now = agent.clock()
             for view in list(self.candidates.values()):
                 if view.state.terminal:
@@ -96,6 +98,8 @@ class WorkerRole:
                 if not open_shards or now - self._last_claim.get(view.job_id, 0.0) < 2 * agent.config.claim_interval:
                     continue
                 self._last_claim[view.job_id] = now
+                if not agent.can_take_work():
+                    break
                 await agent.publish(m.ShardClaim(view.job_id, view.state.round, random.choice(open_shards)))
                 break
 
