@@ -461,6 +461,17 @@ class Agent:
         with trio.move_on_after(10):
             await self.publish(self.capability())
 
+    def provide_soon(self, cid: Any) -> None:
+        """Announce in the DHT that we hold ``cid``, in the background (at most 30 s, failures logged):
+        nothing we must send waits on one DHT peer; those who need it first are told our peer ID."""
+        async def provide() -> None:
+            try:
+                await self.net.discovery.provide(cid)
+            except Exception as exc:  # noqa: BLE001 - best effort: the message names us as provider
+                log.info("provide %s: %s", cid, exc)
+
+        self.nursery.start_soon(provide)
+
     def ledger(self, job_id: bytes, kind: str, data: dict) -> None:
         try:
             self.store.append_event(job_id, kind, data, self.clock())

@@ -321,7 +321,8 @@ class CoordinatorRole:
             inputs.append(entry)
         out = work / "adapter"
         await trio.to_thread.run_sync(run_torch, _aggregate_adapters, terms.aggregation, inputs, out)
-        cid = await agent.content.add_file(pack_dir(out, work / "adapter.tar"))
+        cid = await agent.content.add_file(pack_dir(out, work / "adapter.tar"), provide=False)
+        agent.provide_soon(cid)  # in the background: a slow DHT peer must not delay the aggregate
         if not agent.is_coordinator(view):
             return
         final = action.round == terms.rounds

@@ -19,7 +19,7 @@ from libp2p.peer.id import ID
 from protocol.codec import canonical_encode, decode_canonical
 from protocol.envelope import MAX_ENVELOPE_BYTES, seal
 from protocol.identity import Identity
-from protocol.messages import TOPIC_JOBS, Heartbeat, ShardClaim
+from protocol.messages import TOPIC_JOBS, Heartbeat, JobCancel, ShardClaim
 from tests.net.conftest import agents, wait_until
 
 pytestmark = pytest.mark.network
@@ -213,3 +213,70 @@ async def test_expired_replays_from_a_peers_cache_never_blacklist_it():
             with trio.fail_after(10):
                 while (await sub.receive()).message.seq != 1000:
                     pass
+
+
+FROZEN_PEER = """
+import sys, trio
+from agent.net.host import NetConfig
+from agent.net.network import open_network
+from protocol.identity import Identity
+from protocol.messages import TOPIC_JOBS
+
+async def main():
+    async with open_network(Identity.generate(), NetConfig(bootstrap=(sys.argv[1],))) as net:
+        await net.gossip.subscribe(TOPIC_JOBS)
+        print(net.peer_id, flush=True)
+        await trio.sleep_forever()
+
+trio.run(main)
+"""
+
+
+async def test_a_frozen_peer_does_not_hold_up_our_publishes():
+    """Issue 17: a peer that stops reading (SIGSTOP: frozen, not gone) fills its outbound queue, and
+    every publish then waited publish_wait for it (5 s each: a worker's report took ~27 s). Now a
+    stalled queue is not waited for: publishing stays fast for everyone else."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    config = GossipConfig(publish_wait=2.0)
+    async with agents(2, gossip_config=config) as (me, healthy):
+        sub = await healthy.gossip.subscribe(TOPIC_JOBS)
+        await me.gossip.subscribe(TOPIC_JOBS)
+        child = subprocess.Popen([sys.executable, "-c", FROZEN_PEER, me.host.addrs()[0]], cwd=REPO_ROOT,
+                                 stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+        try:
+            frozen = (await trio.to_thread.run_sync(child.stdout.readline)).decode().strip()
+            await wait_until(lambda: {frozen, healthy.peer_id} <= me.gossip.peers_on(TOPIC_JOBS), timeout=30)
+            child.send_signal(signal.SIGSTOP)
+            queues = me.gossip.pubsub.peer_queues
+            filler = JobCancel(bytes(32), "x" * 1000)  # ~1.3 kB: the socket buffers fill sooner
+            slowest = 0.0
+
+            async def publish(message) -> None:
+                nonlocal slowest
+                started = trio.current_time()
+                await me.gossip.publish(message)
+                slowest = max(slowest, trio.current_time() - started)
+                assert slowest < 1.0, f"a publish waited {slowest:.1f} s behind a frozen peer"
+
+            with trio.fail_after(60):  # until its queue stays full: the stream and socket buffers are spent
+                stuck = 0
+                while stuck < 3:
+                    for _ in range(50):
+                        await publish(filler)
+                    await trio.sleep(0.05)
+                    stuck = stuck + 1 if any(len(q) >= 24 for q in queues.values()) else 0
+            for seq in range(1, 11):
+                await publish(heartbeat(seq))
+            with trio.fail_after(15):  # and the healthy peer gets them
+                while getattr((await sub.receive()).message, "seq", None) != 10:
+                    pass
+        finally:
+            child.send_signal(signal.SIGCONT)
+            child.kill()
+            child.wait()
