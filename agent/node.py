@@ -261,7 +261,11 @@ class Agent:
                 for entry in msg.coordinating:
                     view = self.jobs.get(entry.job_id)
                     if view is not None and signer != self.peer_id:
+                        before = view.coordination
                         view.check_coordinator(signer, entry.term, self.eligible_coordinators())
+                        if view.coordination != before and view.pending:  # e.g. verdicts held for this term
+                            self.apply_actions(view, view.retry_pending(now, self.eligible_coordinators()))
+                            self._react(view, view.take_applied())
             elif isinstance(msg, m.Capability):
                 self.peers.setdefault(signer, PeerInfo(now, live_since=now)).capability = msg
             elif isinstance(msg, m.JobAnnouncement):

@@ -34,6 +34,9 @@ Rules of this file:
   the coordinator's term and is accepted in that term from any eligible live peer other than the
   worker it judges (``may_judge``: views of who is live may briefly differ, and the state machine
   takes only the first verdict of an attempt); a verdict signed by the worker it judges never is.
+  So a verdict never moves a view to a higher term (``check_message(adopt=False)``): its signer
+  may be the judge, not the coordinator; it waits until a lease, an aggregate or the coordinator's
+  heartbeat brings the view to its term.
 - Errors. A malformed job ID or peer ID, a stale or conflicting term: ``StateError``, nothing else.
 
 The document is ``ipips/0006-election-aggregation.md``; ``ipips/vectors/election-*.json`` are
@@ -157,9 +160,11 @@ class Coordination:
             return self
         return replace(self, term=self.term + 1, coordinator=winner)
 
-    def check_message(self, signer: str, term: int, live: Iterable[str]) -> Coordination:
+    def check_message(self, signer: str, term: int, live: Iterable[str], *, adopt: bool = True) -> Coordination:
         """The view after a coordinator message signed by ``signer`` in ``term``; StateError if it is
-        stale or not from the term's coordinator (the message must then be ignored)."""
+        stale or not from the term's coordinator (the message must then be ignored). ``adopt=False``
+        (verdicts: a judge signs them too, rule 6) never moves the view to a higher term: StateError,
+        and the message waits until the view reaches its term."""
         if isinstance(term, bool) or not isinstance(term, int) or term < 1:
             raise StateError(f"coordinator term must be an integer >= 1, got {term!r}")
         _peer_id_binary(signer)
@@ -169,6 +174,9 @@ class Coordination:
             if signer != self.coordinator:
                 raise StateError(f"term {term} belongs to {self.coordinator}, not {signer}")
             return self
+        if not adopt:
+            raise StateError(f"term {term} is ahead of our view (term {self.term}); a verdict does not move "
+                             "the view (its signer may be the term's judge, not its coordinator)")
         if signer not in set(live):
             raise StateError(f"term {term} claimed by {signer}, which is not an eligible live peer")
         return replace(self, term=term, coordinator=signer)

@@ -130,10 +130,26 @@ for name, signer, worker, term, eligible in [
 ]:
     accept_cases.append({"name": name, "signer": signer, "worker": worker, "term": term, "eligible": sorted(eligible),
                          "expect": may_judge(view2, signer, worker, term, eligible)})
+ahead = []
+view1 = Coordination(job, 1, R[0])
+for name, kind, signer, term in [
+    ("a verdict in a term ahead of the view is held: its signer may be the judge", "verdict", R[1], 2),
+    ("a lease in a term ahead of the view moves it (its signer coordinates that term)", "lease", R[1], 2),
+    ("an aggregate likewise", "aggregate", R[2], 3),
+]:
+    item = {"name": name, "kind": kind, "signer": signer, "term": term}
+    try:
+        after = view1.check_message(signer, term, five, adopt=kind != "verdict")
+        item.update(error=False, expect_term=after.term, expect_coordinator=after.coordinator)
+    except StateError:
+        item.update(error=True, expect_term=view1.term, expect_coordinator=view1.coordinator)
+    ahead.append(item)
 judge = {
-    "description": "IPIP-0006 §1.3 rule 6 for the job of election-terms.json (same peers, ranking and outsider): 'judges' gives who judges a worker's report (judge_of: the coordinator, unless the report is its own; then the first of the ranking over the eligible live peers without it, null if none); 'accepts' gives whether a verdict on a worker's report signed by 'signer' in 'term' is accepted by a peer whose view is (term 2, ranking[1]) under this rule (may_judge); a verdict signed by the worker it judges is never applied.",
+    "description": "IPIP-0006 §1.3 rule 6 for the job of election-terms.json (same peers, ranking and outsider): 'judges' gives who judges a worker's report (judge_of: the coordinator, unless the report is its own; then the first of the ranking over the eligible live peers without it, null if none); 'accepts' gives whether a verdict on a worker's report signed by 'signer' in 'term' is accepted by a peer whose view is (term 2, ranking[1]) under this rule (may_judge); a verdict signed by the worker it judges is never applied; 'ahead' gives, from the view 'ahead_view' (term 1, ranking[0]), what a coordinator message of 'kind' in a higher term does: a verdict never moves the view (error: true, it is held), a lease or aggregate does (check_message with adopt false for verdicts).",
     "job_id_hex": job.hex(), "ranking": list(R), "outsider": outsider,
     "view": {"term": view2.term, "coordinator": view2.coordinator},
     "judges": judge_cases, "accepts": accept_cases,
+    "ahead_view": {"term": view1.term, "coordinator": view1.coordinator},
+    "ahead": ahead,
 }
 Path("ipips/vectors/election-judge.json").write_text(json.dumps(judge, indent=1) + "\n")

@@ -97,6 +97,7 @@ class JobView:
     applied: list[tuple[Any, str]] = field(default_factory=list)  # applied since the caller last took them
 
     def __post_init__(self) -> None:
+        self._replaying = False
         self.job_id = self.terms.job_id()
         self.state = st.new_job(job_config(self.terms))
         self.coordination = Coordination(self.job_id)
@@ -130,10 +131,11 @@ class JobView:
 
     # -- applying messages -----------------------------------------------------------------------
 
-    def check_coordinator(self, signer: str, term: int, eligible: frozenset[str]) -> bool:
-        """Does a coordinator message from ``signer`` in ``term`` pass our election view?"""
+    def check_coordinator(self, signer: str, term: int, eligible: frozenset[str], *, adopt: bool = True) -> bool:
+        """Does a coordinator message from ``signer`` in ``term`` pass our election view? (``adopt=False``
+        for verdicts: they never move the view to a higher term, IPIP-0006 §1.3 rule 6.)"""
         try:
-            self.coordination = self.coordination.check_message(signer, term, eligible)
+            self.coordination = self.coordination.check_message(signer, term, eligible, adopt=adopt)
             return True
         except StateError as exc:
             self.refused["coordinator"] += 1
@@ -143,6 +145,7 @@ class JobView:
     def apply(self, msg: Any, signer: str, now: float, eligible: frozenset[str]) -> tuple[Any, ...] | None:
         """Apply one verified job-topic message, then any held message it unblocks; return the actions
         (None if this message was refused — it is then held for a later try)."""
+        before = self.coordination
         actions = self._apply_one(msg, signer, now, eligible)
         if actions is None:
             if signer != self.me or not isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
@@ -150,6 +153,9 @@ class JobView:
                 if len(self.pending) > PENDING_MAX:
                     self.pending.pop(0)
                     self.refused["pending-overflow"] += 1
+            if self.coordination != before:  # it moved our view to its term: what waited for it may apply
+                more = self.retry_pending(now, eligible)
+                return more if self.applied else None
             return None
         self.applied.append((msg, signer))
         return actions + self.retry_pending(now, eligible)
@@ -167,7 +173,14 @@ class JobView:
             if self.check_coordinator(signer, msg.term, frozenset({signer})):
                 self.apply_decision(msg, at)
         else:
-            self.apply(msg, signer, at, frozenset({signer}))
+            # history is believed as it was accepted: here a verdict's higher term is adopted (live, it
+            # is not: its signer may be the judge, rule 6; replayed, it was the term's coordinator's
+            # unless a judge's verdict is the first message of its term in the history)
+            self._replaying = True
+            try:
+                self.apply(msg, signer, at, frozenset({signer}))
+            finally:
+                self._replaying = False
 
     def take_applied(self) -> list[tuple[Any, str]]:
         """The messages applied since the last call (the one in hand and any held one it unblocked),
@@ -218,7 +231,8 @@ class JobView:
                 return None
             return self.apply_decision(msg, now, count=count)
         if isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
-            if signer == self.me or not self.check_coordinator(signer, msg.term, eligible):
+            if signer == self.me or not self.check_coordinator(
+                    signer, msg.term, eligible, adopt=self._replaying or not isinstance(msg, m.Verdict)):
                 return None
             return self.apply_decision(msg, now, count=count)
         return None
