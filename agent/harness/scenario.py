@@ -510,7 +510,7 @@ class _Run:
                 self.checkpoints += 1
             elif msg.TYPE == "verdict":
                 self.verdict_signers.append((args[0].signer, msg.worker, msg.term))
-                if args[0].signer == msg.worker:
+                if args[0].signer == msg.worker and self.name_of(msg.worker) != "mallory":  # an attacker's is refused
                     self.self_judged.append(f"r{msg.round} s{msg.shard} a{msg.attempt} by {self.name_of(msg.worker)}")
         if kind == "recv" and name == "mallory" and not args[0].topic.endswith("/jobs"):
             if len(self.captured) < 1000:
