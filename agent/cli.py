@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -246,6 +247,8 @@ def cmd_agent_run(args: argparse.Namespace) -> int:
 
         config = replace(config, models=config.models + models)
     config = _with_tiny_model(config)
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise UserError(f"--metrics-port: must be between 0 and 65535, got {args.metrics_port}")
     from agent.net.host import parse_multiaddr, parse_peer_multiaddr  # bad addresses fail before anything starts
 
     for i, text in enumerate(config.listen):
@@ -300,7 +303,7 @@ def cmd_agent_status(args: argparse.Namespace) -> int:
         f"  peers:     {s['peers']} live, {s['connected']} connected",
         f"  training:  {'accepted' if s['accept_training'] else 'not accepted'}; {s['active_shards']} active shard(s);"
         f" coordinating: {'yes' if s['can_coordinate'] else 'no'}",
-        f"  jobs:      {jobs}"]))
+        f"  jobs:      {jobs}"] + ([f"  REFUSING NEW WORK: {s['refusing_work']}"] if s.get("refusing_work") else [])))
     return 0
 
 
@@ -462,8 +465,8 @@ def cmd_train_init(args: argparse.Namespace) -> int:
 
 
 def cmd_train_run(args: argparse.Namespace) -> int:
-    from agent.train import TrainConfig, TrainRequest, split_dataset, train_shard
-    from agent.train.data import read_chatml, write_chatml
+    from agent.train import split_dataset
+    from agent.train.data import check_dataset
     from protocol.jobspec import load_spec
 
     config_path = args.config.expanduser().resolve()
@@ -471,12 +474,29 @@ def cmd_train_run(args: argparse.Namespace) -> int:
     dataset = (args.dataset or config_path.parent / spec.input.dataset).expanduser().resolve()
     if not dataset.is_file():
         raise UserError(f"dataset {dataset}: no such file (set input.dataset in {config_path.name} or give --dataset)")
+    records = check_dataset(dataset, 1, spec.input.validation_split, spec.seed).records  # before anything is written
     model = _local_model(args.model, spec.base_model, config_path.parent)
     run_dir = (args.output or Path("runs") / f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}").expanduser().resolve()
     if run_dir.exists() and any(run_dir.iterdir()):
         raise UserError(f"{run_dir}: exists and is not empty; choose a new --output")
-    records = read_chatml(dataset).records
     split = split_dataset(len(records), 1, spec.input.validation_split, spec.seed)
+    created = not run_dir.exists()
+    try:
+        return _train_local(args, spec, config_path, model, run_dir, records, split)
+    except BaseException as exc:
+        if created:  # nothing half-written stays behind to block a rerun with the same --output
+            shutil.rmtree(run_dir, ignore_errors=True)
+        if isinstance(exc, ValueError) and "assistant tokens" in str(exc):  # assistant turns cut by max_seq_len
+            raise UserError(f"{dataset}: {exc} within training.max_seq_len {spec.training.max_seq_len} "
+                            f"of {config_path.name}") from None
+        raise
+
+
+def _train_local(args: argparse.Namespace, spec: Any, config_path: Path, model: Path, run_dir: Path,
+                 records: list, split: Any) -> int:
+    from agent.train import TrainConfig, TrainRequest, train_shard
+    from agent.train.data import write_chatml
+
     data_dir = run_dir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     train_path = data_dir / "train.jsonl"
@@ -524,10 +544,23 @@ def _local_model(explicit: Path | None, base_model: str, spec_dir: Path) -> Path
     return path
 
 
+def _regular_file(path: Path) -> Path:
+    """``path`` if it is a regular file (following links); a device such as /dev/zero or a FIFO would
+    be read forever, so it is a user error, checked before anything opens it."""
+    import stat
+
+    mode = path.stat().st_mode  # FileNotFoundError: one line, as before
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "special"
+        raise UserError(f"{path}: not a regular file ({kind}); give a file")
+    return path
+
+
 def cmd_data_add(args: argparse.Namespace) -> int:
     from protocol.unixfs import compute_cid
 
-    path = args.file.expanduser()
+    path = _regular_file(args.file.expanduser())
     with open(path, "rb") as fh:
         cid = compute_cid(fh)
     _emit(args, {"file": str(path), "cid": cid.encode(), "size": path.stat().st_size}, cid.encode())
@@ -539,7 +572,7 @@ def cmd_data_verify(args: argparse.Namespace) -> int:
     from protocol.unixfs import compute_cid
 
     expected = parse_cid(args.cid)
-    path = args.file.expanduser()
+    path = _regular_file(args.file.expanduser())
     with open(path, "rb") as fh:
         actual = compute_cid(fh, cid_version=expected.version)
     ok = actual.to_bytes() == expected.to_bytes()

@@ -7,13 +7,16 @@ Rules of this file:
 - ``config.toml`` is read with tomllib. Its keys are the fields of ``agent.node.AgentConfig``
   (``[models]`` is a table of base-model name -> local path); ``CONFIG_TEMPLATE`` is what
   ``infernet agent init`` writes, every key commented with what it means. An unknown key, a value
-  of the wrong type or an unreadable file is a ``ConfigError`` naming the file and the key.
+  of the wrong type or out of its range (``RANGES``), or an unreadable file is one ``ConfigError``
+  line naming the file, the line, the key and what is allowed; flags are checked the same way.
 - Command-line flags and the environment override the file (``INFERNET_ACCEPT_TRAINING=1``).
 """
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import tomllib
 from dataclasses import fields, replace
 from pathlib import Path
@@ -93,33 +96,51 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "gossip_max_burst": (int, float),
 }
 
+RANGES: dict[str, tuple[float, float, str]] = {
+    # key: (lowest, highest, unit) -- a value outside is refused at load, naming file:line and key
+    "max_concurrent_shards": (1, 64, ""),
+    "threads": (1, 1024, ""),
+    "min_price_per_hour": (0, 1e9, ""),
+    "price_per_hour": (0, 1e9, ""),
+    "fetch_timeout": (1, 86400, " seconds"),
+    "heartbeat_seconds": (0.1, 60, " seconds"),  # 0 was a busy loop flooding every peer
+    "missed_heartbeats": (2, 100, ""),
+    "grace_seconds": (0, 600, " seconds"),
+    "claim_interval": (0.05, 3600, " seconds"),
+    "gossip_max_rate": (1, 1e6, " messages per second"),
+    "gossip_max_burst": (1, 1e7, " messages"),
+}
+"""Every numeric key's allowed range; lists, strings and tables are checked in ``_check_value``."""
+
 
 def load_config(home: Path, **overrides: Any) -> "AgentConfig":
-    """The AgentConfig of the agent in ``home``: its config.toml (if any), then ``overrides`` (None = unset)."""
+    """The AgentConfig of the agent in ``home``: its config.toml (if any), then ``overrides`` (None = unset).
+
+    Every key is checked at load, file values and overrides alike: its type and its range (``RANGES``);
+    a mistake is one ConfigError ``FILE:LINE: KEY: allowed values, got VALUE`` (``--flag`` for an override)."""
     from agent.node import AgentConfig
 
     path = home / CONFIG_FILE
     values: dict[str, Any] = {}
+    text = ""
     if path.exists():
         try:
-            with open(path, "rb") as fh:
-                values = tomllib.load(fh)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+            text = path.read_bytes().decode("utf-8")
+            values = tomllib.loads(text)
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"{path}: not a readable TOML config: {exc}") from None
     known = {f.name for f in fields(AgentConfig)} - {"home", "misbehave"}
     for key, value in values.items():
+        where = f"{path}:{_line_of(text, key)}" if _line_of(text, key) else str(path)
         if key not in known:
-            raise ConfigError(f"{path}: unknown key {key!r} (known: {', '.join(sorted(known))})")
-        expected = _TYPES.get(key)
-        if expected and (not isinstance(value, expected) or isinstance(value, bool) and expected is not bool):
-            raise ConfigError(f"{path}: {key}: expected {_type_name(expected)}, got {type(value).__name__}")
-        if isinstance(value, list) and not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{path}: {key}: expected a list of strings")
+            raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(known))})")
+        _check_value(where, key, value)
+    for key, value in overrides.items():
+        if value is not None and key in _TYPES:
+            _check_value(f"--{key.replace('_', '-')}", key, list(value) if isinstance(value, tuple) else value,
+                         flag=True)
     if "models" in values:
-        models = values["models"]
-        if not all(isinstance(v, str) for v in models.values()):
-            raise ConfigError(f"{path}: models: each value must be a local path (a string)")
-        values["models"] = tuple((name, str(Path(p).expanduser())) for name, p in models.items())
+        values["models"] = tuple((name, str(Path(p).expanduser())) for name, p in values["models"].items())
     for key in ("listen", "bootstrap", "allowed_base_models"):
         if key in values:
             values[key] = tuple(values[key])
@@ -127,6 +148,40 @@ def load_config(home: Path, **overrides: Any) -> "AgentConfig":
     if os.environ.get("INFERNET_ACCEPT_TRAINING") == "1":
         values["accept_training"] = True
     return replace(AgentConfig(home=home), **values)
+
+
+def _check_value(where: str, key: str, value: Any, *, flag: bool = False) -> None:
+    name = "" if flag else f" {key}:"
+    expected = _TYPES.get(key)
+    if expected and (not isinstance(value, expected) or isinstance(value, bool) and expected is not bool):
+        raise ConfigError(f"{where}:{name} expected {_type_name(expected)}, got {type(value).__name__}")
+    if isinstance(value, list) and not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{where}:{name} expected a list of non-empty strings")
+    if key == "listen" and not value:
+        raise ConfigError(f"{where}:{name} expected at least one multiaddr to listen on, got []")
+    if key == "ipfs_api" and not value.strip():
+        raise ConfigError(f"{where}:{name} expected a multiaddr such as \"/ip4/127.0.0.1/tcp/5001\", got \"\"")
+    if key == "models" and not all(isinstance(v, str) and v for v in value.values()):
+        raise ConfigError(f"{where}:{name} each value must be a local path (a non-empty string)")
+    if key in RANGES:
+        low, high, unit = RANGES[key]
+        if not math.isfinite(value) or not low <= value <= high:
+            raise ConfigError(f"{where}:{name} must be between {low:g} and {high:g}{unit}, got {value!r}")
+
+
+def _line_of(text: str, key: str) -> int:
+    """The line of ``key = ...`` at the top level of a TOML text, or of its ``[key]`` table (0 if not found)."""
+    quoted = rf"(?:{re.escape(key)}|\"{re.escape(key)}\"|'{re.escape(key)}')"
+    assign, header = re.compile(rf"\s*{quoted}\s*="), re.compile(rf"\s*\[\s*{quoted}\s*\]")
+    top = True
+    for number, line in enumerate(text.splitlines(), start=1):
+        if header.match(line):
+            return number
+        if line.lstrip().startswith("["):
+            top = False
+        elif top and assign.match(line):
+            return number
+    return 0
 
 
 def _type_name(expected: type | tuple[type, ...]) -> str:

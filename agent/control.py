@@ -174,6 +174,7 @@ async def _status(agent: "Agent") -> dict:
         "accept_training": agent.worker is not None, "can_coordinate": agent.config.can_coordinate,
         "peers": len(agent.live_peers()), "connected": len(agent.net.host.connected_peers()), "jobs": jobs,
         "active_shards": len(agent.worker.active) if agent.worker else 0, "counters": dict(agent.counters),
+        "refusing_work": agent.store_full,  # None, or why (the store cannot be written: disk full)
     }
 
 

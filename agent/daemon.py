@@ -139,8 +139,17 @@ def metrics_text(agent: "Agent") -> str:
 
 
 async def serve_metrics(agent: "Agent", port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve GET /metrics on 127.0.0.1:``port`` (never another interface)."""
-    listeners = await trio.open_tcp_listeners(port, host="127.0.0.1")
+    """Serve GET /metrics on 127.0.0.1:``port`` (never another interface); NetError naming the flag if
+    the port is out of range or taken (not to be mistaken for the libp2p listen address)."""
+    from agent.net.errors import NetError
+
+    if not 0 <= port <= 65535:  # the OS would take it modulo 65536 and serve somewhere else
+        raise NetError(f"--metrics-port: must be between 0 and 65535, got {port}")
+    try:
+        listeners = await trio.open_tcp_listeners(port, host="127.0.0.1")
+    except OSError as exc:
+        raise NetError(f"--metrics-port {port}: cannot serve metrics on 127.0.0.1:{port}: "
+                       f"{exc.strerror or exc}; choose another port (0 = any free one)") from None
     log.info("metrics on http://127.0.0.1:%d/metrics", listeners[0].socket.getsockname()[1])
     task_status.started(listeners[0].socket.getsockname()[1])
 

@@ -10,7 +10,9 @@ Rules of this file:
 - The outcome is measured with stock transformers + peft, not with our training code: validation
   loss of the base model, then of base + the fetched adapter (HF layout), on held-out records.
 - Every subprocess is ended on any exit (success, failure, Ctrl-C): SIGTERM, then SIGKILL after a
-  grace period. Success is exit 0; any failure is one line and exit 1.
+  grace period; and if the demo itself is killed (SIGKILL, SIGHUP), the kernel sends each agent
+  SIGTERM (PR_SET_PDEATHSIG): no agent outlives it. Homes are 0700 with 0600 keys, as
+  ``infernet agent init`` makes them. Success is exit 0; any failure is one line and exit 1.
 """
 
 from __future__ import annotations
@@ -118,7 +120,8 @@ class DemoNetwork:
 
     def start(self, name: str, *, accept_training: bool, coordinate: bool, bootstrap: str | None = None) -> Path:
         home = self.home(name)
-        home.mkdir(parents=True)
+        home.mkdir(parents=True, mode=0o700)
+        os.chmod(home, 0o700)  # as `infernet agent init` makes a home (mkdir's mode is cut by the umask)
         save_identity(Identity.generate(), home / IDENTITY_FILE)
         (home / CONFIG_FILE).write_text(AGENT_CONFIG.format(
             accept=str(accept_training).lower(), coordinate=str(coordinate).lower(), model_name=MODEL_NAME,
@@ -131,7 +134,8 @@ class DemoNetwork:
                    PYTHONUNBUFFERED="1")
         stderr = open(home / "stderr.log", "wb")  # noqa: SIM115 - handed to the child
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=env,
-                                   start_new_session=True)  # our Ctrl-C is ours to relay, in order
+                                   start_new_session=True,  # our Ctrl-C is ours to relay, in order
+                                   preexec_fn=_die_with(os.getpid()))  # ... and our death (SIGKILL, SIGHUP) theirs
         stderr.close()
         self.processes.append((name, process))
         return home
@@ -177,6 +181,24 @@ class DemoNetwork:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def _die_with(parent: int):
+    """A preexec_fn tying the child to ``parent``: when the demo dies however it dies (SIGKILL, a
+    SIGHUP from a closed terminal), the kernel sends each agent SIGTERM (Linux PR_SET_PDEATHSIG), so
+    it releases its leases and stops instead of running on in its own session. Elsewhere: nothing."""
+    def tie() -> None:
+        import ctypes
+
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # the demo died before the tie was made
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return tie if sys.platform.startswith("linux") else None
 
 
 def run_demo(options: DemoOptions) -> int:

@@ -11,6 +11,8 @@ Rules of this file:
   model and, for GPU jobs, a GPU), ourselves judged by the capability we last published.
 - Hardware is measured at start (agent/hardware.py) and the base models we hold are hashed (once
   per file size and mtime, the hashes kept in the store); both go into the signed ``cap``.
+- A restarted submitter learns what it missed from its live peers (sync.submitter_catch_up) and
+  changes no election view until it has heard peers for ``missed_heartbeats`` heartbeats.
 - Election view: a job's coordinator is elected once the job has been known for ``grace_seconds``
   (so that peers whose views converged agree on term 1), and stays until it falls silent; then the
   next peer by rendezvous takes the job with term + 1 (protocol/election.Coordination). A peer acts
@@ -43,9 +45,9 @@ from agent.net.network import Network, open_network
 from agent.roles.coordinator import CoordinatorRole
 from agent.roles.job import JobView
 from agent.roles.submitter import SubmitterRole
-from agent.roles.sync import RESYNC_INTERVAL, SyncService, catch_up, needs_resync, resync
+from agent.roles.sync import RESYNC_INTERVAL, SyncService, catch_up, needs_resync, resync, submitter_catch_up
 from agent.roles.worker import WorkerRole
-from agent.store import Store
+from agent.store import Store, StoreFullError
 from protocol import messages as m
 from protocol import state as st
 from protocol.election import hears_submitter as election_hears_submitter
@@ -105,6 +107,9 @@ class Agent:
         self.store: Store | None = None
         self.nursery: trio.Nursery | None = None
         self.started_at = 0.0
+        self.hearing_peers_since: float | None = None  # other peers' heartbeats arrive without a break since
+        self.store_full: str | None = None  # why we refuse new work: our store cannot be written (disk full)
+        self._store_full_logged = 0.0
         self.worker = WorkerRole(self) if config.accept_training else None
         self.coordinator = CoordinatorRole(self)
         self.submitter = SubmitterRole(self)
@@ -216,9 +221,11 @@ class Agent:
         from agent import hardware
 
         machine = self.machine or hardware.Machine(hardware.cpu_model(), _cpu_count(), _ram_gb())
+        ok = self.store_full is None  # with a full disk we take no work and coordinate nothing (refuse_work)
         return m.Capability(hardware.summary(machine), hardware.runtimes(machine), self.config.price_per_hour,
-                            self.worker is not None, self.config.can_coordinate, self.config.max_concurrent_shards,
-                            __version__, machine.cpu_model, machine.devices, self.models_held)
+                            self.worker is not None and ok, self.config.can_coordinate and ok,
+                            self.config.max_concurrent_shards, __version__, machine.cpu_model, machine.devices,
+                            self.models_held)
 
     async def publish_capability(self) -> None:
         from agent import hardware
@@ -236,7 +243,7 @@ class Agent:
         live = live_peers({p: i.last_heartbeat for p, i in self.peers.items()}, now,
                           self.config.heartbeat_seconds, self.config.missed_heartbeats)
         caps = {p: self.peers[p].capability for p in live}
-        if self.config.can_coordinate:
+        if self.config.can_coordinate and self.store_full is None:
             live = live | {self.peer_id}
             caps[self.peer_id] = self.published_capability or self.capability()
         if terms is not None:
@@ -251,6 +258,8 @@ class Agent:
         info = self.peers.get(view.terms.submitter)
         heard = {} if info is None else {view.terms.submitter: info.last_heartbeat}
         since = {} if info is None else {view.terms.submitter: info.live_since}
+        if view.terms.submitter == self.peer_id:  # since when we have heard others (none yet: never)
+            since = {} if self.hearing_peers_since is None else {self.peer_id: self.hearing_peers_since}
         return election_hears_submitter(view.terms.submitter, self.peer_id, heard, since, self.clock(),
                                         settled=settled, heartbeat_seconds=self.config.heartbeat_seconds,
                                         missed_heartbeats=self.config.missed_heartbeats)
@@ -306,6 +315,8 @@ class Agent:
             if self.observer is not None:
                 self.observer("recv", received)
             if isinstance(msg, m.Heartbeat):
+                if signer != self.peer_id and not self.live_peers():
+                    self.hearing_peers_since = now  # the first peer heard since we (re)started or were alone
                 info = self.peers.setdefault(signer, PeerInfo(now, live_since=now))
                 if now - info.last_heartbeat > self.config.heartbeat_seconds * self.config.missed_heartbeats:
                     info.live_since = now  # back after a silence (it restarted, or a partition healed)
@@ -314,7 +325,11 @@ class Agent:
                 for entry in msg.coordinating:
                     view = self.jobs.get(entry.job_id)
                     if view is not None and signer != self.peer_id:
+                        before = view.coordination
                         view.check_coordinator(signer, entry.term, self.eligible_coordinators(view.terms))
+                        if view.coordination != before and view.pending:  # e.g. verdicts held for this term
+                            self.apply_actions(view, view.retry_pending(now, self.eligible_coordinators(view.terms)))
+                            self._react(view, view.take_applied())
             elif isinstance(msg, m.Capability):
                 self.peers.setdefault(signer, PeerInfo(now, live_since=now)).capability = msg
             elif isinstance(msg, m.JobAnnouncement):
@@ -343,7 +358,7 @@ class Agent:
             if view.state.phase.value != record.state:
                 self.store.update_job(record.job_id, self.clock(), state=view.state.phase.value, round=view.state.round)
             subscription = await self.net.gossip.subscribe(m.job_topic(record.job_id))
-            self.nursery.start_soon(self._read_job_topic, view, subscription, True)
+            self.nursery.start_soon(partial(self._read_job_topic, view, subscription, True, resumed=True))
             if record.terms.submitter == self.peer_id:
                 self.nursery.start_soon(self.submitter.resume, view)
             if self.worker is not None:
@@ -397,12 +412,15 @@ class Agent:
         if len(self.jobs) >= MAX_JOBS_FOLLOWED:
             return None
         now = self.clock()
+        role = "submitter" if signer == self.peer_id else ("worker" if self.worker else "observer")
+        if not self.stored(self.store.add_job, terms, role, now):
+            if signer == self.peer_id:
+                raise StoreFullError(self.store_full or "the store cannot be written")
+            return None  # we cannot keep its evidence: we do not follow it (refused, logged)
+        if envelope is not None:
+            self.stored(self.store.record, envelope, now)
         view = JobView(terms, now, self.peer_id)
         self.jobs[job_id] = view
-        role = "submitter" if signer == self.peer_id else ("worker" if self.worker else "observer")
-        self.store.add_job(terms, role, now)
-        if envelope is not None:
-            self.store.record(envelope, now)
         subscription = await self.net.gossip.subscribe(m.job_topic(job_id))
         # the job may have a history we missed (we joined late, or were down): ask its submitter
         self.nursery.start_soon(self._read_job_topic, view, subscription, True)
@@ -410,14 +428,21 @@ class Agent:
             self.worker.consider(view)
         return view
 
-    async def _read_job_topic(self, view: JobView, subscription: Any, catch_up_first: bool = False) -> None:
+    async def _read_job_topic(self, view: JobView, subscription: Any, catch_up_first: bool = False, *,
+                              resumed: bool = False) -> None:
         """Apply the job topic's messages to our mirror; first, if asked, catch up on the job's history
-        from its submitter (live messages wait in the subscription meanwhile; agent/roles/sync.py)."""
+        from its submitter, or, if we are the submitter and ``resumed`` it after a restart, from its
+        live peers (live messages wait in the subscription meanwhile; agent/roles/sync.py)."""
         synced: set[bytes] = set()
-        if catch_up_first and view.terms.submitter != self.peer_id:
-            synced = await catch_up(self, view)
-            if synced:
-                self.apply_actions(view, ())
+        try:
+            if catch_up_first and view.terms.submitter != self.peer_id:
+                synced = await catch_up(self, view)
+            elif catch_up_first and resumed:
+                synced = await submitter_catch_up(self, view)
+        except StoreFullError as exc:
+            self.refuse_work(exc)
+        if synced:
+            self.apply_actions(view, ())
         async for received in subscription:
             msg, signer, now = received.message, received.signer, self.clock()
             if self.observer is not None:
@@ -429,7 +454,8 @@ class Agent:
                 # must not become a flood of synchronous SQLite commits that stalls this loop)
                 await self.coordinator.on_claim(view, msg, signer)
                 continue
-            self.store.record(received.envelope.to_bytes(), now)
+            if not self.stored(self.store.record, received.envelope.to_bytes(), now):
+                continue  # unrecorded evidence is not applied (IPIP-0004 §11 brings it back later)
             actions = view.apply(msg, signer, now, self.eligible_coordinators(view.terms))
             if actions is None:
                 continue
@@ -450,8 +476,8 @@ class Agent:
         """Carry out what the state machine asked for, in our roles; wake anyone waiting on the job."""
         if actions is None:
             return
-        self.store.update_job(view.job_id, self.clock(), state=view.state.phase.value, round=view.state.round,
-                              coordinator_term=view.coordination.term)
+        self.stored(self.store.update_job, view.job_id, self.clock(), state=view.state.phase.value,
+                    round=view.state.round, coordinator_term=view.coordination.term)
         self.coordinator.on_actions(view, actions)
         if self.worker is not None and actions:
             self.worker.wake()
@@ -464,6 +490,57 @@ class Agent:
                 self.ledger(view.job_id, kind, _action_data(action))
         self.job_events.set()
         self.job_events = trio.Event()
+
+    def stored(self, write: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+        """Run a store write; if the disk is full, refuse new work (``refuse_work``) and return False
+        instead of raising: a full disk must not bring the agent down."""
+        try:
+            write(*args, **kwargs)
+            return True
+        except StoreFullError as exc:
+            self.refuse_work(exc)
+            return False
+
+    def refuse_work(self, exc: Exception) -> None:
+        """Our store cannot be written: claim no shard, follow no new job and stop being eligible to
+        coordinate (our capability says so at once, so the next peer by rank takes our jobs) until it
+        can (re-checked every claim interval); say why in the log (once a minute) and in ``agent status``."""
+        now = self.clock()
+        if self.store_full is None and self.nursery is not None:  # tell the peers at once: we step down
+            self.nursery.start_soon(self._publish_capability)
+        self.store_full = str(exc)
+        if now - self._store_full_logged > 60:
+            self._store_full_logged = now
+            log.error("refusing new work: %s", exc)
+
+    def can_take_work(self) -> bool:
+        """Is there room to keep the evidence of new work? A small test write (one page), made before
+        each claim and, while we refuse work, every claim interval; clears ``store_full`` when it passes."""
+        try:
+            self.store.probe_write()
+        except StoreFullError as exc:
+            self.refuse_work(exc)
+            return False
+        if self.store_full is not None:
+            log.warning("the store can be written again: taking new work")
+            self.store_full = None
+            self.nursery.start_soon(self._publish_capability)
+        return True
+
+    async def _publish_capability(self) -> None:
+        with trio.move_on_after(10):
+            await self.publish(self.capability())
+
+    def provide_soon(self, cid: Any) -> None:
+        """Announce in the DHT that we hold ``cid``, in the background (at most 30 s, failures logged):
+        nothing we must send waits on one DHT peer; those who need it first are told our peer ID."""
+        async def provide() -> None:
+            try:
+                await self.net.discovery.provide(cid)
+            except Exception as exc:  # noqa: BLE001 - best effort: the message names us as provider
+                log.info("provide %s: %s", cid, exc)
+
+        self.nursery.start_soon(provide)
 
     def ledger(self, job_id: bytes, kind: str, data: dict) -> None:
         try:
@@ -490,17 +567,26 @@ class Agent:
                 elif view.job_id not in self._coordinating:  # newly elected, or resumed after a restart
                     self._coordinating.add(view.job_id)
                     self.coordinator.take_over(view)
+                self.coordinator.judge_reports(view)  # the coordinator's own reports, if we are their judge
             self.save_file_hashes()  # hashes taken in training, replay or verification threads
             await trio.sleep(0.5)
 
     async def _resync(self, view: JobView) -> None:
         try:
-            applied = await resync(self, view)
-            if applied is not None:
-                self.apply_actions(view, ())
-                self._react(view, applied)  # held live messages that apply on the rebuilt mirror
+            await self._resync_once(view)
+        except StoreFullError as exc:
+            self.refuse_work(exc)
         finally:
             self._resyncing.discard(view.job_id)
+
+    async def _resync_once(self, view: JobView) -> None:
+        if view.terms.submitter == self.peer_id:  # our history is the reference: ask peers what we missed
+            await submitter_catch_up(self, view)
+            return
+        applied = await resync(self, view)
+        if applied is not None:
+            self.apply_actions(view, ())
+            self._react(view, applied)  # held live messages that apply on the rebuilt mirror
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> None:
         """Wait until ``predicate()`` holds, re-checked whenever a job changes; TooSlowError after ``timeout``."""

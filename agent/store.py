@@ -34,6 +34,11 @@ Rules of this file:
   signature, malformed entry, stored columns that disagree with the entry).
 - Only parameterised SQL; table and column names come from constants in this file.
 - A database written by a newer schema is refused with an error naming the file and both versions.
+- Damage is refused at open, never papered over: an existing store file that is empty (0 bytes:
+  truncated; a store we wrote always holds its schema) or fails ``PRAGMA quick_check`` raises
+  StoreError naming the file, instead of starting a fresh store that silently loses every job and
+  ledger. A write that fails because the disk is full raises StoreFullError (nothing written);
+  the agent then refuses new work and stays up (agent/node.py).
 """
 
 from __future__ import annotations
@@ -130,6 +135,10 @@ _MESSAGE_TABLES = {"lease": "leases", "report": "reports", "verdict": "verdicts"
 
 class StoreError(Exception):
     """The store refused an operation or a file; the message names the file, job or record."""
+
+
+class StoreFullError(StoreError):
+    """A write failed because the disk (or the database's size limit) is full; nothing was written."""
 
 
 class LedgerError(StoreError):
@@ -309,9 +318,10 @@ class Store:
         self.identity = identity
         self._depth = 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        existed = self.path.exists()
         self._db = sqlite3.connect(str(self.path), isolation_level=None)
         try:
-            self._open()
+            self._open(existed)
         except sqlite3.DatabaseError as exc:
             self._db.close()
             raise StoreError(f"{self.path}: not a usable infernet store: {exc}") from None
@@ -323,8 +333,18 @@ class Store:
     def in_data_dir(cls, data_dir: str | Path, identity: Identity) -> "Store":
         return cls(Path(data_dir) / STORE_FILENAME, identity)
 
-    def _open(self) -> None:
+    def _open(self, existed: bool) -> None:
         db = self._db
+        if existed:
+            size = self.path.stat().st_size
+            if size == 0 and not Path(f"{self.path}-wal").exists():
+                # a store we wrote is never empty (its schema is one commit): truncated, not new
+                raise StoreError(f"{self.path}: the store is empty (0 bytes): it was truncated, and its jobs and "
+                                 "signed ledgers are gone; restore it from a backup, or move it away to start anew")
+            problems = [row[0] for row in db.execute("PRAGMA quick_check(5)").fetchall()]
+            if problems != ["ok"]:
+                raise StoreError(f"{self.path}: the store is damaged (SQLite quick_check: {'; '.join(problems)[:300]});"
+                                 " restore it from a backup, or move it away to start anew")
         mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if mode.lower() != "wal":
             raise StoreError(f"{self.path}: SQLite refused WAL mode (got {mode!r}); use a local disk")
@@ -354,6 +374,13 @@ class Store:
             if version != SCHEMA_VERSION:
                 raise StoreError(f"{self.path}: unknown schema version {version!r}")
 
+    def probe_write(self) -> None:
+        """A write that changes nothing but needs a free page: StoreFullError while the disk is full."""
+        with self.transaction():
+            self._db.execute("CREATE TABLE IF NOT EXISTS probe_write (x BLOB)")
+            self._db.execute("INSERT INTO probe_write VALUES (zeroblob(4096))")
+            self._db.execute("DROP TABLE probe_write")
+
     def close(self) -> None:
         self._db.close()
 
@@ -366,6 +393,26 @@ class Store:
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
         """Make every store call inside the block one commit (fsynced); an error leaving the block undoes all."""
+        if self._depth == 0:
+            with self._full_is_an_error():
+                with self._transaction():
+                    yield
+            return
+        with self._transaction():
+            yield
+
+    @contextlib.contextmanager
+    def _full_is_an_error(self) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorname", "") != "SQLITE_FULL" and "full" not in str(exc):
+                raise
+            raise StoreFullError(f"{self.path}: cannot write: the disk is full ({exc}); nothing was stored, "
+                                 "free some space") from None
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
         savepoint = f"sp{self._depth}"
         if self._depth == 0:
             self._db.execute("BEGIN IMMEDIATE")
@@ -376,7 +423,9 @@ class Store:
             yield
         except BaseException:
             self._depth -= 1
-            if self._depth == 0:
+            if not self._db.in_transaction:
+                pass  # SQLite rolled it back itself (SQLITE_FULL, for one)
+            elif self._depth == 0:
                 self._db.execute("ROLLBACK")
             else:
                 self._db.execute(f"ROLLBACK TO {savepoint}")

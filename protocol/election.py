@@ -32,6 +32,15 @@ Rules of this file:
   and the capability can replay the job's segments (protocol/fit.replay_refusals: it holds the base
   model by hash, and a CUDA GPU large enough when the job needs one): a coordinator that cannot
   verify a report must never be elected for that job (``eligible_for_job``).
+- Judging. A coordinator never judges its own work. A report by the job's coordinator (it held
+  a lease from the previous term when it took over) is judged by the *judge*: the first of the
+  ranking over the eligible live peers without the coordinator (``judge_of``). Its verdict carries
+  the coordinator's term and is accepted in that term from any eligible live peer other than the
+  worker it judges (``may_judge``: views of who is live may briefly differ, and the state machine
+  takes only the first verdict of an attempt); a verdict signed by the worker it judges never is.
+  So a verdict never moves a view to a higher term (``check_message(adopt=False)``): its signer
+  may be the judge, not the coordinator; it waits until a lease, an aggregate or the coordinator's
+  heartbeat brings the view to its term.
 - Errors. A malformed job ID or peer ID, a stale or conflicting term: ``StateError``, nothing else.
 
 The document is ``ipips/0006-election-aggregation.md``; ``ipips/vectors/election-*.json`` are
@@ -134,11 +143,17 @@ def hears_submitter(
     """The submitter's side decides (IPIP-0006 §1.3 rule 5): may a peer act as a job's coordinator
     (``settled=False``: the submitter is live to it, or it is the submitter), or change its election
     view of the job (``settled=True``: it has also heard the submitter for ``missed_heartbeats``
-    intervals since it was last silent, so the other peers' heartbeats have had time to come back)?"""
-    if submitter == me:
-        return True
-    seen = last_heartbeat.get(submitter)
+    intervals since it was last silent, so the other peers' heartbeats have had time to come back)?
+
+    The submitter always may act, but changes its view only once it has heard other peers for
+    ``missed_heartbeats`` intervals without a break (``live_since[me]``: since when; absent: it hears
+    nobody): a restarted (or isolated) submitter first hears its peers and learns the job's state
+    from them, so it never deposes a live coordinator it has not heard yet."""
     window = missed_heartbeats * heartbeat_seconds
+    if submitter == me:
+        since = live_since.get(me)
+        return not settled or (since is not None and now - since >= window)
+    seen = last_heartbeat.get(submitter)
     if seen is None or now - seen >= window:
         return False
     return not settled or now - live_since.get(submitter, now) >= window
@@ -162,9 +177,11 @@ class Coordination:
             return self
         return replace(self, term=self.term + 1, coordinator=winner)
 
-    def check_message(self, signer: str, term: int, live: Iterable[str]) -> Coordination:
+    def check_message(self, signer: str, term: int, live: Iterable[str], *, adopt: bool = True) -> Coordination:
         """The view after a coordinator message signed by ``signer`` in ``term``; StateError if it is
-        stale or not from the term's coordinator (the message must then be ignored)."""
+        stale or not from the term's coordinator (the message must then be ignored). ``adopt=False``
+        (verdicts: a judge signs them too, rule 6) never moves the view to a higher term: StateError,
+        and the message waits until the view reaches its term."""
         if isinstance(term, bool) or not isinstance(term, int) or term < 1:
             raise StateError(f"coordinator term must be an integer >= 1, got {term!r}")
         _peer_id_binary(signer)
@@ -174,12 +191,32 @@ class Coordination:
             if signer != self.coordinator:
                 raise StateError(f"term {term} belongs to {self.coordinator}, not {signer}")
             return self
+        if not adopt:
+            raise StateError(f"term {term} is ahead of our view (term {self.term}); a verdict does not move "
+                             "the view (its signer may be the term's judge, not its coordinator)")
         if signer not in set(live):
             raise StateError(f"term {term} claimed by {signer}, which is not an eligible live peer")
         return replace(self, term=term, coordinator=signer)
 
     def is_coordinator(self, peer_id: str) -> bool:
         return self.coordinator is not None and self.coordinator == peer_id
+
+
+def judge_of(job_id: bytes, coordinator: str | None, worker: str, eligible: Iterable[str]) -> str | None:
+    """Who judges ``worker``'s report: the coordinator, unless it is the worker; then the first of the
+    ranking over the eligible live peers without the worker (None when there is no other)."""
+    if coordinator is not None and coordinator != worker:
+        return coordinator
+    ranking = rank_peers(job_id, set(eligible) - {worker})
+    return ranking[0] if ranking else None
+
+
+def may_judge(view: Coordination, signer: str, worker: str, term: int, eligible: Iterable[str]) -> bool:
+    """May a verdict on ``worker``'s report, signed by ``signer`` in ``term``, be applied? Only for a
+    report by the view's coordinator (other verdicts follow ``check_message``): in the view's term,
+    from an eligible live peer that is not the worker. Never one signed by the worker it judges."""
+    return (signer != worker and view.coordinator is not None and worker == view.coordinator
+            and term == view.term and signer in set(eligible))
 
 
 def stepped_down(before: Coordination, after: Coordination, me: str) -> bool:

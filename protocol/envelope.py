@@ -34,6 +34,11 @@ from protocol.errors import CodecError
 from protocol.identity import Identity, peer_id_from_public_key, verify_signature
 from protocol.messages import MESSAGE_TYPES, decode_body
 
+NOT_MISBEHAVIOUR = frozenset({"expired"})
+"""Rejection reasons that say nothing against the peer that handed us the envelope: a message
+older than the window is what a neighbour's recent-message cache, or a slow path, replays in good
+faith to a peer that just joined or came back. It is dropped like any rejected envelope, but not
+counted against its forwarder (IPIP-0001 §4), so a late joiner never blacklists the network."""
 DOMAIN = b"infernet/v1\x00"
 MAX_ENVELOPE_BYTES = 256 * 1024
 MAX_SKEW_S = 30.0

@@ -81,7 +81,11 @@ from protocol.election import hears_submitter
 submitter, me = peers[0], peers[1]
 cases = []
 for name, heard, since, now, settled, who in [
-    ("we are the submitter", {}, {}, 100.0, True, submitter),
+    ("we are the submitter, hearing peers for 6 s: settled", {}, {submitter: 94.0}, 100.0, True, submitter),
+    ("we are the submitter, hearing no peer (just restarted, or alone): may act", {}, {}, 100.0, False, submitter),
+    ("we are the submitter, hearing no peer: no view change", {}, {}, 100.0, True, submitter),
+    ("we are the submitter, hearing peers for 2 s: no view change yet", {}, {submitter: 98.0}, 100.0, True, submitter),
+    ("we are the submitter, hearing peers for exactly 5 s: settled", {}, {submitter: 95.0}, 100.0, True, submitter),
     ("live: may act as coordinator", {submitter: 100.0}, {submitter: 98.0}, 100.5, False, me),
     ("back 2.5 s ago: no view change yet", {submitter: 100.0}, {submitter: 98.0}, 100.5, True, me),
     ("heard 5.5 s in a row: view may change", {submitter: 100.0}, {submitter: 95.0}, 100.5, True, me),
@@ -94,11 +98,62 @@ for name, heard, since, now, settled, who in [
                   "expect": hears_submitter(submitter, who, heard, since, now, settled=settled,
                                             heartbeat_seconds=1.0, missed_heartbeats=5)})
 side = {
-    "description": "IPIP-0006 §1.3 rule 5, with the agent's heartbeat_seconds 1.0 and missed_heartbeats 5: may 'me' act as coordinator of a job submitted by 'submitter' (settled false: the submitter is live, i.e. now - last_heartbeat < 5 s, or me is the submitter), or change its election view (settled true: also heard since live_since for at least 5 s)?",
+    "description": "IPIP-0006 §1.3 rule 5, with the agent's heartbeat_seconds 1.0 and missed_heartbeats 5: may 'me' act as coordinator of a job submitted by 'submitter' (settled false: the submitter is live, i.e. now - last_heartbeat < 5 s, or me is the submitter), or change its election view (settled true: also heard since live_since for at least 5 s; for the submitter itself, live_since[submitter] is since when it has heard other peers without a break, absent when it hears none: it may always act, and changes its view only once settled)?",
     "submitter": submitter, "heartbeat_seconds": 1.0, "missed_heartbeats": 5,
     "cases": cases,
 }
 Path("ipips/vectors/election-submitter.json").write_text(json.dumps(side, indent=1) + "\n")
+
+# --- a coordinator never judges its own work (IPIP-0006 §1.3 rule 6) --------------------------------
+from protocol.election import judge_of, may_judge
+
+R = rank_peers(job, five)
+judge_cases = []
+for name, coordinator, worker, eligible in [
+    ("another worker's report: the coordinator judges", R[0], R[2], five),
+    ("the coordinator's own report: the next eligible peer by rank judges", R[0], R[0], five),
+    ("the runner-up coordinates, its own report: the first-ranked (live) judges", R[1], R[1], five),
+    ("the runner-up's own report, the first-ranked gone: the third judges", R[1], R[1], [p for p in five if p != R[0]]),
+    ("the coordinator alone: nobody can judge its report", R[0], R[0], [R[0]]),
+]:
+    judge_cases.append({"name": name, "coordinator": coordinator, "worker": worker, "eligible": sorted(eligible),
+                        "expect_judge": judge_of(job, coordinator, worker, eligible)})
+accept_cases = []
+view2 = Coordination(job, 2, R[1])
+for name, signer, worker, term, eligible in [
+    ("the judge's verdict on the coordinator's report, its term", R[0], R[1], 2, five),
+    ("any other eligible peer's verdict on it is accepted too", R[2], R[1], 2, five),
+    ("the coordinator's verdict on its own report: never", R[1], R[1], 2, five),
+    ("an ineligible signer", outsider, R[1], 2, five),
+    ("a stale term", R[0], R[1], 1, five),
+    ("a verdict on another worker's report follows the term rules, not this one", R[0], R[3], 2, five),
+]:
+    accept_cases.append({"name": name, "signer": signer, "worker": worker, "term": term, "eligible": sorted(eligible),
+                         "expect": may_judge(view2, signer, worker, term, eligible)})
+ahead = []
+view1 = Coordination(job, 1, R[0])
+for name, kind, signer, term in [
+    ("a verdict in a term ahead of the view is held: its signer may be the judge", "verdict", R[1], 2),
+    ("a lease in a term ahead of the view moves it (its signer coordinates that term)", "lease", R[1], 2),
+    ("an aggregate likewise", "aggregate", R[2], 3),
+]:
+    item = {"name": name, "kind": kind, "signer": signer, "term": term}
+    try:
+        after = view1.check_message(signer, term, five, adopt=kind != "verdict")
+        item.update(error=False, expect_term=after.term, expect_coordinator=after.coordinator)
+    except StateError:
+        item.update(error=True, expect_term=view1.term, expect_coordinator=view1.coordinator)
+    ahead.append(item)
+judge = {
+    "description": "IPIP-0006 §1.3 rule 6 for the job of election-terms.json (same peers, ranking and outsider): 'judges' gives who judges a worker's report (judge_of: the coordinator, unless the report is its own; then the first of the ranking over the eligible live peers without it, null if none); 'accepts' gives whether a verdict on a worker's report signed by 'signer' in 'term' is accepted by a peer whose view is (term 2, ranking[1]) under this rule (may_judge); a verdict signed by the worker it judges is never applied; 'ahead' gives, from the view 'ahead_view' (term 1, ranking[0]), what a coordinator message of 'kind' in a higher term does: a verdict never moves the view (error: true, it is held), a lease or aggregate does (check_message with adopt false for verdicts).",
+    "job_id_hex": job.hex(), "ranking": list(R), "outsider": outsider,
+    "view": {"term": view2.term, "coordinator": view2.coordinator},
+    "judges": judge_cases, "accepts": accept_cases,
+    "ahead_view": {"term": view1.term, "coordinator": view1.coordinator},
+    "ahead": ahead,
+}
+Path("ipips/vectors/election-judge.json").write_text(json.dumps(judge, indent=1) + "\n")
+
 
 # --- eligibility for a job reads the capability (IPIP-0006 §1.2, protocol/fit.replay_refusals) --------
 from dataclasses import replace as _replace

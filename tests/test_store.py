@@ -473,3 +473,50 @@ def test_file_hashes_persist_and_a_version_1_store_is_migrated(db_path):
         assert migrated.job(JOB).terms == TERMS and migrated.file_hashes() == []
         migrated.save_file_hashes(entries[:1])
     assert raw(db_path).execute("SELECT version FROM schema_version").fetchone()[0] == SCHEMA_VERSION == 2
+
+
+# -- faults (issue 17) -------------------------------------------------------------------------------
+
+def test_a_store_truncated_to_zero_bytes_is_refused_not_started_anew(db_path):
+    with Store(db_path, COORD) as s:
+        s.add_job(TERMS, "coordinator", NOW)
+        s.record(report_envelope(1), NOW)
+    db_path.write_bytes(b"")  # truncated (the WAL was checkpointed into the file at close)
+    assert not db_path.with_name(db_path.name + "-wal").exists()
+    with pytest.raises(StoreError, match=r"agent.sqlite3: the store is empty \(0 bytes\): it was truncated"):
+        Store(db_path, COORD)
+    assert db_path.stat().st_size == 0  # and nothing was written over it
+
+
+def test_garbage_in_a_middle_page_is_refused_at_open(db_path):
+    with Store(db_path, COORD) as s:
+        s.add_job(TERMS, "coordinator", NOW)
+        for n in range(300):
+            s.record(report_envelope(n), NOW + n)
+    page = raw(db_path).execute("PRAGMA page_size").fetchone()[0]
+    size = db_path.stat().st_size
+    assert size > 8 * page
+    data = bytearray(db_path.read_bytes())
+    middle = (size // page // 2) * page
+    data[middle:middle + page] = bytes((i * 37 + 11) % 256 for i in range(page))
+    db_path.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="agent.sqlite3: (the store is damaged|not a usable infernet store)"):
+        Store(db_path, COORD)
+
+
+def test_a_full_disk_is_a_store_full_error_and_nothing_half_written(store):
+    from agent.store import StoreFullError
+
+    store.add_job(TERMS, "coordinator", NOW)
+    pages = store._db.execute("PRAGMA page_count").fetchone()[0]
+    store._db.execute(f"PRAGMA max_page_count = {pages}")  # SQLite's own 'disk is full' (SQLITE_FULL)
+    with pytest.raises(StoreFullError, match="agent.sqlite3: cannot write: the disk is full"):
+        for n in range(200):
+            store.record(report_envelope(n), NOW + n)
+    with pytest.raises(StoreFullError):
+        store.probe_write()
+    kept = len(store.envelopes(JOB))
+    store._db.execute("PRAGMA max_page_count = 1073741823")  # space again: the same store carries on
+    store.probe_write()
+    store.record(report_envelope(1000), NOW + 1000)
+    assert len(store.envelopes(JOB)) == kept + 1

@@ -133,10 +133,18 @@ class LoopbackNet:
 
     async def restart(self, who: "str | Agent") -> Agent:
         """Start a killed agent again with its identity and home; it resumes from its store."""
+        from dataclasses import replace
+
         name = self._named(who)
+        config = self.configs[name]
         if self.running(name):
             await self.kill(name)
-        return await self.start(name, self.configs[name])
+        if not config.bootstrap and name not in self.process_names:
+            # the bootstrap peer itself (the submitter): an operator restarts it pointing at a peer
+            peers = [a for n, a in sorted(self.agents.items()) if n != name and self.running(n) and a.net]
+            if peers:
+                config = replace(config, bootstrap=(peers[0].addrs()[0],))
+        return await self.start(name, config)
 
     async def _start_process(self, name: str, config: AgentConfig, timeout: float = 120.0) -> None:
         """``infernet agent run`` in the agent's home; returns once the submitter hears its heartbeats."""

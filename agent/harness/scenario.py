@@ -11,7 +11,7 @@ mistake is one line naming file:line and the field path), ``run_scenario`` runs 
 4. wait for the job to end (``timeout``), let the live agents' mirrors settle, check, summarise.
 
 Checks always made, whatever the scenario expects: no work of a Byzantine or attacking peer is
-accepted; at most one accepted verdict per (round, shard); every shard accepted in a round is in
+accepted; no verdict is signed by the worker it judges; at most one accepted verdict per (round, shard); every shard accepted in a round is in
 that round's aggregate (no accepted work lost); the live agents' mirrors agree on the outcome.
 
 Seeded: identities (so elections), the dataset, the job, the harness's choices (fault targets are
@@ -63,7 +63,7 @@ AGENT_KEYS = {"claim_interval": float, "max_concurrent_shards": int, "can_coordi
               "price_per_hour": float, "min_price_per_hour": float, "fetch_timeout": float,
               "gossip_max_rate": float, "gossip_max_burst": float}
 EXPECT_KEYS = ("phase", "reason", "min_term", "reassigned", "rejected", "released", "gossip_rejected",
-               "rate_limited", "trained", "not_trained")
+               "rate_limited", "trained", "not_trained", "coordinator_judged")
 
 
 @dataclass(frozen=True)
@@ -313,7 +313,7 @@ class _Reader:
             out["reason"] = self.text(data["reason"], path + ("reason",))
         if "min_term" in data:
             out["min_term"] = self.integer(data["min_term"], path + ("min_term",), 1, 1000)
-        for key in ("reassigned", "rate_limited"):
+        for key in ("reassigned", "rate_limited", "coordinator_judged"):
             if key in data:
                 out[key] = self.typed(data[key], path + (key,), bool)
         if "released" in data:
@@ -484,6 +484,8 @@ class _Run:
         self.down: set[str] = set()  # killed and not started again
         self.releases: list[tuple[str, str]] = []  # (worker name, reason)
         self.checkpoints = 0
+        self.verdict_signers: list[tuple[str, str, int]] = []  # (signer, worker, term) as the submitter heard them
+        self.self_judged: list[str] = []  # verdicts signed by the worker they judge (IPIP-0006 §1.3)
         self.captured: list[bytes] = []  # job-topic envelopes mallory saw (for replays)
         self.timed_out = False
         self.fault_errors: list[str] = []
@@ -506,6 +508,10 @@ class _Run:
                 self.releases.append((self.name_of(args[0].signer), msg.reason))
             elif msg.TYPE == "ckpt":
                 self.checkpoints += 1
+            elif msg.TYPE == "verdict":
+                self.verdict_signers.append((args[0].signer, msg.worker, msg.term))
+                if args[0].signer == msg.worker and self.name_of(msg.worker) != "mallory":  # an attacker's is refused
+                    self.self_judged.append(f"r{msg.round} s{msg.shard} a{msg.attempt} by {self.name_of(msg.worker)}")
         if kind == "recv" and name == "mallory" and not args[0].topic.endswith("/jobs"):
             if len(self.captured) < 1000:
                 self.captured.append(args[0].envelope.to_bytes())
@@ -611,8 +617,11 @@ class _Run:
         if action == "restart":
             names = self.resolve(value)
             for name in names:
-                await net.restart(name)
+                agent = await net.restart(name)
                 self.down.discard(name)
+                if name == "submitter" and agent is not None:  # follow the job in the restarted submitter
+                    agent.submitter.reannounce_seconds = 5.0
+                    self.view = agent.jobs.get(self.view.job_id, self.view)
             return f"restart {', '.join(names)}"
         if action == "start":
             await net.start(value, net.configs[value])
@@ -695,6 +704,8 @@ class _Run:
         for k, _ in accepted:
             per_shard[k[:2]] = per_shard.get(k[:2], 0) + 1
         twice = [f"r{r} s{s}" for (r, s), n in per_shard.items() if n > 1]
+        add(Check("no peer judged its own work", not self.self_judged, ", ".join(self.self_judged) or
+                  f"{len(view.verdicts)} verdicts, none signed by their worker"))
         add(Check("each shard accepted at most once", not twice, ", ".join(twice)))
         lost = [f"r{r} s{s}" for (r, s) in per_shard if r in view.aggregates and s not in view.aggregates[r].shards]
         add(Check("no accepted work lost", not lost, ", ".join(lost) or
@@ -722,6 +733,12 @@ class _Run:
         if "min_term" in expect:
             add(Check(f"coordinator term >= {expect['min_term']}", view.coordination.term >= expect["min_term"],
                       f"term {view.coordination.term}, coordinator {self.name_of(view.coordination.coordinator)}"))
+        if expect.get("coordinator_judged"):
+            coordinator = view.coordination.coordinator
+            judged = [f"{self.name_of(w)}'s work judged by {self.name_of(s)} in term {t}"
+                      for s, w, t in self.verdict_signers if w == coordinator and s != w and t == view.coordination.term]
+            add(Check("the coordinator's own work judged by another peer", bool(judged),
+                      (judged or [f"no verdict on {self.name_of(coordinator)}'s work in term {view.coordination.term}"])[0]))
         if expect.get("reassigned"):
             attempts = [k for k in view.leases if k[2] >= 2]
             add(Check("a shard was reassigned", bool(attempts),

@@ -7,7 +7,10 @@ Rules of this file:
   covered by py-libp2p's strict message signing), then checks that the message type belongs on the
   topic it came on (``protocol.messages.topic_for``). A message that fails is dropped, never
   forwarded, and counted against the peer that handed it to us (``invalid``, ``reasons``); a peer
-  with ``blacklist_after`` invalid messages is blacklisted (py-libp2p drops its traffic).
+  with ``blacklist_after`` invalid messages is blacklisted (py-libp2p drops its traffic). An
+  ``expired`` envelope is counted in ``reasons`` only (protocol/envelope.NOT_MISBEHAVIOUR): on
+  subscribing, a peer gets each neighbour's recent-message cache, old envelopes included, and a
+  late joiner that blamed them blacklisted the whole network.
 - The validator is synchronous and never raises: py-libp2p checks "seen" and marks "seen" around it
   without a checkpoint in between only when it is synchronous, and an exception escaping it would
   cancel the whole pubsub service.
@@ -17,8 +20,10 @@ Rules of this file:
   that floods is cut off at the first hop, and the honest peers that relay for it are not
   throttled for what they relay (a per-forwarder limit would make every relay of a flood pay).
 - py-libp2p drops an outbound RPC when a peer's 32-slot send queue is full (as go-libp2p-pubsub
-  does). Our own publishes wait for room instead (``publish_wait``); relayed messages can still be
-  dropped under a flood, and GossipSub's gossip (IHAVE/IWANT) repairs that within its window.
+  does). Our own publishes wait for room instead (``publish_wait``), but only while the full queue
+  drains: a stalled peer (its queue has not moved for ``STALLED_SECONDS``) is never waited for;
+  relayed messages can still be dropped under a flood, and GossipSub's gossip (IHAVE/IWANT)
+  repairs that within its window.
 - Delivery order is not promised: py-libp2p validates each received message in its own task, and
   gossip may bring a message by another path. Consumers order by the messages' own fields.
 - ``Gossip.faults`` (the protocol test harness only, never set in production) acts on messages
@@ -48,7 +53,7 @@ from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pubsub import Pubsub
 
 from agent.net.host import Host
-from protocol.envelope import Envelope, ReplayCache, open_envelope, seal
+from protocol.envelope import NOT_MISBEHAVIOUR, Envelope, ReplayCache, open_envelope, seal
 from protocol.errors import CodecError
 from protocol.messages import topic_for
 
@@ -69,6 +74,7 @@ class GossipConfig:
 
 
 QUEUE_HIGH_WATER = 24  # of py-libp2p's 32 outbound RPCs per peer
+STALLED_SECONDS = 0.5  # a full outbound queue that has not shrunk this long belongs to a stalled peer
 
 
 @dataclass
@@ -156,6 +162,17 @@ class _GuardedPubsub(Pubsub):
         # may answer with a window update: buffered reads cut the frames per message several-fold
         await super().stream_handler(BufferedReads(stream))
 
+    async def _teardown_if_connected(self, peer_id: ID) -> None:
+        # py-libp2p's deletes the peer after an await, and a peer that went away meanwhile made it
+        # raise KeyError into the service (seen when a late joiner blacklisted two peers at once)
+        stream = self.peers.pop(peer_id, None)
+        if stream is not None:
+            try:
+                await stream.reset()
+            except Exception:  # noqa: BLE001 - the stream is gone either way
+                pass
+        self._forget_all_subscriptions(peer_id)
+
     def notify_subscriptions(self, publish_message: Any) -> None:
         self.deliver(publish_message)
 
@@ -242,6 +259,7 @@ class Gossip:
         self.rate_limited: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()  # per topic: our delivery buffer was full
         self.faults: GossipFaults | None = None  # the test harness's, never set in production
+        self._full_since: dict[Any, tuple[int, float]] = {}  # peer -> (queue length, since when) while full
 
     async def wait_ready(self, timeout: float = 10.0) -> None:
         with trio.fail_after(timeout):
@@ -259,10 +277,30 @@ class Gossip:
         return message_id
 
     async def _wait_for_queue_room(self) -> None:
-        """Back-pressure instead of loss: wait (bounded) while a peer's outbound queue is nearly full."""
+        """Back-pressure instead of loss: wait (bounded) while a peer's outbound queue is nearly full and
+        draining. A peer whose full queue has not shrunk for STALLED_SECONDS (a frozen or dead peer) is
+        not waited for, now or at later publishes until it drains again: one peer must never hold up
+        what everyone else is sent (a frozen peer cost each publish ``publish_wait``)."""
         with trio.move_on_after(self.config.publish_wait):
-            while any(len(queue) >= QUEUE_HIGH_WATER for queue in self.pubsub.peer_queues.values()):
+            while self._draining_full_queues():
                 await trio.sleep(0.002)
+
+    def _draining_full_queues(self) -> bool:
+        """Is some peer's outbound queue at the high-water mark and not stalled?"""
+        now = trio.current_time()
+        waiting = False
+        full = {peer: len(queue) for peer, queue in self.pubsub.peer_queues.items() if len(queue) >= QUEUE_HIGH_WATER}
+        for peer in list(self._full_since):
+            if peer not in full:
+                del self._full_since[peer]  # it drained (or left)
+        for peer, length in full.items():
+            last = self._full_since.get(peer)
+            if last is None or length < last[0]:
+                self._full_since[peer] = (length, now)  # progress: it is draining
+                waiting = True
+            elif now - last[1] < STALLED_SECONDS:
+                waiting = True
+        return waiting
 
     # -- subscribing ------------------------------------------------------------------------------
 
@@ -355,8 +393,10 @@ class Gossip:
         return True
 
     def _reject(self, peer: str, reason: str) -> bool:
-        self.invalid[peer] += 1
         self.reasons[reason] += 1
+        if reason in NOT_MISBEHAVIOUR:  # an old message replayed in good faith (a cache): not held against it
+            return False
+        self.invalid[peer] += 1
         if peer != self.host.peer_id and self.invalid[peer] == self.config.blacklist_after:
             log.warning("gossip: blacklisting %s after %d invalid messages", peer, self.invalid[peer])
             self.pubsub.add_to_blacklist(ID.from_base58(peer))

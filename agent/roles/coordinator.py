@@ -8,8 +8,9 @@ Rules of this file:
   one; never a second lease of this job to one worker; never a lease to a worker whose work in
   this job was rejected; only to a live peer whose signed capability says it trains (a claim
   from anyone else is ignored, so a peer cannot hoard leases it never meant to train); never a
-  lease to ourselves — a coordinator does not judge its own work,
-  and accepted work must outlive the coordinator (the worker, the submitter and the verifier
+  lease to ourselves — a coordinator does not judge its own work (a report of ours from a lease
+  granted before we took over is judged by the next eligible peer by rank: ``judge_reports``,
+  protocol/election.judge_of), and accepted work must outlive the coordinator (the worker, the submitter and the verifier
   each hold a copy).
 - A report is accepted only if: the adapter and proof bundles fetch and hash-check by CID; the proof
   is about this job, round, shard, attempt, worker, base model and seed; its chain ends in the
@@ -47,6 +48,7 @@ from agent.bundle import AGGREGATE_FILES, CHECKPOINT_FILES, REPORT_FILES, pack_d
 from agent.roles.job import JobView, run_torch, train_config
 from protocol import messages as m
 from protocol import state as st
+from protocol.election import judge_of
 
 if TYPE_CHECKING:
     from agent.node import Agent
@@ -109,6 +111,8 @@ class CoordinatorRole:
             return
         for action in actions:
             if isinstance(action, st.StartVerification):
+                if view.shard(action.shard).worker == self.agent.peer_id:
+                    continue  # our own report: another peer judges it (judge_reports)
                 self._start(("verify", view.job_id, action.round, action.shard, action.attempt),
                             self._verify, view, action.round, action.shard, action.attempt)
             elif isinstance(action, st.Aggregate):
@@ -119,13 +123,38 @@ class CoordinatorRole:
         state = view.state
         log.info("job %s: coordinating (term %d)", view.job_id.hex()[:8], view.coordination.term)
         for shard in state.shards:
-            if shard.phase is st.ShardPhase.REPORTED:
+            if shard.phase is st.ShardPhase.REPORTED and shard.worker != self.agent.peer_id:
                 self._start(("verify", view.job_id, state.round, shard.index, shard.attempt),
                             self._verify, view, state.round, shard.index, shard.attempt)
         if state.phase is st.JobPhase.AGGREGATING:
             accepted = tuple(s.index for s in state.shards if s.phase is st.ShardPhase.ACCEPTED)
             action = st.Aggregate(state.round, accepted, state.expires_at or math.inf)
             self._start(("aggregate", view.job_id, state.round), self._aggregate, view, action)
+
+    def judge_reports(self, view: JobView) -> None:
+        """Verify the reports of the job's coordinator that fall to us (IPIP-0006 §1.3: a coordinator
+        never judges its own work; the first eligible peer by rank after it does). Called every tick."""
+        coordinator = view.coordination.coordinator
+        if coordinator is None or coordinator == self.agent.peer_id or view.state.terminal:
+            return
+        for shard in view.state.shards:
+            if shard.phase is st.ShardPhase.REPORTED and shard.worker == coordinator and \
+                    self.may_verify(view, coordinator) and \
+                    (view.state.round, shard.index, shard.attempt) in view.reports:
+                self._start(("verify", view.job_id, view.state.round, shard.index, shard.attempt),
+                            self._verify, view, view.state.round, shard.index, shard.attempt)
+
+    def may_verify(self, view: JobView, worker: str) -> bool:
+        """Is it ours to judge ``worker``'s report now: we coordinate and it is not ours, or it is
+        the coordinator's own and we are its judge (protocol/election.judge_of)?"""
+        agent = self.agent
+        if worker == agent.peer_id:
+            return False
+        if worker != view.coordination.coordinator:
+            return agent.is_coordinator(view)
+        judge = judge_of(view.job_id, view.coordination.coordinator, worker, agent.eligible_coordinators(view.terms))
+        return judge == agent.peer_id and agent.clock() - view.first_seen >= agent.config.grace_seconds and \
+            agent.hears_submitter(view)
 
     def _start(self, key: tuple, fn: Any, *args: Any) -> None:
         if key in self._running:
@@ -158,7 +187,7 @@ class CoordinatorRole:
             accepted, reason = False, str(exc)[:1000]
         except Exception as exc:  # noqa: BLE001 - a report we cannot even fetch or read is rejected
             accepted, reason = False, f"could not verify: {type(exc).__name__}: {str(exc)[:900]}"
-        if not agent.is_coordinator(view):
+        if not self.may_verify(view, worker):
             return
         if accepted:
             self.accepted_adapters[(view.job_id, rnd, shard)] = (adapter_dir, report.samples)
@@ -325,7 +354,8 @@ class CoordinatorRole:
         await trio.to_thread.run_sync(run_torch, partial(_aggregate_adapters, terms, inputs, out, action.round, start))
         if terms.validation_cid:
             validation = await self._score(view, config, out, work, with_base=action.round == 1)
-        cid = await agent.content.add_file(pack_dir(out, work / "adapter.tar"))
+        cid = await agent.content.add_file(pack_dir(out, work / "adapter.tar"), provide=False)
+        agent.provide_soon(cid)  # in the background: a slow DHT peer must not delay the aggregate
         if not agent.is_coordinator(view):
             return
         final = action.round == terms.rounds

@@ -7,7 +7,9 @@ Rules of this file:
   they arrive. So a successor coordinator already holds the job's state when it takes over.
 - Worker messages (``ckpt``, ``report``, ``release``) are applied by everyone. Coordinator
   messages (``lease``, ``verdict``, ``aggregate``) only when their signer and term pass the
-  election view (protocol/election.py); echoes of our own decisions are skipped.
+  election view (protocol/election.py); echoes of our own decisions are skipped. A verdict signed
+  by the worker it judges is never applied; one on the coordinator's own report is applied from
+  another eligible peer in the coordinator's term (``election.may_judge``).
 - A message the state machine refuses (StateError) is never raised: it is untrusted input. It is
   held (at most ``PENDING_MAX``, for ``PENDING_SECONDS``) and tried again after every message that
   does apply, because gossip keeps no order: a lease for attempt 2 may arrive before the release
@@ -26,7 +28,7 @@ from typing import Any
 from agent.train.config import TrainConfig
 from protocol import messages as m
 from protocol import state as st
-from protocol.election import Coordination
+from protocol.election import Coordination, may_judge
 from protocol.errors import StateError
 
 log = logging.getLogger(__name__)
@@ -101,6 +103,7 @@ class JobView:
     applied: list[tuple[Any, str]] = field(default_factory=list)  # applied since the caller last took them
 
     def __post_init__(self) -> None:
+        self._replaying = False
         self.job_id = self.terms.job_id()
         self.state = st.new_job(job_config(self.terms))
         self.coordination = Coordination(self.job_id)
@@ -134,10 +137,11 @@ class JobView:
 
     # -- applying messages -----------------------------------------------------------------------
 
-    def check_coordinator(self, signer: str, term: int, eligible: frozenset[str]) -> bool:
-        """Does a coordinator message from ``signer`` in ``term`` pass our election view?"""
+    def check_coordinator(self, signer: str, term: int, eligible: frozenset[str], *, adopt: bool = True) -> bool:
+        """Does a coordinator message from ``signer`` in ``term`` pass our election view? (``adopt=False``
+        for verdicts: they never move the view to a higher term, IPIP-0006 §1.3 rule 6.)"""
         try:
-            self.coordination = self.coordination.check_message(signer, term, eligible)
+            self.coordination = self.coordination.check_message(signer, term, eligible, adopt=adopt)
             return True
         except StateError as exc:
             self.refused["coordinator"] += 1
@@ -147,6 +151,7 @@ class JobView:
     def apply(self, msg: Any, signer: str, now: float, eligible: frozenset[str]) -> tuple[Any, ...] | None:
         """Apply one verified job-topic message, then any held message it unblocks; return the actions
         (None if this message was refused — it is then held for a later try)."""
+        before = self.coordination
         actions = self._apply_one(msg, signer, now, eligible)
         if actions is None:
             if signer != self.me or not isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
@@ -154,6 +159,9 @@ class JobView:
                 if len(self.pending) > PENDING_MAX:
                     self.pending.pop(0)
                     self.refused["pending-overflow"] += 1
+            if self.coordination != before:  # it moved our view to its term: what waited for it may apply
+                more = self.retry_pending(now, eligible)
+                return more if self.applied else None
             return None
         self.applied.append((msg, signer))
         return actions + self.retry_pending(now, eligible)
@@ -164,11 +172,21 @@ class JobView:
         decisions are applied as when we made them."""
         if isinstance(msg, m.ShardClaim):
             return  # a request to the coordinator, not a change of the job
-        if isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)) and signer == self.me:
+        if isinstance(msg, m.Verdict) and signer == self.me and \
+                may_judge(self.coordination, signer, msg.worker, msg.term, frozenset({signer})):
+            self.apply_decision(msg, at)  # we judged the coordinator's own work (IPIP-0006 §1.3)
+        elif isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)) and signer == self.me:
             if self.check_coordinator(signer, msg.term, frozenset({signer})):
                 self.apply_decision(msg, at)
         else:
-            self.apply(msg, signer, at, frozenset({signer}))
+            # history is believed as it was accepted: here a verdict's higher term is adopted (live, it
+            # is not: its signer may be the judge, rule 6; replayed, it was the term's coordinator's
+            # unless a judge's verdict is the first message of its term in the history)
+            self._replaying = True
+            try:
+                self.apply(msg, signer, at, frozenset({signer}))
+            finally:
+                self._replaying = False
 
     def take_applied(self) -> list[tuple[Any, str]]:
         """The messages applied since the last call (the one in hand and any held one it unblocked),
@@ -210,8 +228,17 @@ class JobView:
             return actions
         if isinstance(msg, m.ShardRelease):
             return self.step(st.Released(msg.round, msg.shard, signer, msg.attempt), now, count=count)
+        if isinstance(msg, m.Verdict) and (signer == msg.worker or may_judge(self.coordination, signer, msg.worker,
+                                                                            msg.term, eligible)):
+            # a worker never judges itself; the coordinator's own work is judged by another peer
+            if signer == msg.worker and count:
+                self.refused["self-judged"] += 1
+            if signer == msg.worker or signer == self.me:
+                return None
+            return self.apply_decision(msg, now, count=count)
         if isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
-            if signer == self.me or not self.check_coordinator(signer, msg.term, eligible):
+            if signer == self.me or not self.check_coordinator(
+                    signer, msg.term, eligible, adopt=self._replaying or not isinstance(msg, m.Verdict)):
                 return None
             return self.apply_decision(msg, now, count=count)
         return None

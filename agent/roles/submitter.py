@@ -5,6 +5,8 @@ Rules of this file:
   validation split, then ``shards`` near-equal shards. Each part is written as ChatML JSONL, added
   to the content store (CIDv1, raw leaves) and provided in the DHT; the announcement names every
   shard by CID with its record count and size, so workers can check what they fetch.
+- A dataset that cannot be trained (empty, fewer training records than shards, a shard without
+  assistant text) is refused before anything is written or announced (train/data.check_dataset).
 - The base model's content hash is computed from our local copy; workers refuse a different one.
 - The job ID is the hash of the terms (protocol/messages.py). The announcement is re-gossiped with
   a fresh envelope every ``reannounce_seconds`` until the job ends, so late joiners see it (an
@@ -42,10 +44,12 @@ class SubmitterRole:
         ``created`` and ``deadline`` default to now and now + the spec's max runtime; the harness pins
         both so that a job's ID (the hash of its terms) depends only on its seed."""
         from agent.train import base_model_sha256, split_dataset
-        from agent.train.data import read_chatml, write_chatml
+        from agent.train.data import check_dataset, write_chatml
 
         agent = self.agent
-        records = (await trio.to_thread.run_sync(read_chatml, dataset)).records
+        # every shard trainable (records, assistant text), checked before anything is written or sent
+        records = (await trio.to_thread.run_sync(check_dataset, dataset, spec.shards, spec.input.validation_split,
+                                                 spec.seed)).records
         split = split_dataset(len(records), spec.shards, spec.input.validation_split, spec.seed)
         out = agent.work_dir / f"submit-{int(agent.clock() * 1000)}"
         out.mkdir(parents=True)

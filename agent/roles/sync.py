@@ -121,20 +121,63 @@ def _verified(history: list[bytes], job_id: bytes) -> tuple[list[Any], int]:
     return out, refused
 
 
-async def _fetch_verified(agent: Any, view: Any, timeout: float, what: str) -> list[Any] | None:
-    """The submitter's history of the job, each envelope verified; None (logged) if we are the
-    submitter or it could not be had."""
-    if view.terms.submitter == agent.peer_id:
+async def _fetch_verified(agent: Any, view: Any, timeout: float, what: str,
+                          peer: str | None = None) -> list[Any] | None:
+    """The history of the job held by ``peer`` (by default its submitter), each envelope verified;
+    None (logged) if that is us or it could not be had."""
+    peer = peer or view.terms.submitter
+    if peer == agent.peer_id:
         return None
     try:
-        history = await fetch_history(agent.net.host, view.terms.submitter, view.job_id, timeout)
+        history = await fetch_history(agent.net.host, peer, view.job_id, timeout)
     except (NetError, PeerProtocolError, trio.TooSlowError) as exc:
-        log.info("job %s: could not %s from the submitter: %s", view.job_id.hex()[:8], what, exc)
+        log.info("job %s: could not %s from %s: %s", view.job_id.hex()[:8], what, peer[-8:], exc)
         return None
     verified, refused = _verified(history, view.job_id)
     if refused:
-        log.warning("job %s: %d envelopes from the submitter's history refused", view.job_id.hex()[:8], refused)
+        log.warning("job %s: %d envelopes from %s's history refused", view.job_id.hex()[:8], refused, peer[-8:])
     return verified
+
+
+PEERS_ASKED = 3  # a restarted submitter asks at most this many live peers for what it missed
+
+
+async def submitter_catch_up(agent: Any, view: Any, timeout: float = TIMEOUT) -> set[bytes]:
+    """We are the job's submitter, back after being down (or our mirror holds decisions it cannot
+    apply): the job went on without us. Once we hear peers, ask up to PEERS_ASKED live ones that follow
+    the job, its coordinator first, for the envelopes we did not store, and apply them as live
+    messages with their own timestamps: coordinator decisions pass our election view like live
+    ones (nobody's stored junk can move our term), the rest is applied as anyone's. Returns the
+    message IDs applied (the live reader skips them). IPIP-0004 §11, IPIP-0006 §1.3 rule 5."""
+    window = agent.config.heartbeat_seconds * agent.config.missed_heartbeats
+    with trio.move_on_after(2 * timeout):  # until we hear someone (our view waits as long: election.py)
+        while not agent.live_peers():
+            await trio.sleep(0.2)
+    with trio.move_on_after(min(window, 2.0)):  # a moment for the others' heartbeats and capabilities
+        while len(agent.live_peers()) < 2:
+            await trio.sleep(0.2)
+    live = agent.live_peers()
+    coordinator = view.coordination.coordinator
+    peers = sorted(live, key=lambda p: (p != coordinator, p))[:PEERS_ASKED]
+    applied: set[bytes] = set()
+    for peer in peers:
+        verified = await _fetch_verified(agent, view, timeout, "catch up", peer)
+        now = agent.clock()
+        for data, opened in verified or ():
+            if agent.store.has_envelope(opened.envelope.message_id):
+                continue
+            agent.store.record(data, now)
+            signer, at = opened.envelope.signer, opened.envelope.timestamp_ms / 1000.0
+            view.apply(opened.message, signer, at, agent.eligible_coordinators(view.terms))
+            applied.add(opened.envelope.message_id)
+    agent._react(view, view.take_applied())  # keep our copies of the accepted work and aggregates we missed
+    if applied:
+        log.info("job %s: caught up on %d messages from %d peers after a restart: %s, round %d, term %d",
+                 view.job_id.hex()[:8], len(applied), len(peers), view.state.phase.value, view.state.round,
+                 view.coordination.term)
+        agent.store.update_job(view.job_id, agent.clock(), state=view.state.phase.value, round=view.state.round,
+                               coordinator_term=view.coordination.term)
+    return applied
 
 
 def _replay(view: Any, opened: Any) -> None:

@@ -96,6 +96,8 @@ class WorkerRole:
             self._wake = trio.Event()
             if len(self.active) >= agent.config.max_concurrent_shards:
                 continue
+            if agent.store_full is not None and not agent.can_take_work():
+                continue  # the disk is full: we could not keep the evidence of new work (agent.refuse_work)
             now = agent.clock()
             for view in list(self.candidates.values()):
                 if view.state.terminal:
@@ -119,6 +121,8 @@ class WorkerRole:
                                        now - last_time < 2 * agent.config.claim_interval):
                     continue
                 self._last_claim[view.job_id] = (now, view.state.round, False)
+                if not agent.can_take_work():
+                    break
                 await agent.publish(m.ShardClaim(view.job_id, view.state.round, random.choice(open_shards)))
                 break
 
@@ -268,12 +272,15 @@ class WorkerRole:
             _randomise_adapter(result.adapter_dir)
         if agent.config.misbehave == "forged_chain":
             head = _forge_chain(request.run_dir / PROOF_FILE)
-        adapter_cid = await agent.content.add_file(pack_dir(result.adapter_dir, run_dir / "adapter.tar"))
+        # provided in the background: the report names us, and a slow DHT peer must not delay it (issue 17)
+        adapter_cid = await agent.content.add_file(pack_dir(result.adapter_dir, run_dir / "adapter.tar"), provide=False)
+        agent.provide_soon(adapter_cid)
         proof_dir = run_dir / "proof"
         proof_dir.mkdir()
         shutil.copy(request.run_dir / PROOF_FILE, proof_dir / PROOF_FILE)
         (proof_dir / CHECKPOINTS_FILE).write_text(json.dumps({str(k): v for k, v in sorted(checkpoint_cids.items())}))
-        proof_cid = await agent.content.add_file(pack_dir(proof_dir, run_dir / "proof.tar"))
+        proof_cid = await agent.content.add_file(pack_dir(proof_dir, run_dir / "proof.tar"), provide=False)
+        agent.provide_soon(proof_cid)
         metrics = {"train_seconds": float(result.train_seconds), "tokens_per_s": float(result.tokens_per_second)}
         if result.validation_loss is not None:
             metrics["validation_loss"] = float(result.validation_loss)

@@ -223,6 +223,34 @@ def split_dataset(n_records: int, n_shards: int, validation_fraction: float, see
     return Split(tuple(sorted(validation)), tuple(shards))
 
 
+def check_dataset(path: str | Path, n_shards: int, validation_fraction: float, seed: int) -> ChatmlFile:
+    """Read a job's dataset and check that every shard it splits into can be trained, before anything
+    is written or sent: DataError ``FILE: problem`` if it has no records, fewer training records than
+    shards, or a shard whose assistant turns are all empty (nothing to learn from)."""
+    data = read_chatml(path)
+    n = len(data.records)
+    if n == 0:
+        raise DataError(str(path), "no records: the dataset is empty")
+    split = split_dataset(n, n_shards, validation_fraction, seed)
+    training = n - len(split.validation)
+    if any(not shard for shard in split.shards):
+        held = f" ({len(split.validation)} held out for validation)" if split.validation else ""
+        raise DataError(str(path), f"{n} records{held} leave {training} to train for {n_shards} shards: "
+                                   "every shard needs at least one record")
+    for index, shard in enumerate(split.shards):
+        if not any(m["role"] == "assistant" and m["content"].strip()
+                   for i in shard for m in data.records[i].messages):
+            which = f"shard {index} (lines {_lines(data, shard)})" if n_shards > 1 else "the training split"
+            raise DataError(str(path), f"{which} has no assistant text to learn from: every assistant "
+                                       "message is empty")
+    return data
+
+
+def _lines(data: ChatmlFile, indices: Sequence[int], most: int = 5) -> str:
+    lines = [str(data.records[i].line) for i in indices[:most]]
+    return ", ".join(lines) + (", ..." if len(indices) > most else "")
+
+
 @lru_cache(maxsize=8)
 def epoch_order(n_examples: int, seed: int, epoch: int) -> tuple[int, ...]:
     """The permutation of a shard's examples for one epoch."""

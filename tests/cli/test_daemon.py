@@ -39,6 +39,18 @@ def test_daemon_answers_the_cli_and_stops_cleanly_on_sigterm(tmp_path, daemons, 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert "# TYPE infernet_peers gauge" in text and "infernet_shards_trained_total 0" in text
 
+    # a dataset that cannot be trained is refused before anything is written or announced (issue 17)
+    (tmp_path / "bad").mkdir()
+    bad = small_spec(tmp_path / "bad" / "spec.yml", shards=2)
+    bad_data = tmp_path / "bad" / "data.jsonl"
+    bad_data.write_text("")
+    assert_one_line_error(cli("job", "announce", str(bad), "--home", str(home)), f"{bad_data}: no records")
+    bad_data.write_text(bad_data.with_name("data.jsonl").read_text() or
+                        '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n')
+    assert_one_line_error(cli("job", "announce", str(bad), "--home", str(home)),
+                          f"{bad_data}: 1 records leave 1 to train for 2 shards: every shard needs at least one record")
+    assert cli_json("job", "list", "--home", str(home)) == []
+
     # announce a job (nobody trains it), list it, cancel it, read its ledger
     spec = small_spec(tmp_path / "spec.yml")
     job = cli_json("job", "announce", str(spec), "--home", str(home), timeout=180)

@@ -27,3 +27,59 @@ def test_demo_refuses_a_directory_in_use_and_bad_options(tmp_path):
     (tmp_path / "something").write_text("x")
     assert_one_line_error(cli("demo", "--dir", str(tmp_path)), "not empty")
     assert_one_line_error(cli("demo", "--workers", "1"), "--workers must be at least 2")
+
+
+def test_agents_do_not_outlive_a_killed_demo_and_homes_are_private(tmp_path, tiny_model_dir):
+    """Issue 17: `infernet demo` killed by SIGKILL (or SIGHUP) left its agents running in their own
+    sessions; now the kernel stops each with SIGTERM (PR_SET_PDEATHSIG). Homes are 0700 with 0600
+    keys, as `infernet agent init` makes them (they were 0755)."""
+    import os
+    import signal
+    import stat
+    import subprocess
+    import sys
+    import time
+
+    from agent.control import ControlError, request
+    from tests.cli.conftest import REPO
+
+    root = tmp_path / "demo"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    demo = subprocess.Popen([sys.executable, "-m", "agent.cli", "demo", "--workers", "2", "--shards", "2",
+                             "--rounds", "1", "--steps", "400", "--dir", str(root)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    homes = [root / name for name in ("submitter", "worker0", "worker1")]
+    pids = []
+    try:
+        deadline = time.monotonic() + 180
+        while len(pids) < len(homes):
+            assert demo.poll() is None and time.monotonic() < deadline, "the demo did not start its agents"
+            try:
+                pids = [request(home, "status", timeout=5)["pid"] for home in homes]
+            except (ControlError, OSError):
+                time.sleep(0.5)
+        for home in homes:
+            assert stat.S_IMODE(home.stat().st_mode) == 0o700, oct(home.stat().st_mode)
+            assert stat.S_IMODE((home / "identity.key").stat().st_mode) == 0o600
+        demo.send_signal(signal.SIGKILL)
+        demo.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while [p for p in pids if _running(p)]:
+            assert time.monotonic() < deadline, f"agents outlived the demo: {[p for p in pids if _running(p)]}"
+            time.sleep(0.3)
+        for home in homes:  # each was stopped by SIGTERM: it shut down cleanly
+            assert '"SIGTERM: stopping' in (home / "agent.log").read_text()
+    finally:
+        demo.kill()
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a reparented child may wait for its reaper)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -6,7 +6,9 @@ import json
 import stat
 import tomllib
 
-from agent.config import load_config
+import pytest
+
+from agent.config import ConfigError, load_config
 from protocol.identity import load_identity
 from protocol.unixfs import compute_cid
 from tests.cli.conftest import assert_one_line_error, cli, cli_json
@@ -43,6 +45,46 @@ def test_bad_config_key_is_one_line(tmp_path):
     assert_one_line_error(cli("agent", "run", "--home", str(home)), "threads", "expected an integer")
 
 
+def test_every_config_key_is_checked_against_its_range_at_load(tmp_path):
+    """Issue 17: heartbeat_seconds = 0 was a busy loop flooding peers (-1: internal error), and
+    max_concurrent_shards = -1 was reported by its wire field; a metrics port out of range or in use
+    was served elsewhere or blamed on the listen address. Each is one line naming file:line and key."""
+    import socket
+
+    home = tmp_path / "home"
+    cli("agent", "init", "--home", str(home), check=True)
+    config = home / "config.toml"
+    for line, message in [("heartbeat_seconds = 0", "heartbeat_seconds: must be between 0.1 and 60 seconds, got 0"),
+                          ("heartbeat_seconds = -1", "heartbeat_seconds: must be between 0.1 and 60 seconds, got -1"),
+                          ("max_concurrent_shards = -1", "max_concurrent_shards: must be between 1 and 64, got -1"),
+                          ("missed_heartbeats = 0", "missed_heartbeats: must be between 2 and 100, got 0"),
+                          ("fetch_timeout = inf", "fetch_timeout: must be between 1 and 86400 seconds, got inf"),
+                          ("listen = []", "listen: expected at least one multiaddr")]:
+        config.write_text(f"# a comment\nthreads = 1\n{line}\n")
+        with pytest.raises(ConfigError) as error:
+            load_config(home)
+        assert str(error.value).startswith(f"{config}:3: {message}"), str(error.value)
+    config.write_text("threads = 1\n")
+    with pytest.raises(ConfigError, match="^--max-concurrent-shards: must be between 1 and 64, got 0$"):
+        load_config(home, max_concurrent_shards=0)
+    config.write_text("threads = 1\nheartbeat_seconds = 0\n")  # and the CLI says it in one line
+    assert_one_line_error(cli("agent", "run", "--home", str(home)),
+                          f"{config}:2: heartbeat_seconds: must be between 0.1 and 60 seconds, got 0")
+    config.write_text("threads = 1\n")
+    assert_one_line_error(cli("agent", "run", "--home", str(home), "--metrics-port", "99999"),
+                          "--metrics-port: must be between 0 and 65535, got 99999")
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        done = cli("agent", "run", "--home", str(home), "--metrics-port", str(port), timeout=90)
+        assert_one_line_error(done, f"--metrics-port {port}: cannot serve metrics on 127.0.0.1:{port}")
+        assert "listen address" not in done.stderr
+    finally:
+        busy.close()
+
+
 def test_agent_run_refuses_a_bad_multiaddr_and_a_missing_key(tmp_path):
     home = tmp_path / "home"
     assert_one_line_error(cli("agent", "run", "--home", str(home)), "no key file", "infernet agent init")
@@ -70,6 +112,18 @@ def test_data_add_prints_the_ipfs_cid_and_verify_checks_it(tmp_path):
     assert done.returncode == 1 and "does not match" in done.stderr
     assert_one_line_error(cli("data", "verify", str(path), "not-a-cid"))
     assert_one_line_error(cli("data", "add", str(tmp_path / "missing.jsonl")), "missing.jsonl")
+
+
+def test_data_add_and_verify_refuse_devices_and_fifos_at_once(tmp_path):
+    """Issue 17: /dev/zero or a FIFO was read forever; now one line, before anything opens it."""
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    some_cid = compute_cid(b"x").encode()
+    for args in (("data", "add", "/dev/zero"), ("data", "verify", "/dev/zero", some_cid),
+                 ("data", "add", str(fifo)), ("data", "verify", str(fifo), some_cid), ("data", "add", str(tmp_path))):
+        assert_one_line_error(cli(*args, timeout=30), args[2], "not a regular file")
 
 
 def test_train_init_writes_the_template_once(tmp_path):
@@ -106,3 +160,21 @@ def test_train_run_local_trains_and_writes_the_run_layout(tmp_path, tiny_model_d
     assert {p.name for p in (out / "checkpoint-final").iterdir()} == {
         "adapter_config.json", "adapter_model.safetensors", "optimizer.safetensors"}  # optimizer_state: carried
     assert json.loads((out / "result.json").read_text())["steps"] == 6
+
+
+def test_train_run_local_refuses_an_untrainable_dataset_before_writing_anything(tmp_path):
+    """Issue 17: an empty dataset, or one whose assistant turns are all empty, is one line naming the
+    file, before the model is loaded; no run directory is left to block a rerun with the same --output."""
+    from tests.cli.conftest import small_spec
+
+    spec = small_spec(tmp_path / "infernet.train.yml", shards=1)
+    data = tmp_path / "data.jsonl"
+    out = tmp_path / "run"
+    data.write_text("")
+    assert_one_line_error(cli("train", "run", "--local", "--config", str(spec), "--output", str(out)),
+                          f"{data}: no records")
+    assert not out.exists()
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}\n' * 4)
+    assert_one_line_error(cli("train", "run", "--local", "--config", str(spec), "--output", str(out)),
+                          f"{data}: the training split has no assistant text to learn from")
+    assert not out.exists()

@@ -308,3 +308,38 @@ def test_eligibility_vectors_read_the_capability():
         # a peer not heard yet (no capability) is never eligible
         assert not eligible_for_job(caps, {p: None for p in caps}, terms)
     assert len(seen) >= 3  # the vectors exercise different outcomes, not one
+
+
+def test_election_judge_vector():
+    """IPIP-0006 §1.3 rule 6: a coordinator never judges its own work; the next eligible peer by rank does."""
+    from protocol.election import judge_of, may_judge
+
+    vector = json.loads((VECTORS / "election-judge.json").read_text())
+    job = bytes.fromhex(vector["job_id_hex"])
+    assert {c["expect"] for c in vector["accepts"]} == {True, False}
+    for case in vector["judges"]:
+        got = judge_of(job, case["coordinator"], case["worker"], case["eligible"])
+        assert got == case["expect_judge"], case["name"]
+        assert got != case["worker"] or case["coordinator"] != case["worker"]
+    view = Coordination(job, vector["view"]["term"], vector["view"]["coordinator"])
+    for case in vector["accepts"]:
+        got = may_judge(view, case["signer"], case["worker"], case["term"], case["eligible"])
+        assert got == case["expect"], case["name"]
+
+
+
+def test_a_verdict_never_moves_a_view_to_a_higher_term_vector():
+    """IPIP-0006 §1.3 rule 6: a verdict ahead of the view may be the judge's; it waits, a lease or aggregate moves the view."""
+    vector = json.loads((VECTORS / "election-judge.json").read_text())
+    job = bytes.fromhex(vector["job_id_hex"])
+    five = [p for p in vector["ranking"]]
+    start = Coordination(job, vector["ahead_view"]["term"], vector["ahead_view"]["coordinator"])
+    assert {c["error"] for c in vector["ahead"]} == {True, False}
+    for case in vector["ahead"]:
+        try:
+            after = start.check_message(case["signer"], case["term"], five, adopt=case["kind"] != "verdict")
+            assert not case["error"], case["name"]
+        except StateError:
+            assert case["error"], case["name"]
+            after = start
+        assert (after.term, after.coordinator) == (case["expect_term"], case["expect_coordinator"]), case["name"]

@@ -50,3 +50,42 @@ def test_a_verdict_before_its_report_and_duplicates_stay_harmless():
     assert v.shard(1).phase is st.ShardPhase.ACCEPTED
     v.apply(lease(0, 1, W2), COORD.peer_id, NOW + PENDING_SECONDS + 10, ELIGIBLE)
     assert not v.pending, "held messages expire with the envelope window"
+
+
+def test_after_a_failover_the_coordinators_verdict_on_its_own_report_is_refused_and_the_judges_applied():
+    """IPIP-0006 §1.3 rule 6: W1 held a lease of term 1 and coordinates term 2; its own verdict on its
+    report is never applied, the judge's (another eligible peer, in term 2) is."""
+    from protocol.election import Coordination
+
+    v = view()
+    eligible = frozenset({COORD.peer_id, W1.peer_id, W2.peer_id})
+    v.apply(lease(0, 1, W1), COORD.peer_id, NOW, ELIGIBLE)
+    report = m.ShardReport(JOB, 1, 0, 1, TERMS.shards[0].cid, TERMS.shards[0].cid, bytes(32), 1, 4, 32, 1.0, {})
+    v.apply(report, W1.peer_id, NOW + 1, eligible)
+    v.coordination = Coordination(JOB, 2, W1.peer_id)  # COORD fell silent; W1 took over
+    own = m.Verdict(JOB, 1, 0, 1, W1.peer_id, 2, True, "I like it", (0,))
+    assert v.apply(own, W1.peer_id, NOW + 2, eligible) is None
+    assert v.shard(0).phase is st.ShardPhase.REPORTED and v.refused["self-judged"] == 1
+    judged = m.Verdict(JOB, 1, 0, 1, W1.peer_id, 2, True, "replayed", (0,))
+    assert v.apply(judged, W2.peer_id, NOW + 3, eligible - {COORD.peer_id}) is not None
+    assert v.shard(0).phase is st.ShardPhase.ACCEPTED and v.coordination.coordinator == W1.peer_id
+
+
+def test_a_judges_verdict_ahead_of_our_view_waits_for_the_term_and_never_crowns_the_judge():
+    """Found by the coordinator-judged scenario: the judge's term-2 verdict reached the submitter while
+    its view was still in term 1, and it adopted the judge as term 2's coordinator (then refused the
+    real coordinator's aggregate for good). A verdict never moves the view; it waits for the term."""
+    v = view()
+    eligible = frozenset({COORD.peer_id, W1.peer_id, W2.peer_id})
+    v.apply(lease(0, 1, W1), COORD.peer_id, NOW, ELIGIBLE)
+    report = m.ShardReport(JOB, 1, 0, 1, TERMS.shards[0].cid, TERMS.shards[0].cid, bytes(32), 1, 4, 32, 1.0, {})
+    v.apply(report, W1.peer_id, NOW + 1, eligible)
+    # COORD died; W1 coordinates term 2 and W2 judges W1's report, before we heard of term 2
+    judged = m.Verdict(JOB, 1, 0, 1, W1.peer_id, 2, True, "replayed", (0,))
+    assert v.apply(judged, W2.peer_id, NOW + 2, eligible) is None
+    assert (v.coordination.term, v.coordination.coordinator) == (1, COORD.peer_id)  # the judge is not crowned
+    assert v.shard(0).phase is st.ShardPhase.REPORTED
+    # W1's first message of term 2 (a lease of shard 1) moves the view; the held verdict applies with it
+    v.apply(m.ShardLease(JOB, 1, 1, 1, W2.peer_id, 2, NOW + 120, None), W1.peer_id, NOW + 3, eligible)
+    assert (v.coordination.term, v.coordination.coordinator) == (2, W1.peer_id)
+    assert v.shard(0).phase is st.ShardPhase.ACCEPTED and v.shard(1).phase is st.ShardPhase.LEASED
