@@ -17,7 +17,9 @@ def test_demo_runs_a_job_through_agent_processes_and_the_adapter_lowers_the_loss
     assert cid.startswith("bafy") and after < before - 1.0, done.stdout[-1000:]
     adapter = root / "adapter"
     assert f"{adapter}" in done.stdout
-    assert {p.name for p in adapter.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    # the adapter, and the averaged AdamW state the job carries (IPIP-0006 §2.3; peft ignores it)
+    assert {p.name for p in adapter.iterdir()} == {"adapter_config.json", "adapter_model.safetensors",
+                                                   "optimizer.safetensors"}
     for home in ("submitter", "worker0", "worker1"):  # every agent stopped cleanly (SIGTERM removes the socket)
         assert (root / home / "identity.key").exists() and not (root / home / "control.sock").exists()
         assert '"stopped"' in (root / home / "agent.log").read_text()

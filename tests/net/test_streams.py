@@ -98,8 +98,11 @@ async def test_cancelling_a_read_mid_transfer_does_not_kill_the_connection():
         for attempt in range(20):
             stream = await b.host.open_stream(a.peer_id, ["/test/flood/1"])
             with trio.move_on_after(0.002 * (attempt + 1)):
-                while True:
-                    await stream.read(1 << 20)
+                try:
+                    while True:
+                        await stream.read(1 << 20)
+                except StreamEOF:
+                    pass  # a fast machine read the whole flood before the cancel came: nothing cut short
             await stream.reset()
         stream = await b.host.open_stream(a.peer_id, ["/test/echo-raw/1"])
         await stream.write(b"still alive")
