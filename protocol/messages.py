@@ -287,7 +287,7 @@ class TrainingTerms(Wire):
     gradient_accumulation_steps: int = count_field(65_536)
     max_seq_len: int = count_field(1 << 20)
     max_steps: int = count_field()
-    # the inner learning rate across rounds (IPIP-0006 §2.5; agent/train/schedule.py)
+    # the inner learning rate across rounds (IPIP-0006 §2.5; protocol/schedule.py)
     schedule: str = extension_field("constant", "enum", choices=LR_SCHEDULES)
     warmup_rounds: int = extension_field(0, "count", maximum=1000)
     # where a round's AdamW starts: afresh, or from the accepted workers' averaged state that the

@@ -55,7 +55,7 @@ from agent.train.data import Example, read_chatml, split_dataset, write_chatml  
 from agent.train.loop import LoraSession  # noqa: E402
 from agent.train.model import adapter_state, load_adapter_state, load_tokenizer  # noqa: E402
 from agent.train.run import build_lora_model, load_shard, pad_token_id  # noqa: E402
-from agent.train.schedule import round_learning_rate  # noqa: E402
+from protocol.schedule import round_learning_rate  # noqa: E402
 from agent.train.tiny import demo_records, tiny_model  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -69,7 +69,7 @@ def job_config(terms: m.JobTerms) -> st.JobConfig:
 def train_config(terms: m.JobTerms, base_model_path: str, *, round: int = 1, **local: Any) -> TrainConfig:
     """What agent/train needs from the terms to train (or replay) round ``round``; ``base_model_path``
     is this peer's local copy. The round's learning rate follows the job's schedule."""
-    from agent.train.schedule import round_learning_rate
+    from protocol.schedule import round_learning_rate
 
     t, lora, proof = terms.training, terms.lora, terms.proof
     learning_rate = round_learning_rate(t.learning_rate, round, terms.rounds, schedule=t.schedule,

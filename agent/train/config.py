@@ -11,7 +11,7 @@ Rules of this file:
 - ``round`` is the job round the training belongs to: the shard's sample stream continues across
   rounds (round r's step s draws the samples of stream position (r-1)·steps + s), so a job's rounds
   walk on through the shard's epochs instead of repeating round 1's batches. ``learning_rate`` is
-  already the round's (agent/train/schedule.py).
+  already the round's (protocol/schedule.py).
 This module imports no torch.
 """
 

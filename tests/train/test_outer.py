@@ -1,5 +1,5 @@
 """Outer optimizers across rounds (agent/train/aggregate.outer_step, IPIP-0006 §2.4), checked
-against plain numpy written from the formulas, plus the round schedule (agent/train/schedule.py)."""
+against plain numpy written from the formulas, plus the round schedule (protocol/schedule.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from agent.train.aggregate import AggregationError, OuterOptimizer, exact, frozen_keys, outer_step
-from agent.train.schedule import round_learning_rate
+from protocol.schedule import round_learning_rate
 
 A, B = "m.lora_A.weight", "m.lora_B.weight"
 

@@ -1,11 +1,12 @@
-"""Learning-rate schedules across a job's rounds (IPIP-0006 §2.5, spec keys ``training.schedule``,
-``training.warmup_rounds``).
+"""Learning-rate schedules across a job's rounds: a protocol rule (IPIP-0006 §2.5; spec keys
+``training.schedule``, ``training.warmup_rounds``).
 
 Rules of this file:
 - A round's inner learning rate is a pure function of the job's terms and the round number, so
   every worker of a round trains with the same rate and a verifier replays with it: nothing about
   the rate is the worker's to choose or to report.
-- Within a round the rate is constant (the worker's AdamW starts afresh each round).
+- Within a round the rate is constant: a round is one lease's training, and its replayed segments
+  must not depend on where a step falls in the job.
 - ``constant``: the spec's rate in every round. ``cosine``: the spec's rate at round 1 (after
   warm-up), decaying by half a cosine to ``min_ratio`` times it at the last round. Warm-up rounds
   ramp linearly: round r <= W trains at r/(W+1) of the rate.
