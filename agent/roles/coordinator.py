@@ -352,8 +352,12 @@ class CoordinatorRole:
         if terms.outer is not None:
             start = await self._round_start(view, action.round, config, work)
         await trio.to_thread.run_sync(run_torch, partial(_aggregate_adapters, terms, inputs, out, action.round, start))
-        if terms.validation_cid:
-            validation = await self._score(view, config, out, work, with_base=action.round == 1)
+        if terms.validation_cid:  # informative, not essential: a failed score never holds the round back
+            try:
+                validation = await self._score(view, config, out, work, with_base=action.round == 1)
+            except Exception as exc:  # noqa: BLE001 - logged; the aggregate is published without a score
+                log.warning("job %s: round %d not scored on the validation split: %s", view.job_id.hex()[:8],
+                            action.round, exc)
         cid = await agent.content.add_file(pack_dir(out, work / "adapter.tar"), provide=False)
         agent.provide_soon(cid)  # in the background: a slow DHT peer must not delay the aggregate
         if not agent.is_coordinator(view):
