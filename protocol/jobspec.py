@@ -259,6 +259,12 @@ class OuterSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StopSpec:
+    validation_loss_below: float = _key(0.0, _Number(0))
+    patience_rounds: int = _key(0, _Integer(0, 1000))
+
+
+@dataclass(frozen=True, kw_only=True)
 class LoraSpec:
     rank: int = _key(8, _Integer(1, 4096))
     alpha: float = _key(16.0, _Number(0, open_low=True))
@@ -307,6 +313,7 @@ class JobSpec:
     rounds: int = _key(1, _Integer(1, 1000))
     aggregation: str = _key("exact", _Choice(*AGGREGATIONS))
     outer: OuterSpec = _section(OuterSpec)
+    stop_when: StopSpec = _section(StopSpec)
     min_accepted_fraction: float = _key(1.0, _Number(0, 1, open_low=True))
     max_retries: int = _key(2, _Integer(0, 100))
     proof: ProofSpec = _section(ProofSpec)
@@ -403,6 +410,9 @@ outer:                            # the outer optimizer: how each round's mean u
   momentum: 0.0                   # sgd / nesterov momentum in [0, 1)
   beta1: 0.9                      # adam
   beta2: 0.99                     # adam
+stop_when:                        # end the job before its last round (needs input.validation_split)
+  validation_loss_below: 0        # once a round's validation loss is below this; 0 = off
+  patience_rounds: 0              # once the best loss has not improved for this many rounds; 0 = off
 min_accepted_fraction: 1.0        # fraction of a round's shards accepted before it publishes, in (0, 1]
 max_retries: 2                    # extra attempts per shard after a failed, expired or rejected lease
 
@@ -550,6 +560,11 @@ def _check_across_fields(spec: JobSpec, where: _Where) -> None:
         raise where.bad_value(("outer", "optimizer"), (
             f"an outer optimizer needs aggregation {' or '.join(OUTER_METHODS)}, not {spec.aggregation!r} "
             f"(write optimizer: none, or change the aggregation)"))
+    stop = spec.stop_when
+    if (stop.validation_loss_below > 0 or stop.patience_rounds > 0) and spec.input.validation_split == 0:
+        key = "validation_loss_below" if stop.validation_loss_below > 0 else "patience_rounds"
+        raise where.bad_value(("stop_when", key), "stopping early needs a validation split: set "
+                              "input.validation_split (the coordinator scores each round on it)")
     if spec.training.warmup_rounds >= spec.rounds and spec.training.warmup_rounds:
         raise where.bad_value(("training", "warmup_rounds"),
                               f"must be less than rounds ({spec.rounds}): no round would train at the full rate")

@@ -296,6 +296,20 @@ class TrainingTerms(Wire):
 
 
 @record
+class StopTerms(Wire):
+    """When a job may end before its last round (IPIP-0006 §2.6): 0 turns a condition off."""
+
+    validation_loss_below: float = field()
+    patience_rounds: int = count_field(1000)
+
+    def check(self, path: str) -> None:
+        if self.validation_loss_below < 0:
+            raise CodecError("bad-field", f"{path}.validation_loss_below: expected >= 0")
+        if self.validation_loss_below == 0 and self.patience_rounds == 0:
+            raise CodecError("bad-field", f"{path}: no condition set; leave stop out")
+
+
+@record
 class OuterTerms(Wire):
     """The outer optimizer a round's aggregate is made with (IPIP-0006 §2.4)."""
 
@@ -358,8 +372,11 @@ class JobTerms(Wire):
     budget: float = field()
     created: int = count_field()
     outer: Optional[OuterTerms] = extension_field(None)
+    stop: Optional[StopTerms] = extension_field(None)
 
     def check(self, path: str) -> None:
+        if self.stop is not None and self.validation_cid is None:
+            raise CodecError("bad-field", f"{path}.stop: stopping early needs a validation split (validation_cid)")
         if self.outer is not None and self.aggregation not in OUTER_METHODS:
             raise CodecError("bad-field", f"{path}.outer: an outer optimizer needs aggregation "
                              f"{' or '.join(OUTER_METHODS)}, not {self.aggregation}")

@@ -1,5 +1,5 @@
-"""Learning-rate schedules across a job's rounds: a protocol rule (IPIP-0006 §2.5; spec keys
-``training.schedule``, ``training.warmup_rounds``).
+"""Rules across a job's rounds: the learning rate of each round (IPIP-0006 §2.5; spec keys
+``training.schedule``, ``training.warmup_rounds``) and when a job may stop early (§2.6, ``stop_when``).
 
 Rules of this file:
 - A round's inner learning rate is a pure function of the job's terms and the round number, so
@@ -10,6 +10,10 @@ Rules of this file:
 - ``constant``: the spec's rate in every round. ``cosine``: the spec's rate at round 1 (after
   warm-up), decaying by half a cosine to ``min_ratio`` times it at the last round. Warm-up rounds
   ramp linearly: round r <= W trains at r/(W+1) of the rate.
+- A job stops after round r < rounds when its stop rule holds on the validation losses the
+  coordinator signed into the aggregates of rounds 1..r (``should_stop``): the latest is below
+  ``validation_loss_below``, or the best of the last ``patience_rounds`` rounds is no better than
+  the best before them. Every follower checks the coordinator's ``final`` flag against it.
 This module imports no torch.
 """
 
@@ -37,3 +41,21 @@ def round_learning_rate(base: float, rnd: int, rounds: int, *, schedule: str = "
         return base
     progress = (rnd - warmup_rounds - 1) / (decay_rounds - 1)
     return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def should_stop(validation_loss_below: float, patience_rounds: int, losses: list[float | None]) -> bool:
+    """Whether a job with this stop rule ends after the round whose loss is ``losses[-1]``.
+
+    ``losses`` are the signed validation losses of rounds 1..r in order (None: not scored). A
+    condition set to 0 is off; a round that was not scored never stops the job.
+    """
+    if not losses or losses[-1] is None:
+        return False
+    if validation_loss_below > 0 and losses[-1] < validation_loss_below:
+        return True
+    if patience_rounds > 0 and len(losses) > patience_rounds:
+        before = [x for x in losses[:-patience_rounds] if x is not None]
+        recent = [x for x in losses[-patience_rounds:] if x is not None]
+        if before and recent and min(recent) >= min(before):
+            return True
+    return False

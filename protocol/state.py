@@ -32,6 +32,7 @@ state has a timer, so no shard can be held forever by a silent worker or a silen
 Jobs. ANNOUNCED -> TRAINING (first lease) -> VERIFYING (no shard OPEN or LEASED) -> AGGREGATING
 (every shard ACCEPTED or FAILED, and at least ``min_accepted_shards`` accepted) -> the aggregate is
 published -> TRAINING for the next round (every shard reopens with a fresh retry budget) or DONE
+(after the last round, or earlier when the aggregate is final and the job has a stop rule)
 after the last. The job FAILS as soon as the acceptance rule can no longer hold, when its deadline
 passes, or when a published aggregate does not appear within ``lease_seconds`` of the Aggregate
 action; the submitter may CANCEL it at any time. DONE, FAILED and CANCELLED are terminal.
@@ -91,6 +92,7 @@ class JobConfig:
     max_retries: int = 2
     min_accepted_fraction: float = 1.0
     deadline: float | None = None
+    stop_early: bool = False  # the job has a stop rule: a final aggregate may come before the last round
 
     def __post_init__(self) -> None:
         _check_int("shards", self.shards, 1, MAX_SHARDS)
@@ -218,6 +220,7 @@ class AggregatePublished:
 
     round: int
     cid: str
+    final: bool = False  # the job ends with it; before its last round only with a stop rule
 
 
 @dataclass(frozen=True)
@@ -539,8 +542,12 @@ def _publish(job: JobState, event: AggregatePublished) -> tuple[JobState, tuple[
     _check_str("cid", event.cid)
     if event.round != job.round:
         raise StateError(f"aggregate for round {event.round}, but the job is aggregating round {job.round}")
+    if not isinstance(event.final, bool):
+        raise StateError("aggregate: final must be a boolean")
+    if event.final and job.round < job.config.rounds and not job.config.stop_early:
+        raise StateError(f"a final aggregate in round {job.round} of {job.config.rounds}, but the job has no stop rule")
     published = job.published + (event.cid,)
-    if job.round == job.config.rounds:
+    if job.round == job.config.rounds or event.final:
         return replace(job, phase=JobPhase.DONE, published=published, expires_at=None), (Done(event.cid),)
     reopened = tuple(ShardState(index=s.index) for s in job.shards)
     next_round = job.round + 1

@@ -362,8 +362,8 @@ class CoordinatorRole:
         agent.provide_soon(cid)  # in the background: a slow DHT peer must not delay the aggregate
         if not agent.is_coordinator(view):
             return
-        final = action.round == terms.rounds
         loss, base_loss = validation or (None, None)
+        final = view.ends_with(action.round, loss)  # the last round, or the job's stop rule holds
         published = m.AggregatePublished(view.job_id, action.round, view.coordination.term, str(cid),
                                          terms.aggregation, tuple(action.accepted_shards),
                                          sum(n for _, n in inputs), final, loss, base_loss)
@@ -382,9 +382,11 @@ class CoordinatorRole:
         if base_loss is not None:
             entry["base_validation_loss"] = base_loss
         agent.ledger(view.job_id, "aggregate", entry)
-        log.info("job %s: round %d aggregate %s (%s%s over shards %s)%s", view.job_id.hex()[:8], action.round, cid,
+        log.info("job %s: round %d aggregate %s (%s%s over shards %s)%s%s", view.job_id.hex()[:8], action.round, cid,
                  terms.aggregation, f" + {terms.outer.optimizer}" if terms.outer else "",
-                 list(action.accepted_shards), f", validation loss {loss:.4f}" if loss is not None else "")
+                 list(action.accepted_shards), f", validation loss {loss:.4f}" if loss is not None else "",
+                 f"; the stop rule holds: the job ends after round {action.round} of {terms.rounds}"
+                 if final and action.round < terms.rounds else "")
 
     async def _score(self, view: JobView, config: Any, adapter_dir: Path, work: Path,
                      with_base: bool) -> tuple[float, float | None]:

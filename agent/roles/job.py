@@ -62,8 +62,18 @@ def job_config(terms: m.JobTerms) -> st.JobConfig:
     return st.JobConfig(
         shards=len(terms.shards), rounds=terms.rounds, lease_seconds=float(terms.lease_seconds),
         max_retries=terms.max_retries, min_accepted_fraction=terms.min_accepted_fraction,
-        deadline=float(terms.deadline) if terms.deadline else None,
+        deadline=float(terms.deadline) if terms.deadline else None, stop_early=terms.stop is not None,
     )
+
+
+def ends_with(terms: m.JobTerms, losses: list[float | None]) -> bool:
+    """Whether the job ends with the aggregate of round len(losses), given the signed validation
+    losses of rounds 1..r: the last round, or its stop rule holds (protocol/schedule.should_stop)."""
+    from protocol.schedule import should_stop
+
+    if len(losses) >= terms.rounds:
+        return True
+    return terms.stop is not None and should_stop(terms.stop.validation_loss_below, terms.stop.patience_rounds, losses)
 
 
 def train_config(terms: m.JobTerms, base_model_path: str, *, round: int = 1, **local: Any) -> TrainConfig:
@@ -109,6 +119,11 @@ class JobView:
         self.coordination = Coordination(self.job_id)
 
     # -- the state machine ---------------------------------------------------------------------
+
+    def ends_with(self, rnd: int, validation_loss: float | None) -> bool:
+        """Whether round ``rnd``'s aggregate, scored ``validation_loss``, must be the final one."""
+        losses = [self.aggregates[r].validation_loss if r in self.aggregates else None for r in range(1, rnd)]
+        return ends_with(self.terms, losses + [validation_loss])
 
     def step(self, event: Any, now: float, *, count: bool = True) -> tuple[Any, ...] | None:
         """Apply ``event``; return the actions, or None if the machine refused it."""
@@ -261,7 +276,12 @@ class JobView:
                 self.verdicts[(msg.round, msg.shard, msg.attempt)] = msg
             return actions
         if isinstance(msg, m.AggregatePublished):
-            actions = self.step(st.AggregatePublished(msg.round, msg.adapter_cid), now, count=count)
+            if msg.final != self.ends_with(msg.round, msg.validation_loss):
+                # the final flag must follow the job's rounds and stop rule (IPIP-0006 §2.6)
+                if count:
+                    self.refused["final-flag"] += 1
+                return None
+            actions = self.step(st.AggregatePublished(msg.round, msg.adapter_cid, msg.final), now, count=count)
             if actions is not None:
                 self.aggregates[msg.round] = msg
             return actions

@@ -81,6 +81,8 @@ class SubmitterRole:
             min_vram_gb=spec.resources.min_vram_gb,
             deadline=deadline if deadline is not None else now + int(spec.resources.max_runtime_hours * 3600),
             price_per_hour=spec.budget.price_per_hour, budget=spec.budget.total, created=now,
+            stop=m.StopTerms(spec.stop_when.validation_loss_below, spec.stop_when.patience_rounds)
+            if spec.stop_when.validation_loss_below > 0 or spec.stop_when.patience_rounds > 0 else None,
             outer=None if spec.outer.optimizer == "none" else m.OuterTerms(
                 spec.outer.optimizer, spec.outer.lr, spec.outer.momentum, spec.outer.beta1, spec.outer.beta2),
         )

@@ -75,3 +75,24 @@ def _losses(model_dir, bundle, tmp_path, terms):
     before = loss(base)
     tuned = PeftModel.from_pretrained(base, str(adapter_dir))
     return {"base": before, "adapter": loss(tuned)}
+
+
+async def test_a_job_stops_early_when_its_stop_rule_holds(tmp_path, tiny_model_dir):
+    """stop_when (IPIP-0006 §2.6): the round-1 score is below the threshold, so round 1's aggregate is
+    final and the 3-round job ends DONE after one round on every mirror; nobody trains round 2."""
+    dataset = write_dataset(tmp_path / "demo.jsonl")
+    spec = fast_spec(shards=2, rounds=3, extra="stop_when: {validation_loss_below: 100}\n")
+    async with network(tmp_path, tiny_model_dir, workers=2) as net:
+        submitter = net.submitter
+        terms = await submitter.submitter.prepare_terms(spec, dataset, str(tiny_model_dir))
+        assert terms.stop.validation_loss_below == 100.0
+        view = await submitter.submitter.announce(terms)
+        await submitter.wait_for(lambda: view.state.terminal, timeout=180)
+        assert view.state.phase is st.JobPhase.DONE, view.state.reason
+        assert set(view.aggregates) == {1} and view.aggregates[1].final
+        assert view.aggregates[1].validation_loss < 100.0
+        assert view.refused["final-flag"] == 0
+        for w in net.workers:
+            await w.wait_for(lambda w=w: view.job_id in w.jobs and w.jobs[view.job_id].state.terminal, timeout=20)
+            assert w.jobs[view.job_id].state.phase is st.JobPhase.DONE
+            assert not any(k[0] == 2 for k in w.jobs[view.job_id].leases)  # no round 2 was leased

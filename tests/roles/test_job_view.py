@@ -89,3 +89,34 @@ def test_a_judges_verdict_ahead_of_our_view_waits_for_the_term_and_never_crowns_
     v.apply(m.ShardLease(JOB, 1, 1, 1, W2.peer_id, 2, NOW + 120, None), W1.peer_id, NOW + 3, eligible)
     assert (v.coordination.term, v.coordination.coordinator) == (2, W1.peer_id)
     assert v.shard(0).phase is st.ShardPhase.ACCEPTED and v.shard(1).phase is st.ShardPhase.LEASED
+
+
+def test_an_aggregate_whose_final_flag_breaks_the_rounds_or_stop_rule_is_refused():
+    """IPIP-0006 §2.6: final exactly at the last round, or when the job's stop rule holds on the signed losses."""
+    import dataclasses
+
+    def accepted_all(v, job):
+        for shard in range(len(TERMS.shards)):
+            worker = W1 if shard % 2 else W2
+            v.apply(m.ShardLease(job, 1, shard, 1, worker.peer_id, 1, NOW + 120, None), COORD.peer_id, NOW, ELIGIBLE)
+            v.apply(m.ShardReport(job, 1, shard, 1, TERMS.shards[shard].cid, TERMS.shards[shard].cid, bytes(32),
+                                  1, 4, 32, 1.0, {}), worker.peer_id, NOW, ELIGIBLE)
+            v.apply(m.Verdict(job, 1, shard, 1, worker.peer_id, 1, True, "ok", (0,)), COORD.peer_id, NOW, ELIGIBLE)
+        assert v.state.phase is st.JobPhase.AGGREGATING
+
+    cid = TERMS.shards[0].cid
+    early = m.AggregatePublished(JOB, 1, 1, cid, "exact", tuple(range(len(TERMS.shards))), 8, True, 0.4)
+    on_time = dataclasses.replace(early, final=False)
+    assert TERMS.rounds > 1 and TERMS.stop is None
+    v = view()
+    accepted_all(v, JOB)
+    assert v.apply(early, COORD.peer_id, NOW + 1, ELIGIBLE) is None and v.refused["final-flag"] == 1
+    assert v.apply(on_time, COORD.peer_id, NOW + 2, ELIGIBLE) is not None and v.state.round == 2
+    # with a stop rule that holds (0.4 < 0.5), only the final flag is right, and the job ends in round 1
+    stopping = dataclasses.replace(TERMS, stop=m.StopTerms(0.5, 0), validation_cid=cid)
+    for message, applies in ((on_time, False), (early, True)):
+        w = JobView(stopping, NOW, me=SUBMITTER.peer_id)
+        accepted_all(w, stopping.job_id())
+        message = dataclasses.replace(message, job_id=stopping.job_id())
+        assert (w.apply(message, COORD.peer_id, NOW + 1, ELIGIBLE) is not None) is applies
+    assert w.state.phase is st.JobPhase.DONE and w.state.round == 1

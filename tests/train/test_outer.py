@@ -167,3 +167,15 @@ def test_a_round_that_carries_the_state_proves_where_it_started(tmp_path, base_c
     assert verdict.accepted and verdict.exact, verdict
     _, optimizer, _ = read_checkpoint(genesis)
     assert set(optimizer) == set(carried)
+
+
+def test_the_stop_rule():
+    from protocol.schedule import should_stop
+
+    assert not should_stop(0.0, 0, [3.0, 2.0, 1.0])
+    assert should_stop(0.5, 0, [3.0, 0.4]) and not should_stop(0.5, 0, [3.0, 0.6])
+    assert not should_stop(0.5, 0, [0.1, None])  # an unscored round never stops a job
+    # patience 2: the best of the last two rounds is no better than the best before them
+    assert should_stop(0.0, 2, [3.0, 1.0, 1.2, 1.0])
+    assert not should_stop(0.0, 2, [3.0, 1.0, 1.2, 0.9])
+    assert not should_stop(0.0, 2, [3.0, 1.0])  # not enough rounds yet
