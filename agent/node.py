@@ -479,7 +479,7 @@ class Agent:
         self.stored(self.store.update_job, view.job_id, self.clock(), state=view.state.phase.value,
                     round=view.state.round, coordinator_term=view.coordination.term)
         self.coordinator.on_actions(view, actions)
-        if self.worker is not None and actions:
+        if self.worker is not None:  # any change may free a shard for us (a verdict often returns no action)
             self.worker.wake()
         if self.observer is not None and actions:
             self.observer("state", view, actions)

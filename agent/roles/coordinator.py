@@ -5,7 +5,8 @@ Rules of this file:
   state-machine event (protocol/state.py) applied to our mirror first, then gossiped, signed, with
   our term; the actions the machine returns tell us what to do next.
 - Which worker gets a lease is ours to decide: the shard it asked for if OPEN, else the lowest OPEN
-  one; never a second lease of this job to one worker; never a lease to a worker whose work in
+  one; never a second live lease of this job to one worker (a shard it reported and that awaits
+  its verdict does not count: it trains the next one meanwhile); never a lease to a worker whose work in
   this job was rejected; only to a live peer whose signed capability says it trains (a claim
   from anyone else is ignored, so a peer cannot hoard leases it never meant to train); never a
   lease to ourselves — a coordinator does not judge its own work (a report of ours from a lease
@@ -80,7 +81,7 @@ class CoordinatorRole:
             return
         if view.state.phase not in (st.JobPhase.ANNOUNCED, st.JobPhase.TRAINING):
             return
-        if worker == agent.peer_id or worker in self._banned.get(view.job_id, set()) or view.held_by(worker):
+        if worker == agent.peer_id or worker in self._banned.get(view.job_id, set()) or view.training_by(worker):
             return
         info = agent.peers.get(worker)  # only a live peer that said, signed, that it trains
         if info is None or info.capability is None or not info.capability.accepts_training or \

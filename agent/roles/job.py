@@ -142,6 +142,10 @@ class JobView:
     def open_shards(self) -> list[int]:
         return [s.index for s in self.state.shards if s.phase is st.ShardPhase.OPEN]
 
+    def training_by(self, worker: str) -> list[st.ShardState]:
+        """Shards ``worker`` holds a live lease on (not those it reported and awaits a verdict for)."""
+        return [s for s in self.state.shards if s.worker == worker and s.phase is st.ShardPhase.LEASED]
+
     def held_by(self, worker: str) -> list[st.ShardState]:
         busy = (st.ShardPhase.LEASED, st.ShardPhase.REPORTED)
         return [s for s in self.state.shards if s.worker == worker and s.phase in busy]

@@ -107,14 +107,14 @@ class WorkerRole:
                     continue
                 if view.coordination.coordinator in (None, agent.peer_id):
                     continue  # no coordinator yet, or it is us (we don't train what we judge)
-                if view.held_by(agent.peer_id):  # until its verdict: then claim at once
+                if view.training_by(agent.peer_id):  # a live lease of this job: one at a time
                     if view.job_id in self._last_claim:
                         self._last_claim[view.job_id] = (*self._last_claim[view.job_id][:2], True)
                     continue
                 if any(k[0] == view.job_id for k in self.active):
                     continue
                 open_shards = view.open_shards()
-                # a claim made while we still held a shard (reported, awaiting its verdict) was
+                # a claim made while we still had a live lease of this job (its report not yet in) was
                 # ignored by the coordinator: it does not hold back the next one
                 last_time, last_round, was_holding = self._last_claim.get(view.job_id, (0.0, 0, False))
                 if not open_shards or (last_round == view.state.round and not was_holding and
