@@ -36,6 +36,16 @@ DEFAULT_MAX_BYTES = 4 << 30
 _PLAIN_FILE_TYPES = (tarfile.REGTYPE, tarfile.AREGTYPE)  # not CONTTYPE, GNUTYPE_SPARSE: tarfile's isreg() takes those
 
 
+def bundle_size_bound(max_bytes: int, allowed: frozenset[str]) -> int:
+    """The largest tar that ``unpack(..., allowed=allowed, max_bytes=max_bytes)`` can accept.
+
+    Each entry adds a 512-byte header and under 512 bytes of padding; the end-of-archive marker
+    and the padding to a 10240-byte record add at most 1024 + 10240. A fetch of a bundle is bounded
+    by this (IPIP-0003 "Size bounds"), so no peer can make us download more than we would unpack.
+    """
+    return max_bytes + len(allowed) * 2 * tarfile.BLOCKSIZE + 2 * tarfile.BLOCKSIZE + tarfile.RECORDSIZE
+
+
 class BundleError(Exception):
     """A bundle could not be packed or is not a safe, well-formed bundle."""
 

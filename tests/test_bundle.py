@@ -142,3 +142,15 @@ def test_an_out_path_that_is_a_link_or_a_file_is_refused(tmp_path):
     with pytest.raises(BundleError, match="not a directory"):
         unpack(good, tmp_path / "file")
     assert (tmp_path / "file").read_text() == "keep"
+
+
+def test_bundle_size_bound_covers_the_largest_bundle_unpack_accepts(tmp_path):
+    from agent.bundle import bundle_size_bound
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "adapter_config.json").write_bytes(b"c" * 1)  # sizes that leave the most padding
+    (src / "adapter_model.safetensors").write_bytes(b"m" * (20000 - 1))
+    size = pack_dir(src, tmp_path / "b.tar").stat().st_size
+    assert unpack(tmp_path / "b.tar", tmp_path / "out", allowed=ADAPTER_FILES, max_bytes=20000).is_dir()
+    assert size <= bundle_size_bound(20000, ADAPTER_FILES)
