@@ -6,10 +6,15 @@ uncompressed POSIX tar first. Rules of this file:
 - Packing is deterministic: entries sorted by name, regular files only, no subdirectories,
   mtime 0, uid/gid 0, mode 0644, no user/group names. The same directory always gives the same
   bytes, so the same CID.
-- Unpacking reads UNTRUSTED bytes: only plain file names (no '/', no '..', no links, no devices,
-  no duplicates), only the names the caller allows, at most ``max_bytes`` in total. It extracts
-  into a temporary sibling and renames it into place, so a failed unpack leaves nothing behind.
-  Anything wrong raises BundleError naming the bundle and the entry.
+- Unpacking reads UNTRUSTED bytes: only plain regular-file entries (type '0', no links, devices,
+  directories, contiguous or sparse files) with plain names (no '/', no '..', no leading '.'),
+  no duplicates, only the names the caller allows, at most ``max_bytes`` in total, at least one
+  entry, and every entry's bytes all present (a truncated tar is refused, not cut short). It
+  extracts into a temporary sibling and renames it into place, so a failed unpack leaves nothing
+  behind. ``out_dir`` is REPLACED: an existing directory there (an earlier unpack of the same
+  object, say) is removed only once the new contents are complete; a file or a symlink there is
+  refused, never followed or removed. Anything wrong raises BundleError naming the bundle (and
+  the entry).
 - Tensors inside are safetensors; nothing is unpickled.
 """
 
@@ -28,6 +33,17 @@ REPORT_FILES = ADAPTER_FILES | {"optimizer.safetensors"}
 # optimizer's state when the job has one (IPIP-0006 §2.3, §2.4)
 AGGREGATE_FILES = REPORT_FILES | {"outer_state.safetensors"}
 DEFAULT_MAX_BYTES = 4 << 30
+_PLAIN_FILE_TYPES = (tarfile.REGTYPE, tarfile.AREGTYPE)  # not CONTTYPE, GNUTYPE_SPARSE: tarfile's isreg() takes those
+
+
+def bundle_size_bound(max_bytes: int, allowed: frozenset[str]) -> int:
+    """The largest tar that ``unpack(..., allowed=allowed, max_bytes=max_bytes)`` can accept.
+
+    Each entry adds a 512-byte header and under 512 bytes of padding; the end-of-archive marker
+    and the padding to a 10240-byte record add at most 1024 + 10240. A fetch of a bundle is bounded
+    by this (IPIP-0003 "Size bounds"), so no peer can make us download more than we would unpack.
+    """
+    return max_bytes + len(allowed) * 2 * tarfile.BLOCKSIZE + 2 * tarfile.BLOCKSIZE + tarfile.RECORDSIZE
 
 
 class BundleError(Exception):
@@ -57,8 +73,10 @@ def pack_dir(directory: str | os.PathLike[str], out: str | os.PathLike[str]) -> 
 
 def unpack(bundle: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
            allowed: frozenset[str] | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
-    """Safely extract ``bundle`` into ``out_dir`` (created; must not exist yet)."""
+    """Safely extract ``bundle`` into ``out_dir``, replacing a directory already there once the new one is complete."""
     bundle, out_dir = Path(bundle), Path(out_dir)
+    if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
+        raise BundleError(f"{bundle.name}: {out_dir} exists and is not a directory; not replaced")
     staging = out_dir.with_name(f".{out_dir.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -74,9 +92,10 @@ def unpack(bundle: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
                 members = tar.getmembers()
             except (tarfile.TarError, OSError) as exc:
                 raise BundleError(f"{bundle.name}: malformed tar ({exc})") from None
+            _check_end_of_archive(tar, bundle)
             for member in members:
                 name = member.name
-                if not member.isreg():
+                if member.type not in _PLAIN_FILE_TYPES:
                     raise BundleError(f"{bundle.name}: entry {name[:80]!r} is not a regular file")
                 if "/" in name or "\\" in name or name in ("", ".", "..") or name.startswith("."):
                     raise BundleError(f"{bundle.name}: entry {name[:80]!r} is not a plain file name")
@@ -89,9 +108,9 @@ def unpack(bundle: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
                 total += member.size
                 if total > max_bytes:
                     raise BundleError(f"{bundle.name}: larger than {max_bytes} bytes")
-                src = tar.extractfile(member)
-                with open(staging / name, "wb") as dst:
-                    shutil.copyfileobj(src, dst, 1 << 20)
+                _copy_exactly(tar, member, staging / name, bundle.name)
+            if not seen:
+                raise BundleError(f"{bundle.name}: holds no files")
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.rename(staging, out_dir)
@@ -100,3 +119,39 @@ def unpack(bundle: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
+
+
+def _copy_exactly(tar: tarfile.TarFile, member: tarfile.TarInfo, dst: Path, bundle_name: str) -> None:
+    """Copy the entry's ``member.size`` bytes; a bundle that ends before them is truncated."""
+    left = member.size
+    try:
+        src = tar.extractfile(member)
+        with open(dst, "wb") as out:
+            while left:
+                chunk = src.read(min(left, 1 << 20))
+                if not chunk:
+                    break
+                out.write(chunk)
+                left -= len(chunk)
+    except (tarfile.TarError, OSError) as exc:  # OSError also when our disk is full: named as such
+        raise BundleError(f"{bundle_name}: entry {member.name!r} could not be extracted ({exc})") from None
+    if left:
+        raise BundleError(f"{bundle_name}: truncated in entry {member.name!r} "
+                          f"({member.size - left} of {member.size} bytes)")
+
+
+def _check_end_of_archive(tar: tarfile.TarFile, bundle: Path) -> None:
+    """After the last entry comes the end-of-archive marker (two zero blocks), then only zeros.
+
+    tarfile stops silently at a header cut short after the first entry, so without this check a
+    bundle truncated between entries would unpack with entries missing.
+    """
+    with open(bundle, "rb") as fh:
+        fh.seek(tar.offset)
+        zeros = 0
+        while chunk := fh.read(1 << 20):
+            if chunk.count(0) != len(chunk):
+                raise BundleError(f"{bundle.name}: truncated, or bytes after its last entry (offset {tar.offset})")
+            zeros += len(chunk)
+    if zeros < 2 * tarfile.BLOCKSIZE:
+        raise BundleError(f"{bundle.name}: truncated (no end-of-archive marker after offset {tar.offset})")

@@ -255,7 +255,7 @@ async def _job_cancel(agent: "Agent", job: str, reason: str = "cancelled by the 
 
 
 async def _job_fetch(agent: "Agent", job: str, out: str, round: int | None = None) -> dict:
-    from agent.bundle import AGGREGATE_FILES, unpack
+    from agent.bundle import AGGREGATE_FILES, bundle_size_bound, unpack
 
     view = _find_job(agent, job)
     if not view.aggregates:
@@ -272,7 +272,8 @@ async def _job_fetch(agent: "Agent", job: str, out: str, round: int | None = Non
     bundle = agent.work_dir / view.job_id.hex()[:16] / f"fetched-r{rnd}.tar"
     bundle.parent.mkdir(parents=True, exist_ok=True)
     providers = [p for p in (view.coordination.coordinator, view.terms.submitter) if p and p != agent.peer_id]
-    await agent.content.fetch(published.adapter_cid, bundle, timeout=agent.config.fetch_timeout, providers=providers)
+    await agent.content.fetch(published.adapter_cid, bundle, timeout=agent.config.fetch_timeout, providers=providers,
+                              max_size=bundle_size_bound(4 << 30, AGGREGATE_FILES))
     if target.exists():
         target.rmdir()
     unpack(bundle, target, allowed=AGGREGATE_FILES, max_bytes=4 << 30)

@@ -49,8 +49,14 @@ class JsonLines(logging.Formatter):
 
 
 def setup_logging(stream: TextIO, verbose: bool = False) -> None:
+    from agent.net.lognoise import DemoteLibp2pNoise
+
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonLines())
+    # the handler has the level, so py-libp2p's per-peer failures, demoted to DEBUG by the filter
+    # after their logger's level check, stay out of the default log (agent/net/lognoise.py)
+    handler.setLevel(logging.DEBUG if verbose else logging.INFO)
+    handler.addFilter(DemoteLibp2pNoise(handler))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
@@ -65,6 +71,8 @@ def setup_logging(stream: TextIO, verbose: bool = False) -> None:
             child.setLevel(logging.NOTSET)
             child.propagate = True
     logging.getLogger("multiaddr").setLevel(logging.WARNING)
+    # bitsandbytes warns on import that its optional CPU kernels are missing; nothing to act on
+    logging.getLogger("bitsandbytes").setLevel(logging.DEBUG if verbose else logging.ERROR)
 
 
 def run_daemon(identity: "Identity", config: "AgentConfig", *, metrics_port: int | None = None) -> int:

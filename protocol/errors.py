@@ -29,6 +29,13 @@ class CIDError(ProtocolError):
     """A content identifier is malformed, or content does not match its CID."""
 
 
+class FileSizeError(CIDError):
+    """A file's verified root states a size its fetch does not allow (IPIP-0003 §size bounds).
+
+    A fact about the CID, not about the peer that sent it: no other provider can do better.
+    """
+
+
 class SpecError(ProtocolError):
     """A job spec is invalid. ``path`` is the dotted field path, ``location`` the file:line if known."""
 

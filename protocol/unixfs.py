@@ -31,7 +31,10 @@ Checking (what we accept from peers; every block is hash-checked before it is us
   CIDError and nothing but CIDError.
 - A file is walked in DFS pre-order, root first (``StreamVerifier``). Each child's file bytes
   must equal the blocksize its parent gave it, so the bytes read always add up to the root's
-  filesize; depth is at most ``MAX_DEPTH``.
+  filesize; depth is at most ``MAX_DEPTH``. The root's filesize is checked against the fetch's
+  bound (``max_file_size``, or ``exact_size``) when the root arrives, before any other block is
+  asked for; a violation raises FileSizeError (a CIDError), and the bytes delivered are counted
+  against the root's filesize as they arrive.
 
 py-libp2p's MerkleDag is NOT Kubo's layout for files over one chunk (it writes leaf links' Tsize
 as 0 and promotes a lone trailing subtree instead of wrapping it), so its CIDs differ from
@@ -45,7 +48,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, Callable, Iterator, NamedTuple
 
 from protocol.cid import CID, DAG_PB, RAW, varint_encode
-from protocol.errors import CIDError
+from protocol.errors import CIDError, FileSizeError
 
 CHUNK_SIZE = 262144
 MAX_LINKS = 174
@@ -441,9 +444,12 @@ class StreamVerifier:
     same CID can be asked for again from another peer.
     """
 
-    def __init__(self, root: CID, *, max_file_size: int | None = None) -> None:
+    def __init__(self, root: CID, *, max_file_size: int | None = None, exact_size: int | None = None) -> None:
         self.root = root
         self.max_file_size = max_file_size
+        self.exact_size = exact_size
+        self.file_size: int | None = None  # what the verified root states
+        self.received = 0  # file bytes delivered so far
         # Stack of (cid, file bytes its parent says it holds or None for the root, depth); top last.
         self._pending: list[tuple[CID, int | None, int]] = [(root, None, 0)]
 
@@ -473,12 +479,19 @@ class StreamVerifier:
             raise CIDError(f"block {cid}: codec 0x{cid.codec:x} is not a UnixFS file codec")
         if claimed_size is not None and size != claimed_size:
             raise CIDError(f"block {cid} holds {size} file bytes but its parent says {claimed_size}")
-        if depth == 0 and self.max_file_size is not None and size > self.max_file_size:
-            raise CIDError(f"file {cid} is {size} bytes, over the limit of {self.max_file_size}")
+        if depth == 0:  # the root states the file's size: judged before any leaf is asked for
+            if self.exact_size is not None and size != self.exact_size:
+                raise FileSizeError(f"file {cid} is {size} bytes, not the {self.exact_size} it must be")
+            if self.max_file_size is not None and size > self.max_file_size:
+                raise FileSizeError(f"file {cid} is {size} bytes, over the limit of {self.max_file_size}")
+            self.file_size = size
+        if self.received + len(payload) > self.file_size:  # cannot happen if the sizes above hold; cheap
+            raise CIDError(f"file {self.root}: more than the {self.file_size} bytes its root states")
         if children and depth + 1 > MAX_DEPTH:
             raise CIDError(f"block {cid}: DAG deeper than {MAX_DEPTH} levels")
         self._pending.pop()
         self._pending.extend(reversed(children))
+        self.received += len(payload)
         return payload
 
 

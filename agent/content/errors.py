@@ -12,10 +12,13 @@ class ContentError(NetError):
 class FetchError(ContentError):
     """A fetch could not complete. ``cid`` is the root asked for; ``missing`` the subtree roots
     still needed when it stopped (the first one is where it stopped); ``attempts`` one line per
-    provider tried."""
+    provider tried; ``refused`` when the file itself is refused (its size is over the fetch's bound),
+    so trying again cannot help."""
 
-    def __init__(self, cid: str, reason: str, *, missing: list[str] = (), attempts: list[str] = ()) -> None:
+    def __init__(self, cid: str, reason: str, *, missing: list[str] = (), attempts: list[str] = (),
+                 refused: bool = False) -> None:
         self.cid = cid
+        self.refused = refused
         self.missing = list(missing)
         self.attempts = list(attempts)
         where = f"; missing {len(self.missing)} subtree(s) from block {self.missing[0]}" if self.missing else ""

@@ -21,7 +21,7 @@ import trio
 
 from agent.content.errors import ContentError
 from protocol.cid import CID, parse_cid
-from protocol.errors import CIDError
+from protocol.errors import CIDError, FileSizeError
 from protocol.unixfs import StreamVerifier
 
 
@@ -77,6 +77,8 @@ class IpfsDaemon:
             data = await self.get_block(cid)
             try:
                 payload = verifier.feed(data)
+            except FileSizeError:
+                raise  # about the CID, not the daemon
             except CIDError as exc:
                 raise ContentError(f"ipfs daemon at {self.api_addr}: {exc}") from None
             on_block(cid, data, payload)

@@ -11,6 +11,12 @@ Rules of this file:
   Bitswap, then the IPFS daemon if one is configured. Every block passes one ``StreamVerifier`` whatever
   its source; a provider that dies, stalls, or sends a bad block is left, and the next continues from
   the same position.
+- Every fetch is bounded (IPIP-0003 "Size bounds"): ``max_size`` (the most the caller's protocol
+  allows for that object) or ``exact_size`` (a shard: ``ShardRef.size``), and the service's
+  ``max_file_size``. The verified root block states the file's size; a root over the bound ends
+  the fetch at once with FetchError naming the CID and the bound, before any other block is
+  asked for (no provider can do better: the size is the CID's), and the bytes arriving are
+  counted against the stated size.
 - Every wait has a deadline: the whole fetch (``timeout``), each provider lookup, each stream read.
   A fetch that cannot complete raises FetchError naming the root, the first missing block and why
   each provider failed.
@@ -39,7 +45,7 @@ from agent.net.discovery import Discovery
 from agent.net.errors import NetConfigError, NetError
 from agent.net.host import Host, parse_peer_multiaddr
 from protocol.cid import CID, parse_cid
-from protocol.errors import CIDError, KeyFileError
+from protocol.errors import CIDError, FileSizeError, KeyFileError
 from protocol.identity import public_key_from_peer_id
 from protocol.unixfs import Block, StreamVerifier, import_file
 
@@ -60,6 +66,7 @@ class FetchReport:
     fetched_blocks: int = 0
     providers_used: list[str] = field(default_factory=list)
     attempts: list[str] = field(default_factory=list)
+    refused: str = ""  # why the file itself is refused (its root states a size over the bound)
 
 
 class ContentService:
@@ -118,10 +125,12 @@ class ContentService:
     # -- fetching ---------------------------------------------------------------------------------
 
     async def fetch(self, cid: CID | str, out_path: str | os.PathLike[str], *, timeout: float = 600.0,
-                    providers: Sequence[str] = (), via: str = VIA_BLOCKS, use_dht: bool = True) -> FetchReport:
+                    providers: Sequence[str] = (), via: str = VIA_BLOCKS, use_dht: bool = True,
+                    max_size: int | None = None, exact_size: int | None = None) -> FetchReport:
         """Fetch the file ``cid`` into ``out_path`` (see the rules above).
 
         ``providers`` are peer IDs or /p2p/ multiaddrs to try before the DHT's providers.
+        ``max_size``/``exact_size`` bound the file (FetchError at the root if it states more/other).
         """
         root = parse_cid(cid) if isinstance(cid, str) else cid
         if via not in (VIA_BLOCKS, VIA_BITSWAP):
@@ -130,7 +139,8 @@ class ContentService:
         out_path = Path(out_path)
         out_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = out_path.with_name(f".{out_path.name}.part{os.getpid()}")
-        verifier = StreamVerifier(root, max_file_size=self.max_file_size)
+        bounds = [b for b in (max_size, self.max_file_size) if b is not None]
+        verifier = StreamVerifier(root, max_file_size=min(bounds) if bounds else None, exact_size=exact_size)
         report = FetchReport(root, out_path, 0)
         try:
             with open(tmp, "wb") as out:
@@ -145,6 +155,8 @@ class ContentService:
                     await trio.to_thread.run_sync(self._resume_from_store, verifier, out, report)
                     if not verifier.done:
                         await self._fetch_remote(verifier, on_block, report, sources, via, use_dht)
+                if oversize := report.refused:
+                    raise FetchError(str(root), oversize, attempts=report.attempts, refused=True)
                 if not verifier.done:
                     reason = (f"not complete within {timeout:.0f} s" if deadline.cancelled_caught
                               else "no source could supply the rest")
@@ -164,6 +176,9 @@ class ContentService:
                 return
             try:
                 payload = verifier.feed(data)
+            except FileSizeError as exc:
+                report.refused = str(exc)
+                return
             except CIDError as exc:  # hash-valid block, invalid DAG: the root names a bad file
                 raise FetchError(str(verifier.root), str(exc)) from None
             out.write(payload)
@@ -174,18 +189,20 @@ class ContentService:
                             providers: list[tuple[str, PeerInfo | None]], via: str, use_dht: bool) -> None:
         tried = {self.host.peer_id}
         for peer, info in providers:
-            if verifier.done:
+            if verifier.done or report.refused:
                 return
             await self._try_provider(peer, info, verifier, on_block, report, via, tried)
-        if use_dht and not verifier.done:
+        if use_dht and not verifier.done and not report.refused:
             for info in await self.discovery.find_providers(verifier.root, timeout=self.idle_timeout):
-                if verifier.done:
+                if verifier.done or report.refused:
                     return
                 await self._try_provider(info.peer_id.to_base58(), info, verifier, on_block, report, via, tried)
-        if not verifier.done and self.ipfs is not None:
+        if not verifier.done and not report.refused and self.ipfs is not None:
             try:
                 await self.ipfs.fetch_blocks(verifier, on_block)
                 report.providers_used.append("ipfs-daemon")
+            except FileSizeError as exc:
+                report.refused = str(exc)
             except ContentError as exc:
                 report.attempts.append(f"ipfs daemon: {exc}")
 
@@ -204,6 +221,9 @@ class ContentService:
                 await fetch_from_peer(self.host, peer, verifier, on_block, idle_timeout=self.idle_timeout)
             if not verifier.done:
                 report.attempts.append(f"{peer}: lacks block {verifier.expected()}")
+        except FileSizeError as exc:  # the transfer stops here (the stream is reset)
+            report.refused = str(exc)
+            log.info("fetch %s from %s: refused: %s", verifier.root, peer, exc)
         except (NetError, CIDError) as exc:
             report.attempts.append(f"{peer}: {exc}")
             log.info("fetch %s: %s", verifier.root, report.attempts[-1])

@@ -36,8 +36,8 @@ from agent.net.host import Host
 from protocol.cid import CID, RAW
 
 log = logging.getLogger(__name__)
-# py-libp2p 0.8.1 logs a WARNING for every DHT stream its peer closes after a request (a normal EOF)
-logging.getLogger("libp2p.kad_dht.kad_dht").setLevel(logging.ERROR)
+# py-libp2p's WARNING for every DHT stream its peer closes after a request (a normal EOF) is
+# demoted to DEBUG by the log handler's filter: agent/net/lognoise.py
 
 WORKERS_NAMESPACE = b"infernet/v1/workers"
 WORKERS_KEY = CID.for_block(WORKERS_NAMESPACE, RAW)

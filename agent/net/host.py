@@ -24,7 +24,6 @@ Rules of this file:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -208,16 +207,6 @@ def _shield_yamux_frame_writes() -> None:
 
 
 _shield_yamux_frame_writes()
-
-
-class _StreamFailuresAtDebug(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno > logging.DEBUG and record.getMessage().startswith("Failed to open stream to peer"):
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        return True
-
-
-logging.getLogger("libp2p.host.basic_host").addFilter(_StreamFailuresAtDebug())
 
 
 def _build_libp2p_host(identity: Identity, listen: list[multiaddr.Multiaddr],

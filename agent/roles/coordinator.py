@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from agent.bundle import AGGREGATE_FILES, CHECKPOINT_FILES, REPORT_FILES, pack_dir, unpack
+from agent.bundle import AGGREGATE_FILES, CHECKPOINT_FILES, REPORT_FILES, bundle_size_bound, pack_dir, unpack
 from agent.roles.job import JobView, run_torch, train_config
 from protocol import messages as m
 from protocol import state as st
@@ -217,7 +217,9 @@ class CoordinatorRole:
         agent, terms = self.agent, view.terms
         timeout = agent.config.fetch_timeout
         providers = [worker]
-        await agent.content.fetch(report.proof_cid, work / "proof.tar", timeout=timeout, providers=providers)
+        # every worker-chosen CID is bounded by what we would unpack of it (IPIP-0003 "Size bounds")
+        await agent.content.fetch(report.proof_cid, work / "proof.tar", timeout=timeout, providers=providers,
+                                  max_size=bundle_size_bound(16 << 20, PROOF_FILES))
         proof_dir = unpack(work / "proof.tar", work / "proof", allowed=PROOF_FILES, max_bytes=16 << 20)
         try:
             commitment = Commitment.from_json(json.loads((proof_dir / "proof.json").read_text()))
@@ -244,7 +246,8 @@ class CoordinatorRole:
         except (ValueError, AttributeError) as exc:
             raise Rejection(f"checkpoints.json: {exc}") from None
 
-        await agent.content.fetch(report.adapter_cid, work / "adapter.tar", timeout=timeout, providers=providers)
+        await agent.content.fetch(report.adapter_cid, work / "adapter.tar", timeout=timeout, providers=providers,
+                                  max_size=bundle_size_bound(1 << 30, REPORT_FILES))
         adapter_dir = unpack(work / "adapter.tar", work / "adapter", allowed=REPORT_FILES, max_bytes=1 << 30)
         adapter = await trio.to_thread.run_sync(run_torch, _check_adapter, adapter_dir, terms)
         if tensors_hash(adapter) != commitment.links[-1].adapter_hash:
@@ -256,7 +259,7 @@ class CoordinatorRole:
 
         shard_path = work / "shard.jsonl"
         await agent.content.fetch(terms.shards[report.shard].cid, shard_path, timeout=timeout,
-                                  providers=[terms.submitter, worker])
+                                  providers=[terms.submitter, worker], exact_size=terms.shards[report.shard].size)
         model_path = agent.local_model(terms)
         if model_path is None or await trio.to_thread.run_sync(base_model_sha256, model_path) != terms.base_model_sha256.hex():
             raise RuntimeError(f"this coordinator does not hold base model {terms.base_model!r}")
@@ -299,7 +302,7 @@ class CoordinatorRole:
                 bundle = work / f"initial-r{rnd}.tar"
                 providers = [p for p in (view.terms.submitter,) if p != self.agent.peer_id]
                 await self.agent.content.fetch(previous.adapter_cid, bundle, timeout=self.agent.config.fetch_timeout,
-                                               providers=providers)
+                                               providers=providers, max_size=bundle_size_bound(1 << 30, AGGREGATE_FILES))
                 directory = unpack(bundle, work / f"initial-r{rnd}", allowed=AGGREGATE_FILES, max_bytes=1 << 30)
             if len(self._initial) > 64:
                 self._initial.clear()
@@ -321,7 +324,7 @@ class CoordinatorRole:
         if not target.exists():
             bundle = work / f"ckpt-{step}.tar"
             await self.agent.content.fetch(checkpoints[step], bundle, timeout=self.agent.config.fetch_timeout,
-                                           providers=providers)
+                                           providers=providers, max_size=bundle_size_bound(1 << 30, CHECKPOINT_FILES))
             unpack(bundle, target, allowed=CHECKPOINT_FILES, max_bytes=1 << 30)
         return target
 
@@ -340,8 +343,10 @@ class CoordinatorRole:
                 report, worker = view.reports[(action.round, shard, attempt)]
                 bundle = work / f"adapter-{shard}.tar"
                 await agent.content.fetch(report.adapter_cid, bundle, timeout=agent.config.fetch_timeout,
-                                          providers=[terms.submitter, worker])
-                entry = (unpack(bundle, work / f"adapter-{shard}", allowed=REPORT_FILES), report.samples)
+                                          providers=[terms.submitter, worker],
+                                          max_size=bundle_size_bound(1 << 30, REPORT_FILES))
+                entry = (unpack(bundle, work / f"adapter-{shard}", allowed=REPORT_FILES, max_bytes=1 << 30),
+                         report.samples)
             inputs.append(entry)
         out = work / "adapter"
         config, start, validation = None, None, None

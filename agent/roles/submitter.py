@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from agent.bundle import REPORT_FILES, bundle_size_bound
 from protocol import messages as m
 from protocol.cid import parse_cid
 
@@ -131,7 +132,8 @@ class SubmitterRole:
         out = agent.work_dir / view.job_id.hex()[:16] / "accepted" / f"{cid}.tar"
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
-            await agent.content.fetch(cid, out, timeout=agent.config.fetch_timeout, providers=[worker])
+            await agent.content.fetch(cid, out, timeout=agent.config.fetch_timeout, providers=[worker],
+                                      max_size=bundle_size_bound(1 << 30, REPORT_FILES))
             await agent.net.discovery.provide(parse_cid(cid))
         except Exception as exc:  # noqa: BLE001 - best effort; the worker still holds it
             log.warning("job %s: could not keep accepted adapter %s: %s", view.job_id.hex()[:8], cid, exc)

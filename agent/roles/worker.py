@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from agent.bundle import AGGREGATE_FILES, pack_dir, unpack
+from agent.bundle import AGGREGATE_FILES, DEFAULT_MAX_BYTES, bundle_size_bound, pack_dir, unpack
 from agent.roles.job import JobView, run_torch, train_config
 from protocol import messages as m
 from protocol import state as st
@@ -194,16 +194,19 @@ class WorkerRole:
             self.wake()
 
     async def _fetch(self, view: JobView, lease: m.ShardLease, cid: str, out: Path, providers: list[str],
-                     tries: int = 3) -> None:
+                     tries: int = 3, **bound: int) -> None:
         """Fetch ``cid``, trying again (resuming from the blocks we got) while our lease holds:
         one slow or unreachable provider must not cost the job an attempt."""
         from agent.content.errors import FetchError
 
         for attempt in range(1, tries + 1):
             try:
-                await self.agent.content.fetch(cid, out, timeout=self.agent.config.fetch_timeout, providers=providers)
+                await self.agent.content.fetch(cid, out, timeout=self.agent.config.fetch_timeout, providers=providers,
+                                               **bound)
                 return
             except FetchError as exc:
+                if exc.refused:  # the file's size is wrong: no retry can help
+                    raise
                 shard = view.shard(lease.shard)
                 still_ours = (view.state.round, shard.attempt, shard.worker) == (lease.round, lease.attempt,
                                                                                   self.agent.peer_id)
@@ -223,7 +226,7 @@ class WorkerRole:
         run_dir.mkdir(parents=True)
         shard_path = run_dir / "shard.jsonl"
         log.info("job %s shard %d attempt %d: fetching %s", view.job_id.hex()[:8], lease.shard, lease.attempt, ref.cid)
-        await self._fetch(view, lease, ref.cid, shard_path, [terms.submitter])
+        await self._fetch(view, lease, ref.cid, shard_path, [terms.submitter], exact_size=ref.size)
         if agent.config.misbehave == "crash":
             raise RuntimeError("training crashed (harness: this worker's training always fails)")
         model_path = self.agent.local_model(terms)
@@ -240,7 +243,8 @@ class WorkerRole:
         if lease.initial_adapter_cid and agent.config.misbehave != "stale_start":  # Byzantine: ignores the aggregate
             bundle = run_dir / "initial.tar"
             providers = [p for p in (view.coordination.coordinator, terms.submitter) if p and p != agent.peer_id]
-            await self._fetch(view, lease, lease.initial_adapter_cid, bundle, providers)
+            await self._fetch(view, lease, lease.initial_adapter_cid, bundle, providers,
+                              max_size=bundle_size_bound(DEFAULT_MAX_BYTES, AGGREGATE_FILES))
             initial = unpack(bundle, run_dir / "initial", allowed=AGGREGATE_FILES)
         config = train_config(terms, model_path, round=lease.round, threads=agent.config.threads, log_every=5)
         config = await trio.to_thread.run_sync(self._fit_to_device, config, model_path)

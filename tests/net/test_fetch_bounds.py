@@ -1,0 +1,65 @@
+"""Every fetch is bounded (IPIP-0003 "Size bounds"): a file whose root states more than the bound
+is refused at its root, before its leaves cross the network, with an error naming the CID."""
+
+import os
+
+import pytest
+import trio
+
+from agent.content.errors import FetchError
+from agent.content.service import VIA_BITSWAP, VIA_BLOCKS
+from protocol.unixfs import import_bytes
+from tests.net.conftest import agents_with_content
+
+pytestmark = pytest.mark.network
+
+MiB = 1024 * 1024
+
+
+@pytest.mark.parametrize("via", [VIA_BLOCKS, VIA_BITSWAP])
+async def test_an_oversized_file_is_refused_at_its_root_before_its_leaves_arrive(tmp_path, via):
+    data = os.urandom(8 * MiB)
+    root, blocks = import_bytes(data)
+    leaves = [b.cid for b in blocks if b.cid != root]
+    async with agents_with_content(3, tmp_path) as [_, (a, a_content), (b, b_content)]:
+        await a_content.add_bytes(data, provide=False)
+        with trio.fail_after(20), pytest.raises(FetchError) as err:
+            await b_content.fetch(root, tmp_path / "out.bin", providers=[a.peer_id], use_dht=False,
+                                  via=via, max_size=1 * MiB)
+        message = str(err.value)
+        assert err.value.refused and str(root) in message and f"{len(data)} bytes" in message
+        assert f"limit of {MiB}" in message and "\n" not in message
+        assert not any(b_content.store.has(cid) for cid in leaves), "no leaf was taken"
+        assert not (tmp_path / "out.bin").exists()
+        if via == VIA_BLOCKS:  # the stream was reset at the root: the server did not get to send it all
+            await trio.sleep(0.5)
+            assert a_content.server.blocks_served < len(blocks), (a_content.server.blocks_served, len(blocks))
+        # a bound that holds: the same file comes whole
+        with trio.fail_after(30):
+            report = await b_content.fetch(root, tmp_path / "ok.bin", providers=[a.peer_id], use_dht=False,
+                                           via=via, max_size=len(data))
+        assert report.size == len(data) and (tmp_path / "ok.bin").read_bytes() == data
+
+
+async def test_a_shard_must_be_exactly_the_size_its_ref_states(tmp_path):
+    data = os.urandom(MiB + 7)
+    async with agents_with_content(2, tmp_path) as [(a, a_content), (b, b_content)]:
+        root = await a_content.add_bytes(data, provide=False)
+        for wrong in (len(data) - 1, len(data) + 1):
+            with trio.fail_after(20), pytest.raises(FetchError, match=f"not the {wrong} it must be") as err:
+                await b_content.fetch(root, tmp_path / "shard.jsonl", providers=[a.peer_id], use_dht=False,
+                                      exact_size=wrong)
+            assert err.value.refused and str(root) in str(err.value)
+        with trio.fail_after(30):
+            report = await b_content.fetch(root, tmp_path / "shard.jsonl", providers=[a.peer_id], use_dht=False,
+                                           exact_size=len(data))
+        assert report.size == len(data)
+
+
+async def test_a_root_already_held_is_judged_by_the_bound_too(tmp_path):
+    data = os.urandom(2 * MiB)
+    async with agents_with_content(1, tmp_path) as [(a, a_content)]:
+        root = await a_content.add_bytes(data, provide=False)
+        with trio.fail_after(10), pytest.raises(FetchError, match="over the limit of 1000") as err:
+            await a_content.fetch(root, tmp_path / "again.bin", use_dht=False, max_size=1000)
+        assert err.value.refused
