@@ -60,6 +60,7 @@ class FetchReport:
     fetched_blocks: int = 0
     providers_used: list[str] = field(default_factory=list)
     attempts: list[str] = field(default_factory=list)
+    corrupt: list[str] = field(default_factory=list)  # providers that sent a block failing verification
 
 
 class ContentService:
@@ -149,7 +150,7 @@ class ContentService:
                     reason = (f"not complete within {timeout:.0f} s" if deadline.cancelled_caught
                               else "no source could supply the rest")
                     raise FetchError(str(root), reason, missing=[str(c) for c in verifier.remaining()],
-                                     attempts=report.attempts)
+                                     attempts=report.attempts, corrupt=report.corrupt)
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp, out_path)
@@ -165,7 +166,7 @@ class ContentService:
             try:
                 payload = verifier.feed(data)
             except CIDError as exc:  # hash-valid block, invalid DAG: the root names a bad file
-                raise FetchError(str(verifier.root), str(exc)) from None
+                raise FetchError(str(verifier.root), str(exc), invalid=True) from None
             out.write(payload)
             report.size += len(payload)
             report.local_blocks += 1
@@ -205,6 +206,8 @@ class ContentService:
             if not verifier.done:
                 report.attempts.append(f"{peer}: lacks block {verifier.expected()}")
         except (NetError, CIDError) as exc:
+            if isinstance(exc, CIDError):
+                report.corrupt.append(peer)
             report.attempts.append(f"{peer}: {exc}")
             log.info("fetch %s: %s", verifier.root, report.attempts[-1])
         if report.fetched_blocks > before:
