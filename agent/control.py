@@ -348,6 +348,8 @@ def job_detail(agent: "Agent", view: Any) -> dict:
                           "base_validation_loss": a.base_validation_loss}
                          for _, a in sorted(view.aggregates.items())]
     out["outer"] = view.terms.outer.optimizer if view.terms.outer else "none"
+    # accepted work our submitter role has no copy of yet (it keeps trying): empty when all is held
+    out["not_held"] = [{k: v for k, v in item.items() if k != "provider"} for item in agent.submitter.not_held(view)]
     return out
 
 

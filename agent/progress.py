@@ -68,6 +68,10 @@ class JobProgress:
         for agg in job.get("aggregates", []):
             rows.append(Text(f"round {agg['round']} aggregate {agg['cid']} ({agg['method']} over shards {agg['shards']})"
                              + aggregate_score(agg), style="green"))
+        for item in job.get("not_held", []):  # the submitter keeps trying to hold a copy
+            what = f"shard {item['shard']} adapter" if item["kind"] == "adapter" else "aggregate"
+            rows.append(Text(f"round {item['round']} {what} {item['cid']}: accepted, not yet held by the submitter",
+                             style="yellow"))
         return Group(*rows)
 
     def _print_changes(self, job: dict) -> None:

@@ -67,6 +67,7 @@ class FetchReport:
     providers_used: list[str] = field(default_factory=list)
     attempts: list[str] = field(default_factory=list)
     refused: str = ""  # why the file itself is refused (its root states a size over the bound)
+    corrupt: list[str] = field(default_factory=list)  # providers that sent a block failing verification
 
 
 class ContentService:
@@ -161,7 +162,7 @@ class ContentService:
                     reason = (f"not complete within {timeout:.0f} s" if deadline.cancelled_caught
                               else "no source could supply the rest")
                     raise FetchError(str(root), reason, missing=[str(c) for c in verifier.remaining()],
-                                     attempts=report.attempts)
+                                     attempts=report.attempts, corrupt=report.corrupt)
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp, out_path)
@@ -180,7 +181,7 @@ class ContentService:
                 report.refused = str(exc)
                 return
             except CIDError as exc:  # hash-valid block, invalid DAG: the root names a bad file
-                raise FetchError(str(verifier.root), str(exc)) from None
+                raise FetchError(str(verifier.root), str(exc), invalid=True) from None
             out.write(payload)
             report.size += len(payload)
             report.local_blocks += 1
@@ -225,6 +226,8 @@ class ContentService:
             report.refused = str(exc)
             log.info("fetch %s from %s: refused: %s", verifier.root, peer, exc)
         except (NetError, CIDError) as exc:
+            if isinstance(exc, CIDError):
+                report.corrupt.append(peer)
             report.attempts.append(f"{peer}: {exc}")
             log.info("fetch %s: %s", verifier.root, report.attempts[-1])
         if report.fetched_blocks > before:

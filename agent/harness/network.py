@@ -274,8 +274,8 @@ async def _run(agent: Agent, scope: trio.CancelScope, task_status: Any = trio.TA
 
 
 def worker_config(home: Path, model_dir: Path, bootstrap: tuple[str, ...], **overrides: Any) -> AgentConfig:
-    return AgentConfig(home=home, bootstrap=bootstrap, accept_training=True,
-                       models=((MODEL_NAME, str(model_dir)),), **overrides)
+    settings = {"models": ((MODEL_NAME, str(model_dir)),), **overrides}  # an override may name its own copy
+    return AgentConfig(home=home, bootstrap=bootstrap, accept_training=True, **settings)
 
 
 @asynccontextmanager

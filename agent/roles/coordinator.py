@@ -30,6 +30,14 @@ Rules of this file:
   the losses go into the signed aggregate message (IPIP-0006 §2.6).
 - On taking a job over (failover) we resume what the mirror says is pending: verifications of
   REPORTED shards and the aggregation of an AGGREGATING round.
+- A verdict judges the worker, never us. The worker's fault is a rejection (and a ban): a proof or
+  adapter that fails a rule (``Rejection``), a bundle of its that does not unpack, content of its
+  whose blocks do not verify. Our own inability (a fetch that times out, a base model we do not
+  hold, our own crash) is no verdict: we try again after each of ``retry_delays`` while the
+  verification window lasts, then give up with a log line and leave the shard REPORTED; its window
+  then expires and the shard reopens for another attempt with nobody banned (protocol/state.py),
+  or a coordinator that takes over meanwhile verifies it. A failed aggregation is retried the same
+  way within the aggregation window.
 """
 
 from __future__ import annotations
@@ -45,7 +53,10 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from agent.bundle import AGGREGATE_FILES, CHECKPOINT_FILES, REPORT_FILES, bundle_size_bound, pack_dir, unpack
+from agent.bundle import (
+    AGGREGATE_FILES, CHECKPOINT_FILES, REPORT_FILES, BundleError, bundle_size_bound, pack_dir, unpack,
+)
+from agent.content.errors import FetchError
 from agent.roles.job import JobView, run_torch, train_config
 from protocol import messages as m
 from protocol import state as st
@@ -64,6 +75,10 @@ class Rejection(Exception):
 
 
 class CoordinatorRole:
+    # after a failure of our own, wait this long before the next try of a verification or
+    # aggregation (one try more than there are delays); never past the window it must finish in
+    retry_delays: tuple[float, ...] = (2.0, 5.0, 15.0, 30.0, 60.0)
+
     def __init__(self, agent: "Agent") -> None:
         self.agent = agent
         self._running: set[tuple] = set()
@@ -117,7 +132,7 @@ class CoordinatorRole:
                 self._start(("verify", view.job_id, action.round, action.shard, action.attempt),
                             self._verify, view, action.round, action.shard, action.attempt)
             elif isinstance(action, st.Aggregate):
-                self._start(("aggregate", view.job_id, action.round), self._aggregate, view, action)
+                self._start(("aggregate", view.job_id, action.round), self._aggregate_retrying, view, action)
 
     def take_over(self, view: JobView) -> None:
         """We just became this job's coordinator: resume what is pending."""
@@ -130,7 +145,7 @@ class CoordinatorRole:
         if state.phase is st.JobPhase.AGGREGATING:
             accepted = tuple(s.index for s in state.shards if s.phase is st.ShardPhase.ACCEPTED)
             action = st.Aggregate(state.round, accepted, state.expires_at or math.inf)
-            self._start(("aggregate", view.job_id, state.round), self._aggregate, view, action)
+            self._start(("aggregate", view.job_id, state.round), self._aggregate_retrying, view, action)
 
     def judge_reports(self, view: JobView) -> None:
         """Verify the reports of the job's coordinator that fall to us (IPIP-0006 §1.3: a coordinator
@@ -174,20 +189,50 @@ class CoordinatorRole:
 
     # -- verification -------------------------------------------------------------------------------
 
+    def _retry_delay(self, tries: int, window_end: float | None) -> float | None:
+        """Seconds to wait before try ``tries + 1`` after a failure of our own, or None: give up (no
+        delay left, or the next try would start after ``window_end`` on the agent's clock)."""
+        if tries > len(self.retry_delays):
+            return None
+        delay = self.retry_delays[tries - 1]
+        if window_end is not None and self.agent.clock() + delay >= window_end:
+            return None
+        return delay
+
     async def _verify(self, view: JobView, rnd: int, shard: int, attempt: int) -> None:
         agent = self.agent
         report, worker = view.reports[(rnd, shard, attempt)]
         work = agent.work_dir / view.job_id.hex()[:16] / f"verify-r{rnd}-s{shard}-a{attempt}"
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
         segments: tuple[int, ...] = ()
-        try:
-            segments, adapter_dir = await self._check_report(view, report, worker, work)
-            accepted, reason = True, f"replayed segments {list(segments)} within the proof rules"
-        except Rejection as exc:
-            accepted, reason = False, str(exc)[:1000]
-        except Exception as exc:  # noqa: BLE001 - a report we cannot even fetch or read is rejected
-            accepted, reason = False, f"could not verify: {type(exc).__name__}: {str(exc)[:900]}"
+        tries = 0
+        while True:
+            tries += 1
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
+            try:
+                segments, adapter_dir = await self._check_report(view, report, worker, work)
+                accepted, reason = True, f"replayed segments {list(segments)} within the proof rules"
+                break
+            except Rejection as exc:  # the worker's fault: a verdict against it
+                accepted, reason = False, str(exc)[:1000]
+                break
+            except Exception as exc:  # noqa: BLE001 - our own failure: never a verdict against the worker
+                current = view.shard(shard)
+                if current.phase is not st.ShardPhase.REPORTED or current.attempt != attempt or \
+                        view.state.round != rnd or not self.may_verify(view, worker):
+                    return  # settled or no longer ours meanwhile
+                delay = self._retry_delay(tries, current.expires_at)
+                problem = f"{type(exc).__name__}: {str(exc)[:300]}"
+                if delay is None:
+                    agent.counters["verifications_given_up"] += 1
+                    log.warning("job %s shard %d attempt %d: cannot verify after %d tries, no verdict (the shard "
+                                "stays REPORTED until its window ends; the worker is not blamed): %s",
+                                view.job_id.hex()[:8], shard, attempt, tries, problem)
+                    return
+                agent.counters["verifications_retried"] += 1
+                log.warning("job %s shard %d attempt %d: cannot verify (try %d), again in %.0f s: %s",
+                            view.job_id.hex()[:8], shard, attempt, tries, delay, problem)
+                await trio.sleep(delay)
         if not self.may_verify(view, worker):
             return
         if accepted:
@@ -215,12 +260,11 @@ class CoordinatorRole:
         from protocol.proof import Commitment, ProofError, chain_heads, segment_selection_seed, select_segments
 
         agent, terms = self.agent, view.terms
-        timeout = agent.config.fetch_timeout
         providers = [worker]
         # every worker-chosen CID is bounded by what we would unpack of it (IPIP-0003 "Size bounds")
-        await agent.content.fetch(report.proof_cid, work / "proof.tar", timeout=timeout, providers=providers,
-                                  max_size=bundle_size_bound(16 << 20, PROOF_FILES))
-        proof_dir = unpack(work / "proof.tar", work / "proof", allowed=PROOF_FILES, max_bytes=16 << 20)
+        await _fetch_worker_content(agent, report.proof_cid, work / "proof.tar", worker, providers,
+                                    max_size=bundle_size_bound(16 << 20, PROOF_FILES))
+        proof_dir = _unpack_worker_bundle(work / "proof.tar", work / "proof", allowed=PROOF_FILES, max_bytes=16 << 20)
         try:
             commitment = Commitment.from_json(json.loads((proof_dir / "proof.json").read_text()))
             commitment.check(report.chain_head)
@@ -246,9 +290,10 @@ class CoordinatorRole:
         except (ValueError, AttributeError) as exc:
             raise Rejection(f"checkpoints.json: {exc}") from None
 
-        await agent.content.fetch(report.adapter_cid, work / "adapter.tar", timeout=timeout, providers=providers,
-                                  max_size=bundle_size_bound(1 << 30, REPORT_FILES))
-        adapter_dir = unpack(work / "adapter.tar", work / "adapter", allowed=REPORT_FILES, max_bytes=1 << 30)
+        await _fetch_worker_content(agent, report.adapter_cid, work / "adapter.tar", worker, providers,
+                                    max_size=bundle_size_bound(1 << 30, REPORT_FILES))
+        adapter_dir = _unpack_worker_bundle(work / "adapter.tar", work / "adapter", allowed=REPORT_FILES,
+                                            max_bytes=1 << 30)
         adapter = await trio.to_thread.run_sync(run_torch, _check_adapter, adapter_dir, terms)
         if tensors_hash(adapter) != commitment.links[-1].adapter_hash:
             raise Rejection("the adapter does not hash to the last committed checkpoint")
@@ -258,8 +303,9 @@ class CoordinatorRole:
                 raise Rejection(problem)
 
         shard_path = work / "shard.jsonl"
-        await agent.content.fetch(terms.shards[report.shard].cid, shard_path, timeout=timeout,
-                                  providers=[terms.submitter, worker], exact_size=terms.shards[report.shard].size)
+        await _fetch_worker_content(agent, terms.shards[report.shard].cid, shard_path, worker,
+                                    [terms.submitter, worker], named_by_worker=False,
+                                    exact_size=terms.shards[report.shard].size)
         model_path = agent.local_model(terms)
         if model_path is None or await trio.to_thread.run_sync(base_model_sha256, model_path) != terms.base_model_sha256.hex():
             raise RuntimeError(f"this coordinator does not hold base model {terms.base_model!r}")
@@ -323,12 +369,37 @@ class CoordinatorRole:
         target = work / f"ckpt-{step}"
         if not target.exists():
             bundle = work / f"ckpt-{step}.tar"
-            await self.agent.content.fetch(checkpoints[step], bundle, timeout=self.agent.config.fetch_timeout,
-                                           providers=providers, max_size=bundle_size_bound(1 << 30, CHECKPOINT_FILES))
-            unpack(bundle, target, allowed=CHECKPOINT_FILES, max_bytes=1 << 30)
+            await _fetch_worker_content(self.agent, checkpoints[step], bundle, providers[0], providers,
+                                        max_size=bundle_size_bound(1 << 30, CHECKPOINT_FILES))
+            _unpack_worker_bundle(bundle, target, allowed=CHECKPOINT_FILES, max_bytes=1 << 30)
         return target
 
     # -- aggregation ------------------------------------------------------------------------------
+
+    async def _aggregate_retrying(self, view: JobView, action: st.Aggregate) -> None:
+        """``_aggregate``, tried again after a failure (a fetch that timed out, ...) while the round is
+        still ours to aggregate and its window lasts; then given up with one log line."""
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                await self._aggregate(view, action)
+                return
+            except Exception as exc:  # noqa: BLE001 - logged; the window's end fails the job, not us
+                if view.state.phase is not st.JobPhase.AGGREGATING or view.state.round != action.round or \
+                        not self.agent.is_coordinator(view):
+                    return
+                delay = self._retry_delay(tries, action.expires_at)
+                problem = f"{type(exc).__name__}: {str(exc)[:300]}"
+                if delay is None:
+                    self.agent.counters["aggregations_given_up"] += 1
+                    log.warning("job %s: round %d aggregation failed %d times, giving up (the job fails when the "
+                                "aggregation window ends): %s", view.job_id.hex()[:8], action.round, tries, problem)
+                    return
+                self.agent.counters["aggregations_retried"] += 1
+                log.warning("job %s: round %d aggregation failed (try %d), again in %.0f s: %s",
+                            view.job_id.hex()[:8], action.round, tries, delay, problem)
+                await trio.sleep(delay)
 
     async def _aggregate(self, view: JobView, action: st.Aggregate) -> None:
         agent, terms = self.agent, view.terms
@@ -411,6 +482,27 @@ class CoordinatorRole:
             adapters.append(None)  # the seeded initial adapter: B = 0, so exactly the base model
         losses = await trio.to_thread.run_sync(run_torch, validation_losses, config, path, adapters)
         return losses[0], losses[1] if with_base else None
+
+
+async def _fetch_worker_content(agent: "Agent", cid: str, out: Path, worker: str, providers: list[str], *,
+                                named_by_worker: bool = True, **bounds: int) -> None:
+    """Fetch for a verification, within ``bounds`` (max_size / exact_size, IPIP-0003 §3); Rejection if
+    the failure is the worker's: it sent blocks that do not verify, or (content it named) the CID names
+    no valid file or a file over the bound. Any other failure is ours (FetchError)."""
+    try:
+        await agent.content.fetch(cid, out, timeout=agent.config.fetch_timeout, providers=providers, **bounds)
+    except FetchError as exc:
+        if worker in exc.corrupt or named_by_worker and (exc.invalid or exc.refused):
+            raise Rejection(f"content {cid[:24]}…: {str(exc)[:600]}") from None
+        raise
+
+
+def _unpack_worker_bundle(bundle: Path, out: Path, **limits: Any) -> Path:
+    """``unpack`` of a bundle the worker made (its bytes verified by CID): one that does not unpack is its fault."""
+    try:
+        return unpack(bundle, out, **limits)
+    except BundleError as exc:
+        raise Rejection(f"bundle: {exc}") from None
 
 
 def _check_adapter(adapter_dir: Path, terms: m.JobTerms) -> dict:

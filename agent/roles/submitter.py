@@ -11,6 +11,10 @@ Rules of this file:
 - The job ID is the hash of the terms (protocol/messages.py). The announcement is re-gossiped with
   a fresh envelope every ``reannounce_seconds`` until the job ends, so late joiners see it (an
   envelope is only accepted for 300 s, IPIP-0001). We keep serving the shards while the job runs.
+- We keep a copy of every accepted adapter and every aggregate of our job (``accepted/<cid>.tar``),
+  so no accepted work is lost with its worker: a failed copy is tried again after each of
+  ``keep_retry_delays`` (given up early only if the job fails or is cancelled; again after a
+  restart), and ``job show`` lists what is accepted but not held here yet (``not_held``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from agent.bundle import REPORT_FILES, bundle_size_bound
+from agent.bundle import AGGREGATE_FILES, bundle_size_bound
 from protocol import messages as m
 from protocol.cid import parse_cid
 
@@ -34,9 +38,11 @@ log = logging.getLogger(__name__)
 
 class SubmitterRole:
     reannounce_seconds = 60.0
+    keep_retry_delays: tuple[float, ...] = (2.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
     def __init__(self, agent: "Agent") -> None:
         self.agent = agent
+        self._keeping: set[tuple[bytes, str]] = set()  # (job, cid) copies under way
 
     async def prepare_terms(self, spec: Any, dataset: Path, base_model_path: str, *,
                             deadline: int | None = None, created: int | None = None) -> m.JobTerms:
@@ -107,6 +113,8 @@ class SubmitterRole:
             while not self.agent.peers.keys() - {self.agent.peer_id}:
                 await trio.sleep(0.2)
         await self.agent.publish(m.JobAnnouncement.for_terms(view.terms))
+        for item in self.not_held(view):  # copies a restart interrupted
+            self.agent.nursery.start_soon(self._keep, view, item["cid"], item["provider"])
         await self._reannounce(view)
 
     async def _reannounce(self, view: "JobView") -> None:
@@ -127,16 +135,57 @@ class SubmitterRole:
             if report is not None:
                 self.agent.nursery.start_soon(self._keep, view, report.adapter_cid, worker)
 
-    async def _keep(self, view: "JobView", cid: str, worker: str) -> None:
-        agent = self.agent
-        out = agent.work_dir / view.job_id.hex()[:16] / "accepted" / f"{cid}.tar"
-        out.parent.mkdir(parents=True, exist_ok=True)
+    def kept_path(self, view: "JobView", cid: str) -> Path:
+        """Where our copy of accepted work ``cid`` of the job lies once we hold it."""
+        return self.agent.work_dir / view.job_id.hex()[:16] / "accepted" / f"{cid}.tar"
+
+    def not_held(self, view: "JobView") -> list[dict]:
+        """Accepted adapters and aggregates of our job of which we hold no copy yet (``job show``)."""
+        if view.terms.submitter != self.agent.peer_id:
+            return []
+        out = []
+        for (rnd, shard, attempt), verdict in sorted(view.verdicts.items()):
+            report, worker = view.reports.get((rnd, shard, attempt), (None, None))
+            if verdict.accepted and report is not None and not self.kept_path(view, report.adapter_cid).exists():
+                out.append({"kind": "adapter", "round": rnd, "shard": shard, "attempt": attempt,
+                            "cid": report.adapter_cid, "provider": worker})
+        for rnd, published in sorted(view.aggregates.items()):
+            if not self.kept_path(view, published.adapter_cid).exists():
+                out.append({"kind": "aggregate", "round": rnd, "cid": published.adapter_cid,
+                            "provider": None})  # its coordinator is not recorded: the DHT names providers
+        return out
+
+    async def _keep(self, view: "JobView", cid: str, provider: str | None) -> None:
+        """Fetch accepted work ``cid`` into ``kept_path`` and provide it; tried again until held."""
+        agent, key = self.agent, (view.job_id, cid)
+        if key in self._keeping:
+            return
+        self._keeping.add(key)
+        out, tries = self.kept_path(view, cid), 0
         try:
-            await agent.content.fetch(cid, out, timeout=agent.config.fetch_timeout, providers=[worker],
-                                      max_size=bundle_size_bound(1 << 30, REPORT_FILES))
-            await agent.net.discovery.provide(parse_cid(cid))
-        except Exception as exc:  # noqa: BLE001 - best effort; the worker still holds it
-            log.warning("job %s: could not keep accepted adapter %s: %s", view.job_id.hex()[:8], cid, exc)
+            while not out.exists():
+                tries += 1
+                try:
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    await agent.content.fetch(cid, out, timeout=agent.config.fetch_timeout,
+                                              providers=[provider] if provider else [],
+                                              max_size=bundle_size_bound(4 << 30, AGGREGATE_FILES))
+                    agent.provide_soon(parse_cid(cid))
+                    if tries > 1:
+                        log.info("job %s: kept accepted work %s (try %d)", view.job_id.hex()[:8], cid, tries)
+                    return
+                except Exception as exc:  # noqa: BLE001 - logged and tried again; the worker still holds it
+                    ended = view.state.phase.value in ("FAILED", "CANCELLED")
+                    if ended or getattr(exc, "refused", False) or tries > len(self.keep_retry_delays):
+                        log.warning("job %s: could not keep accepted work %s after %d tries, giving up: %s",
+                                    view.job_id.hex()[:8], cid, tries, exc)
+                        return
+                    delay = self.keep_retry_delays[tries - 1]
+                    log.warning("job %s: could not keep accepted work %s (try %d), again in %.0f s: %s",
+                                view.job_id.hex()[:8], cid, tries, delay, exc)
+                    await trio.sleep(delay)
+        finally:
+            self._keeping.discard(key)
 
     async def cancel(self, view: "JobView", reason: str) -> None:
         from protocol.state import Cancel

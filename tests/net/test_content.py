@@ -74,6 +74,7 @@ async def test_a_corrupted_block_is_rejected_with_its_cid_and_the_fetch_resumes_
             await b_content.fetch(root, out, providers=[a.peer_id], use_dht=False)
         assert str(bad.cid) in str(failure.value) and "does not match" in str(failure.value)
         assert failure.value.missing[0] == str(bad.cid)
+        assert failure.value.corrupt == [a.peer_id] and not failure.value.invalid  # its sender's fault (issue 15)
         assert not out.exists() and leftovers(tmp_path) == []
         assert not b_content.store.has(bad.cid) and b_content.store.has(blocks[4].cid)
 
@@ -84,6 +85,7 @@ async def test_a_corrupted_block_is_rejected_with_its_cid_and_the_fetch_resumes_
         assert out.read_bytes() == data
         assert report.local_blocks == 5 and report.providers_used == [c.peer_id]
         assert str(bad.cid) in report.attempts[0]
+        assert report.corrupt == [a.peer_id]
 
 
 async def killable_agent(bootstrap: str, data_dir: Path, kill: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED):
