@@ -59,3 +59,10 @@ def should_stop(validation_loss_below: float, patience_rounds: int, losses: list
         if before and recent and min(recent) >= min(before):
             return True
     return False
+
+
+def is_final(rounds: int, validation_loss_below: float, patience_rounds: int, losses: list[float | None]) -> bool:
+    """Whether the aggregate of round len(losses) ends the job: the last round, or the stop rule holds
+    (``should_stop``; a job without one has both conditions 0). ``losses``: the signed validation
+    losses of rounds 1..r. The coordinator sets ``final`` by this and every follower checks it."""
+    return len(losses) >= rounds or should_stop(validation_loss_below, patience_rounds, losses)

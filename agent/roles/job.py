@@ -66,16 +66,6 @@ def job_config(terms: m.JobTerms) -> st.JobConfig:
     )
 
 
-def ends_with(terms: m.JobTerms, losses: list[float | None]) -> bool:
-    """Whether the job ends with the aggregate of round len(losses), given the signed validation
-    losses of rounds 1..r: the last round, or its stop rule holds (protocol/schedule.should_stop)."""
-    from protocol.schedule import should_stop
-
-    if len(losses) >= terms.rounds:
-        return True
-    return terms.stop is not None and should_stop(terms.stop.validation_loss_below, terms.stop.patience_rounds, losses)
-
-
 def train_config(terms: m.JobTerms, base_model_path: str, *, round: int = 1, **local: Any) -> TrainConfig:
     """What agent/train needs from the terms to train (or replay) round ``round``; ``base_model_path``
     is this peer's local copy. The round's learning rate follows the job's schedule."""
@@ -122,8 +112,12 @@ class JobView:
 
     def ends_with(self, rnd: int, validation_loss: float | None) -> bool:
         """Whether round ``rnd``'s aggregate, scored ``validation_loss``, must be the final one."""
+        from protocol.schedule import is_final
+
         losses = [self.aggregates[r].validation_loss if r in self.aggregates else None for r in range(1, rnd)]
-        return ends_with(self.terms, losses + [validation_loss])
+        stop = self.terms.stop
+        return is_final(self.terms.rounds, stop.validation_loss_below if stop else 0.0,
+                        stop.patience_rounds if stop else 0, losses + [validation_loss])
 
     def step(self, event: Any, now: float, *, count: bool = True) -> tuple[Any, ...] | None:
         """Apply ``event``; return the actions, or None if the machine refused it."""

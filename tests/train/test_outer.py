@@ -179,3 +179,7 @@ def test_the_stop_rule():
     assert should_stop(0.0, 2, [3.0, 1.0, 1.2, 1.0])
     assert not should_stop(0.0, 2, [3.0, 1.0, 1.2, 0.9])
     assert not should_stop(0.0, 2, [3.0, 1.0])  # not enough rounds yet
+    from protocol.schedule import is_final
+
+    assert is_final(2, 0.0, 0, [3.0, 1.0]) and not is_final(3, 0.0, 0, [3.0, 1.0])
+    assert is_final(3, 1.5, 0, [3.0, 1.0]) and not is_final(3, 0.5, 0, [3.0, 1.0])
