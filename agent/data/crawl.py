@@ -221,7 +221,7 @@ def read_sitemap(fetcher: PoliteFetcher, url: str) -> list[str]:
 
 
 def local_documents(directory: Path) -> list[Document]:
-    """HTML, Markdown and text files under ``directory`` (hidden ones left out), in name order."""
+    """HTML, Markdown and text files under ``directory`` (hidden ones left out), in path order."""
     if not directory.is_dir():
         raise DataSourceError(f"--dir {directory}: not a directory")
     documents = []
@@ -231,7 +231,7 @@ def local_documents(directory: Path) -> list[Document]:
             path = Path(root) / name
             if not name.startswith(".") and path.suffix.lower() in LOCAL_SUFFIXES:
                 documents.append(Document(path.relative_to(directory).as_posix(), path))
-    return documents
+    return sorted(documents, key=lambda d: d.url)
 
 
 # -- building the dataset -------------------------------------------------------------------------------------
