@@ -152,3 +152,10 @@ def site():
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir():
+    from agent.train.tiny import tiny_model
+
+    return tiny_model()
