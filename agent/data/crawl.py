@@ -4,7 +4,8 @@ Rules of this file:
 - Polite fetching (``PoliteFetcher``): robots.txt is read once per host (urllib.robotparser, as
   ``User-agent: infernet-data``) and obeyed; a robots.txt that answers 4xx allows everything, one
   that answers 5xx forbids the host for this run (RFC 9309). Requests to one host are at least
-  ``delay`` seconds apart (or robots.txt's Crawl-delay, up to 30 s). A request that times out, cannot
+  ``delay`` seconds apart (or robots.txt's Crawl-delay, up to 30 s). Redirects are followed one hop
+  at a time, each target checked against robots.txt before it is requested. A request that times out, cannot
   connect, or answers 429/5xx is tried again ``retries`` times, waiting 0.5 s, 1 s, 2 s... (or the
   server's Retry-After, up to 30 s). Every request has a whole-request deadline and a size cap
   (agent/data/http.py).
@@ -28,11 +29,11 @@ import tempfile
 import time
 import urllib.robotparser
 import xml.etree.ElementTree as ET
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 from urllib.parse import urldefrag, urljoin, urlsplit
 
 from agent.data import DataSourceError
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
     from agent.data.search import SearchProvider
 
 RETRY_STATUSES = {429, 500, 502, 503, 504}
+REDIRECTS = {301, 302, 303, 307, 308}
+MAX_REDIRECTS = 5
 MAX_WAIT = 30.0
 MAX_SITEMAPS = 50
 HTML_TYPES = {"text/html", "application/xhtml+xml"}
@@ -83,12 +86,23 @@ class PoliteFetcher:
         self.requests = 0
 
     def get(self, url: str) -> Response:
-        """The page at ``url`` (status 200), or Skipped with the reason."""
-        origin = _origin(url)
-        rules = self._robots(origin)
-        if not rules.can_fetch(ROBOTS_AGENT, url):
-            raise Skipped("robots.txt disallows")
-        response = self._get(url)
+        """The page at ``url`` (status 200), or Skipped with the reason. Redirects are followed here,
+        hop by hop (at most ``MAX_REDIRECTS``), each target checked against its robots.txt first."""
+        start = url
+        for _ in range(MAX_REDIRECTS + 1):
+            if not self._robots(_origin(url)).can_fetch(ROBOTS_AGENT, url):
+                raise Skipped("robots.txt disallows", "" if url == start else f"redirected to {url}")
+            response = self._get(url)
+            location = response.headers.get("Location") if response.status in REDIRECTS else None
+            if not location:
+                break
+            url = urljoin(url, location.strip())
+            try:
+                check_http_url(url)
+            except ValueError:
+                raise Skipped("bad redirect", location[:200]) from None
+        else:
+            raise Skipped("too many redirects")
         if response.status != 200:
             raise Skipped(f"HTTP {response.status}")
         return response
@@ -104,7 +118,7 @@ class PoliteFetcher:
     def _read_robots(self, origin: str) -> urllib.robotparser.RobotFileParser | Skipped:
         parser = urllib.robotparser.RobotFileParser(origin + "/robots.txt")
         try:
-            response = self._get(origin + "/robots.txt", max_bytes=512 * 1024)
+            response = self._get(origin + "/robots.txt", max_bytes=512 * 1024, redirects=True)
         except Skipped as skipped:
             return skipped  # the host does not answer: neither will its pages
         if response.status >= 500:
@@ -118,7 +132,7 @@ class PoliteFetcher:
                 self.delays[origin] = min(MAX_WAIT, float(crawl_delay))
         return parser
 
-    def _get(self, url: str, *, max_bytes: int | None = None) -> Response:
+    def _get(self, url: str, *, max_bytes: int | None = None, redirects: bool = False) -> Response:
         """One GET with the host's delay and the retries; any HTTP status is returned."""
         origin = _origin(url)
         attempt = 0
@@ -129,7 +143,8 @@ class PoliteFetcher:
             retry_after = None
             try:
                 self.requests += 1
-                response = http_get(url, timeout=self.policy.timeout, max_bytes=max_bytes or self.policy.max_bytes)
+                response = http_get(url, timeout=self.policy.timeout, max_bytes=max_bytes or self.policy.max_bytes,
+                                    redirects=redirects)
                 failure = None if response.status not in RETRY_STATUSES else Skipped(f"HTTP {response.status}")
                 retry_after = _retry_after(response) if failure else None
             except FetchFailed as error:
@@ -203,7 +218,10 @@ def read_sitemap(fetcher: PoliteFetcher, url: str) -> list[str]:
         seen.add(current)
         try:
             response = fetcher.get(current)
-            root = ET.fromstring(response.body)
+            body = response.body
+            if body[:2] == b"\x1f\x8b":  # sitemap.xml.gz
+                body = _gunzip(body, fetcher.policy.max_bytes)
+            root = ET.fromstring(body)
         except Skipped as skipped:
             raise DataSourceError(f"sitemap {current}: {skipped}") from None
         except ET.ParseError as error:
@@ -218,6 +236,18 @@ def read_sitemap(fetcher: PoliteFetcher, url: str) -> list[str]:
         else:
             raise DataSourceError(f"sitemap {current}: not a sitemap (root element <{kind}>)")
     return pages
+
+
+def _gunzip(data: bytes, max_bytes: int) -> bytes:
+    """Decompress gzip ``data`` to at most ``max_bytes`` (a small bomb cannot fill the memory)."""
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        out = inflater.decompress(data, max_bytes + 1)
+    except zlib.error as error:
+        raise ET.ParseError(f"bad gzip: {error}") from None
+    if len(out) > max_bytes:
+        raise ET.ParseError(f"more than {max_bytes} bytes once decompressed")
+    return out
 
 
 def local_documents(directory: Path) -> list[Document]:

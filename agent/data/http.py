@@ -8,7 +8,8 @@ Rules of this file:
 - A Content-Length over the cap is refused before the body is read; without one, reading stops at
   cap + 1 bytes. The deadline is checked between reads, and each socket wait is bounded by what is
   left of it, so a server dripping one byte a second cannot hold us past ``timeout``.
-- Redirects are followed (urllib's default: at most 10, http(s) only); ``Response.url`` is the last.
+- Redirects are followed (urllib's default: at most 10, http(s) only; ``Response.url`` is the last),
+  unless ``redirects=False``: then a 3xx is returned as it is, for a caller that checks each hop.
 """
 
 from __future__ import annotations
@@ -69,7 +70,16 @@ def check_http_url(url: str) -> str:
     return url
 
 
-def http_get(url: str, *, timeout: float, max_bytes: int, headers: dict[str, str] | None = None) -> Response:
+class _KeepRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):  # noqa: ANN002 - urllib's signature
+        return None  # urllib then raises the 3xx as an HTTPError: returned as a Response below
+
+
+_NO_REDIRECTS = urllib.request.build_opener(_KeepRedirects)
+
+
+def http_get(url: str, *, timeout: float, max_bytes: int, headers: dict[str, str] | None = None,
+             redirects: bool = True) -> Response:
     """GET ``url``; see the rules at the top of this file."""
     try:
         check_http_url(url)
@@ -79,7 +89,7 @@ def http_get(url: str, *, timeout: float, max_bytes: int, headers: dict[str, str
     request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT, "Accept-Encoding": "identity",
                                                    **(headers or {})})
     try:
-        response = urllib.request.urlopen(request, timeout=timeout)
+        response = (urllib.request.urlopen if redirects else _NO_REDIRECTS.open)(request, timeout=timeout)
     except urllib.error.HTTPError as error:  # a status >= 400 is still an answer
         with error:
             body = _read(error, deadline, max_bytes, url) if error.fp is not None else b""

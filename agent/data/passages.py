@@ -52,8 +52,14 @@ def _clean(text: str) -> str:
 
 def html_blocks(html: bytes | str, url: str | None = None) -> Extracted:
     """The readable blocks of an HTML page (trafilatura), each with the heading it sits under."""
-    import trafilatura
-    from lxml import etree
+    try:
+        import trafilatura
+        from lxml import etree
+    except ImportError:
+        from agent.data import DataSourceError
+
+        raise DataSourceError("reading HTML needs trafilatura: pip install 'infernet-agent[data]' "
+                              "(make setup installs it)") from None
 
     xml = trafilatura.extract(html, url=url, output_format="xml", with_metadata=True, include_comments=False,
                               include_tables=True, include_images=False, include_links=False, deduplicate=False)

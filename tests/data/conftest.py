@@ -4,6 +4,7 @@ a huge page, a flaky page (503 once), and a search API speaking ValueSerp's JSON
 
 from __future__ import annotations
 
+import gzip
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -99,6 +100,16 @@ def make_handler(site: Site):
                        + "".join(f"<url><loc>{site.url(u)}</loc><lastmod>2024-05-01</lastmod></url>" for u in urls)
                        + "</urlset>")
                 return self.send(200, xml.encode(), "application/xml")
+            if parts.path == "/sitemap-index.xml.gz":  # a gzipped sitemap index pointing at the sitemap
+                xml = ('<?xml version="1.0"?><sitemapindex xmlns="http://www.sitemaps.org/schemas/sitemap/0.9">'
+                       f'<sitemap><loc>{site.url("/sitemap.xml")}</loc></sitemap></sitemapindex>')
+                return self.send(200, gzip.compress(xml.encode()), "application/x-gzip")
+            if parts.path.startswith("/go/"):  # /go/PATH redirects to /PATH
+                self.send_response(302)
+                self.send_header("Location", "/" + parts.path[len("/go/"):])
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             if parts.path in PAGES:
                 return self.send(200, PAGES[parts.path], "text/html; charset=utf-8")
             if parts.path == "/notes.md":

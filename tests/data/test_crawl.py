@@ -55,13 +55,22 @@ def test_sitemap_crawl_obeys_robots_caps_and_dedupes(site, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rivers.jsonl"]  # no temp file left behind
 
 
-def test_text_summary_names_counts_and_skips(site, tmp_path):
+def test_text_summary_redirects_and_a_gzipped_sitemap_index(site, tmp_path):
     urls = tmp_path / "urls.txt"
-    urls.write_text(f"# two pages\n{site.url('/articles/alps.html')}\n\n{site.url('/missing.html')}\n")
+    urls.write_text(f"# three pages\n{site.url('/go/articles/alps.html')}\n\n{site.url('/missing.html')}\n"
+                    f"{site.url('/go/private/secret.html')}\n")
     out = tmp_path / "alps.jsonl"
     done = cli("train", "data", "--urls", str(urls), "--out", str(out), *FAST, check=True)
-    assert f"wrote 1 records" in done.stdout and "1 HTTP 404" in done.stdout and f"{site.url('/missing.html')}: HTTP 404" in done.stdout
-    assert assistant_texts(out) == [ALPS]
+    assert "wrote 1 records" in done.stdout and "1 HTTP 404" in done.stdout
+    assert f"{site.url('/missing.html')}: HTTP 404" in done.stdout
+    assert f"robots.txt disallows (redirected to {site.url('/private/secret.html')})" in done.stdout
+    assert "/private/secret.html" not in site.requests  # the redirect's target is checked before it is asked for
+    assert [r.meta["source_url"] for r in read_chatml(out).records] == [site.url("/articles/alps.html")]
+
+    indexed = tmp_path / "indexed.jsonl"
+    report = json.loads(cli("train", "data", "--sitemap", site.url("/sitemap-index.xml.gz"), "--num", "3",
+                            "--out", str(indexed), "--json", *FAST, check=True).stdout)
+    assert report["documents"] == 3 and report["records"] == 4  # rivers (2), danube (delta; its Danube is a dup), alps
 
 
 def test_search_through_valueserp_shape(site, tmp_path, monkeypatch):
@@ -193,3 +202,33 @@ def test_http_get_caps_a_declared_length_before_reading(site):
         assert error.reason == "too large" and "limit 100" in error.detail
     else:
         raise AssertionError("a page over the cap was read")
+
+
+def test_progress_bar_only_on_a_terminal(tmp_path):
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    from tests.cli.conftest import REPO
+
+    (tmp_path / "alps.md").write_text(f"# The Alps\n\n{ALPS}\n")
+    master, slave = pty.openpty()
+    process = subprocess.Popen([sys.executable, "-m", "agent.cli", "train", "data", "--dir", str(tmp_path),
+                                "--out", str(tmp_path / "out.jsonl")], stdout=subprocess.PIPE, stderr=slave,
+                               cwd=REPO, env=dict(os.environ, TERM="xterm", COLUMNS="100"))
+    os.close(slave)
+    stdout, _ = process.communicate(timeout=60)
+    terminal = b""
+    while True:
+        try:
+            part = os.read(master, 65536)
+        except OSError:  # the other end is closed
+            break
+        if not part:
+            break
+        terminal += part
+    os.close(master)
+    assert process.returncode == 0 and stdout.startswith(b"wrote 1 records")
+    assert b"fetching" in terminal and b"1/1" in terminal  # on stderr, the terminal; never on stdout
+    assert b"fetching" not in stdout
