@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import socket
 
+import pytest
+
 from agent.data.crawl import FetchPolicy, PoliteFetcher, Skipped
 from agent.data.http import FetchFailed, http_get
 from agent.data.passages import Block, chunk, html_blocks, markdown_blocks
@@ -89,13 +91,18 @@ def test_search_through_valueserp_shape(site, tmp_path, monkeypatch):
 
 
 def test_search_key_from_config_and_the_agent_still_loads_it(site, tmp_path):
-    from agent.config import load_config
+    from agent.config import ConfigError, load_config
 
     home = tmp_path / "home"
     cli("agent", "init", "--home", str(home), check=True)
     config = home / "config.toml"
-    config.write_text(config.read_text() + '\n[search]\nvalueserp_api_key = "test-key"\n')
+    with_key = config.read_text() + '\n[search]\nvalueserp_api_key = "test-key"\n'
+    config.write_text(with_key)
     assert load_config(home).threads == 1  # [search] is not an agent key, and not an error
+    (home / "config.toml").write_text('search = "key"\n')
+    with pytest.raises(ConfigError, match="search: expected a table"):
+        load_config(home)
+    config.write_text(with_key)
     out = tmp_path / "search.jsonl"
     done = cli("train", "data", "--query", "rivers", "--domains", "127.0.0.1", "--num", "1", "--out", str(out),
                "--home", str(home), *FAST, env={"VALUESERP_API_KEY": "", "INFERNET_SEARCH_ENDPOINT": site.url("/search")})
@@ -183,8 +190,11 @@ def test_extraction_drops_boilerplate_and_keeps_headings():
 def test_retries_and_per_host_delay(site):
     sleeps: list[float] = []
     now = [0.0]
-    fetcher = PoliteFetcher(FetchPolicy(timeout=5, retries=1, delay=3.0), sleep=lambda s: (sleeps.append(s), now.__setitem__(0, now[0] + s)),
-                            clock=lambda: now[0])
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        now[0] += seconds
+
+    fetcher = PoliteFetcher(FetchPolicy(timeout=5, retries=1, delay=3.0), sleep=sleep, clock=lambda: now[0])
     assert fetcher.get(site.url("/flaky.html")).status == 200  # 503 with Retry-After: 0, then 200
     assert site.requests == ["/robots.txt", "/flaky.html", "/flaky.html"]
     assert sleeps == [3.0, 0, 3.0]  # the host's delay before each request; Retry-After 0 between the tries
