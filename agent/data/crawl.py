@@ -408,7 +408,8 @@ def gather_documents(fetcher: PoliteFetcher, *, query: str | None = None, domain
                      urls_file: Path | None = None, sitemaps: Sequence[str] = (),
                      directory: Path | None = None) -> list[Document]:
     """The documents of every source given, in order (search, URL list, sitemaps, directory), each URL
-    once, at most ``num`` in all when it is set (the search asks for ``num``, 10 if unset)."""
+    once and only on ``domains`` when some are given, at most ``num`` in all when it is set (the search
+    asks for ``num``, 10 if unset)."""
     urls: list[str] = []
     if query is not None:
         if provider is None:
@@ -421,8 +422,9 @@ def gather_documents(fetcher: PoliteFetcher, *, query: str | None = None, domain
     if urls_file is not None:
         urls += read_url_list(urls_file)
     for sitemap in sitemaps:
-        found = read_sitemap(fetcher, sitemap)
-        urls += [u for u in found if not domains or _in_domains(u, domains)]
+        urls += read_sitemap(fetcher, sitemap)
+    if domains:
+        urls = [u for u in urls if _in_domains(u, domains)]
     documents = [Document(u) for u in dict.fromkeys(normalize_url(u) for u in urls)]
     if directory is not None:
         documents += local_documents(directory)
