@@ -85,6 +85,10 @@ gossip_max_burst = 400.0
 # Base models held locally: the name a job's base_model uses = a local Hugging Face directory.
 [models]
 # "Qwen/Qwen2.5-0.5B-Instruct" = "/srv/models/qwen2.5-0.5b-instruct"
+
+# Web search for `infernet train data --query` (not used by the agent). VALUESERP_API_KEY overrides it.
+# [search]
+# valueserp_api_key = "..."
 """
 
 _TYPES: dict[str, type | tuple[type, ...]] = {
@@ -130,6 +134,9 @@ def load_config(home: Path, **overrides: Any) -> "AgentConfig":
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"{path}: not a readable TOML config: {exc}") from None
     known = {f.name for f in fields(AgentConfig)} - {"home", "misbehave"}
+    if "search" in values:  # [search]: API keys of `infernet train data` (agent/data/search.py), not the agent's
+        if not isinstance(values.pop("search"), dict):
+            raise ConfigError(f"{path}:{_line_of(text, 'search')}: search: expected a table")
     for key, value in values.items():
         where = f"{path}:{_line_of(text, key)}" if _line_of(text, key) else str(path)
         if key not in known:
