@@ -47,6 +47,21 @@ def data_parallel() -> tuple[int, int]:
     return 1, 0
 
 
+def same_on_every_rank(digest: bytes, device: str = "cpu") -> bool:
+    """True when every rank of the data-parallel group passed the same ``digest`` (always, alone).
+    Every rank must call it at the same point; every rank gets the same answer."""
+    world, _ = data_parallel()
+    if world == 1:
+        return True
+    import torch.distributed as dist
+
+    mine = torch.tensor(list(digest), dtype=torch.int64, device=device)
+    low, high = mine.clone(), mine.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    return bool(torch.equal(low, high))
+
+
 def step_seed(seed: int, step: int) -> int:
     digest = hashlib.sha256(b"infernet/step-rng/v1\0" + struct.pack("<QQ", seed, step)).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)

@@ -1,0 +1,85 @@
+"""One worker, several processes (agent/train/parallel.py): two gloo ranks on the CPU through the
+backend the worker selects, against one process; the proof replays in one process within tolerance."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from agent.train.backends import PeftBackend, select_backend
+from agent.train.config import TrainConfig, TrainError
+from agent.train.parallel import DataParallelBackend, plan_processes, split_for
+from agent.train.recorder import checkpoint_name
+from agent.train.replay import relative_l2, verify_segment
+from agent.train.run import TrainRequest
+from protocol.proof import Commitment
+
+
+def test_each_rank_gets_a_micro_batch_and_the_effective_batch_is_kept():
+    config = TrainConfig(batch_size=8, gradient_accumulation_steps=1)
+    assert split_for(config, 1) is config
+    assert split_for(config, 2).micro_batch == 4 and split_for(config, 2).samples_per_step == 8
+    assert split_for(config, 3).micro_batch == 2  # 4 micro-batches over 3 ranks: none idles
+    assert split_for(config, 16).micro_batch == 1
+    # never larger than what the worker chose for its VRAM
+    assert split_for(config.with_(micro_batch_size=1), 2).micro_batch == 1
+    assert split_for(TrainConfig(batch_size=6, gradient_accumulation_steps=2), 4).micro_batch == 3
+
+
+def test_processes_follow_the_operator_else_the_gpus():
+    assert plan_processes(0, 0) == 1 and plan_processes(0, 1) == 1 and plan_processes(0, 4) == 4
+    assert plan_processes(2, 0) == 2 and plan_processes(1, 8) == 1  # 1: the operator wants one process
+    assert isinstance(select_backend("peft", 2), DataParallelBackend)
+    assert isinstance(select_backend("peft", 1), PeftBackend)
+    with pytest.raises(ValueError):
+        DataParallelBackend(1)
+
+
+def test_two_gloo_processes_train_what_one_process_trains_and_one_process_verifies_it(
+        tmp_path, base_config, demo_files):
+    config = split_for(base_config.with_(max_steps=4, checkpoint_every=2, dropout=0.0), 2)
+    assert config.micro_batch == 4
+    runs, events = {}, {"single": [], "ddp": []}
+    for name, backend in (("single", PeftBackend()), ("ddp", select_backend("peft", 2))):
+        request = TrainRequest(config, demo_files["shard0"], tmp_path / name / "run", job_id=bytes(range(32)),
+                               worker="12D3KooWTestWorker")
+        runs[name] = backend.train(request, events[name].append)
+    single, ddp = runs["single"], runs["ddp"]
+    assert ddp.environment["data_parallel"] == 2 and "data_parallel" not in single.environment
+    assert ddp.environment["micro_batch"] == single.environment["micro_batch"] == 4
+
+    # the adapter: the same within float summation order
+    drift = relative_l2(load_file(str(ddp.adapter_dir / "adapter_model.safetensors")),
+                        load_file(str(single.adapter_dir / "adapter_model.safetensors")))
+    assert max(drift.values()) < 1e-5, max(drift.values())
+    # the chain: the same steps, the same samples (the digest names every rank's), losses within tolerance
+    chains = {name: Commitment.from_json(json.loads((run.run_dir / "proof.json").read_text()))
+              for name, run in runs.items()}
+    assert [link.step for link in chains["ddp"].links] == [link.step for link in chains["single"].links] == [2, 4]
+    assert [link.batches_digest for link in chains["ddp"].links] == [link.batches_digest for link in chains["single"].links]
+    for a, b in zip(chains["ddp"].links, chains["single"].links):
+        assert a.loss == pytest.approx(b.loss, rel=1e-5)
+    assert chains["ddp"].head == ddp.head
+    # rank 0's checkpoints were announced as they happened, with the heads of the proof
+    assert [e.head for e in events["ddp"]][-1] == ddp.head and len(events["ddp"]) == 2
+    # a verifier in one process replays every segment of the two-process proof. Its environment differs
+    # (data_parallel), so the tolerance applies; with two ranks the sum g0 + g1 is even bit for bit one
+    # process's, so the hashes may well match
+    for index, link in enumerate(chains["ddp"].links):
+        start_step = chains["ddp"].segment_start(index)[0]
+        checkpoints = ddp.run_dir / "checkpoints"
+        verdict = verify_segment(chains["ddp"], index, start=checkpoints / checkpoint_name(start_step),
+                                 end=checkpoints / checkpoint_name(link.step), shard=demo_files["shard0"],
+                                 config=config.with_(micro_batch_size=0), claimed_head=ddp.head)
+        assert verdict.accepted, verdict
+    # nothing of the group is left behind
+    assert not list((tmp_path / "ddp").glob(".*")) and not list((tmp_path / "ddp").glob("rank-*"))
+
+
+def test_a_failing_rank_ends_the_group_with_its_own_reason(tmp_path, base_config, demo_files):
+    config = base_config.with_(max_steps=2, base_model_sha256="0" * 64)
+    request = TrainRequest(config, demo_files["shard0"], tmp_path / "run")
+    with pytest.raises(TrainError, match="a different model"):
+        DataParallelBackend(2).train(request)
