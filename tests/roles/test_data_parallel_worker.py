@@ -8,7 +8,14 @@ import pytest
 from protocol import state as st
 from tests.roles.conftest import fast_spec, network, write_dataset
 
-pytestmark = [pytest.mark.network, pytest.mark.slow]
+def _one_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() < 2
+
+
+pytestmark = [pytest.mark.network, pytest.mark.slow,
+              pytest.mark.skipif(_one_gpu(), reason="two ranks need two GPUs on a CUDA machine (one per GPU)")]
 
 
 async def test_a_two_process_worker_is_verified_by_a_one_process_coordinator(tmp_path, tiny_model_dir):

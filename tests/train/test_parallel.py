@@ -39,7 +39,7 @@ def test_processes_follow_the_operator_else_the_gpus():
 
 def test_two_gloo_processes_train_what_one_process_trains_and_one_process_verifies_it(
         tmp_path, base_config, demo_files):
-    config = split_for(base_config.with_(max_steps=4, checkpoint_every=2, dropout=0.0), 2)
+    config = split_for(base_config.with_(max_steps=4, checkpoint_every=2, dropout=0.0, device="cpu"), 2)  # gloo
     assert config.micro_batch == 4
     runs, events = {}, {"single": [], "ddp": []}
     for name, backend in (("single", PeftBackend()), ("ddp", select_backend("peft", 2))):
@@ -78,8 +78,34 @@ def test_two_gloo_processes_train_what_one_process_trains_and_one_process_verifi
     assert not list((tmp_path / "ddp").glob(".*")) and not list((tmp_path / "ddp").glob("rank-*"))
 
 
+def test_more_processes_than_gpus_is_one_line_before_any_work(tmp_path, base_config, demo_files):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA machine")
+    n = torch.cuda.device_count() + 1
+    with pytest.raises(TrainError, match=f"^{n} training processes asked for, but torch sees {n - 1} CUDA device"):
+        DataParallelBackend(n).train(TrainRequest(base_config, demo_files["shard0"], tmp_path / "run"))
+
+
 def test_a_failing_rank_ends_the_group_with_its_own_reason(tmp_path, base_config, demo_files):
-    config = base_config.with_(max_steps=2, base_model_sha256="0" * 64)
+    config = base_config.with_(max_steps=2, base_model_sha256="0" * 64, device="cpu")
     request = TrainRequest(config, demo_files["shard0"], tmp_path / "run")
     with pytest.raises(TrainError, match="a different model"):
         DataParallelBackend(2).train(request)
+
+
+def test_train_processes_is_range_checked_in_the_config_file(tmp_path):
+    from agent.config import ConfigError, load_config
+
+    config = tmp_path / "config.toml"
+    config.write_text("threads = 2\ntrain_processes = 2\n")
+    assert load_config(tmp_path).train_processes == 2
+    for value, message in [("65", "must be between 0 and 64 (0: one per CUDA device), got 65"),
+                           ("-1", "must be between 0 and 64 (0: one per CUDA device), got -1"),
+                           ("1.5", "expected an integer, got float")]:
+        config.write_text(f"threads = 2\ntrain_processes = {value}\n")
+        with pytest.raises(ConfigError) as error:
+            load_config(tmp_path)
+        assert str(error.value) == f"{config}:2: train_processes: {message}"
+    assert load_config(tmp_path.with_name("absent")).train_processes == 0  # default: one per CUDA device
