@@ -39,12 +39,14 @@ def test_processes_follow_the_operator_else_the_gpus():
 
 def test_two_gloo_processes_train_what_one_process_trains_and_one_process_verifies_it(
         tmp_path, base_config, demo_files):
-    config = split_for(base_config.with_(max_steps=4, checkpoint_every=2, dropout=0.0, device="cpu"), 2)  # gloo
+    # dropout on: the masks must not depend on which rank runs a micro-batch (reseeded per micro-batch)
+    config = split_for(base_config.with_(max_steps=4, checkpoint_every=2, dropout=0.1, device="cpu"), 2)  # gloo
     assert config.micro_batch == 4
     runs, events = {}, {"single": [], "ddp": []}
     for name, backend in (("single", PeftBackend()), ("ddp", select_backend("peft", 2))):
-        request = TrainRequest(config, demo_files["shard0"], tmp_path / name / "run", job_id=bytes(range(32)),
-                               worker="12D3KooWTestWorker")
+        # the one-process reference follows the data-parallel RNG rule, as a verifier's replay does
+        request = TrainRequest(config.with_(micro_batch_rng=name == "single"), demo_files["shard0"],
+                               tmp_path / name / "run", job_id=bytes(range(32)), worker="12D3KooWTestWorker")
         runs[name] = backend.train(request, events[name].append)
     single, ddp = runs["single"], runs["ddp"]
     assert ddp.environment["data_parallel"] == 2 and "data_parallel" not in single.environment
@@ -54,6 +56,11 @@ def test_two_gloo_processes_train_what_one_process_trains_and_one_process_verifi
     drift = relative_l2(load_file(str(ddp.adapter_dir / "adapter_model.safetensors")),
                         load_file(str(single.adapter_dir / "adapter_model.safetensors")))
     assert max(drift.values()) < 1e-5, max(drift.values())
+    # without the rule, one process draws other dropout masks: far outside the tolerance
+    plain = PeftBackend().train(TrainRequest(config, demo_files["shard0"], tmp_path / "plain" / "run"))
+    drift = relative_l2(load_file(str(ddp.adapter_dir / "adapter_model.safetensors")),
+                        load_file(str(plain.adapter_dir / "adapter_model.safetensors")))
+    assert max(drift.values()) > 1e-3, max(drift.values())
     # the chain: the same steps, the same samples (the digest names every rank's), losses within tolerance
     chains = {name: Commitment.from_json(json.loads((run.run_dir / "proof.json").read_text()))
               for name, run in runs.items()}
