@@ -116,3 +116,14 @@ def test_train_processes_is_range_checked_in_the_config_file(tmp_path):
             load_config(tmp_path)
         assert str(error.value) == f"{config}:2: train_processes: {message}"
     assert load_config(tmp_path.with_name("absent")).train_processes == 0  # default: one per CUDA device
+
+
+def test_the_micro_batch_seed_is_the_documented_hash():
+    import hashlib
+    import struct
+
+    from agent.train.loop import micro_seed, step_seed
+
+    digest = hashlib.sha256(b"infernet/micro-rng/v1\0" + struct.pack("<QQQ", 7, 3, 1)).digest()
+    assert micro_seed(7, 3, 1) == int.from_bytes(digest[:8], "little") & (2**63 - 1)
+    assert len({micro_seed(7, 3, j) for j in range(4)} | {step_seed(7, 3)}) == 5
