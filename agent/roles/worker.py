@@ -13,7 +13,8 @@ Rules of this file:
 - One worker, several GPUs: a peft shard is trained data-parallel by ``train_processes`` processes
   (0: one per CUDA device we measured; agent/train/parallel.py): NCCL on the GPUs, gloo on the CPU,
   each rank given at least one micro-batch; rank 0 records the proof, which a verifier replays in one
-  process within the tolerance (IPIP-0005 §6.1).
+  process within the tolerance (IPIP-0005 §6.1). On a CUDA machine, more processes than GPUs is a
+  refusal of every peft job (one process per GPU), said once per job, not a shard given back each time.
 - We claim an OPEN shard while we hold fewer than ``max_concurrent_shards`` leases; the coordinator
   decides. On a lease for us: fetch the shard by CID (every block hash-checked by the content
   room), check the local base model's content hash against the job's, and only then train. A
@@ -72,6 +73,11 @@ class WorkerRole:
             return f"base model {terms.base_model!r} is not available locally"
         if terms.price_per_hour < config.min_price_per_hour:
             return f"price {terms.price_per_hour}/h is below our minimum {config.min_price_per_hour}/h"
+        machine = self.agent.machine
+        if terms.runtime == "peft" and machine is not None and machine.cuda and \
+                config.train_processes > len(machine.cuda):
+            return (f"train_processes = {config.train_processes}, but this machine has {len(machine.cuda)} "
+                    "CUDA device(s): one training process per GPU")
         reasons = training_refusals(self.agent.capability(), terms)
         return "; ".join(reasons) if reasons else None
 
