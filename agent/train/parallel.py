@@ -40,6 +40,8 @@ from agent.train.run import TrainRequest, TrainResult
 
 RENDEZVOUS_FILE = ".rendezvous"
 REQUEST_FILE = ".parallel-request.json"
+FINISH_SECONDS = 60.0
+"""How long the ranks may take to exit after rank 0 reported its result."""
 
 
 def split_for(config: TrainConfig, processes: int) -> TrainConfig:
@@ -116,7 +118,11 @@ class DataParallelBackend:
                 if child.poll() is None and result is None:
                     child.kill()
             for child in children:
-                child.wait()
+                try:
+                    child.wait(timeout=FINISH_SECONDS)  # the others end right after rank 0's last step
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
             watcher.join()
         if result is not None and all(child.returncode == 0 for child in children):
             return result
