@@ -62,6 +62,8 @@ async def test_a_private_job_on_a_cid_dataset_completes_sealed_and_its_ledger_is
         assert detail["model_sha256"] == view.terms.base_model_sha256.hex()
         assert [s["cid"] for s in detail["shard_cids"]] == [s.cid for s in view.terms.shards]
         assert detail["parameters"]["lora"]["rank"] == 4 and detail["price_per_hour"] == 2.5
+        text = "\n".join(jobdata.facts_text(detail))
+        assert cid in text and "cost so far" in text and "private" in text
 
         # sealed: the CID names sealed bytes; the submitter opens them, a worker cannot
         final = view.aggregates[1]
