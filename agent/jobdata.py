@@ -41,10 +41,26 @@ def cost_so_far(chains: dict[bytes, list[Any]]) -> float:
     return round(sum(seen.values()), 9)
 
 
+def readable_chains(store: Any, job_id: bytes) -> tuple[dict[bytes, list[Any]], dict[bytes, str]]:
+    """The chains we hold that verify (protocol/ledger.verify_chain), and for each other one why not."""
+    from protocol.ledger import LedgerEntry, LedgerError, verify_chain
+
+    good, bad = {}, {}
+    for author, rows in store.chain_rows(job_id).items():
+        try:
+            entries = [LedgerEntry.decode(e, sig) for e, sig in rows]
+            verify_chain(entries, job_id, author)
+        except LedgerError as exc:
+            bad[author] = str(exc)
+            continue
+        good[author] = entries
+    return good, bad
+
+
 def job_facts(agent: "Agent", view: Any) -> dict:
     """What ``job show`` adds to a job's detail: when and what was asked, at what price, what it cost."""
     terms = view.terms
-    chains = agent.store.chains(view.job_id)
+    chains, _ = readable_chains(agent.store, view.job_id)
     return {
         "created": terms.created,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(terms.created)),
@@ -74,7 +90,7 @@ async def _job_ledger(agent: "Agent", job: str, export: str | None = None, sync:
     from agent.control import _find_job, _plain
     from agent.ledger_sync import sync_job
     from protocol.codec import canonical_encode
-    from protocol.ledger import export_document, verify_chain
+    from protocol.ledger import export_document
 
     view = _find_job(agent, job)
     synced = await sync_job(agent, view) if sync else None
@@ -84,22 +100,23 @@ async def _job_ledger(agent: "Agent", job: str, export: str | None = None, sync:
         agent.store.verify_ledger(view.job_id)
     except Exception as exc:  # noqa: BLE001 - LedgerError: reported, not raised
         problem = str(exc)
-    chains = agent.store.chains(view.job_id)
-    summary = []
-    for author, chain in chains.items():
-        try:
-            verify_chain(chain, view.job_id, author)
-            ok = None
-        except Exception as exc:  # noqa: BLE001 - reported
-            ok = str(exc)
-        summary.append({"author": chain[0].signer_peer_id if chain else "", "entries": len(chain),
-                        "head": chain[-1].hash.hex() if chain else None, "problem": ok})
+    from protocol.identity import peer_id_from_public_key
+
+    chains, bad = readable_chains(agent.store, view.job_id)
+    summary = [{"author": peer_id_from_public_key(author), "entries": len(chain), "head": chain[-1].hash.hex(),
+                "problem": None} for author, chain in chains.items()]
+    summary += [{"author": peer_id_from_public_key(author), "entries": None, "head": None, "problem": problem}
+                for author, problem in bad.items()]
     conflicts = agent.store.conflicts(view.job_id)
     out = {"id": view.job_id.hex(), "verified": problem is None, "problem": problem, "length": len(entries),
            "entries": [{"seq": e.seq, "time": e.time, "peer": e.peer, "kind": e.kind, "signer": e.signer_peer_id,
                         "hash": e.hash.hex(), "data": _plain(e.data)} for e in entries],
            "chains": summary, "conflicts": conflicts, "synced": synced}
     if export:
+        if bad:
+            from agent.control import ControlError
+
+            raise ControlError(f"not exported: a chain we hold does not verify: {next(iter(bad.values()))}")
         target = Path(export)
         document = export_document(view.job_id, canonical_encode(view.terms.to_wire()), chains, conflicts)
         _write_atomically(target, json.dumps(document, indent=1).encode() + b"\n")
@@ -177,7 +194,8 @@ def cmd_job_ledger(args: Any, home: Path, emit: Any) -> int:
         x = ledger["exported"]
         lines.append(f"exported {x['chains']} chains, {x['entries']} entries to {x['path']}")
     emit(args, ledger, "\n".join(lines))
-    return 0 if ledger["verified"] and not ledger["conflicts"] else 1
+    ok = ledger["verified"] and not ledger["conflicts"] and not any(c["problem"] for c in ledger["chains"])
+    return 0 if ok else 1
 
 
 def cmd_ledger_verify(args: Any, emit: Any) -> int:

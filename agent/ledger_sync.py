@@ -15,7 +15,7 @@ Limits: at most MAX_ENTRIES entries and MAX_BYTES bytes in all, each frame at mo
 
 Trust: every entry is decoded and its signature checked (protocol/ledger.LedgerEntry.decode); the
 entries of one signer must form a whole chain from seq 0 (protocol/ledger.verify_chain), else that
-chain is refused and the server logged as faulty. A verified chain is compared with our copy
+chain is refused and kept as an "invalid" conflict naming the server (its copy is bad). A verified chain is compared with our copy
 (protocol/ledger.compare_chain): a longer one extends it; a different entry at a seq we hold is a
 fork, proven by two entries the author signed; the author serving fewer entries than we hold of
 its own chain is a truncation; a copy of *our own* chain longer than ours or different from it
@@ -57,9 +57,9 @@ END = varint_encode(0)
 def frames_for(store: Any, job_id: bytes) -> list[bytes]:
     """What we serve for ``job_id``: every entry of every chain we hold, as frames' payloads."""
     out, total = [], 0
-    for entries in store.chains(job_id).values():
-        for entry in entries:
-            data = canonical_encode([entry.encoded, entry.signature])
+    for rows in store.chain_rows(job_id).values():
+        for encoded, signature in rows:
+            data = canonical_encode([encoded, signature])
             if len(out) >= MAX_ENTRIES or total + len(data) > MAX_BYTES:
                 return out
             out.append(data)
@@ -117,27 +117,45 @@ async def fetch_chains(host: Any, peer: str, job_id: bytes, timeout: float = TIM
         await (close_quietly(stream) if ok else reset_quietly(stream))
 
 
-def served_chains(pairs: list[tuple[bytes, bytes]], job_id: bytes, server: str) -> tuple[dict[bytes, list[LedgerEntry]], list[str]]:
-    """The served entries grouped into verified chains by author; and one line per chain refused."""
+def served_chains(pairs: list[tuple[bytes, bytes]], job_id: bytes,
+                  server: str) -> tuple[dict[bytes, list[LedgerEntry]], list[ChainConflict]]:
+    """The served entries grouped into verified chains by author; and an "invalid" conflict for each
+    chain refused (an entry that does not verify, a gap, a broken link: the server's copy is bad)."""
     by_author: dict[bytes, list[LedgerEntry]] = {}
-    problems: list[str] = []
+    bad: dict[bytes, ChainConflict] = {}
     for encoded, signature in pairs:
         try:
             entry = LedgerEntry.decode(encoded, signature)
         except LedgerError as exc:
-            problems.append(f"{server} sent an entry that does not verify: {exc}")
+            author = _claimed_signer(encoded)
+            if author not in bad:
+                bad[author] = ChainConflict("invalid", author, server, exc.seq if exc.seq is not None else -1, 0, 0,
+                                            problem=exc.problem)
             continue
         if entry.job_id == job_id:
             by_author.setdefault(entry.signer, []).append(entry)
     chains = {}
     for author, entries in by_author.items():
+        if author in bad:
+            continue
         try:
             verify_chain(entries, job_id, author)
         except LedgerError as exc:
-            problems.append(f"{server}'s copy of {peer_id_from_public_key(author)}'s chain refused: {exc}")
+            bad[author] = ChainConflict("invalid", author, server, exc.seq if exc.seq is not None else -1, 0,
+                                        len(entries), problem=exc.problem)
             continue
         chains[author] = entries
-    return chains, problems
+    return chains, list(bad.values())
+
+
+def _claimed_signer(encoded: bytes) -> bytes:
+    """The signer an undecodable entry claims (for naming whose chain a bad copy is), else 32 zero bytes."""
+    try:
+        wire = decode_canonical(encoded, max_bytes=MAX_ENTRY_BYTES)
+    except CodecError:
+        return bytes(32)
+    signer = wire.get("signer") if isinstance(wire, dict) else None
+    return signer if isinstance(signer, bytes) and len(signer) == 32 else bytes(32)
 
 
 def absorb(store: Any, job_id: bytes, chains: dict[bytes, list[LedgerEntry]], server: str,
@@ -178,10 +196,9 @@ async def sync_job(agent: Any, view: Any, peers: list[str] | None = None, timeou
         except (NetError, PeerProtocolError, trio.TooSlowError) as exc:
             log.info("job %s: ledger sync with %s failed: %s", view.job_id.hex()[:8], peer[-8:], exc)
             continue
-        chains, problems = served_chains(pairs, view.job_id, peer)
-        for problem in problems:
-            log.warning("job %s: ledger: %s", view.job_id.hex()[:8], problem)
+        chains, invalid = served_chains(pairs, view.job_id, peer)
         n, found = absorb(agent.store, view.job_id, chains, peer, agent.clock())
+        found += [c for c in invalid if agent.store.record_conflict(view.job_id, c, agent.clock())]
         added += n
         for conflict in found:
             log.warning("job %s: ledger conflict: %s", view.job_id.hex()[:8], conflict.describe())

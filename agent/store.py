@@ -580,17 +580,24 @@ class Store:
 
     # -- copies of the other peers' chains (ipips/0008-ledger.md §5) --------------------------------
 
-    def chains(self, job_id: bytes) -> dict[bytes, list[LedgerEntry]]:
-        """Every chain of the job we hold, by author's public key: our own and our copies of the others'."""
-        out: dict[bytes, list[LedgerEntry]] = {}
-        own = self.ledger(job_id)
+    def chain_rows(self, job_id: bytes) -> dict[bytes, list[tuple[bytes, bytes]]]:
+        """Every chain of the job we hold as stored ``(entry, signature)`` rows, by author, not decoded
+        (what we serve: the receiver checks every entry)."""
+        out: dict[bytes, list[tuple[bytes, bytes]]] = {}
+        own = self._rows("SELECT entry, signature FROM ledger WHERE job_id = ? ORDER BY seq", (job_id,))
         if own:
             out[self.identity.public_key] = own
-        for (author,) in self._rows("SELECT DISTINCT author FROM ledger_copies WHERE job_id = ? ORDER BY author",
-                                    (job_id,)):
+        for author, entry, signature in self._rows(
+                "SELECT author, entry, signature FROM ledger_copies WHERE job_id = ? ORDER BY author, seq", (job_id,)):
             if author != self.identity.public_key:
-                out[author] = self.ledger_copy(job_id, author)
+                out.setdefault(author, []).append((entry, signature))
         return out
+
+    def chains(self, job_id: bytes) -> dict[bytes, list[LedgerEntry]]:
+        """Every chain of the job we hold, by author's public key: our own and our copies of the others'.
+        Each entry is re-checked (LedgerError names the first that does not verify)."""
+        return {author: [LedgerEntry.decode(e, sig) for e, sig in rows]
+                for author, rows in self.chain_rows(job_id).items()}
 
     def ledger_copy(self, job_id: bytes, author: bytes) -> list[LedgerEntry]:
         """Our copy of ``author``'s chain of the job (our own chain for our own key), each entry re-checked."""

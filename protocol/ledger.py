@@ -185,7 +185,8 @@ class ChainConflict:
     """What a copy of ``author``'s chain served by ``server`` shows against the one we hold.
 
     ``kind`` is "fork" (a different entry at ``seq``, both signed by the author: ``held`` and ``served``
-    are that proof) or "truncated" (the author itself served ``served_length`` < ``held_length`` entries)."""
+    are that proof), "truncated" (the author itself served ``served_length`` < ``held_length`` entries)
+    or "invalid" (the served copy does not verify from ``seq``: the server's copy is bad, ``problem``)."""
 
     kind: str
     author: bytes
@@ -195,9 +196,12 @@ class ChainConflict:
     served_length: int
     held: Optional[LedgerEntry] = field(default=None, repr=False)
     served: Optional[LedgerEntry] = field(default=None, repr=False)
+    problem: str = ""  # "invalid": why the served copy was refused
 
     def describe(self) -> str:
-        who = peer_id_from_public_key(self.author)
+        who = peer_id_from_public_key(self.author) if any(self.author) else "an unknown author"
+        if self.kind == "invalid":
+            return f"invalid copy: {self.server} served {who}'s chain with a bad entry at seq {self.seq}: {self.problem}"
         if self.kind == "fork":
             return (f"fork: {who} signed two different entries at seq {self.seq} "
                     f"(held {self.held.hash.hex()[:16]}, served by {self.server} {self.served.hash.hex()[:16]})")

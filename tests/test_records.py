@@ -83,10 +83,17 @@ def test_served_junk_is_refused_per_chain(tmp_path):
         for i in range(2):
             worker.append_event(JOB, "checkpoint", {"round": 1, "shard": 0, "attempt": 1, "step": i, "loss": 1.0}, 1.0)
         pairs = _served(worker)
-        chains, problems = served_chains([pairs[1]], JOB, "peer")  # a chain with a gap
-        assert not chains and "refused" in problems[0] and "seq 0: missing" in problems[0]
-        chains, problems = served_chains([(pairs[0][0], bytes(64)), pairs[1]], JOB, "peer")
-        assert not chains and any("does not verify" in p for p in problems)
+        chains, invalid = served_chains([pairs[1]], JOB, "peer")  # a chain with a gap
+        assert not chains and [(c.kind, c.author, c.seq) for c in invalid] == [("invalid", WORKER.public_key, 0)]
+        assert invalid[0].describe().startswith(f"invalid copy: peer served {WORKER.peer_id}'s chain with a bad entry "
+                                                "at seq 0: missing")
+        chains, invalid = served_chains([(pairs[0][0], bytes(64)), pairs[1]], JOB, "peer")
+        assert not chains and "bad signature" in invalid[0].describe()
+        # a copy of ours that rots on disk is still served (raw): the receiver names it, we do not crash
+        worker._db.execute("UPDATE ledger SET signature = ? WHERE seq = 1", (bytes(64),))
+        from agent.ledger_sync import frames_for
+
+        assert len(frames_for(worker, JOB)) == 2
 
 
 def test_a_store_without_the_copy_tables_gets_them_on_open(tmp_path):

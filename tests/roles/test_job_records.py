@@ -135,4 +135,15 @@ async def test_a_private_job_on_a_cid_dataset_completes_sealed_and_its_ledger_is
         await sync_job(cutter, cutter.jobs[job_id], [submitter.peer_id])
         assert [(c["kind"], c["author"], c["server"]) for c in cutter.store.conflicts(job_id)] == \
             [("truncated", cutter.peer_id, submitter.peer_id)]
+        # a peer whose copy of someone else's chain was changed serves it: the receiver names the bad copy
+        victim = next(w for w in workers if w is not cutter)
+        submitter.store._db.execute("UPDATE ledger_copies SET signature = ? WHERE job_id = ? AND author = ? AND seq = 0",
+                                    (bytes(64), job_id, victim.identity.public_key))
+        other = next(w for w in workers if w is not victim)
+        await sync_job(other, other.jobs[job_id], [submitter.peer_id])
+        invalid = [c for c in other.store.conflicts(job_id) if c["kind"] == "invalid"]
+        assert [(c["author"], c["server"]) for c in invalid] == [(victim.peer_id, submitter.peer_id)], invalid
+        assert "bad signature" in invalid[0]["detail"]
+        shown = await jobdata._job_ledger(submitter, announced["id"])  # our own bad copy is reported, not raised
+        assert any(c["problem"] and "bad signature" in c["problem"] for c in shown["chains"])
         json.loads(export.read_text())  # the export written before the tampering is unchanged JSON
