@@ -36,6 +36,7 @@ import trio
 
 from agent.net.errors import NetError, PeerProtocolError
 from agent.net.streams import FrameReader, close_quietly, frame, remote_peer, reset_quietly
+from agent.store import StoreFullError
 from protocol.cid import varint_encode
 from protocol.codec import canonical_encode, decode_canonical
 from protocol.errors import CodecError
@@ -219,5 +220,7 @@ async def sync_loop(agent: Any, interval: float = INTERVAL) -> None:
                     continue
             try:
                 await sync_job(agent, view)
+            except StoreFullError as exc:  # no room for the copies: refuse new work, as for any write
+                agent.refuse_work(exc)
             except Exception as exc:  # noqa: BLE001 - the copies are best effort; the agent runs on
                 log.info("job %s: ledger sync: %s", view.job_id.hex()[:8], exc)
