@@ -40,7 +40,6 @@ from agent.store import StoreFullError
 from protocol.cid import varint_encode
 from protocol.codec import canonical_encode, decode_canonical
 from protocol.errors import CodecError
-from protocol.identity import peer_id_from_public_key
 from protocol.ledger import MAX_ENTRY_BYTES, ChainConflict, LedgerEntry, LedgerError, compare_chain, verify_chain
 
 log = logging.getLogger(__name__)
