@@ -392,11 +392,16 @@ def cmd_job_announce(args: argparse.Namespace) -> int:
     from protocol.jobspec import load_spec
 
     spec_path = args.spec.expanduser().resolve()
+    from protocol.jobspec import dataset_cid
+
     spec = load_spec(spec_path)  # a bad spec is reported here, before the agent is asked
-    dataset = (args.dataset or (spec_path.parent / spec.input.dataset)).expanduser().resolve()
-    if not dataset.is_file():
-        raise UserError(f"dataset {dataset}: no such file (give --dataset FILE or set input.dataset in {spec_path.name})")
-    job = request(_home(args), "job.announce", timeout=300, spec=str(spec_path), dataset=str(dataset))
+    dataset = None
+    if args.dataset or dataset_cid(spec.input.dataset) is None:  # else: a CID, fetched by the agent
+        dataset = (args.dataset or (spec_path.parent / spec.input.dataset)).expanduser().resolve()
+        if not dataset.is_file():
+            raise UserError(f"dataset {dataset}: no such file (give --dataset FILE or set input.dataset in {spec_path.name})")
+    job = request(_home(args), "job.announce", timeout=300, spec=str(spec_path),
+                  dataset=str(dataset) if dataset else None)
     _emit(args, job, f"announced job {job['id']}\n  {job['name']}: {job['shards']} shards x {job['rounds']} rounds\n"
                      f"next: infernet job watch {job['id'][:12]}")
     return 0

@@ -210,9 +210,7 @@ def _hardware_fields(cap: Any) -> dict:
 
 
 async def _job_announce(agent: "Agent", spec: str, dataset: str | None = None) -> dict:
-    from protocol.jobspec import load_spec
-
-    from protocol.jobspec import dataset_cid
+    from protocol.jobspec import dataset_cid, load_spec
 
     job_spec = load_spec(spec)
     cid = None if dataset else dataset_cid(job_spec.input.dataset)

@@ -32,6 +32,11 @@ Rules of this file:
   entries are signed by this agent's identity when appended, by other peers when imported.
   ``verify_ledger`` raises ``LedgerError`` naming the first bad seq (gap, broken chain, bad
   signature, malformed entry, stored columns that disagree with the entry).
+- Copies of the other peers' chains of a job (``ledger_copies``, keyed by author) and the conflicts
+  found between copies (``ledger_conflicts``; ipips/0008-ledger.md §5) are tables created when
+  missing at every open, without a schema version: an older agent opens the store and ignores them.
+  A copy only grows (``extend_copy``); it is never shortened or replaced. The entry rules themselves
+  live in protocol/ledger.py (re-exported here).
 - Only parameterised SQL; table and column names come from constants in this file.
 - A database written by a newer schema is refused with an error naming the file and both versions.
 - Damage is refused at open, never papered over: an existing store file that is empty (0 bytes:

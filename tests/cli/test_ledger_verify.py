@@ -1,4 +1,5 @@
-"""`infernet ledger verify FILE` checks an export file without an agent (IPIP-0008 §6); errors are one line."""
+"""`infernet ledger verify FILE` checks an export file without an agent (IPIP-0008 §6); errors are one line.
+Also the offline side of `data get` and of a spec whose dataset is a CID."""
 
 from __future__ import annotations
 
@@ -28,3 +29,14 @@ def test_data_get_without_an_agent_says_so(tmp_path):
     done = cli("data", "get", "bafkreifjjcie6lypi6ny7amxnfftagclbuxndqonfipmb64f2km2devei4", "--out",
                str(tmp_path / "f"), "--home", str(tmp_path / "nohome"))
     assert_one_line_error(done, "no agent is running")
+
+
+def test_a_spec_naming_its_dataset_by_cid_needs_no_local_file(tmp_path):
+    spec = tmp_path / "infernet.train.yml"
+    spec.write_text("name: x\nbase_model: infernet-tiny\n"
+                    "input: {dataset: 'ipfs://bafkreifjjcie6lypi6ny7amxnfftagclbuxndqonfipmb64f2km2devei4'}\n")
+    done = cli("job", "announce", str(spec), "--home", str(tmp_path / "nohome"))
+    assert_one_line_error(done, "no agent is running")  # not "no such file": the agent fetches the CID
+    spec.write_text("name: x\nbase_model: infernet-tiny\ninput: {dataset: 'ipfs://nope'}\n")
+    assert_one_line_error(cli("job", "announce", str(spec), "--home", str(tmp_path / "nohome")),
+                          "infernet.train.yml:3: input.dataset: not an IPFS CID")
