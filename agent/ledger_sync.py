@@ -22,6 +22,9 @@ its own chain is a truncation; a copy of *our own* chain longer than ours or dif
 means our store lost or changed entries. Conflicts are kept in the store, logged as warnings, and
 shown by ``infernet job ledger``.
 
+Only the chains of the job's participants (its submitter and whoever signed a stored message of
+it) are kept, each at most MAX_COPY entries: a stranger cannot fill our disk with chains of its own.
+
 When: ``sync_loop`` pulls, every ``INTERVAL`` seconds, for each job we follow that is running or ended
 less than ``LINGER`` seconds ago, from each live participant (the submitter, the coordinator and
 every peer that signed a message of the job).
@@ -51,6 +54,7 @@ MAX_FRAME = MAX_ENTRY_BYTES + 128
 TIMEOUT = 20.0
 INTERVAL = 10.0
 LINGER = 120.0
+MAX_COPY = 200_000  # entries we keep of one author's chain of one job
 END = varint_encode(0)
 
 
@@ -159,12 +163,16 @@ def _claimed_signer(encoded: bytes) -> bytes:
 
 
 def absorb(store: Any, job_id: bytes, chains: dict[bytes, list[LedgerEntry]], server: str,
-           now: float) -> tuple[int, list[ChainConflict]]:
-    """Compare each served chain with our copy: extend ours, record conflicts. Returns (entries added,
-    new conflicts)."""
+           now: float, authors: set[bytes] | None = None) -> tuple[int, list[ChainConflict]]:
+    """Compare each served chain with our copy: extend ours, record conflicts. Only chains of
+    ``authors`` (when given: the job's participants) are kept, at most MAX_COPY entries each, so no
+    peer can fill our disk with chains of keys that never took part. Returns (entries added, new conflicts)."""
     me = store.identity.public_key
     added, found = 0, []
     for author, served in chains.items():
+        if authors is not None and author not in authors and author != me:
+            continue
+        served = served[:MAX_COPY]
         held = store.ledger_copy(job_id, author)
         conflict, new = compare_chain(held, served, author, server)
         if conflict is None and author == me and len(served) > len(held):
@@ -176,6 +184,13 @@ def absorb(store: Any, job_id: bytes, chains: dict[bytes, list[LedgerEntry]], se
             continue
         added += store.extend_copy(job_id, author, new)
     return added, found
+
+
+def job_authors(store: Any, view: Any) -> set[bytes]:
+    """Public keys whose chains of the job we keep: its submitter and whoever signed a stored message of it."""
+    from protocol.identity import public_key_from_peer_id
+
+    return {public_key_from_peer_id(p) for p in {view.terms.submitter, *store.job_signers(view.job_id)}}
 
 
 def participants(agent: Any, view: Any) -> list[str]:
@@ -197,7 +212,7 @@ async def sync_job(agent: Any, view: Any, peers: list[str] | None = None, timeou
             log.info("job %s: ledger sync with %s failed: %s", view.job_id.hex()[:8], peer[-8:], exc)
             continue
         chains, invalid = served_chains(pairs, view.job_id, peer)
-        n, found = absorb(agent.store, view.job_id, chains, peer, agent.clock())
+        n, found = absorb(agent.store, view.job_id, chains, peer, agent.clock(), job_authors(agent.store, view))
         found += [c for c in invalid if agent.store.record_conflict(view.job_id, c, agent.clock())]
         added += n
         for conflict in found:

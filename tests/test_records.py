@@ -106,3 +106,12 @@ def test_a_store_without_the_copy_tables_gets_them_on_open(tmp_path):
     db.close()
     with Store(path, WORKER) as store:
         assert store.chains(JOB) == {} and store.conflicts(JOB) == []
+
+
+def test_only_chains_of_the_jobs_participants_are_kept(tmp_path):
+    with _store(tmp_path, WORKER, "w") as worker, _store(tmp_path, SUBMITTER, "s") as submitter:
+        worker.append_event(JOB, "done", {}, 1.0)
+        chains, _ = served_chains(_served(worker), JOB, WORKER.peer_id)
+        assert absorb(submitter, JOB, chains, WORKER.peer_id, 1.0, authors={SUBMITTER.public_key}) == (0, [])
+        assert submitter.chains(JOB) == {}
+        assert absorb(submitter, JOB, chains, WORKER.peer_id, 1.0, authors={WORKER.public_key}) == (1, [])
