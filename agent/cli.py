@@ -95,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("--reason", default="cancelled by the submitter")
     ledger = job.add_parser("ledger", parents=[common, reader], help="print and verify the job's signed event log")
     ledger.add_argument("id", metavar="ID")
+    ledger.add_argument("--export", type=Path, metavar="FILE",
+                        help="also write every chain of the job we hold, with the public keys, as JSON to FILE")
+    ledger.add_argument("--sync", action="store_true", help="first pull the chains the job's live peers hold")
+    ledgers = sub.add_parser("ledger", help="job ledgers without an agent").add_subparsers(
+        dest="action", metavar="ACTION", required=True)
+    lverify = ledgers.add_parser("verify", parents=[common, reader],
+                                 help="check a ledger export file (from `job ledger ID --export FILE`)")
+    lverify.add_argument("file", type=Path)
 
     train = sub.add_parser("train", help="single-node training without the network").add_subparsers(
         dest="action", metavar="ACTION", required=True)
@@ -147,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     dverify = data.add_parser("verify", parents=[common, reader], help="check that a file has the given CID")
     dverify.add_argument("file", type=Path)
     dverify.add_argument("cid")
+    dget = data.add_parser("get", parents=[common, reader],
+                           help="fetch any CID through the running agent, checking every block, into FILE")
+    dget.add_argument("cid", metavar="CID")
+    dget.add_argument("--out", type=Path, required=True, metavar="FILE")
+    dget.add_argument("--max-size", type=int, default=None, metavar="BYTES", help="refuse a file larger than this")
     harness = sub.add_parser("harness", help="protocol test harness: scenarios on real agents").add_subparsers(
         dest="action", metavar="ACTION", required=True)
     hrun = harness.add_parser("run", parents=[reader], help="run scenario files (or shipped scenarios by name)")
@@ -379,11 +392,16 @@ def cmd_job_announce(args: argparse.Namespace) -> int:
     from protocol.jobspec import load_spec
 
     spec_path = args.spec.expanduser().resolve()
+    from protocol.jobspec import dataset_cid
+
     spec = load_spec(spec_path)  # a bad spec is reported here, before the agent is asked
-    dataset = (args.dataset or (spec_path.parent / spec.input.dataset)).expanduser().resolve()
-    if not dataset.is_file():
-        raise UserError(f"dataset {dataset}: no such file (give --dataset FILE or set input.dataset in {spec_path.name})")
-    job = request(_home(args), "job.announce", timeout=300, spec=str(spec_path), dataset=str(dataset))
+    dataset = None
+    if args.dataset or dataset_cid(spec.input.dataset) is None:  # else: a CID, fetched by the agent
+        dataset = (args.dataset or (spec_path.parent / spec.input.dataset)).expanduser().resolve()
+        if not dataset.is_file():
+            raise UserError(f"dataset {dataset}: no such file (give --dataset FILE or set input.dataset in {spec_path.name})")
+    job = request(_home(args), "job.announce", timeout=300, spec=str(spec_path),
+                  dataset=str(dataset) if dataset else None)
     _emit(args, job, f"announced job {job['id']}\n  {job['name']}: {job['shards']} shards x {job['rounds']} rounds\n"
                      f"next: infernet job watch {job['id'][:12]}")
     return 0
@@ -413,6 +431,9 @@ def cmd_job_show(args: argparse.Namespace) -> int:
         print(json.dumps(job, indent=2, default=str))
     else:
         Console().print(JobProgress().render(job))
+        from agent.jobdata import facts_text
+
+        print("\n".join(facts_text(job)))
     return 0
 
 
@@ -457,9 +478,24 @@ def cmd_job_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_job_ledger(args: argparse.Namespace) -> int:
-    from agent.control import request
+    from agent.jobdata import cmd_job_ledger as run
 
-    ledger = request(_home(args), "job.ledger", job=args.id)
+    return run(args, _home(args), _emit)
+
+
+def cmd_ledger_verify(args: argparse.Namespace) -> int:
+    from agent.jobdata import cmd_ledger_verify as run
+
+    return run(args, _emit)
+
+
+def cmd_data_get(args: argparse.Namespace) -> int:
+    from agent.jobdata import cmd_data_get as run
+
+    return run(args, _home(args), _emit)
+
+
+def _job_ledger_text(ledger: dict) -> list[str]:
     lines = []
     for e in ledger["entries"]:
         data = ", ".join(f"{k}={_short(v)}" for k, v in e["data"].items() if k not in ("parameters",))
@@ -467,8 +503,7 @@ def cmd_job_ledger(args: argparse.Namespace) -> int:
                      f"{e['peer'][-8:]} {data}")
     lines.append(f"ledger of job {ledger['id'][:16]}: {ledger['length']} entries, "
                  + ("chain and signatures verified" if ledger["verified"] else f"INVALID: {ledger['problem']}"))
-    _emit(args, ledger, "\n".join(lines))
-    return 0 if ledger["verified"] else 1
+    return lines
 
 
 def _short(value: Any) -> str:
@@ -775,6 +810,7 @@ COMMANDS = {
     ("job", "fetch"): cmd_job_fetch, ("job", "cancel"): cmd_job_cancel, ("job", "ledger"): cmd_job_ledger,
     ("train", "init"): cmd_train_init, ("train", "run"): cmd_train_run, ("train", "data"): cmd_train_data,
     ("data", "add"): cmd_data_add, ("data", "check"): cmd_data_check, ("data", "verify"): cmd_data_verify,
+    ("data", "get"): cmd_data_get, ("ledger", "verify"): cmd_ledger_verify,
     ("harness", "run"): cmd_harness_run, ("harness", "list"): cmd_harness_list, ("harness", "check"): cmd_harness_check,
 }
 

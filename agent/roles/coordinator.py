@@ -60,6 +60,7 @@ from agent.bundle import (
 )
 from agent.content.errors import FetchError
 from agent.roles.job import JobView, run_torch, train_config
+from agent.sealing import must_seal, seal_dir
 from protocol import messages as m
 from protocol import state as st
 from protocol.election import judge_of
@@ -452,12 +453,15 @@ class CoordinatorRole:
             except Exception as exc:  # noqa: BLE001 - logged; the aggregate is published without a score
                 log.warning("job %s: round %d not scored on the validation split: %s", view.job_id.hex()[:8],
                             action.round, exc)
+        loss, base_loss = validation or (None, None)
+        final = view.ends_with(action.round, loss)  # the last round, or the job's stop rule holds
+        sealed = must_seal(terms, final)
+        if sealed:  # a private job's final aggregate: only its submitter can open it (ipips/0010)
+            out = await trio.to_thread.run_sync(seal_dir, out, work / "sealed", terms.submitter)
         cid = await agent.content.add_file(pack_dir(out, work / "adapter.tar"), provide=False)
         agent.provide_soon(cid)  # in the background: a slow DHT peer must not delay the aggregate
         if not agent.is_coordinator(view):
             return
-        loss, base_loss = validation or (None, None)
-        final = view.ends_with(action.round, loss)  # the last round, or the job's stop rule holds
         published = m.AggregatePublished(view.job_id, action.round, view.coordination.term, str(cid),
                                          terms.aggregation, tuple(action.accepted_shards),
                                          sum(n for _, n in inputs), final, loss, base_loss)
@@ -471,6 +475,8 @@ class CoordinatorRole:
                  "shards": list(action.accepted_shards)}
         if terms.outer is not None:
             entry["outer"] = terms.outer.optimizer
+        if sealed:
+            entry["sealed_to"] = terms.submitter
         if loss is not None:
             entry["validation_loss"] = loss
         if base_loss is not None:

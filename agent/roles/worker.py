@@ -290,6 +290,9 @@ class WorkerRole:
             await agent.publish(m.CheckpointCommit(
                 view.job_id, lease.round, lease.shard, lease.attempt, event.step, event.index, event.head,
                 event.link.adapter_hash, float(event.link.loss), str(cid)))
+            agent.ledger(view.job_id, "checkpoint", {  # IPIP-0008 §2: what the worker committed, when
+                "round": lease.round, "shard": lease.shard, "attempt": lease.attempt, "step": event.step,
+                "loss": float(event.link.loss), "checkpoint_cid": str(cid), "head": bytes(event.head).hex()})
 
         def on_checkpoint(event: Any) -> None:
             trio.from_thread.run(commit, event)
