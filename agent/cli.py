@@ -761,10 +761,10 @@ def cmd_publish(args: argparse.Namespace) -> int:
     from agent.pipeline import publish as pub
     from agent.pipeline.source import resolve_source
 
-    if not (args.merged or args.gguf or args.hf):
-        raise UserError("publish needs at least one of --merged DIR, --gguf FILE, --hf REPO")
     if args.ollama and not args.gguf:
         raise UserError("--ollama needs --gguf FILE (Ollama runs the GGUF file)")
+    if not (args.merged or args.gguf or args.hf):
+        raise UserError("publish needs at least one of --merged DIR, --gguf FILE, --hf REPO")
     if args.dry_run and not args.hf:
         raise UserError("--dry-run goes with --hf (it lists what would be uploaded)")
     # every output place and tool is checked before the slow work starts

@@ -85,6 +85,7 @@ def write_merged(source: Source, target: Path) -> dict:
         _keep_chat_template(staging, tokenizer)
         (staging / "README.md").write_text(model_card(source, target.name))
         (staging / "infernet.json").write_text(json.dumps(source.provenance.to_json(), indent=2, sort_keys=True) + "\n")
+        _publishable(staging)
         if target.exists():
             target.rmdir()  # an empty directory the user made for it
         os.rename(staging, target)
@@ -183,9 +184,14 @@ def quantizer(llama_dir: Path) -> Any:
             params = llama_cpp.llama_model_quantize_default_params()
             params.ftype = ftype
             params.nthread = max(1, min(os.cpu_count() or 1, 8))
-            rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+            with _c_stderr_captured() as captured:  # llama.cpp logs every tensor to fd 2
+                rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+            log = captured.read_text(errors="replace")
+            captured.unlink(missing_ok=True)
             if rc != 0:
-                raise PipelineError(f"llama.cpp could not quantize {src} (llama_model_quantize returned {rc})")
+                last = [line for line in log.splitlines() if line.strip()][-1:]
+                raise PipelineError(f"llama.cpp could not quantize {src} (llama_model_quantize returned {rc}"
+                                    f"{': ' + last[0] if last else ''})")
         return quantize_with_bindings
     program = next((p for p in (llama_dir / "build" / "bin" / "llama-quantize", llama_dir / "llama-quantize")
                     if p.is_file()), None) or (Path(shutil.which("llama-quantize")) if shutil.which("llama-quantize") else None)
@@ -199,6 +205,31 @@ def quantizer(llama_dir: Path) -> Any:
         if done.returncode != 0:
             raise PipelineError(f"llama-quantize failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
     return quantize_with_program
+
+
+class _c_stderr_captured:
+    """Redirect file descriptor 2 (where C code logs) to a temporary file for the ``with`` block."""
+
+    def __enter__(self) -> Path:
+        sys.stderr.flush()
+        self.file = tempfile.NamedTemporaryFile(prefix="infernet-llama-", suffix=".log", delete=False)
+        self.saved = os.dup(2)
+        os.dup2(self.file.fileno(), 2)
+        return Path(self.file.name)
+
+    def __exit__(self, *exc: Any) -> None:
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        self.file.close()
+
+
+def _publishable(directory: Path) -> None:
+    """Ordinary permissions (mkdtemp made the staging directory 0700): as a plain mkdir and write would."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def write_gguf(merged_dir: Path, target: Path, quant: str = "q4_k_m", llama_cpp_path: Path | None = None) -> dict:
@@ -225,6 +256,7 @@ def write_gguf(merged_dir: Path, target: Path, quant: str = "q4_k_m", llama_cpp_
             quantized = staging / "model.gguf"
             quantize(converted, quantized, QUANT_TYPES[quant])
             converted = quantized
+        _publishable(staging)
         os.replace(converted, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -287,7 +319,7 @@ def upload_hf(folder: Path, repo: str, private: bool) -> dict:
                             f"from https://huggingface.co/settings/tokens")
     from huggingface_hub import HfApi
 
-    api = HfApi(token=token)
+    api = HfApi(token=token, endpoint=os.environ.get("HF_ENDPOINT") or None)  # read now, not at import
     try:
         api.create_repo(repo, private=private, exist_ok=True)
         info = api.upload_folder(repo_id=repo, folder_path=str(folder),
@@ -295,9 +327,7 @@ def upload_hf(folder: Path, repo: str, private: bool) -> dict:
     except Exception as exc:  # noqa: BLE001 - the hub's errors (HTTP, connection) become one line
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if _is_connection_error(exc):
-            from huggingface_hub import constants
-
-            raise PipelineError(f"--hf {repo}: cannot reach {constants.ENDPOINT} ({type(exc).__name__})") from None
+            raise PipelineError(f"--hf {repo}: cannot reach {api.endpoint} ({type(exc).__name__})") from None
         raise PipelineError(f"--hf {repo}: upload failed: {text[:200]}") from None
     plan["url"] = str(getattr(info, "commit_url", "") or f"https://huggingface.co/{repo}")
     return plan

@@ -84,6 +84,15 @@ def resolve_source(text: str, *, base: Path | None = None, home: Path | None = N
             raise PipelineError(f"{path}: a file; give a run directory, an adapter directory or a job ID")
     elif _JOB_ID.fullmatch(text):
         source = _from_job(text, home)
+    elif text.startswith(("Qm", "bafy", "bafk", "baf")):
+        from protocol.cid import parse_cid
+
+        try:
+            parse_cid(text)
+        except Exception as exc:  # noqa: BLE001 - CidError and friends: one line
+            raise PipelineError(f"{text[:70]!r}: bad CID ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        raise PipelineError(f"{text[:70]}: a CID; give the job ID it is the aggregate of (`infernet job list`): "
+                            f"the agent fetches the aggregate by its CID and checks it")
     else:
         raise PipelineError(f"{text!r}: no such directory, and not a job ID (hex); give a run directory of "
                             f"`train run --local`, an adapter directory or a job ID")
