@@ -133,7 +133,7 @@ def model_card(source: Source, name: str) -> str:
     return f"""{front}
 # {name}
 
-A LoRA adapter trained with [infernet](https://github.com/) merged into its base model. \
+A LoRA adapter trained with infernet (peer-to-peer LoRA training), merged into its base model. \
 Weights are safetensors; the tokenizer carries the chat template the adapter was trained with.
 
 | | |

@@ -112,3 +112,35 @@ def test_source_errors_are_pipeline_errors(tmp_path):
     with pytest.raises(PipelineError, match="a file"):
         (tmp_path / "f").write_text("x")
         resolve_source(str(tmp_path / "f"))
+
+
+@pytest.mark.slow
+def test_chat_on_a_terminal_keeps_the_conversation_until_exit(run_dir):
+    import os
+    import pty
+    import subprocess
+    import sys
+    import time
+
+    master, slave = pty.openpty()
+    process = subprocess.Popen([sys.executable, "-m", "agent.cli", "infer", str(run_dir), "--temperature", "0",
+                                "--max-new-tokens", "8"], stdin=slave, stdout=slave, stderr=slave,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"))
+    os.close(slave)
+    screen = b""
+
+    def read_until_prompt(count: int) -> None:
+        nonlocal screen
+        deadline = time.monotonic() + 120
+        while screen.count(b"you> ") < count:
+            assert time.monotonic() < deadline, screen
+            screen += os.read(master, 4096)
+
+    read_until_prompt(1)
+    os.write(master, b"Spell the word cat.\n")
+    read_until_prompt(2)
+    os.write(master, b"/exit\n")
+    assert process.wait(timeout=60) == 0
+    os.close(master)
+    text = screen.decode(errors="replace")
+    assert "chat with the model" in text and "model> " in text
