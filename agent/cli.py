@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
     infer.add_argument("--repetition-penalty", type=float, default=1.0, help="default 1.0 (none)")
     infer.add_argument("--seed", type=int, default=0, help="sampling and --samples draw seed (default 0)")
+    infer.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="auto (default): a CUDA GPU when there is one, in bf16 where supported; else the CPU")
     publish = sub.add_parser("publish", parents=[common, reader],
                              help="merge a trained adapter into its base; export GGUF, an Ollama model, or to the Hub")
     publish.add_argument("source", metavar="RUN_OR_ADAPTER_OR_JOB",
@@ -711,7 +713,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
             if not item["messages"] or item["messages"][0]["role"] != "system":
                 item["messages"].insert(0, {"role": "system", "content": args.system})
     _quiet_transformers()
-    model, tokenizer = load_model(source)
+    model, tokenizer = load_model(source, device=args.device)
     if not prompts:
         return _chat(model, tokenizer, options, args.system)
     results = []

@@ -73,7 +73,8 @@ def adapter_mismatches(model: Any, tensors: dict[str, Any]) -> list[str]:
 
 
 def load_model(source: Source, *, device: str = "cpu", merge: bool = False) -> tuple[Any, Any]:
-    """(model, tokenizer): the base with the adapter, checked to fit it; merged into plain weights if ``merge``."""
+    """(model, tokenizer): the base with the adapter, checked to fit it; merged into plain weights if ``merge``.
+    ``device`` "auto" is a CUDA GPU when there is one (bf16 where supported), else the CPU (float32)."""
     import logging
     import warnings
 
@@ -88,9 +89,15 @@ def load_model(source: Source, *, device: str = "cpu", merge: bool = False) -> t
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    from agent.train.model import pick_device, pick_dtype
+
+    try:
+        device = pick_device(device)
+    except RuntimeError as exc:
+        raise PipelineError(f"--device {device}: {exc}") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(source.base_dir))
-        base = AutoModelForCausalLM.from_pretrained(str(source.base_dir), dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(str(source.base_dir), dtype=pick_dtype("auto", device))
     except (OSError, ValueError) as exc:
         raise PipelineError(f"base model {source.base_dir}: cannot load ({str(exc).splitlines()[0][:160]})") from None
     tensors = load_file(str(source.adapter_dir / "adapter_model.safetensors"))

@@ -161,3 +161,23 @@ def test_q4_k_m_gguf_and_ollama_modelfile_from_the_cli(capsys, tmp_path, run_dir
     eot = llm.tokenize(b"<|im_end|>", add_bos=False, special=True)[0]
     text = llm.create_completion(prompt, max_tokens=12, temperature=0.8, logit_bias={eot: -100.0})["choices"][0]["text"]
     assert text.strip()
+
+
+def test_where_llama_cpp_is_looked_for_and_a_missing_quantizer(tmp_path, monkeypatch):
+    import sys
+
+    checkout = tmp_path / "llama.cpp"
+    checkout.mkdir()
+    (checkout / "convert_hf_to_gguf.py").write_text("")
+    monkeypatch.setenv("INFERNET_LLAMA_CPP", str(checkout))
+    assert pub.find_llama_cpp() == checkout
+    assert pub.find_llama_cpp(checkout) == checkout
+    with pytest.raises(PipelineError, match="--llama-cpp-path"):
+        pub.find_llama_cpp(tmp_path / "elsewhere")
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as on a machine without llama-cpp-python
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(PipelineError, match="quantizer not found"):
+        pub.quantizer(checkout)
+    (checkout / "build" / "bin").mkdir(parents=True)
+    (checkout / "build" / "bin" / "llama-quantize").write_text("")
+    assert callable(pub.quantizer(checkout))  # a llama.cpp build's program is used when the bindings are absent
