@@ -108,9 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
         dest="action", metavar="ACTION", required=True)
     tinit = train.add_parser("init", parents=[common], help="write a commented infernet.train.yml")
     tinit.add_argument("--output", type=Path, default=Path("."), metavar="DIR")
+    tinit.add_argument("--preset", choices=("quick-test", "balanced", "quality"), default=None,
+                       help="a spec tuned for: quick-test (a smoke run in about a minute), balanced (a useful "
+                            "adapter at moderate cost), quality (more rank, modules and steps)")
     trun = train.add_parser("run", parents=[common, reader], help="train on this machine")
     trun.add_argument("--local", action="store_true", required=True, help="train here, without the network")
-    trun.add_argument("--config", type=Path, required=True, metavar="FILE", help="the job spec (infernet.train.yml)")
+    trun.add_argument("--config", type=Path, metavar="FILE", help="the job spec (infernet.train.yml)")
+    trun.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                      help="continue an interrupted run from its last checkpoint (its spec, data and proof chain)")
+    trun.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     trun.add_argument("--dataset", type=Path, help="override input.dataset")
     trun.add_argument("--model", type=Path, help="local base model directory (default: the spec's base_model)")
     trun.add_argument("--output", type=Path, metavar="DIR", help="run directory (default: runs/NAME-TIME)")
@@ -139,6 +145,40 @@ def build_parser() -> argparse.ArgumentParser:
     tdata.add_argument("--retries", type=int, default=2, help="tries again after a timeout or 429/5xx (default 2)")
     tdata.add_argument("--delay", type=float, default=1.0,
                        help="seconds between requests to one host (default 1; robots.txt Crawl-delay wins if longer)")
+
+
+    infer = sub.add_parser("infer", parents=[common, reader],
+                           help="generate with a base model + trained adapter (a prompt, dataset samples, or a chat)")
+    infer.add_argument("source", metavar="RUN_OR_ADAPTER_OR_JOB",
+                       help="a run directory of `train run --local`, an adapter directory, or a job ID")
+    infer.add_argument("--base", type=Path, metavar="DIR", help="base model directory (default: what the source names)")
+    infer.add_argument("--prompt", help="one user message; without it: --samples, stdin, or a chat on a terminal")
+    infer.add_argument("--system", help="a system message before the prompt")
+    infer.add_argument("--samples", type=int, metavar="N", help="N prompts drawn from a dataset, answers beside the expected")
+    infer.add_argument("--dataset", type=Path, metavar="FILE",
+                       help="ChatML JSONL for --samples (default: the run's validation, else training data)")
+    infer.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
+    infer.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
+    infer.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
+    infer.add_argument("--repetition-penalty", type=float, default=1.0, help="default 1.0 (none)")
+    infer.add_argument("--seed", type=int, default=0, help="sampling and --samples draw seed (default 0)")
+    infer.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="auto (default): a CUDA GPU when there is one, in bf16 where supported; else the CPU")
+    publish = sub.add_parser("publish", parents=[common, reader],
+                             help="merge a trained adapter into its base; export GGUF, an Ollama model, or to the Hub")
+    publish.add_argument("source", metavar="RUN_OR_ADAPTER_OR_JOB",
+                         help="a run directory of `train run --local`, an adapter directory, or a job ID")
+    publish.add_argument("--base", type=Path, metavar="DIR", help="base model directory (default: what the source names)")
+    publish.add_argument("--merged", type=Path, metavar="DIR", help="write the merged model here (Hugging Face layout)")
+    publish.add_argument("--gguf", type=Path, metavar="FILE", help="write a GGUF file (llama.cpp's converter)")
+    publish.add_argument("--quant", default="q4_k_m",
+                         help="GGUF type: f32, f16, bf16, q8_0, or a llama.cpp quantization such as q4_k_m (default)")
+    publish.add_argument("--llama-cpp-path", type=Path, metavar="DIR",
+                         help="a llama.cpp checkout (convert_hf_to_gguf.py, build/bin/llama-quantize)")
+    publish.add_argument("--ollama", metavar="NAME", help="write a Modelfile beside the GGUF and `ollama create NAME`")
+    publish.add_argument("--hf", metavar="REPO", help="upload the merged model to the Hugging Face Hub (OWNER/NAME)")
+    publish.add_argument("--private", action="store_true", help="with --hf: a private repository")
+    publish.add_argument("--dry-run", action="store_true", help="with --hf: list what would be uploaded, send nothing")
 
     data = sub.add_parser("data", help="dataset files: check, content addresses").add_subparsers(
         dest="action", metavar="ACTION", required=True)
@@ -205,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
 
 _USER_ERRORS = (("agent.bundle", "BundleError"), ("agent.config", "ConfigError"), ("agent.control", "ControlError"),
                 ("agent.net.errors", "NetError"), ("agent.store", "StoreError"), ("agent.train.config", "TrainError"),
-                ("agent.train.data", "DataError"), ("agent.demo", "DemoError"), ("agent.data", "DataSourceError"))
+                ("agent.train.data", "DataError"), ("agent.demo", "DemoError"), ("agent.data", "DataSourceError"),
+                ("agent.pipeline.source", "PipelineError"))
 
 
 def _is_user_error(exc: Exception) -> bool:
@@ -521,8 +562,13 @@ def cmd_train_init(args: argparse.Namespace) -> int:
     path = out / SPEC_FILE_NAME
     if path.exists():
         raise UserError(f"{path}: already exists; edit it, or choose another --output")
-    path.write_text(TEMPLATE)
-    print(f"wrote {path}\nnext: edit name, base_model and input.dataset, then "
+    text = TEMPLATE
+    if args.preset:
+        from agent.train.presets import preset_spec
+
+        text = preset_spec(TEMPLATE, args.preset)
+    path.write_text(text)
+    print(f"wrote {path}{f' (preset {args.preset})' if args.preset else ''}\nnext: edit name, base_model and input.dataset, then "
           f"`infernet train run --local --config {path}` or `infernet job announce {path}`")
     return 0
 
@@ -532,6 +578,13 @@ def cmd_train_run(args: argparse.Namespace) -> int:
     from agent.train.data import check_dataset
     from protocol.jobspec import load_spec
 
+    if args.resume is not None:
+        if args.config is not None or args.dataset is not None or args.model is not None or args.preset:
+            raise UserError("--resume continues a run with its own spec, data and model; "
+                            "drop --config, --dataset, --model and --preset")
+        return _resume_local(args)
+    if args.config is None:
+        raise UserError("train run --local needs --config FILE (or --resume RUN_DIR to continue a run)")
     config_path = args.config.expanduser().resolve()
     spec = load_spec(config_path)
     dataset = (args.dataset or config_path.parent / spec.input.dataset).expanduser().resolve()
@@ -547,6 +600,10 @@ def cmd_train_run(args: argparse.Namespace) -> int:
     try:
         return _train_local(args, spec, config_path, model, run_dir, records, split)
     except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt) and _has_checkpoint(run_dir):
+            print(f"infernet: interrupted; checkpoints kept: continue with "
+                  f"`infernet train run --local --resume {run_dir}`", file=sys.stderr)
+            raise
         if created:  # nothing half-written stays behind to block a rerun with the same --output
             shutil.rmtree(run_dir, ignore_errors=True)
         if isinstance(exc, ValueError) and "assistant tokens" in str(exc):  # assistant turns cut by max_seq_len
@@ -581,8 +638,46 @@ def _train_local(args: argparse.Namespace, spec: Any, config_path: Path, model: 
         preset = (f", preset {args.preset} (micro-batch {config.micro_batch} x "
                   f"{config.samples_per_step // config.micro_batch})") if args.preset else ""
         print(f"training {spec.name}: {len(split.shards[0])} records, base model {model}, {threads} threads{preset} -> {run_dir}")
-    result = train_shard(TrainRequest(config, train_path, run_dir, validation=validation,
-                                      spec_text=config_path.read_text()))
+    request = TrainRequest(config, train_path, run_dir, validation=validation, spec_text=config_path.read_text())
+    return _run_and_report(args, request, resume=False)
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    """A checkpoint after step 0 exists: an interrupted run worth keeping for --resume."""
+    return any(p.name != "step-000000" for p in (run_dir / "checkpoints").glob("step-*"))
+
+
+def _resume_local(args: argparse.Namespace) -> int:
+    from agent.train import TrainConfig, TrainRequest
+
+    run_dir = args.resume.expanduser().resolve()
+    for needed in ("train_config.json", "proof.json", "data/train.jsonl"):
+        if not (run_dir / needed).is_file():
+            raise UserError(f"--resume {run_dir}: no {needed}; give the run directory of an interrupted "
+                            f"`train run --local`")
+    if (run_dir / "result.json").exists():
+        raise UserError(f"--resume {run_dir}: this run already finished (result.json); nothing to resume")
+    config = TrainConfig.from_json(json.loads((run_dir / "train_config.json").read_text()))
+    if args.threads and args.threads != config.threads:
+        raise UserError(f"--threads {args.threads}: the run used {config.threads} threads, and a resumed run must "
+                        f"match it (the proof records it); drop --threads")
+    validation = run_dir / "data" / "validation.jsonl"
+    spec = run_dir / "infernet.train.yml"
+    request = TrainRequest(config, run_dir / "data" / "train.jsonl", run_dir,
+                           validation=validation if validation.is_file() else None,
+                           spec_text=spec.read_text() if spec.is_file() else None)
+    if not args.json:
+        print(f"resuming {run_dir}")
+    return _run_and_report(args, request, resume=True)
+
+
+def _run_and_report(args: argparse.Namespace, request: Any, *, resume: bool) -> int:
+    from agent.pipeline.progress import TrainProgress
+    from agent.train import train_shard
+
+    run_dir = request.run_dir
+    with TrainProgress(enabled=not args.no_progress) as progress:
+        result = train_shard(request, resume=resume, on_step=progress.update)
     out = result.to_json()
     validation_text = (f"; validation loss {result.initial_validation_loss:.4f} -> {result.validation_loss:.4f}"
                        if result.validation_loss is not None else "")
@@ -712,6 +807,151 @@ def cmd_data_verify(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+# -- infer and publish (agent/pipeline) ------------------------------------------------------------------
+
+def cmd_infer(args: argparse.Namespace) -> int:
+    from agent.pipeline.infer import GenerationOptions, default_dataset, generate, load_model, sample_prompts
+    from agent.pipeline.source import resolve_source
+
+    options = GenerationOptions(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                                repetition_penalty=args.repetition_penalty, seed=args.seed)
+    options.check()
+    if args.samples is not None and args.samples < 1:
+        raise UserError(f"--samples must be at least 1, got {args.samples}")
+    if args.samples is not None and args.prompt is not None:
+        raise UserError("give either --prompt or --samples, not both")
+    source = resolve_source(args.source, base=args.base, home=_home(args) if args.home else None)
+    prompts: list[dict] = []
+    if args.samples is not None:
+        dataset = args.dataset or default_dataset(source)
+        if dataset is None:
+            raise UserError(f"--samples: {args.source} has no dataset of its own; give --dataset FILE")
+        prompts = sample_prompts(dataset.expanduser(), args.samples, args.seed)
+    else:
+        prompt = args.prompt
+        if prompt is None and not sys.stdin.isatty():
+            prompt = sys.stdin.read().strip()
+            if not prompt:
+                raise UserError("no prompt: stdin was empty (give --prompt TEXT, --samples N, or run on a terminal to chat)")
+        if prompt is not None:
+            prompts = [{"messages": [{"role": "user", "content": prompt}], "expected": None}]
+    if args.system:
+        for item in prompts:
+            if not item["messages"] or item["messages"][0]["role"] != "system":
+                item["messages"].insert(0, {"role": "system", "content": args.system})
+    _quiet_transformers()
+    model, tokenizer = load_model(source, device=args.device)
+    if not prompts:
+        return _chat(model, tokenizer, options, args.system)
+    results = []
+    for item in prompts:
+        stream = None
+        if not args.json:
+            print(f"> {item['messages'][-1]['content']}")
+            stream = lambda piece: print(piece, end="", flush=True)  # noqa: E731
+        answer = generate(model, tokenizer, item["messages"], options, on_text=stream)
+        results.append({"messages": item["messages"], "output": answer, "expected": item["expected"]})
+        if not args.json:
+            print()
+            if item["expected"] is not None:
+                print(f"  expected: {item['expected']}")
+    if args.json:
+        print(json.dumps({"adapter": str(source.adapter_dir), "base_model": str(source.base_dir),
+                          "options": options.__dict__, "results": results}, indent=2))
+    return 0
+
+
+def _chat(model: Any, tokenizer: Any, options: Any, system: str | None) -> int:
+    from agent.pipeline.infer import generate
+
+    print("chat with the model: an empty line or /exit ends, /reset forgets the conversation")
+    history = [{"role": "system", "content": system}] if system else []
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            print()
+            return 0
+        if not line or line == "/exit":
+            return 0
+        if line == "/reset":
+            history = history[:1] if system else []
+            continue
+        history.append({"role": "user", "content": line})
+        print("model> ", end="", flush=True)
+        answer = generate(model, tokenizer, history, options, on_text=lambda piece: print(piece, end="", flush=True))
+        print()
+        history.append({"role": "assistant", "content": answer})
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from agent.pipeline import publish as pub
+    from agent.pipeline.source import resolve_source
+
+    if args.ollama and not args.gguf:
+        raise UserError("--ollama needs --gguf FILE (Ollama runs the GGUF file)")
+    if not (args.merged or args.gguf or args.hf):
+        raise UserError("publish needs at least one of --merged DIR, --gguf FILE, --hf REPO")
+    if args.dry_run and not args.hf:
+        raise UserError("--dry-run goes with --hf (it lists what would be uploaded)")
+    # every output place and tool is checked before the slow work starts
+    if args.merged:
+        pub.check_target(args.merged, "--merged")
+    if args.gguf:
+        pub.check_target(args.gguf, "--gguf")
+        if args.quant.lower() not in pub.DIRECT_TYPES and args.quant.lower() not in pub.QUANT_TYPES:
+            raise UserError(f"--quant {args.quant}: unknown (known: {', '.join(pub.DIRECT_TYPES + tuple(pub.QUANT_TYPES))})")
+        llama_dir = pub.find_llama_cpp(args.llama_cpp_path)
+        if args.quant.lower() in pub.QUANT_TYPES:
+            pub.quantizer(llama_dir)
+    if args.hf and not args.dry_run and not pub.hf_token():
+        raise UserError(f"--hf {args.hf}: no token: set HF_TOKEN (or HUGGINGFACE_TOKEN) to a write token")
+    source = resolve_source(args.source, base=args.base, home=_home(args) if args.home else None)
+    _quiet_transformers()
+    result: dict[str, Any] = {"source": str(source.adapter_dir), "base_model": str(source.base_dir)}
+    lines = []
+    scratch = None
+    try:
+        merged = args.merged
+        if merged is None:
+            scratch = Path(tempfile.mkdtemp(prefix="infernet-publish-"))
+            merged = scratch / (args.hf.split("/")[-1] if args.hf else "merged")
+        result["merged"] = pub.write_merged(source, merged)
+        if args.merged:
+            lines.append(f"merged model: {result['merged']['path']} ({', '.join(result['merged']['files'])})")
+        if args.gguf:
+            result["gguf"] = pub.write_gguf(Path(result["merged"]["path"]), args.gguf, args.quant, args.llama_cpp_path)
+            lines.append(f"GGUF ({result['gguf']['quant']}): {result['gguf']['path']} ({result['gguf']['bytes']} bytes)")
+        if args.ollama:
+            result["ollama"] = pub.write_modelfile(Path(result["gguf"]["path"]), args.ollama)
+            o = result["ollama"]
+            lines.append(f"Modelfile: {o['modelfile']}")
+            lines.append(f"ollama model {o['name']} created; run: ollama run {o['name']}" if o["created"] else
+                         f"ollama is not installed here; to create the model run:\n  {o['command']}")
+        if args.hf:
+            folder = Path(result["merged"]["path"])
+            if args.dry_run:
+                plan = pub.hf_plan(folder, args.hf, args.private)
+                result["hf"] = plan
+                lines.append(f"would upload to https://huggingface.co/{args.hf}"
+                             f"{' (private)' if args.private else ''}: {len(plan['files'])} files from {folder}")
+                lines += [f"  {f['path']}  {f['bytes']} bytes" for f in plan["files"]]
+                if plan["token"] is None:
+                    lines.append("  (no HF_TOKEN set: the upload itself would fail)")
+            else:
+                result["hf"] = pub.upload_hf(folder, args.hf, args.private)
+                lines.append(f"uploaded to https://huggingface.co/{args.hf}: {result['hf']['url']}")
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    if scratch is not None:
+        result.pop("merged")
+    _emit(args, result, "\n".join(lines))
+    return 0
+
+
 # -- demo ------------------------------------------------------------------------------------------------
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -809,6 +1049,7 @@ COMMANDS = {
     ("job", "watch"): cmd_job_watch,
     ("job", "fetch"): cmd_job_fetch, ("job", "cancel"): cmd_job_cancel, ("job", "ledger"): cmd_job_ledger,
     ("train", "init"): cmd_train_init, ("train", "run"): cmd_train_run, ("train", "data"): cmd_train_data,
+    ("infer", None): cmd_infer, ("publish", None): cmd_publish,
     ("data", "add"): cmd_data_add, ("data", "check"): cmd_data_check, ("data", "verify"): cmd_data_verify,
     ("data", "get"): cmd_data_get, ("ledger", "verify"): cmd_ledger_verify,
     ("harness", "run"): cmd_harness_run, ("harness", "list"): cmd_harness_list, ("harness", "check"): cmd_harness_check,

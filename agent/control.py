@@ -340,6 +340,10 @@ def job_detail(agent: "Agent", view: Any) -> dict:
         })
     out["shard_states"] = shards
     out["base_model"] = view.terms.base_model
+    out["base_model_sha256"] = view.terms.base_model_sha256.hex()  # what `infernet publish` writes in the card
+    out["dataset_cids"] = {f"shard-{ref.index}": ref.cid for ref in view.terms.shards}
+    if view.terms.validation_cid:
+        out["dataset_cids"]["validation"] = view.terms.validation_cid
     out["leases"] = len(view.leases)
     out["verdicts"] = {"accepted": sum(v.accepted for v in view.verdicts.values()),
                        "rejected": sum(not v.accepted for v in view.verdicts.values())}
