@@ -15,6 +15,8 @@ Rules of this file:
   so no accepted work is lost with its worker: a failed copy is tried again after each of
   ``keep_retry_delays`` (given up early only if the job fails or is cancelled; again after a
   restart), and ``job show`` lists what is accepted but not held here yet (``not_held``).
+- A paid job whose accepted work has spent its budget gets no more leases; once none of its leases
+  is in flight we cancel it with the budget's reason (agent/market.watch_budget).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from agent.bundle import AGGREGATE_FILES, bundle_size_bound
+from agent.market import watch_budget
 from protocol import messages as m
 from protocol.cid import parse_cid
 
@@ -45,7 +48,8 @@ class SubmitterRole:
         self._keeping: set[tuple[bytes, str]] = set()  # (job, cid) copies under way
 
     async def prepare_terms(self, spec: Any, dataset: Path, base_model_path: str, *,
-                            deadline: int | None = None, created: int | None = None) -> m.JobTerms:
+                            deadline: int | None = None, created: int | None = None, max_nodes: int = 0,
+                            providers: tuple[str, ...] = ()) -> m.JobTerms:
         """Shard ``dataset``, add the parts to the content store, and build the job's terms.
 
         ``created`` and ``deadline`` default to now and now + the spec's max runtime; the harness pins
@@ -92,6 +96,7 @@ class SubmitterRole:
             if spec.stop_when.validation_loss_below > 0 or spec.stop_when.patience_rounds > 0 else None,
             outer=None if spec.outer.optimizer == "none" else m.OuterTerms(
                 spec.outer.optimizer, spec.outer.lr, spec.outer.momentum, spec.outer.beta1, spec.outer.beta2),
+            max_nodes=max_nodes, providers=tuple(providers),
         )
 
     async def announce(self, terms: m.JobTerms) -> "JobView":
@@ -103,6 +108,7 @@ class SubmitterRole:
         agent.ledger(view.job_id, "announced", announced_data(terms))
         await agent.publish(m.JobAnnouncement.for_terms(terms))
         agent.nursery.start_soon(self._reannounce, view)
+        agent.nursery.start_soon(watch_budget, agent, view)  # a paid job ends when its budget is spent
         log.info("job %s announced: %s, %d shards x %d rounds", view.job_id.hex()[:8], terms.name,
                  len(terms.shards), terms.rounds)
         return view
@@ -115,6 +121,7 @@ class SubmitterRole:
         await self.agent.publish(m.JobAnnouncement.for_terms(view.terms))
         for item in self.not_held(view):  # copies a restart interrupted
             self.agent.nursery.start_soon(self._keep, view, item["cid"], item["provider"])
+        self.agent.nursery.start_soon(watch_budget, self.agent, view)
         await self._reannounce(view)
 
     async def _reannounce(self, view: "JobView") -> None:
