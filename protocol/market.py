@@ -61,6 +61,8 @@ def budget_refusal(price_per_hour: float, budget: float, spent: float) -> str | 
     """Why a paid job grants no more leases (its accepted work's cost reached its budget), or None."""
     if not is_paid(price_per_hour) or spent < budget:
         return None
+    if budget <= 0:
+        return f"budget.total is 0: a job paying {price_per_hour:g}/h can pay for no work; no leases"
     return (f"budget spent: accepted work costs {spent:.4f} of budget.total {budget:.4f} "
             f"at {price_per_hour:g}/h; no further leases")
 
