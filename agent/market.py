@@ -12,8 +12,8 @@ Rules of this file (the rules themselves are protocol/market.py and IPIP-0004 §
 - **Reputation** is counted from the signed leases, reports and verdicts this agent's mirrors
   applied, for every job in its store (the evidence behind its ledger, IPIP-0008 §4); a finished
   job's counts are kept once computed; recomputed at most every ``REPUTATION_TTL`` seconds.
-- **Budget.** Every mirror computes the same accepted cost from the same signed reports and
-  verdicts, so the coordinator stops leasing, workers stop claiming and ``job show`` says why at
+- **Budget.** Every mirror computes the same committed cost (accepted + reported awaiting a
+  verdict) from the same signed reports and verdicts, so the coordinator stops leasing, workers stop claiming and ``job show`` says why at
   the same point. The submitter then cancels the job once nothing it leased is still in flight
   (``watch_budget``), with the budget's reason.
 - **Bills** are the submitter's settlement record: made from the accepted attempts' signed reports,
@@ -161,24 +161,36 @@ def accepted_attempts(view: "JobView") -> list[mk.Attempt]:
 
 
 def spent(view: "JobView") -> float:
+    """What the job's accepted attempts cost."""
     terms = view.terms
     return mk.accepted_cost(terms.price_per_hour, [a.train_seconds for a in accepted_attempts(view) if a.accepted])
 
 
+def committed(view: "JobView") -> float:
+    """``spent`` plus what the reported attempts awaiting their verdict would cost (protocol/market.py)."""
+    pending = []
+    for shard in view.state.shards:
+        if shard.phase is st.ShardPhase.REPORTED:
+            report, _ = view.reports.get((view.state.round, shard.index, shard.attempt), (None, None))
+            if report is not None:
+                pending.append(float(report.metrics.get("train_seconds", 0.0)))
+    return spent(view) + mk.accepted_cost(view.terms.price_per_hour, pending)
+
+
 def budget_reason(view: "JobView") -> str | None:
-    return mk.budget_refusal(view.terms.price_per_hour, view.terms.budget, spent(view))
+    return mk.budget_refusal(view.terms.price_per_hour, view.terms.budget, committed(view))
 
 
 def lease_refusal(view: "JobView", worker: str) -> str | None:
     terms = view.terms
-    return mk.lease_refusal(worker, price_per_hour=terms.price_per_hour, budget=terms.budget, spent=spent(view),
+    return mk.lease_refusal(worker, price_per_hour=terms.price_per_hour, budget=terms.budget, spent=committed(view),
                             max_nodes=terms.max_nodes, providers=terms.providers,
                             leased_workers=[lease.worker for lease in view.leases.values()])
 
 
 def worker_refusal(agent: "Agent", view_or_terms: Any) -> str | None:
     terms = getattr(view_or_terms, "terms", view_or_terms)
-    used = spent(view_or_terms) if hasattr(view_or_terms, "verdicts") else 0.0
+    used = committed(view_or_terms) if hasattr(view_or_terms, "verdicts") else 0.0
     if terms.providers and agent.peer_id not in terms.providers:
         return "this agent is not one of the job's named providers"
     return mk.worker_refusal(price_per_hour=terms.price_per_hour, budget=terms.budget, spent=used,
@@ -188,7 +200,8 @@ def worker_refusal(agent: "Agent", view_or_terms: Any) -> str | None:
 def budget_json(view: "JobView") -> dict:
     terms = view.terms
     return {"paid": mk.is_paid(terms.price_per_hour), "price_per_hour": terms.price_per_hour,
-            "total": terms.budget, "spent": round(spent(view), 6), "max_nodes": terms.max_nodes,
+            "total": terms.budget, "spent": round(spent(view), 6), "committed": round(committed(view), 6),
+            "max_nodes": terms.max_nodes,
             "providers": list(terms.providers), "leasing_stopped": budget_reason(view)}
 
 

@@ -7,10 +7,12 @@ the vectors ``ipips/vectors/market-*.json``):
   ``train_seconds`` its signed report states (``ShardReport.metrics``) / 3600; its cost is hours x the
   job's ``price_per_hour``. Only *accepted* attempts cost anything: rejected, expired and released
   work is not paid. A volunteer job (price 0) costs nothing and has no budget rule.
-- **Budget.** A paid job's ``budget`` (the spec's ``budget.total``) caps what its accepted work may
-  cost: once the accepted cost reaches it, no further lease is granted (``lease_refusal`` says why).
-  Work already leased when that happens may still be accepted and is paid: the budget stops new
-  leases, it does not take back granted ones. A paid job with budget 0 can pay nobody.
+- **Budget.** A paid job's ``budget`` (the spec's ``budget.total``) caps what its work may cost.
+  Its *committed* cost is what its accepted attempts cost plus what its reported attempts still
+  awaiting a verdict would cost if accepted (their reports state their hours). Once the committed
+  cost reaches the budget, no further lease is granted (``lease_refusal`` says why); a rejection
+  that lowers it lets leasing go on. Work already leased may still be accepted and is paid: the
+  budget stops new leases, it does not take back granted ones. A paid job with budget 0 can pay nobody.
 - **Workers' side.** A worker refuses a job that pays less per hour than the worker asks (its
   capability's ``price_per_hour``), and a paid job whose budget is already spent (``worker_refusal``).
 - **Whom to lease.** ``providers`` (when not empty) names the only peers a job may lease to;
@@ -58,12 +60,12 @@ def accepted_cost(price_per_hour: float, accepted_seconds: Iterable[float]) -> f
 
 
 def budget_refusal(price_per_hour: float, budget: float, spent: float) -> str | None:
-    """Why a paid job grants no more leases (its accepted work's cost reached its budget), or None."""
+    """Why a paid job grants no more leases (its committed cost ``spent`` reached its budget), or None."""
     if not is_paid(price_per_hour) or spent < budget:
         return None
     if budget <= 0:
         return f"budget.total is 0: a job paying {price_per_hour:g}/h can pay for no work; no leases"
-    return (f"budget spent: accepted work costs {spent:.4f} of budget.total {budget:.4f} "
+    return (f"budget spent: accepted and reported work costs {spent:.4f} of budget.total {budget:.4f} "
             f"at {price_per_hour:g}/h; no further leases")
 
 
