@@ -227,7 +227,8 @@ async def watch_budget(agent: "Agent", view: "JobView") -> None:
 def view_outcomes(view: "JobView") -> dict[str, mk.Reputation]:
     leases = {key: lease.worker for key, lease in view.leases.items()}
     verdicts = {key: (v.worker, v.accepted) for key, v in view.verdicts.items()}
-    current = {} if view.state.terminal else {(view.state.round, s.index): s.attempt for s in view.state.shards}
+    # the shards' current attempts, also when the job ended: work a cancel cut short is nobody's fault
+    current = {(view.state.round, s.index): s.attempt for s in view.state.shards}
     return mk.job_outcomes(leases, view.reports.keys(), verdicts, current)
 
 
@@ -372,8 +373,11 @@ def estimate_text(e: dict) -> str:
         lines.append(f"  speed:         no live provider advertises a measured speed for {e['base_model']} "
                      "(hours and cost unknown)")
     else:
-        lines.append(f"  speed:         {e['tokens_per_s']:,.0f} tokens/s (median of {e['providers']} providers)")
-        lines.append(f"  worker-hours:  {e['worker_hours']:.4f} (about {e['wall_hours'] * 3600:.0f} s of wall time)")
+        lines.append(f"  speed:         {e['tokens_per_s']:,.0f} tokens/s (median of {e['providers']} provider"
+                     f"{'s' if e['providers'] != 1 else ''} measured speeds)")
+        workers = min(e["providers"], e["shards"])
+        lines.append(f"  worker-hours:  {e['worker_hours']:.6f} ({e['worker_hours'] * 3600:.1f} s of training; about "
+                     f"{e['wall_hours'] * 3600:.1f} s of wall time on {workers} worker{'s' if workers != 1 else ''})")
     if e["price_per_hour"] > 0:
         cost = "unknown" if e["cost"] is None else f"{e['cost']:.4f}"
         lines.append(f"  cost:          {cost} at {e['price_per_hour']:g}/h; budget.total {e['budget']:g}"
