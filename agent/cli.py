@@ -446,7 +446,10 @@ def cmd_job_announce(args: argparse.Namespace) -> int:
             est = request(home, "job.estimate", timeout=300, spec=str(spec_path), dataset=str(dataset),
                           max_nodes=args.max_nodes, providers=args.provider)
             print(estimate_text(est), file=sys.stderr)
-            answer = input("announce this job? [y/N] ").strip().lower()
+            try:
+                answer = input("announce this job? [y/N] ").strip().lower()
+            except EOFError:
+                answer = ""
             if answer not in ("y", "yes"):
                 raise UserError("not announced (answer y to announce, or pass --yes)")
         elif spec.budget.price_per_hour > 0:

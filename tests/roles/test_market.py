@@ -53,9 +53,10 @@ async def test_budget_runs_out_mid_round_and_the_bill_equals_the_ledger(tmp_path
         assert est["tokens_per_s"] == speed.tokens_per_s
         assert math.isclose(est["cost"], est["worker_hours"] * PRICE) and est["over_budget"] is True
 
-        # a job only w0..w2 may train (w3 is not named), whose budget one accepted shard spends
+        # a job only w0..w2 may train (w3 is not named), on one node at most, whose budget one shard spends
         named = tuple(w.peer_id for w in workers[:3])
-        terms = await submitter.submitter.prepare_terms(spec, dataset, str(tiny_model_dir), providers=named)
+        terms = await submitter.submitter.prepare_terms(spec, dataset, str(tiny_model_dir), providers=named,
+                                                        max_nodes=1)
         w3 = net.agents["w3"]
         assert "not one of the job's named providers" in w3.worker.refusal(terms)
         view = await submitter.submitter.announce(terms)
@@ -66,6 +67,7 @@ async def test_budget_runs_out_mid_round_and_the_bill_equals_the_ledger(tmp_path
         detail = job_detail(submitter, view)
         assert "budget spent" in detail["budget"]["leasing_stopped"] and detail["budget"]["spent"] >= 0.01
         assert all(lease.worker != w3.peer_id for lease in view.leases.values())
+        assert len({lease.worker for lease in view.leases.values()}) == 1  # max_nodes
 
         # no lease was granted after the first accepted verdict made the budget spent (the coordinator's ledger)
         coordinator = next(a for a in workers if a.peer_id == view.coordination.coordinator)
@@ -103,8 +105,15 @@ async def test_budget_runs_out_mid_round_and_the_bill_equals_the_ledger(tmp_path
         assert [e.kind for e in submitter.store.ledger(view.job_id)].count("bill") == 1
         submitter.store.verify_ledger(view.job_id)
 
-        # reputations now count the accepted work, and order the next grants
-        reps = submitter.reputations
-        reps._at = -1e18
-        counted = reps.get()
-        assert sum(r.accepted for r in counted.values()) == len(accepted)
+        # reputations now count the accepted work, and order the next grants: the coordinator puts the
+        # worker that delivered before a stranger whose claim came first
+        from protocol.market import order_claims
+
+        (trained,) = {lease.worker for lease in view.leases.values()}
+        stranger = w3.peer_id
+        for agent in (submitter, coordinator):
+            agent.reputations._at = -1e18
+            counted = agent.reputations.get()
+            assert counted[trained].accepted == len(accepted) and stranger not in counted
+        assert order_claims([(stranger, 0), (trained, 1)], coordinator.reputations.get()) == [(trained, 1), (stranger, 0)]
+        assert {p["peer_id"]: p for p in market.providers(submitter)}[trained]["reputation"]["accepted"] == len(accepted)
