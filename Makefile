@@ -12,7 +12,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,qlora]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,qlora,data]'
 	touch $@
 
 test: setup

@@ -126,11 +126,39 @@ def build_parser() -> argparse.ArgumentParser:
                       help="quick-test: at most 20 steps, short sequences; auto: device, dtype and micro-batch "
                            "from this machine's free VRAM (the spec's effective batch kept)")
 
-    data = sub.add_parser("data", help="content addresses of dataset files").add_subparsers(
+    tdata = train.add_parser("data", parents=[common, reader],
+                             help="make a ChatML dataset from a web search, URLs, a sitemap or local files")
+    source = tdata.add_argument_group("sources (one or more)")
+    source.add_argument("--query", metavar="TEXT", help="web search (ValueSerp: VALUESERP_API_KEY or [search] in config.toml)")
+    source.add_argument("--urls", type=Path, metavar="FILE", help="a file of URLs, one a line (# comments)")
+    source.add_argument("--sitemap", action="append", default=[], metavar="URL", help="a sitemap.xml (repeatable)")
+    source.add_argument("--dir", type=Path, metavar="PATH", help="local .html, .md and .txt files under PATH")
+    tdata.add_argument("--out", type=Path, required=True, metavar="FILE", help="the ChatML JSONL to write")
+    tdata.add_argument("--domains", default="", metavar="A,B", help="only pages on these domains (and below)")
+    tdata.add_argument("--num", type=int, default=None, metavar="N", help="at most N pages (search default: 10)")
+    tdata.add_argument("--provider", default="valueserp", help="search provider (default valueserp)")
+    tdata.add_argument("--search-endpoint", metavar="URL", default=None,
+                       help="the provider's API URL (default its own; also $INFERNET_SEARCH_ENDPOINT)")
+    tdata.add_argument("--min-chars", type=int, default=200, help="shortest passage in characters (default 200)")
+    tdata.add_argument("--max-chars", type=int, default=4000, help="longest passage in characters (default 4000)")
+    tdata.add_argument("--timeout", type=float, default=20.0, help="seconds for one request (default 20)")
+    tdata.add_argument("--max-bytes", type=int, default=5 << 20, help="largest page in bytes (default 5 MiB)")
+    tdata.add_argument("--retries", type=int, default=2, help="tries again after a timeout or 429/5xx (default 2)")
+    tdata.add_argument("--delay", type=float, default=1.0,
+                       help="seconds between requests to one host (default 1; robots.txt Crawl-delay wins if longer)")
+
+    data = sub.add_parser("data", help="dataset files: check, content addresses").add_subparsers(
         dest="action", metavar="ACTION", required=True)
     dadd = data.add_parser("add", parents=[common, reader],
                            help="print a file's CID (CIDv1, raw leaves: as `ipfs add --cid-version=1`)")
     dadd.add_argument("file", type=Path)
+    dcheck = data.add_parser("check", parents=[common, reader],
+                             help="validate a ChatML JSONL file: every bad line, counts, tokens, duplicates")
+    dcheck.add_argument("file", type=Path)
+    dcheck.add_argument("--model", default=None, metavar="PATH",
+                        help=f"count tokens with this model's tokenizer and chat template ({TINY_MODEL_NAME}: the tiny model)")
+    dcheck.add_argument("--max-seq-len", type=int, default=None, metavar="N",
+                        help="also count records training would cut at N tokens (needs --model)")
     dverify = data.add_parser("verify", parents=[common, reader], help="check that a file has the given CID")
     dverify.add_argument("file", type=Path)
     dverify.add_argument("cid")
@@ -179,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 
 _USER_ERRORS = (("agent.bundle", "BundleError"), ("agent.config", "ConfigError"), ("agent.control", "ControlError"),
                 ("agent.net.errors", "NetError"), ("agent.store", "StoreError"), ("agent.train.config", "TrainError"),
-                ("agent.train.data", "DataError"), ("agent.demo", "DemoError"))
+                ("agent.train.data", "DataError"), ("agent.demo", "DemoError"), ("agent.data", "DataSourceError"))
 
 
 def _is_user_error(exc: Exception) -> bool:
@@ -659,6 +687,69 @@ def _regular_file(path: Path) -> Path:
     return path
 
 
+def cmd_train_data(args: argparse.Namespace) -> int:
+    from agent.data.crawl import FetchPolicy, PoliteFetcher, build_dataset, check_writable, gather_documents, render_summary
+    from agent.data.search import make_provider
+
+    if args.query is None and args.urls is None and not args.sitemap and args.dir is None:
+        raise UserError("no source: give --query, --urls, --sitemap or --dir")
+    for name, low in (("min_chars", 1), ("max_chars", 1), ("max_bytes", 1), ("retries", 0), ("num", 1)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise UserError(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
+    if args.max_chars < args.min_chars:
+        raise UserError(f"--max-chars {args.max_chars} is below --min-chars {args.min_chars}")
+    if not args.timeout > 0 or not args.delay >= 0:
+        raise UserError("--timeout must be above 0 and --delay at least 0")
+    if args.query is not None and not args.query.strip():
+        raise UserError("--query is empty")
+    out = args.out.expanduser().absolute()
+    check_writable(out)  # before any request
+    domains = [d.strip().lower() for d in args.domains.split(",") if d.strip()]
+    provider = make_provider(args.provider, _home(args), args.search_endpoint, timeout=args.timeout) \
+        if args.query is not None else None  # no key: fails here, before anything is fetched
+    fetcher = PoliteFetcher(FetchPolicy(timeout=args.timeout, max_bytes=args.max_bytes, retries=args.retries,
+                                        delay=args.delay))
+    documents = gather_documents(fetcher, query=args.query, domains=domains, num=args.num, provider=provider,
+                                 urls_file=args.urls.expanduser() if args.urls else None, sitemaps=args.sitemap,
+                                 directory=args.dir.expanduser() if args.dir else None)
+    show = sys.stderr.isatty() and not args.json
+    if show:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        bar = Progress(TextColumn("fetching"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                       TextColumn("{task.description}"), console=Console(stderr=True), transient=True)
+        with bar:
+            task = bar.add_task("", total=len(documents))
+            report = build_dataset(documents, out, fetcher=fetcher, min_chars=args.min_chars, max_chars=args.max_chars,
+                                   progress=lambda url: bar.update(task, advance=1, description=url[-60:]))
+    else:
+        report = build_dataset(documents, out, fetcher=fetcher, min_chars=args.min_chars, max_chars=args.max_chars)
+    _emit(args, report.to_json(), render_summary(report))
+    return 0
+
+
+def cmd_data_check(args: argparse.Namespace) -> int:
+    from agent.data.check import check_file, load_chat_tokenizer, render_text
+
+    path = _regular_file(args.file.expanduser())
+    if args.max_seq_len is not None and (args.model is None or args.max_seq_len < 1):
+        raise UserError("--max-seq-len needs --model and a value of at least 1")
+    tokenizer = None
+    if args.model is not None:
+        if args.model == TINY_MODEL_NAME:
+            from agent.train.tiny import tiny_model
+
+            model = tiny_model()
+        else:
+            model = Path(args.model).expanduser().resolve()
+        tokenizer = load_chat_tokenizer(model)
+    report = check_file(path, tokenizer=tokenizer, max_seq_len=args.max_seq_len)
+    _emit(args, report.to_json(), render_text(report))
+    return 0 if report.ok else 1
+
+
 def cmd_data_add(args: argparse.Namespace) -> int:
     from protocol.unixfs import compute_cid
 
@@ -786,8 +877,8 @@ COMMANDS = {
     ("job", "announce"): cmd_job_announce, ("job", "list"): cmd_job_list, ("job", "show"): cmd_job_show,
     ("job", "watch"): cmd_job_watch,
     ("job", "fetch"): cmd_job_fetch, ("job", "cancel"): cmd_job_cancel, ("job", "ledger"): cmd_job_ledger,
-    ("train", "init"): cmd_train_init, ("train", "run"): cmd_train_run,
-    ("data", "add"): cmd_data_add, ("data", "verify"): cmd_data_verify,
+    ("train", "init"): cmd_train_init, ("train", "run"): cmd_train_run, ("train", "data"): cmd_train_data,
+    ("data", "add"): cmd_data_add, ("data", "check"): cmd_data_check, ("data", "verify"): cmd_data_verify,
     ("harness", "run"): cmd_harness_run, ("harness", "list"): cmd_harness_list, ("harness", "check"): cmd_harness_check,
 }
 

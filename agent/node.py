@@ -73,6 +73,7 @@ class AgentConfig:
     min_price_per_hour: float = 0.0
     price_per_hour: float = 0.0
     threads: int = 1
+    train_processes: int = 0  # processes that train one shard: 0 = one per CUDA device (agent/train/parallel.py)
     models: tuple[tuple[str, str], ...] = ()  # (base_model name in a job, local path)
     heartbeat_seconds: float = 1.0
     missed_heartbeats: int = 5

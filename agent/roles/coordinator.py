@@ -7,8 +7,10 @@ Rules of this file:
 - Which worker gets a lease is ours to decide: the shard it asked for if OPEN, else the lowest OPEN
   one; never a second live lease of this job to one worker (a shard it reported and that awaits
   its verdict does not count: it trains the next one meanwhile); never a lease to a worker whose work in
-  this job was rejected; only to a live peer whose signed capability says it trains (a claim
-  from anyone else is ignored, so a peer cannot hoard leases it never meant to train); never a
+  this job was rejected; only to a live peer whose signed capability says it trains and fits the
+  job (protocol/fit.lease_refusals: the job's runtime offered, its base model held by hash, a GPU
+  with ``min_vram_gb`` total; IPIP-0004 §5.1) -- a claim from anyone else gets no lease, its reason
+  logged once, so a peer cannot hoard leases it never meant or could not train; never a
   lease to ourselves — a coordinator does not judge its own work (a report of ours from a lease
   granted before we took over is judged by the next eligible peer by rank: ``judge_reports``,
   protocol/election.judge_of), and accepted work must outlive the coordinator (the worker, the submitter and the verifier
@@ -63,6 +65,7 @@ from agent.roles.job import JobView, run_torch, train_config
 from protocol import messages as m
 from protocol import state as st
 from protocol.election import judge_of
+from protocol.fit import lease_refusals
 
 if TYPE_CHECKING:
     from agent.node import Agent
@@ -92,7 +95,7 @@ class CoordinatorRole:
         self._initial: dict[tuple[bytes, int], tuple[dict, dict, dict]] = {}
         self._validation: dict[bytes, Path] = {}  # job -> its validation split, fetched
         self._claims: dict[bytes, list[tuple[str, int, int]]] = {}  # job -> (worker, round, shard) in arrival order
-        self._market_logged: dict[bytes, str] = {}
+        self._refused: dict[tuple[bytes, str], str] = {}  # (job, worker) -> why its claims get no lease
 
     # -- leases -----------------------------------------------------------------------------------
 
@@ -108,8 +111,8 @@ class CoordinatorRole:
         if len(queue) == 1:
             self.agent.nursery.start_soon(self._grant_claims, view)
 
-    def _may_lease(self, view: JobView, rnd: int, worker: str) -> bool:
-        from agent.market import lease_refusal
+    def _may_lease(self, view: JobView, rnd: int, worker: str, *, count: bool = True) -> bool:
+        from agent.market import lease_refusal as market_lease_refusal
 
         agent = self.agent
         if not agent.is_coordinator(view) or rnd != view.state.round:
@@ -118,15 +121,17 @@ class CoordinatorRole:
             return False
         if worker == agent.peer_id or worker in self._banned.get(view.job_id, set()) or view.training_by(worker):
             return False
-        info = agent.peers.get(worker)  # only a live peer that said, signed, that it trains
-        if info is None or info.capability is None or not info.capability.accepts_training or \
-                worker not in agent.live_peers():
+        if worker not in agent.live_peers():
             return False
-        reason = lease_refusal(view, worker)  # budget, named providers, max_nodes (protocol/market.py)
-        if reason is not None:
-            if self._market_logged.get(view.job_id) != reason:
-                self._market_logged[view.job_id] = reason
-                log.info("job %s: no lease for %s: %s", view.job_id.hex()[:8], worker[-8:], reason)
+        # its signed capability fits the job (protocol/fit.py), then the market's rules (protocol/market.py:
+        # budget, named providers, max_nodes)
+        refusal = self.lease_refusal(view, worker) or market_lease_refusal(view, worker)
+        if refusal is not None:
+            if count:  # a claim is checked when queued, then again when granted: counted once
+                agent.counters["leases_refused"] += 1
+            if self._refused.get((view.job_id, worker)) != refusal:  # claims repeat: say each reason once
+                log.info("job %s: no lease for %s: %s", view.job_id.hex()[:8], worker, refusal)
+            self._refused[(view.job_id, worker)] = refusal
             return False
         return True
 
@@ -147,6 +152,7 @@ class CoordinatorRole:
         agent = self.agent
         if not self._may_lease(view, rnd, worker):
             return
+            return
         open_shards = view.open_shards()
         if not open_shards:
             return
@@ -164,6 +170,14 @@ class CoordinatorRole:
         await agent.publish(lease)
         agent.ledger(view.job_id, "lease", {"round": grant.round, "shard": grant.shard, "attempt": grant.attempt,
                                             "worker": worker, "expires_at": float(grant.expires_at)})
+
+    def lease_refusal(self, view: JobView, worker: str) -> str | None:
+        """Why we grant ``worker`` no lease of this job, read off its latest signed capability
+        (protocol/fit.lease_refusals: it trains, offers the runtime, holds the model, a large enough GPU);
+        None if it fits."""
+        info = self.agent.peers.get(worker)
+        reasons = lease_refusals(info.capability if info is not None else None, view.terms)
+        return "; ".join(reasons) if reasons else None
 
     # -- reacting to the state machine -------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,13 +38,13 @@ from agent.train.aggregate import OPTIMIZER_FILE
 from agent.train.config import TrainConfig, TrainError
 from agent.train.data import Example, PreparedShard, prepare_examples
 from agent.train.env import environment, set_threads
-from agent.train.loop import LoraSession
+from agent.train.loop import LoraSession, data_parallel, same_on_every_rank
 from agent.train.model import (
     add_lora, base_model_sha256, load_adapter_state, load_base_model, load_tokenizer, pick_device,
     pick_dtype, save_adapter, seed_lora_a, tensors_hash,
 )
-from agent.train.recorder import OnCheckpoint, ProofRecorder
-from protocol.proof import CommitmentHeader
+from agent.train.recorder import OnCheckpoint, ProofRecorder, is_checkpoint
+from protocol.proof import ChainLink, CommitmentHeader
 
 
 @dataclass(frozen=True)
@@ -195,18 +196,16 @@ def pad_token_id(tokenizer: Any) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None,
-                backend: str = "peft") -> TrainResult:
-    """Train ``request.shard`` into ``request.run_dir``; see the module docstring."""
+def _prepare(request: TrainRequest, backend: str, *, with_validation: bool = True) -> tuple:
+    """(base model hash, shard, validation examples, session at step 0) for ``request``: the same on every rank."""
     config = request.config
     if config.round != request.round:
         raise TrainError(f"train config is for round {config.round}, the request for round {request.round}")
-    started = time.time()
-    started_at = datetime.now(timezone.utc)
     base_hash = check_base_model(config)
     tokenizer = load_tokenizer(config.base_model)
     shard = load_shard(config, tokenizer, request.shard)
-    validation = load_shard(config, tokenizer, request.validation).examples if request.validation else []
+    validation = load_shard(config, tokenizer, request.validation).examples \
+        if request.validation and with_validation else []
     initial = load_file(str(request.initial_adapter / "adapter_model.safetensors")) if request.initial_adapter else None
     session = open_session(config, shard.examples, pad_id=pad_token_id(tokenizer), backend=backend,
                            initial_adapter=initial)
@@ -219,6 +218,38 @@ def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None
             session.load_optimizer_tensors(load_file(str(state_file)))
         except (ValueError, KeyError) as error:
             raise TrainError(f"{state_file}: does not fit the model's trainable tensors: {error}") from None
+    return base_hash, shard, validation, session
+
+
+def _check_replicas(session: LoraSession, link: ChainLink) -> None:
+    """Data parallel: the state a link commits to must be every rank's (they all took the same steps)."""
+    if not same_on_every_rank(link.adapter_hash + link.optimizer_hash, session.device):
+        raise TrainError(f"data-parallel ranks disagree on the adapter after step {link.step}")
+
+
+def train_replica(request: TrainRequest, backend: str = "peft") -> None:
+    """A data-parallel rank other than 0 (loop.py): the same session and steps as rank 0, which alone
+    records the proof and writes the run; this rank writes nothing and checks its state at every link."""
+    _, shard, _, session = _prepare(request, backend, with_validation=False)
+    config = request.config
+    total_steps = config.total_steps(len(shard.examples))
+    for step in range(total_steps):
+        result = session.step(step)
+        if is_checkpoint(result.step, config.checkpoint_every, total_steps):
+            digest = tensors_hash(session.adapter_tensors()) + tensors_hash(session.optimizer_tensors())
+            if not same_on_every_rank(digest, session.device):
+                raise TrainError(f"data-parallel ranks disagree on the adapter after step {result.step}")
+
+
+def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None,
+                backend: str = "peft") -> TrainResult:
+    """Train ``request.shard`` into ``request.run_dir``; see the module docstring. In a data-parallel
+    group (agent/train/parallel.py) this is rank 0's part; the others run ``train_replica``."""
+    config = request.config
+    started = time.time()
+    started_at = datetime.now(timezone.utc)
+    base_hash, shard, validation, session = _prepare(request, backend)
+    world, _ = data_parallel()
     run_dir = request.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "infernet.train.yml").write_text(
@@ -233,10 +264,11 @@ def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None
         checkpoint_every=config.checkpoint_every, initial_adapter_hash=tensors_hash(session.adapter_tensors()),
         initial_optimizer_hash=tensors_hash(session.optimizer_tensors()),
         environment=environment(session.device, session.dtype, backend, micro_batch=config.micro_batch,
-                                quantization="nf4" if config.method == "qlora" else "none"),
+                                quantization="nf4" if config.method == "qlora" else "none", processes=world),
     )
     total_steps = config.total_steps(len(shard.examples))
-    recorder = ProofRecorder(header, run_dir, total_steps, on_checkpoint)
+    recorder = ProofRecorder(header, run_dir, total_steps, on_checkpoint,
+                             before_commit=partial(_check_replicas, session) if world > 1 else None)
     recorder.start(session)
     initial_validation = session.evaluate(validation) if validation else None
     load_seconds = time.time() - started
