@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+import os
+import pty
+import subprocess
+import sys
 import time
 
-from tests.cli.conftest import Daemon, assert_one_line_error, cli, cli_json, model_config, small_spec
+from tests.cli.conftest import REPO, Daemon, assert_one_line_error, cli, cli_json, model_config, small_spec
+
+
+def _at_a_terminal(args: list[str], answer: str) -> subprocess.CompletedProcess:
+    """``infernet ARGS`` with a pseudo-terminal as its stdin, ``answer`` typed into it."""
+    master, slave = pty.openpty()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    try:
+        process = subprocess.Popen([sys.executable, "-m", "agent.cli", *args], stdin=slave, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+        os.write(master, answer.encode())
+        out, err = process.communicate(timeout=180)
+    finally:
+        os.close(master)
+        os.close(slave)
+    return subprocess.CompletedProcess(args, process.returncode, out, err)
 
 
 def test_providers_models_estimate_announce_and_bill(tmp_path, daemons, tiny_model_dir):
@@ -43,6 +62,11 @@ def test_providers_models_estimate_announce_and_bill(tmp_path, daemons, tiny_mod
     text = cli("job", "estimate", str(spec), "--home", home, check=True, timeout=180).stdout
     assert "worker-hours" in text and "at 7.5/h" in text
 
+    # at a terminal, announce shows the estimate and asks; anything but y announces nothing
+    asked = _at_a_terminal(["job", "announce", str(spec), "--home", home], answer="n\n")
+    assert asked.returncode == 1 and "worker-hours" in asked.stderr and "announce this job? [y/N]" in asked.stdout
+    assert asked.stderr.strip().splitlines()[-1] == "infernet: not announced (answer y to announce, or pass --yes)"
+    assert cli_json("job", "list", "--home", home) == []
     # a paid job is announced only once someone confirmed its cost: no terminal and no --yes is refused
     assert_one_line_error(cli("job", "announce", str(spec), "--home", home), "paid job", "--yes")
     assert_one_line_error(cli("job", "announce", str(spec), "--home", home, "--yes", "--provider", "nobody"),
