@@ -73,12 +73,27 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_parser("status", parents=[common, reader], help="what the running agent is doing")
     agent.add_parser("stop", parents=[common], help="stop the running agent cleanly (as SIGTERM does)")
     sub.add_parser("peers", parents=[common, reader], help="peers the running agent hears")
+    sub.add_parser("providers", parents=[common, reader],
+                   help="training providers the agent hears: hardware, models, price, speed, busy/idle, reputation")
+    sub.add_parser("models", parents=[common, reader], help="base models the live providers hold (name, hash, count)")
 
     job = sub.add_parser("job", help="announce and follow training jobs").add_subparsers(
         dest="action", metavar="ACTION", required=True)
     announce = job.add_parser("announce", parents=[common, reader], help="announce a job from a spec file")
     announce.add_argument("spec", type=Path, metavar="SPEC.yml")
     announce.add_argument("--dataset", type=Path, help="ChatML JSONL dataset (default: the spec's input.dataset)")
+    announce.add_argument("--yes", action="store_true", help="announce without showing the estimate and asking")
+    estimate = job.add_parser("estimate", parents=[common, reader],
+                              help="tokens, steps, worker-hours and cost of a job spec on the providers heard now")
+    estimate.add_argument("spec", type=Path, metavar="SPEC.yml")
+    estimate.add_argument("--dataset", type=Path, help="ChatML JSONL dataset (default: the spec's input.dataset)")
+    for p in (announce, estimate):
+        p.add_argument("--max-nodes", type=int, metavar="N", help="lease to at most N distinct workers")
+        p.add_argument("--provider", action="append", metavar="PEER",
+                       help="lease only to this provider (repeatable; see `infernet providers`)")
+    bill = job.add_parser("bill", parents=[common, reader],
+                          help="the job's bill: per worker accepted shards, hours, price, amount (signed)")
+    bill.add_argument("id", metavar="ID")
     job.add_parser("list", parents=[common, reader], help="jobs the agent knows")
     show = job.add_parser("show", parents=[common, reader], help="a job's state now: shards, leases, aggregates")
     show.add_argument("id", metavar="ID")
@@ -422,27 +437,118 @@ def peers_table(peers: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cmd_providers(args: argparse.Namespace) -> int:
+    from agent.control import request
+
+    rows = request(_home(args), "providers")
+    _emit(args, rows, providers_table(rows) if rows else "no provider's capability heard yet")
+    return 0
+
+
+def providers_table(rows: list[dict]) -> str:
+    """``infernet providers`` as text: one line per peer, its models with their measured speed below."""
+    lines = [f"{'peer':<20} {'live':<4} {'trains':<6} {'state':<10} {'price/h':>8} {'hardware':<26} {'vram GB':>8} "
+             f"{'runtimes':<13} {'reputation (acc/rej/exp)':<26}"]
+    for p in rows:
+        state = f"busy {p['shards_in_progress']}/{p['max_concurrent_shards']}" if p["busy"] else "idle"
+        rep = p["reputation"]
+        hardware = (f"{len(p['gpus'])}x " if len(p["gpus"]) > 1 else "") + p["hardware"]
+        lines.append(f"{'…' + p['peer_id'][-18:]:<20} {_yn(p['live']):<4} {_yn(p['accepts_training']):<6} "
+                     f"{state:<10} {p['price_per_hour']:>8.2f} {hardware[:26]:<26} {p['vram_gb']:>8.1f} "
+                     f"{','.join(p['runtimes'])[:13]:<13} {rep['accepted']}/{rep['rejected']}/{rep['expired']} "
+                     f"(score {rep['score']:.2f})")
+        speeds = {s["sha256"]: s["tokens_per_s"] for s in p["speeds"]}
+        for model in p["models"]:
+            speed = f"{speeds[model['sha256']]:,.0f} tokens/s" if model["sha256"] in speeds else "speed not measured"
+            lines.append(f"{'':<20}   model {model['name']} ({model['sha256'][:12]}…): {speed}")
+    return "\n".join(lines)
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from agent.control import request
+
+    rows = request(_home(args), "models")
+    lines = [f"{'model':<40} {'sha256':<16} {'providers':>9} {'training':>8}  tokens/s"]
+    for r in rows:
+        speeds = ", ".join(f"{s:,.0f}" for s in sorted(r["tokens_per_s"])) or "-"
+        lines.append(f"{r['name'][:40]:<40} {r['sha256'][:16]:<16} {r['providers']:>9} {r['training']:>8}  {speeds}")
+    _emit(args, rows, "\n".join(lines) if rows else "no live provider holds a model yet")
+    return 0
+
+
+def cmd_job_bill(args: argparse.Namespace) -> int:
+    from agent.control import request
+    from agent.market import bill_text
+
+    result = request(_home(args), "job.bill", job=args.id)
+    _emit(args, result, bill_text(result))
+    return 0 if result["ledger"]["consistent"] else 1
+
+
 def _yn(value: Any) -> str:
     return "?" if value is None else ("yes" if value else "no")
 
 
 # -- job ------------------------------------------------------------------------------------------------
 
-def cmd_job_announce(args: argparse.Namespace) -> int:
-    from agent.control import request
-    from protocol.jobspec import load_spec
+def _spec_and_dataset(args: argparse.Namespace) -> tuple[Path, Any, Path | None]:
+    """The spec and its local dataset file; None when the spec names its dataset by CID and no
+    --dataset is given (the agent fetches it)."""
+    from protocol.jobspec import dataset_cid, load_spec
 
     spec_path = args.spec.expanduser().resolve()
-    from protocol.jobspec import dataset_cid
-
     spec = load_spec(spec_path)  # a bad spec is reported here, before the agent is asked
     dataset = None
     if args.dataset or dataset_cid(spec.input.dataset) is None:  # else: a CID, fetched by the agent
         dataset = (args.dataset or (spec_path.parent / spec.input.dataset)).expanduser().resolve()
         if not dataset.is_file():
             raise UserError(f"dataset {dataset}: no such file (give --dataset FILE or set input.dataset in {spec_path.name})")
-    job = request(_home(args), "job.announce", timeout=300, spec=str(spec_path),
-                  dataset=str(dataset) if dataset else None)
+    if getattr(args, "max_nodes", None) is not None and args.max_nodes < 1:
+        raise UserError(f"--max-nodes: must be at least 1, got {args.max_nodes}")
+    return spec_path, spec, dataset
+
+
+def _estimate(home: Path, spec_path: Path, dataset: Path | None, args: argparse.Namespace) -> dict:
+    from agent.control import request
+
+    return request(home, "job.estimate", timeout=300, spec=str(spec_path),
+                   dataset=str(dataset) if dataset else None,  # None: the agent fetches the spec's CID
+                   max_nodes=args.max_nodes, providers=args.provider)
+
+
+def cmd_job_estimate(args: argparse.Namespace) -> int:
+    from agent.market import estimate_text
+
+    spec_path, _, dataset = _spec_and_dataset(args)
+    result = _estimate(_home(args), spec_path, dataset, args)
+    _emit(args, result, estimate_text(result))
+    return 0
+
+
+def cmd_job_announce(args: argparse.Namespace) -> int:
+    """Announce a job. Unless ``--yes``: at a terminal, show the estimate and ask; without a terminal,
+    a paid job (budget.price_per_hour > 0) is refused (nobody saw its cost) and a volunteer job goes ahead."""
+    from agent.control import request
+    from agent.market import estimate_text
+
+    spec_path, spec, dataset = _spec_and_dataset(args)
+    home = _home(args)
+    if not args.yes:
+        if sys.stdin.isatty():
+            print(estimate_text(_estimate(home, spec_path, dataset, args)), file=sys.stderr)
+            try:
+                answer = input("announce this job? [y/N] ").strip().lower()
+            except EOFError:
+                answer = ""
+            if answer not in ("y", "yes"):
+                raise UserError("not announced (answer y to announce, or pass --yes)")
+        elif spec.budget.price_per_hour > 0:
+            raise UserError(f"{spec_path.name}: a paid job (budget.price_per_hour {spec.budget.price_per_hour:g}) "
+                            f"is announced only after confirmation; see `infernet job estimate {spec_path.name}`, "
+                            "then pass --yes")
+    job = request(home, "job.announce", timeout=300, spec=str(spec_path),
+                  dataset=str(dataset) if dataset else None,
+                  max_nodes=args.max_nodes, providers=args.provider)
     _emit(args, job, f"announced job {job['id']}\n  {job['name']}: {job['shards']} shards x {job['rounds']} rounds\n"
                      f"next: infernet job watch {job['id'][:12]}")
     return 0
@@ -1045,6 +1151,8 @@ COMMANDS = {
     ("demo", None): cmd_demo,
     ("agent", "init"): cmd_agent_init, ("agent", "run"): cmd_agent_run, ("agent", "status"): cmd_agent_status,
     ("agent", "stop"): cmd_agent_stop, ("peers", None): cmd_peers,
+    ("providers", None): cmd_providers, ("models", None): cmd_models,
+    ("job", "estimate"): cmd_job_estimate, ("job", "bill"): cmd_job_bill,
     ("job", "announce"): cmd_job_announce, ("job", "list"): cmd_job_list, ("job", "show"): cmd_job_show,
     ("job", "watch"): cmd_job_watch,
     ("job", "fetch"): cmd_job_fetch, ("job", "cancel"): cmd_job_cancel, ("job", "ledger"): cmd_job_ledger,

@@ -86,6 +86,10 @@ missed_heartbeats = 5
 gossip_max_rate = 200.0
 gossip_max_burst = 400.0
 
+# Measure this machine's training speed (tokens/s) once per held model with a short real training burst
+# (cached in speeds.json here) and advertise it, so submitters can estimate a job's hours and cost.
+measure_speed = true
+
 # Base models held locally: the name a job's base_model uses = a local Hugging Face directory.
 [models]
 # "Qwen/Qwen2.5-0.5B-Instruct" = "/srv/models/qwen2.5-0.5b-instruct"
@@ -101,7 +105,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "price_per_hour": (int, float), "threads": int, "train_processes": int, "ipfs_api": str, "fetch_timeout": (int, float),
     "heartbeat_seconds": (int, float), "missed_heartbeats": int, "grace_seconds": (int, float),
     "claim_interval": (int, float), "models": dict, "gossip_max_rate": (int, float),
-    "gossip_max_burst": (int, float),
+    "gossip_max_burst": (int, float), "measure_speed": bool,
 }
 
 RANGES: dict[str, tuple[float, float, str]] = {
@@ -157,6 +161,7 @@ def load_config(home: Path, **overrides: Any) -> "AgentConfig":
         if key in values:
             values[key] = tuple(values[key])
     values.update({k: v for k, v in overrides.items() if v is not None})
+    values.setdefault("measure_speed", True)  # an operator's agent measures; tests build AgentConfig without it
     if os.environ.get("INFERNET_ACCEPT_TRAINING") == "1":
         values["accept_training"] = True
     return replace(AgentConfig(home=home), **values)

@@ -209,7 +209,9 @@ def _hardware_fields(cap: Any) -> dict:
             "runtimes": list(cap.backends), "models": [{"name": x.name, "sha256": x.sha256.hex()} for x in cap.models]}
 
 
-async def _job_announce(agent: "Agent", spec: str, dataset: str | None = None) -> dict:
+async def _spec_inputs(agent: "Agent", spec: str, dataset: str | None) -> tuple[Any, Path, str, str | None]:
+    """The job spec, its dataset file (fetched and checked when the spec names a CID), our local copy
+    of its base model and the dataset's CID (None for a local file); ControlError naming what is missing."""
     from protocol.jobspec import dataset_cid, load_spec
 
     job_spec = load_spec(spec)
@@ -224,9 +226,63 @@ async def _job_announce(agent: "Agent", spec: str, dataset: str | None = None) -
     if not Path(model).is_dir():
         raise ControlError(f"base model {job_spec.base_model!r}: not a local directory and not in [models] "
                            f"of {agent.config.home / 'config.toml'}")
-    terms = await agent.submitter.prepare_terms(job_spec, data, model, dataset_cid=cid)
+    return job_spec, data, model, cid
+
+
+def _market_args(max_nodes: int | None, providers: list[str] | None) -> tuple[int, tuple[str, ...]]:
+    from protocol.identity import public_key_from_peer_id
+
+    if max_nodes is not None and not 1 <= max_nodes <= 1024:
+        raise ControlError(f"--max-nodes: must be between 1 and 1024, got {max_nodes}")
+    for peer in providers or ():
+        try:
+            public_key_from_peer_id(peer)
+        except Exception:  # noqa: BLE001 - KeyFileError and friends: one line
+            raise ControlError(f"--provider {peer[:60]!r}: not a peer ID (see `infernet providers`)") from None
+    if providers and len(set(providers)) > 64:
+        raise ControlError("--provider: at most 64 providers")
+    return max_nodes or 0, tuple(dict.fromkeys(providers or ()))
+
+
+async def _job_announce(agent: "Agent", spec: str, dataset: str | None = None, max_nodes: int | None = None,
+                        providers: list[str] | None = None) -> dict:
+    nodes, named = _market_args(max_nodes, providers)
+    job_spec, data, model, cid = await _spec_inputs(agent, spec, dataset)
+    terms = await agent.submitter.prepare_terms(job_spec, data, model, dataset_cid=cid, max_nodes=nodes,
+                                                providers=named)
     view = await agent.submitter.announce(terms)
     return job_summary(agent, view)
+
+
+async def _job_estimate(agent: "Agent", spec: str, dataset: str | None = None, max_nodes: int | None = None,
+                        providers: list[str] | None = None) -> dict:
+    from agent.market import estimate
+
+    nodes, named = _market_args(max_nodes, providers)
+    job_spec, data, model, _ = await _spec_inputs(agent, spec, dataset)
+    return await estimate(agent, job_spec, data, model, max_nodes=nodes, providers_only=named)
+
+
+async def _job_bill(agent: "Agent", job: str) -> dict:
+    from agent.market import bill
+
+    view = _find_job(agent, job)
+    if view.terms.submitter != agent.peer_id:
+        raise ControlError(f"job {view.job_id.hex()[:16]} was submitted by {view.terms.submitter}, not this agent; "
+                           "only its submitter bills it")
+    return bill(agent, view)
+
+
+async def _providers(agent: "Agent") -> list[dict]:
+    from agent.market import providers
+
+    return providers(agent)
+
+
+async def _models(agent: "Agent") -> list[dict]:
+    from agent.market import models
+
+    return models(agent)
 
 
 async def _job_list(agent: "Agent") -> list[dict]:
@@ -294,7 +350,8 @@ async def _stop(agent: "Agent") -> dict:
 
 HANDLERS = {
     "status": _status, "peers": _peers, "job.announce": _job_announce, "job.list": _job_list,
-    "job.show": _job_show, "job.cancel": _job_cancel, "job.fetch": _job_fetch, "stop": _stop,
+    "job.show": _job_show, "job.cancel": _job_cancel, "job.fetch": _job_fetch,
+    "stop": _stop, "providers": _providers, "models": _models, "job.estimate": _job_estimate, "job.bill": _job_bill,
 }
 
 
@@ -352,6 +409,9 @@ def job_detail(agent: "Agent", view: Any) -> dict:
                           "base_validation_loss": a.base_validation_loss}
                          for _, a in sorted(view.aggregates.items())]
     out["outer"] = view.terms.outer.optimizer if view.terms.outer else "none"
+    from agent.market import budget_json
+
+    out["budget"] = budget_json(view)  # paid jobs: spent so far, and why leasing stopped (IPIP-0004 §12)
     # accepted work our submitter role has no copy of yet (it keeps trying): empty when all is held
     out["not_held"] = [{k: v for k, v in item.items() if k != "provider"} for item in agent.submitter.not_held(view)]
     from agent.jobdata import job_facts  # created, model hash, shard CIDs, parameters, price, cost so far

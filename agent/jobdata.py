@@ -26,21 +26,6 @@ MAX_EXPORT_FILE = 256 << 20  # bytes of an export file ``ledger verify`` reads
 
 # -- facts of a job ------------------------------------------------------------------------------------
 
-def cost_so_far(chains: dict[bytes, list[Any]]) -> float:
-    """What the job's accepted and unaccepted training cost so far, from the report entries we hold."""
-    seen: dict[tuple, float] = {}
-    for entries in chains.values():
-        for e in entries:
-            if e.kind != "report":
-                continue
-            key = (e.data.get("round"), e.data.get("shard"), e.data.get("attempt"))
-            try:
-                seen.setdefault(key, float(e.data["duration"]) / 3600.0 * float(e.data["price_per_hour"]))
-            except (TypeError, ValueError, KeyError):
-                continue
-    return round(sum(seen.values()), 9)
-
-
 def readable_chains(store: Any, job_id: bytes) -> tuple[dict[bytes, list[Any]], dict[bytes, str]]:
     """The chains we hold that verify (protocol/ledger.verify_chain), and for each other one why not."""
     from protocol.ledger import LedgerEntry, LedgerError, verify_chain
@@ -59,6 +44,8 @@ def readable_chains(store: Any, job_id: bytes) -> tuple[dict[bytes, list[Any]], 
 
 def job_facts(agent: "Agent", view: Any) -> dict:
     """What ``job show`` adds to a job's detail: when and what was asked, at what price, what it cost."""
+    from agent.market import spent
+
     terms = view.terms
     chains, _ = readable_chains(agent.store, view.job_id)
     return {
@@ -75,8 +62,8 @@ def job_facts(agent: "Agent", view: Any) -> dict:
                        "lora": terms.lora.to_wire(), "proof": terms.proof.to_wire(),
                        "lease_seconds": terms.lease_seconds},
         "price_per_hour": terms.price_per_hour,
-        "budget": terms.budget,
-        "cost_so_far": cost_so_far(chains),
+        "budget_total": terms.budget,
+        "cost_so_far": round(spent(view), 9),  # accepted work at the job's price: what the bill charges
         "ledger": {"chains": len(chains), "entries": sum(len(c) for c in chains.values()),
                    "conflicts": len(agent.store.conflicts(view.job_id))},
     }
@@ -242,7 +229,7 @@ def facts_text(job: dict) -> list[str]:
     if job["dataset_cid"]:
         lines.append(f"dataset {job['dataset_cid']}")
     lines += [f"shard {s['index']}: {s['cid']} ({s['records']} records, {s['size']} bytes)" for s in job["shard_cids"]]
-    lines.append(f"price {job['price_per_hour']:g}/h  budget {job['budget']:g}  cost so far {job['cost_so_far']:.6g}"
+    lines.append(f"price {job['price_per_hour']:g}/h  budget {job['budget_total']:g}  cost so far {job['cost_so_far']:.6g}"
                  f"  ledger: {job['ledger']['chains']} chains, {job['ledger']['entries']} entries"
                  + (f", {job['ledger']['conflicts']} CONFLICTS" if job["ledger"]["conflicts"] else ""))
     return lines

@@ -86,6 +86,7 @@ class AgentConfig:
     gossip_max_rate: float = 200.0  # messages per second accepted from one peer (its signed messages) ...
     gossip_max_burst: float = 400.0  # ... with this much burst; beyond it they are dropped at the first hop
     misbehave: str | None = None  # test harness only: see agent/roles/worker.py MISBEHAVIOURS
+    measure_speed: bool = False  # measure tokens/s per held model once (agent/market.py); `agent run` turns it on
 
 
 @dataclass
@@ -135,6 +136,10 @@ class Agent:
         # machine lacks, so that GPU jobs' decisions run on real agents; training itself runs on what torch has)
         self.machine: Any = machine
         self.models_held: tuple[m.ModelHeld, ...] = ()
+        self.speeds: tuple[m.ModelSpeed, ...] = ()  # measured tokens/s per held model (agent/market.py)
+        from agent.market import Reputations
+
+        self.reputations = Reputations(self)
         self.published_capability: m.Capability | None = None
         self._hashes_saved = 0  # position in FILE_HASHES already saved to the store
 
@@ -181,6 +186,10 @@ class Agent:
                 nursery.start_soon(partial(self.net.discovery.maintain, advertise=self.worker is not None, interval=10.0))
                 if self.worker is not None:
                     nursery.start_soon(self.worker.claim_loop)
+                    if self.config.measure_speed:
+                        from agent.market import measure_speeds
+
+                        nursery.start_soon(measure_speeds, self)
                 task_status.started(self)
                 await self._stopping.wait()
                 if self.worker is not None:
@@ -207,6 +216,9 @@ class Agent:
             held.append(m.ModelHeld(name[:m.MAX_STR], bytes.fromhex(digest)))
         self.models_held = tuple(held)
         self.save_file_hashes()
+        from agent.market import advertised_speeds
+
+        self.speeds = advertised_speeds(self)  # measured before (cached in the home); measure_speeds adds the rest
 
     async def base_model_hash(self, path: str) -> str:
         """A base model's content hash (agent/train/model.base_model_sha256), each file read once per
@@ -233,7 +245,7 @@ class Agent:
         return m.Capability(hardware.summary(machine), hardware.runtimes(machine), self.config.price_per_hour,
                             self.worker is not None and ok, self.config.can_coordinate and ok,
                             self.config.max_concurrent_shards, __version__, machine.cpu_model, machine.devices,
-                            self.models_held)
+                            self.models_held, self.speeds if self.worker is not None else ())
 
     async def publish_capability(self) -> None:
         from agent import hardware

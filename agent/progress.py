@@ -72,6 +72,13 @@ class JobProgress:
             what = f"shard {item['shard']} adapter" if item["kind"] == "adapter" else "aggregate"
             rows.append(Text(f"round {item['round']} {what} {item['cid']}: accepted, not yet held by the submitter",
                              style="yellow"))
+        budget = job.get("budget") or {}
+        if budget.get("paid"):  # a paid job: what its accepted work cost, and why leasing stopped (IPIP-0004 §12)
+            rows.append(Text(f"budget: {budget['spent']:.4f} of {budget['total']:g} spent at {budget['price_per_hour']:g}/h"
+                             + (f"; leasing stopped: {budget['leasing_stopped']}" if budget.get("leasing_stopped") else ""),
+                             style="yellow" if budget.get("leasing_stopped") else ""))
+        if job.get("reason"):
+            rows.append(Text(f"ended: {job['reason']}", style="bold"))
         return Group(*rows)
 
     def _print_changes(self, job: dict) -> None:

@@ -47,6 +47,7 @@ LEDGER_KINDS: dict[str, tuple[str, ...]] = {
     "done": (),
     "cancel": ("reason",),
     "failed": ("reason",),
+    "bill": ("bill_sha256", "total", "workers"),  # the submitter's signed bill (agent/market.py)
 }
 """Each ledger kind and the keys its ``data`` map must hold (more keys are allowed)."""
 

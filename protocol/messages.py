@@ -379,6 +379,10 @@ class JobTerms(Wire):
     private: bool = extension_field(False)
     # the dataset the submitter sharded, when the spec named it by CID (IPIP-0007 "input.dataset")
     dataset_cid: Optional[str] = extension_field(None, "cid")
+    # who may be leased (IPIP-0004 §12, protocol/market.py): at most this many distinct workers
+    # (0: no cap), and only these peers (empty: anyone)
+    max_nodes: int = extension_field(0, "count", maximum=MAX_LIST)
+    providers: tuple[str, ...] = extension_field((), "peer", max_len=64)
 
     def check(self, path: str) -> None:
         if self.stop is not None and self.validation_cid is None:
@@ -392,6 +396,8 @@ class JobTerms(Wire):
             raise CodecError("bad-field", f"{path}.shards: indices must be 0..n-1 in order")
         if not 0.0 < self.min_accepted_fraction <= 1.0:
             raise CodecError("bad-field", f"{path}.min_accepted_fraction: expected (0, 1]")
+        if len(set(self.providers)) != len(self.providers):
+            raise CodecError("bad-field", f"{path}.providers: a provider is named twice")
 
     def job_id(self) -> bytes:
         return hashlib.sha256(JOB_ID_DOMAIN + canonical_encode(self.to_wire())).digest()
@@ -454,6 +460,20 @@ class ModelHeld(Wire):
     sha256: bytes = digest_field()
 
 
+@record
+class ModelSpeed(Wire):
+    """Tokens per second this agent measured training a held base model (a short real burst, or its
+    last real shard), on the device it names (IPIP-0002 §3)."""
+
+    sha256: bytes = digest_field()
+    tokens_per_s: float = field()
+    device: str = field(metadata=_meta(max_len=64))
+
+    def check(self, path: str) -> None:
+        if not 0.0 < self.tokens_per_s <= 1e9:
+            raise CodecError("bad-field", f"{path}.tokens_per_s: expected (0, 1e9], got {self.tokens_per_s}")
+
+
 @message("cap", "jobs")
 class Capability(Wire):
     """What an agent offers. ``hardware`` summarises the best device (old field, same meaning);
@@ -469,8 +489,11 @@ class Capability(Wire):
     cpu_model: str = field()
     devices: tuple[Device, ...] = field(metadata=_meta(max_len=MAX_DEVICES))
     models: tuple[ModelHeld, ...] = field(metadata=_meta(max_len=MAX_MODELS))
+    speeds: tuple[ModelSpeed, ...] = extension_field((), max_len=MAX_MODELS)
 
     def check(self, path: str) -> None:
+        if len({s.sha256 for s in self.speeds}) != len(self.speeds):
+            raise CodecError("bad-field", f"{path}.speeds: a model is listed twice")
         if len({(d.kind, d.index) for d in self.devices}) != len(self.devices):
             raise CodecError("bad-field", f"{path}.devices: a device is listed twice")
         if not 0.0 <= self.hardware.vram_gb <= MAX_VRAM_GB or not 0.0 <= self.hardware.ram_gb:

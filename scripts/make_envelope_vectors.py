@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -70,6 +71,10 @@ def main() -> None:
         ("job", alice, m.JobAnnouncement.for_terms(terms)),
         ("ckpt", bob, m.CheckpointCommit(terms.job_id(), 0, 1, 0, 20, 2, bytes(32), bytes([9]) * 32, 2.5, None)),
         ("cap", bob, sample_capability()),
+        # extension fields (IPIP-0002 §3, IPIP-0004 §12): measured speed; a job's max_nodes and providers
+        ("cap-speeds", bob, replace(sample_capability(), speeds=(
+            m.ModelSpeed(bytes(range(32)), 1834.5, "cuda:NVIDIA H100 80GB HBM3"),))),
+        ("job-market", alice, m.JobAnnouncement.for_terms(replace(terms, max_nodes=2, providers=(bob.peer_id,)))),
     ]
     vectors = []
     for i, (name, who, msg) in enumerate(cases):

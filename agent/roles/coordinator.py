@@ -14,7 +14,9 @@ Rules of this file:
   lease to ourselves — a coordinator does not judge its own work (a report of ours from a lease
   granted before we took over is judged by the next eligible peer by rank: ``judge_reports``,
   protocol/election.judge_of), and accepted work must outlive the coordinator (the worker, the submitter and the verifier
-  each hold a copy).
+  each hold a copy). The market's rules come on top (protocol/market.lease_refusal): no lease once a
+  paid job's accepted work has spent its budget, only to its named providers, at most ``max_nodes``
+  distinct workers. Claims are queued for ``claim_window`` and granted best reputation first.
 - A report is accepted only if: the adapter and proof bundles fetch and hash-check by CID; the proof
   is about this job, round, shard, attempt, worker, base model and seed; its chain ends in the
   reported head and passes through every head the worker gossiped; its step-0 checkpoint is the
@@ -82,6 +84,8 @@ class CoordinatorRole:
     # after a failure of our own, wait this long before the next try of a verification or
     # aggregation (one try more than there are delays); never past the window it must finish in
     retry_delays: tuple[float, ...] = (2.0, 5.0, 15.0, 30.0, 60.0)
+    # claims arriving within this many seconds of the first are granted together, best reputation first
+    claim_window: float = 0.25
 
     def __init__(self, agent: "Agent") -> None:
         self.agent = agent
@@ -91,31 +95,69 @@ class CoordinatorRole:
         # (job, round) -> the adapter training starts from, and the outer state it carries
         self._initial: dict[tuple[bytes, int], tuple[dict, dict, dict]] = {}
         self._validation: dict[bytes, Path] = {}  # job -> its validation split, fetched
+        self._claims: dict[bytes, list[tuple[str, int, int]]] = {}  # job -> (worker, round, shard) in arrival order
         self._refused: dict[tuple[bytes, str], str] = {}  # (job, worker) -> why its claims get no lease
 
     # -- leases -----------------------------------------------------------------------------------
 
     async def on_claim(self, view: JobView, claim: m.ShardClaim, worker: str) -> None:
+        """Queue a claim that may be granted; the claims of one ``claim_window`` are granted in order
+        of the claimants' reputation (protocol/market.order_claims, IPIP-0004 §12)."""
+        if not self._may_lease(view, claim.round, worker):
+            return
+        queue = self._claims.setdefault(view.job_id, [])
+        if any(w == worker for w, _, _ in queue):
+            return
+        queue.append((worker, claim.round, claim.shard))
+        if len(queue) == 1:
+            self.agent.nursery.start_soon(self._grant_claims, view)
+
+    def _may_lease(self, view: JobView, rnd: int, worker: str, *, count: bool = True) -> bool:
+        from agent.market import lease_refusal as market_lease_refusal
+
         agent = self.agent
-        if not agent.is_coordinator(view) or claim.round != view.state.round:
-            return
+        if not agent.is_coordinator(view) or rnd != view.state.round:
+            return False
         if view.state.phase not in (st.JobPhase.ANNOUNCED, st.JobPhase.TRAINING):
-            return
+            return False
         if worker == agent.peer_id or worker in self._banned.get(view.job_id, set()) or view.training_by(worker):
-            return
+            return False
         if worker not in agent.live_peers():
-            return
-        refusal = self.lease_refusal(view, worker)
+            return False
+        # its signed capability fits the job (protocol/fit.py), then the market's rules (protocol/market.py:
+        # budget, named providers, max_nodes)
+        refusal = self.lease_refusal(view, worker) or market_lease_refusal(view, worker)
         if refusal is not None:
-            agent.counters["leases_refused"] += 1
+            if count:  # a claim is checked when queued, then again when granted: counted once
+                agent.counters["leases_refused"] += 1
             if self._refused.get((view.job_id, worker)) != refusal:  # claims repeat: say each reason once
                 log.info("job %s: no lease for %s: %s", view.job_id.hex()[:8], worker, refusal)
             self._refused[(view.job_id, worker)] = refusal
+            return False
+        return True
+
+    async def _grant_claims(self, view: JobView) -> None:
+        from protocol.market import order_claims
+
+        await trio.sleep(self.claim_window)
+        claims = self._claims.pop(view.job_id, [])
+        reputations = self.agent.reputations.get()
+        ordered = order_claims([(w, i) for i, (w, _, _) in enumerate(claims)], reputations)
+        for worker, i in ordered:
+            try:
+                await self._grant(view, worker, claims[i][1], claims[i][2])
+            except Exception as exc:  # noqa: BLE001 - one failed grant must not stop the agent
+                log.warning("job %s: lease for %s failed: %s", view.job_id.hex()[:8], worker[-8:], exc)
+
+    async def _grant(self, view: JobView, worker: str, rnd: int, wanted: int) -> None:
+        agent = self.agent
+        if not self._may_lease(view, rnd, worker):
+            return
             return
         open_shards = view.open_shards()
         if not open_shards:
             return
-        shard = claim.shard if claim.shard in open_shards else open_shards[0]
+        shard = wanted if wanted in open_shards else open_shards[0]
         now = agent.clock()
         actions = view.step(st.LeaseGranted(view.state.round, shard, worker), now)
         grant = next((a for a in actions or () if isinstance(a, st.PublishLease)), None)

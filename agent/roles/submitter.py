@@ -18,6 +18,8 @@ Rules of this file:
   so no accepted work is lost with its worker: a failed copy is tried again after each of
   ``keep_retry_delays`` (given up early only if the job fails or is cancelled; again after a
   restart), and ``job show`` lists what is accepted but not held here yet (``not_held``).
+- A paid job whose accepted work has spent its budget gets no more leases; once none of its leases
+  is in flight we cancel it with the budget's reason (agent/market.watch_budget).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from agent.bundle import AGGREGATE_FILES, bundle_size_bound
+from agent.market import watch_budget
 from protocol import messages as m
 from protocol.cid import parse_cid
 
@@ -57,7 +60,8 @@ class SubmitterRole:
 
     async def prepare_terms(self, spec: Any, dataset: Path, base_model_path: str, *,
                             deadline: int | None = None, created: int | None = None,
-                            dataset_cid: str | None = None) -> m.JobTerms:
+                            dataset_cid: str | None = None, max_nodes: int = 0,
+                            providers: tuple[str, ...] = ()) -> m.JobTerms:
         """Shard ``dataset``, add the parts to the content store, and build the job's terms.
 
         ``created`` and ``deadline`` default to now and now + the spec's max runtime; the harness pins
@@ -106,6 +110,7 @@ class SubmitterRole:
                 spec.outer.optimizer, spec.outer.lr, spec.outer.momentum, spec.outer.beta1, spec.outer.beta2),
             description=getattr(spec, "description", ""), private=getattr(spec, "private", False),
             dataset_cid=dataset_cid,
+            max_nodes=max_nodes, providers=tuple(providers),
         )
 
     async def announce(self, terms: m.JobTerms) -> "JobView":
@@ -117,6 +122,7 @@ class SubmitterRole:
         agent.ledger(view.job_id, "announced", announced_data(terms))
         await agent.publish(m.JobAnnouncement.for_terms(terms))
         agent.nursery.start_soon(self._reannounce, view)
+        agent.nursery.start_soon(watch_budget, agent, view)  # a paid job ends when its budget is spent
         log.info("job %s announced: %s, %d shards x %d rounds", view.job_id.hex()[:8], terms.name,
                  len(terms.shards), terms.rounds)
         return view
@@ -129,6 +135,7 @@ class SubmitterRole:
         await self.agent.publish(m.JobAnnouncement.for_terms(view.terms))
         for item in self.not_held(view):  # copies a restart interrupted
             self.agent.nursery.start_soon(self._keep, view, item["cid"], item["provider"])
+        self.agent.nursery.start_soon(watch_budget, self.agent, view)
         await self._reannounce(view)
 
     async def _reannounce(self, view: "JobView") -> None:

@@ -61,6 +61,7 @@ class WorkerRole:
         # job -> (when, round, whether we held a shard since) of our last claim
         self._last_claim: dict[bytes, tuple[float, int, bool]] = {}
         self._wake = trio.Event()
+        self._market_logged: dict[bytes, str] = {}
 
     # -- choosing jobs ----------------------------------------------------------------------------
 
@@ -73,6 +74,11 @@ class WorkerRole:
             return f"base model {terms.base_model!r} is not available locally"
         if terms.price_per_hour < config.min_price_per_hour:
             return f"price {terms.price_per_hour}/h is below our minimum {config.min_price_per_hour}/h"
+        from agent.market import worker_refusal
+
+        market = worker_refusal(self.agent, terms)  # our price, its budget, its named providers (IPIP-0004 §12)
+        if market is not None:
+            return market
         machine = self.agent.machine
         if terms.runtime == "peft" and machine is not None and machine.cuda and \
                 config.train_processes > len(machine.cuda):
@@ -124,6 +130,8 @@ class WorkerRole:
                 if any(k[0] == view.job_id for k in self.active):
                     continue
                 open_shards = view.open_shards()
+                if open_shards and self._market_refusal(view):
+                    continue
                 # a claim made while we still had a live lease of this job (its report not yet in) was
                 # ignored by the coordinator: it does not hold back the next one
                 last_time, last_round, was_holding = self._last_claim.get(view.job_id, (0.0, 0, False))
@@ -135,6 +143,16 @@ class WorkerRole:
                     break
                 await agent.publish(m.ShardClaim(view.job_id, view.state.round, random.choice(open_shards)))
                 break
+
+    def _market_refusal(self, view: JobView) -> str | None:
+        """The job can no longer pay us (its budget is spent) or would not lease us: no claim (logged once)."""
+        from agent.market import lease_refusal, worker_refusal
+
+        reason = worker_refusal(self.agent, view) or lease_refusal(view, self.agent.peer_id)
+        if reason is not None and self._market_logged.get(view.job_id) != reason:
+            self._market_logged[view.job_id] = reason
+            log.info("job %s: not claiming: %s", view.job_id.hex()[:8], reason)
+        return reason
 
     def on_lease(self, view: JobView, lease: m.ShardLease) -> None:
         key = (view.job_id, lease.round, lease.shard, lease.attempt)
@@ -325,7 +343,11 @@ class WorkerRole:
         agent.ledger(view.job_id, "report", {
             "round": lease.round, "shard": lease.shard, "attempt": lease.attempt, "worker": agent.peer_id,
             "adapter_cid": str(adapter_cid), "duration": float(result.train_seconds), "samples": result.samples,
-            "price_per_hour": agent.config.price_per_hour, **self._hardware_record(result.environment)})
+            "price_per_hour": terms.price_per_hour, "ask_per_hour": agent.config.price_per_hour,
+            **self._hardware_record(result.environment)})
+        from agent.market import record_shard_speed
+
+        record_shard_speed(agent, terms, float(result.tokens_per_second))
         agent.counters["shards_trained"] += 1
         log.info("job %s shard %d: reported (loss %.3f, %d steps)", view.job_id.hex()[:8], lease.shard,
                  result.final_loss, result.steps)

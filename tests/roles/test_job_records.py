@@ -101,9 +101,10 @@ async def test_a_private_job_on_a_cid_dataset_completes_sealed_and_its_ledger_is
         assert {"announced", "lease", "checkpoint", "report", "verdict", "aggregate", "done"} <= kinds
         sealed = [e for a in agents for e in a.store.ledger(job_id) if e.kind == "aggregate"]
         assert sealed and all(e.data["sealed_to"] == submitter.peer_id for e in sealed)
-        reports = {(e.data["round"], e.data["shard"], e.data["attempt"]): e.data["duration"]
-                   for a in agents for e in a.store.ledger(job_id) if e.kind == "report"}
-        assert jobdata.job_facts(submitter, view)["cost_so_far"] == pytest.approx(sum(reports.values()) / 3600 * 2.0)
+        # cost so far: the accepted reports' training time at the job's price, as the bill charges it
+        accepted = [view.reports[key][0].metrics["train_seconds"] for key, v in view.verdicts.items() if v.accepted]
+        assert accepted and jobdata.job_facts(submitter, view)["cost_so_far"] == pytest.approx(
+            sum(accepted) / 3600 * view.terms.price_per_hour)
 
         # the export file checks without an agent
         export = tmp_path / "ledger.json"

@@ -1,0 +1,119 @@
+"""The market on real agents: providers and models from signed capabilities, a measured speed and the
+estimate built on it, a budget that runs out mid-round, named providers, and a bill equal to the ledger."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import trio
+
+from agent import market
+from agent.control import job_detail
+from protocol import state as st
+from tests.roles.conftest import fast_spec, network, write_dataset
+
+pytestmark = pytest.mark.network
+
+PRICE = 3600.0  # one unit per second trained: the first accepted shard spends the budget
+
+
+async def test_budget_runs_out_mid_round_and_the_bill_equals_the_ledger(tmp_path, tiny_model_dir):
+    dataset = write_dataset(tmp_path / "demo.jsonl", n=200)
+    spec = fast_spec(shards=8, rounds=1, max_steps=8, extra=f"budget: {{price_per_hour: {PRICE}, total: 0.01}}\n")
+    overrides = {0: {"measure_speed": True}, 3: {"can_coordinate": False}}
+    async with network(tmp_path, tiny_model_dir, workers=4, overrides=overrides) as net:
+        submitter, workers = net.submitter, net.workers
+        w0 = net.agents["w0"]
+        # the measured speed reaches the others in w0's signed capability
+        with trio.fail_after(90):
+            while not (submitter.peers.get(w0.peer_id) and submitter.peers[w0.peer_id].capability.speeds):
+                await trio.sleep(0.2)
+        speed = submitter.peers[w0.peer_id].capability.speeds[0]
+        assert speed.sha256 == w0.models_held[0].sha256 and speed.tokens_per_s > 0 and speed.device == "cpu"
+        assert market.load_speeds(w0.config.home)  # cached in its home: not measured again on restart
+
+        # providers and models: what the capabilities say
+        rows = {p["peer_id"]: p for p in market.providers(submitter)}
+        assert set(rows) == {w.peer_id for w in workers}
+        for w in workers:
+            cap = submitter.peers[w.peer_id].capability
+            row = rows[w.peer_id]
+            assert row["models"] == [{"name": x.name, "sha256": x.sha256.hex()} for x in cap.models]
+            assert row["runtimes"] == list(cap.backends) == ["peft"] and row["accepts_training"] is True
+            assert row["busy"] is False and row["reputation"]["score"] == 0.5
+        assert [s["tokens_per_s"] for s in rows[w0.peer_id]["speeds"]] == [speed.tokens_per_s]
+        (model,) = market.models(submitter)
+        assert model["name"] == "infernet-tiny" and model["providers"] == 4 and model["training"] == 4
+        assert model["sha256"] == w0.models_held[0].sha256.hex() and model["tokens_per_s"] == [speed.tokens_per_s]
+
+        # the estimate: tokens by the model's tokenizer, hours from the advertised speed, cost at the price
+        est = await market.estimate(submitter, spec, dataset, str(tiny_model_dir))
+        assert est["tokens"] > 0 and est["steps"] == 8 * 8 and est["providers"] == 1
+        assert est["tokens_per_s"] == speed.tokens_per_s
+        assert math.isclose(est["cost"], est["worker_hours"] * PRICE) and est["over_budget"] is True
+
+        # a job only w0..w2 may train (w3 is not named), on one node at most, whose budget one shard spends
+        named = tuple(w.peer_id for w in workers[:3])
+        terms = await submitter.submitter.prepare_terms(spec, dataset, str(tiny_model_dir), providers=named,
+                                                        max_nodes=1)
+        w3 = net.agents["w3"]
+        assert "not one of the job's named providers" in w3.worker.refusal(terms)
+        view = await submitter.submitter.announce(terms)
+        await submitter.wait_for(lambda: view.state.terminal, timeout=180)
+        assert view.state.phase is st.JobPhase.CANCELLED and "budget spent" in view.state.reason, view.state.reason
+        accepted = [k for k, v in view.verdicts.items() if v.accepted]
+        assert 1 <= len(accepted) < 8, "leasing stopped mid-round"
+        detail = job_detail(submitter, view)
+        assert "budget spent" in detail["budget"]["leasing_stopped"] and detail["budget"]["spent"] >= 0.01
+        assert all(lease.worker != w3.peer_id for lease in view.leases.values())
+        assert len({lease.worker for lease in view.leases.values()}) == 1  # max_nodes
+
+        # no lease was granted after the first accepted verdict made the budget spent (the coordinator's ledger)
+        coordinator = next(a for a in workers if a.peer_id == view.coordination.coordinator)
+        entries = coordinator.store.ledger(view.job_id)
+        first_accept = min(e.seq for e in entries if e.kind == "verdict" and e.data["accepted"])
+        assert not [e for e in entries if e.kind == "lease" and e.seq > first_accept]
+
+        # the bill: signed by the submitter, and equal to the ledgers (workers' reports x coordinator's verdicts)
+        bill = market.bill(submitter, view)
+        assert bill["signer"] == submitter.peer_id and bill["ledger"]["consistent"]
+        from protocol.identity import verify_signature
+        from protocol.market import bill_bytes
+
+        doc = {k: v for k, v in bill.items() if k not in ("state", "signature", "signer", "bill_sha256", "ledger")}
+        doc["job_id"] = bytes.fromhex(doc["job_id"])
+        assert verify_signature(submitter.identity.public_key, bill_bytes(doc), bytes.fromhex(bill["signature"]))
+        reports = {}
+        for w in workers:
+            for e in w.store.ledger(view.job_id):
+                if e.kind == "report":
+                    reports[(e.data["round"], e.data["shard"], e.data["attempt"])] = e.data
+        owed: dict[str, float] = {}
+        for e in entries:
+            if e.kind == "verdict" and e.data["accepted"]:
+                r = reports[(e.data["round"], e.data["shard"], e.data["attempt"])]
+                assert r["worker"] == e.data["worker"] and r["price_per_hour"] == PRICE
+                owed[r["worker"]] = owed.get(r["worker"], 0.0) + r["duration"] / 3600 * r["price_per_hour"]
+        billed = {row["worker"]: row["amount"] for row in bill["workers"] if row["accepted"]}
+        assert billed.keys() == owed.keys()
+        assert all(math.isclose(billed[w], owed[w]) for w in owed), (billed, owed)
+        assert math.isclose(bill["total"], sum(owed.values()))
+        kinds = [e.kind for e in submitter.store.ledger(view.job_id)]
+        assert kinds.count("bill") == 1
+        market.bill(submitter, view)  # the same amounts again: no second ledger entry
+        assert [e.kind for e in submitter.store.ledger(view.job_id)].count("bill") == 1
+        submitter.store.verify_ledger(view.job_id)
+
+        # reputations now count the accepted work, and order the next grants: the coordinator puts the
+        # worker that delivered before a stranger whose claim came first
+        from protocol.market import order_claims
+
+        (trained,) = {lease.worker for lease in view.leases.values()}
+        stranger = w3.peer_id
+        for agent in (submitter, coordinator):
+            agent.reputations._at = -1e18
+            counted = agent.reputations.get()
+            assert counted[trained].accepted == len(accepted) and stranger not in counted
+        assert order_claims([(stranger, 0), (trained, 1)], coordinator.reputations.get()) == [(trained, 1), (stranger, 0)]
+        assert {p["peer_id"]: p for p in market.providers(submitter)}[trained]["reputation"]["accepted"] == len(accepted)
