@@ -18,8 +18,14 @@ Rules of this file:
   next peer by rendezvous takes the job with term + 1 (protocol/election.Coordination). A peer acts
   as coordinator only while its own view says so. Both the view changes and acting as coordinator
   need the job's submitter to be heard: in a partition the submitter's side decides.
-- Every job-topic message but a claim is recorded in the store before it is applied; every decision we make is
-  gossiped and applied to our mirror at once (agent/roles/job.py).
+- A job-topic message is recorded in the store once it applies to our mirror (a held one when it
+  finally applies), in the order it applied, and before any action it caused is carried out; what
+  our mirror refuses (a flood of well-signed junk from many identities, say) is never written to disk
+  and is held in memory within per-signer bounds (agent/roles/job.py). Our own messages are recorded
+  when they come back to us. The writes (one fsync each) run in a worker thread, one at a time, so
+  heartbeats and gossip never wait on the disk. Every decision we make is gossiped and applied to our
+  mirror at once (agent/roles/job.py). With a full disk the mirror may run ahead of the store (we
+  then refuse new work); catch-up brings the rest back after a restart.
 """
 
 from __future__ import annotations
@@ -131,6 +137,7 @@ class Agent:
         self.models_held: tuple[m.ModelHeld, ...] = ()
         self.published_capability: m.Capability | None = None
         self._hashes_saved = 0  # position in FILE_HASHES already saved to the store
+        self.store_limiter = trio.CapacityLimiter(1)  # store writes in a worker thread, one at a time, in order
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -328,7 +335,9 @@ class Agent:
                         before = view.coordination
                         view.check_coordinator(signer, entry.term, self.eligible_coordinators(view.terms))
                         if view.coordination != before and view.pending:  # e.g. verdicts held for this term
-                            self.apply_actions(view, view.retry_pending(now, self.eligible_coordinators(view.terms)))
+                            actions = view.retry_pending(now, self.eligible_coordinators(view.terms))
+                            await self.keep_evidence(view)
+                            self.apply_actions(view, actions)
                             self._react(view, view.take_applied())
             elif isinstance(msg, m.Capability):
                 self.peers.setdefault(signer, PeerInfo(now, live_since=now)).capability = msg
@@ -381,9 +390,10 @@ class Agent:
     def rebuild_view(self, record: Any) -> JobView:
         """A job's mirror rebuilt from the store: its stored envelopes replayed in stored order."""
         view = JobView(record.terms, self.clock(), self.peer_id)
-        for stored in self.store.envelopes(record.job_id):
+        for stored in self.store.envelopes(record.job_id, stored_order=True):
             view.replay(stored.message, stored.signer, stored.timestamp_ms / 1000.0)
         view.take_applied()  # replayed history: nothing to react to
+        view.take_evidence()
         return view
 
     def job_view(self, job_id: bytes) -> JobView:
@@ -454,13 +464,38 @@ class Agent:
                 # must not become a flood of synchronous SQLite commits that stalls this loop)
                 await self.coordinator.on_claim(view, msg, signer)
                 continue
-            if not self.stored(self.store.record, received.envelope.to_bytes(), now):
-                continue  # unrecorded evidence is not applied (IPIP-0004 §11 brings it back later)
-            actions = view.apply(msg, signer, now, self.eligible_coordinators(view.terms))
+            data = received.envelope.to_bytes()
+            actions = view.apply(msg, signer, now, self.eligible_coordinators(view.terms), data)
+            if actions is None and signer == self.peer_id and \
+                    isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
+                view.evidence.append(data)  # our own decision, applied when we made it
+            if not await self.keep_evidence(view):
+                continue  # the disk is full: we refuse new work (the mirror moved; a restart catches up)
             if actions is None:
                 continue
             self.apply_actions(view, actions)
             self._react(view, view.take_applied())  # this message and any held one it unblocked
+
+    async def keep_evidence(self, view: JobView) -> bool:
+        """Store the envelopes of the messages our mirror applied since the last call, in that order,
+        in one commit made in a worker thread (the event loop runs on while the disk syncs). False
+        (and we refuse new work) if the disk is full."""
+        evidence = view.take_evidence()
+        if not evidence:
+            return True
+        now, store = self.clock(), self.store
+
+        def write() -> None:
+            with store.transaction():
+                for data in evidence:
+                    store.record(data, now)
+
+        try:
+            await trio.to_thread.run_sync(write, limiter=self.store_limiter)
+        except StoreFullError as exc:
+            self.refuse_work(exc)
+            return False
+        return True
 
     def _react(self, view: JobView, applied: list[tuple[Any, str]]) -> None:
         """Our roles' reactions to messages the mirror applied: a lease for us, verdicts, aggregates."""
