@@ -454,27 +454,31 @@ class Agent:
         if synced:
             self.apply_actions(view, ())
         async for received in subscription:
-            msg, signer, now = received.message, received.signer, self.clock()
             if self.observer is not None:
                 self.observer("recv", received)
             if received.envelope.message_id in synced:
                 continue  # already applied from the history
-            if isinstance(msg, m.ShardClaim):
-                # a request to the coordinator, not a change of the job: never stored (a claim flood
-                # must not become a flood of synchronous SQLite commits that stalls this loop)
-                await self.coordinator.on_claim(view, msg, signer)
-                continue
-            data = received.envelope.to_bytes()
-            actions = view.apply(msg, signer, now, self.eligible_coordinators(view.terms), data)
-            if actions is None and signer == self.peer_id and \
-                    isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
-                view.evidence.append(data)  # our own decision, applied when we made it
-            if not await self.keep_evidence(view):
-                continue  # the disk is full: we refuse new work (the mirror moved; a restart catches up)
-            if actions is None:
-                continue
-            self.apply_actions(view, actions)
-            self._react(view, view.take_applied())  # this message and any held one it unblocked
+            await self.on_job_message(view, received)
+
+    async def on_job_message(self, view: JobView, received: Any) -> None:
+        """One verified message of the job's topic (``received``: message, signer, envelope): apply it
+        to our mirror, store what applied, then carry out what it caused."""
+        msg, signer, now = received.message, received.signer, self.clock()
+        if isinstance(msg, m.ShardClaim):
+            # a request to the coordinator, not a change of the job: never stored
+            await self.coordinator.on_claim(view, msg, signer)
+            return
+        data = received.envelope.to_bytes()
+        actions = view.apply(msg, signer, now, self.eligible_coordinators(view.terms), data)
+        if actions is None and signer == self.peer_id and \
+                isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
+            view.evidence.append(data)  # our own decision, applied when we made it
+        if not await self.keep_evidence(view):
+            return  # the disk is full: we refuse new work (the mirror moved; a restart catches up)
+        if actions is None:
+            return
+        self.apply_actions(view, actions)
+        self._react(view, view.take_applied())  # this message and any held one it unblocked
 
     async def keep_evidence(self, view: JobView) -> bool:
         """Store the envelopes of the messages our mirror applied since the last call, in that order,
