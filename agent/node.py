@@ -138,6 +138,7 @@ class Agent:
         self.published_capability: m.Capability | None = None
         self._hashes_saved = 0  # position in FILE_HASHES already saved to the store
         self.store_limiter = trio.CapacityLimiter(1)  # store writes in a worker thread, one at a time, in order
+        self._job_rows: dict[bytes, tuple[str, int, int]] = {}  # (state, round, term) last written per job
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -515,8 +516,7 @@ class Agent:
         """Carry out what the state machine asked for, in our roles; wake anyone waiting on the job."""
         if actions is None:
             return
-        self.stored(self.store.update_job, view.job_id, self.clock(), state=view.state.phase.value,
-                    round=view.state.round, coordinator_term=view.coordination.term)
+        self.save_job_row(view)
         self.coordinator.on_actions(view, actions)
         if self.worker is not None:  # any change may free a shard for us (a verdict often returns no action)
             self.worker.wake()
@@ -529,6 +529,15 @@ class Agent:
                 self.ledger(view.job_id, kind, _action_data(action))
         self.job_events.set()
         self.job_events = trio.Event()
+
+    def save_job_row(self, view: JobView) -> None:
+        """Write the job's summary (state, round, term) to the store when it changed since we last did:
+        one commit per change, not one per applied message (the envelopes are the evidence)."""
+        row = (view.state.phase.value, view.state.round, view.coordination.term)
+        if self._job_rows.get(view.job_id) != row and \
+                self.stored(self.store.update_job, view.job_id, self.clock(), state=row[0], round=row[1],
+                            coordinator_term=row[2]):
+            self._job_rows[view.job_id] = row
 
     def stored(self, write: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
         """Run a store write; if the disk is full, refuse new work (``refuse_work``) and return False

@@ -19,7 +19,9 @@ Rules of this file:
 - What is stored. ``jobs``: the terms as canonical msgpack (``JobTerms.to_wire``), our role, the
   state name, round and coordinator term. ``shards``: the current view of each (job, round, shard).
   ``envelopes``: every signed envelope we accepted, byte for byte as received, keyed by message ID,
-  so that a successor coordinator can rebuild a job from its own store. ``leases``, ``reports``,
+  so that a successor coordinator can rebuild a job from its own store. For a job's topic the agent
+  records only messages that applied to its mirror, in the order they applied (agent/node.py), so
+  the stored order (``envelopes(stored_order=True)``) replays into the same mirror. ``leases``, ``reports``,
   ``verdicts``, ``aggregates``: decoded columns of those envelopes for queries; the bytes stay in
   ``envelopes``. ``ledger``: the per-job event log below. ``schema_version``: one row. ``file_hashes``
   (version 2): the cache of file hashes by (path, size, mtime), so base models are hashed once;

@@ -195,8 +195,10 @@ class JobView:
         return actions + self.retry_pending(now, eligible)
 
     def _hold(self, now: float, msg: Any, signer: str, envelope: bytes | None, eligible: frozenset[str]) -> None:
-        """Hold a refused message for a later try, within the per-signer and total bounds."""
+        """Hold a refused message for a later try, within the per-signer and total bounds (once)."""
         mine = [i for i, p in enumerate(self.pending) if p[2] == signer]
+        if any(self.pending[i][1] == msg for i in mine):
+            return  # already held (a catch-up brought it again)
         if len(mine) >= PENDING_PER_SIGNER:
             del self.pending[mine[0]]
             self.refused["pending-signer-quota"] += 1

@@ -186,8 +186,7 @@ async def submitter_catch_up(agent: Any, view: Any, timeout: float = TIMEOUT) ->
         log.info("job %s: caught up on %d messages from %d peers after a restart: %s, round %d, term %d",
                  view.job_id.hex()[:8], len(applied), len(peers), view.state.phase.value, view.state.round,
                  view.coordination.term)
-        agent.store.update_job(view.job_id, agent.clock(), state=view.state.phase.value, round=view.state.round,
-                               coordinator_term=view.coordination.term)
+        agent.save_job_row(view)
     return applied
 
 
@@ -209,7 +208,6 @@ async def catch_up(agent: Any, view: Any, timeout: float = TIMEOUT) -> set[bytes
     Returns the message IDs applied (the live reader skips them); failures are logged, not raised."""
     verified = await _fetch_verified(agent, view, timeout, "catch up")
     applied: set[bytes] = set()
-    now = agent.clock()
     for data, opened in verified or ():
         if agent.store.has_envelope(opened.envelope.message_id):
             continue
@@ -221,8 +219,7 @@ async def catch_up(agent: Any, view: Any, timeout: float = TIMEOUT) -> set[bytes
         log.info("job %s: caught up on %d messages from the submitter: %s, round %d, term %d",
                  view.job_id.hex()[:8], len(applied), view.state.phase.value, view.state.round,
                  view.coordination.term)
-        agent.store.update_job(view.job_id, now, state=view.state.phase.value, round=view.state.round,
-                               coordinator_term=view.coordination.term)
+        agent.save_job_row(view)
     return applied
 
 
@@ -271,6 +268,5 @@ async def resync(agent: Any, view: Any, timeout: float = TIMEOUT) -> list[tuple[
     log.warning("job %s: mirror rebuilt from the submitter's history (%d messages): was %s round %d with %d held, "
                 "now %s round %d, term %d", view.job_id.hex()[:8], len(verified), *before,
                 view.state.phase.value, view.state.round, view.coordination.term)
-    agent.store.update_job(view.job_id, now, state=view.state.phase.value, round=view.state.round,
-                           coordinator_term=view.coordination.term)
+    agent.save_job_row(view)
     return applied
