@@ -254,7 +254,8 @@ class JobView:
             progress = False
             keep = []
             for held in self.pending:
-                seen, msg, signer, envelope = held
+                seen, msg, signer = held[:3]
+                envelope = held[3] if len(held) > 3 else None
                 if now - seen > PENDING_SECONDS:
                     continue
                 actions = self._apply_one(msg, signer, now, eligible, count=False)
