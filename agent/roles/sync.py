@@ -77,7 +77,9 @@ class SyncService:
     async def handle(self, stream: Any) -> None:
         reader = FrameReader(stream, chunk=64)
         job_id = await reader.read_exactly(32, f"{PROTOCOL} job id")
-        for data in history_for(self.agent.store, job_id):
+        # reading and re-verifying up to MAX_HISTORY envelopes takes seconds: not on the event loop
+        history = await trio.to_thread.run_sync(history_for, self.agent.store, job_id)
+        for data in history:
             await stream.write(frame(data))
         await stream.write(END)
         self.served += 1
@@ -145,7 +147,7 @@ async def _fetch_verified(agent: Any, view: Any, timeout: float, what: str,
     except (NetError, PeerProtocolError, trio.TooSlowError) as exc:
         log.info("job %s: could not %s from %s: %s", view.job_id.hex()[:8], what, peer[-8:], exc)
         return None
-    verified, refused = _verified(history, view.job_id)
+    verified, refused = await trio.to_thread.run_sync(_verified, history, view.job_id)  # signatures: off the loop
     if refused:
         log.warning("job %s: %d envelopes from %s's history refused", view.job_id.hex()[:8], refused, peer[-8:])
     return verified
