@@ -95,3 +95,24 @@ def test_a_verdict_of_a_skipped_term_signed_by_its_worker_or_an_ineligible_peer_
     assert v.apply(verdict(1, 1, W1, 2), W1.peer_id, NOW + 3, ELIGIBLE) is None  # self-judged
     assert v.apply(verdict(1, 1, W1, 2), outsider.peer_id, NOW + 4, ELIGIBLE) is None  # not eligible
     assert v.shard(1).phase is st.ShardPhase.REPORTED
+
+
+# -- late verdicts (IPIP-0004 §5), the other way partition-heal's submitter fell behind ------------
+
+
+def test_a_verdict_arriving_just_after_our_verification_window_closed_is_still_taken():
+    """On a loaded machine the submitter's window closed 0.1 s before the coordinator's verdict (given in
+    its own window) arrived; the submitter reopened the shard, refused the verdict and then the round's
+    aggregate for good. A verdict for the attempt the verification timer ended applies until a new lease."""
+    v = submitter_view()
+    lease_seconds = float(TERMS.lease_seconds)
+    for shard, worker in ((0, W2), (1, W1)):
+        v.apply(lease(shard, 1, worker, 1), W0.peer_id, NOW, ELIGIBLE)
+        v.apply(report(shard, 1), worker.peer_id, NOW + 1, ELIGIBLE)
+    v.apply(verdict(0, 1, W2, 1), W0.peer_id, NOW + 2, ELIGIBLE)
+    assert v.step(st.Tick(), NOW + 1 + lease_seconds)  # shard 1's window closes here: reopened
+    assert v.shard(1).phase is st.ShardPhase.OPEN
+    actions = v.apply(verdict(1, 1, W1, 1), W0.peer_id, NOW + 1.1 + lease_seconds, ELIGIBLE)
+    assert actions is not None and any(isinstance(a, st.Aggregate) for a in actions)
+    assert (v.shard(1).phase, v.shard(1).worker) == (st.ShardPhase.ACCEPTED, W1.peer_id)
+    assert v.state.phase is st.JobPhase.AGGREGATING
