@@ -5,14 +5,16 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test test-all bench demo interop clean
+LLAMA_CPP_PYTHON ?= 0.3.36
+
+.PHONY: setup test test-all bench demo interop pipeline clean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,qlora]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,qlora,data]'
 	touch $@
 
 test: setup
@@ -30,6 +32,22 @@ bench: setup
 interop: setup
 	cd interop/helia && npm ci
 	$(PY) -m pytest -q -m interop tests/interop
+
+# GGUF export (`infernet publish --gguf`): llama-cpp-python, compiled from its sdist (about 6 min on
+# 2 cores), and llama.cpp's own converter (convert_hf_to_gguf.py, conversion/, gguf-py/) copied
+# from the same sdist into $(VENV)/share/llama.cpp, where `infernet publish` looks for it.
+pipeline: setup
+	mkdir -p build/llama-cpp
+	$(PY) -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: -d build/llama-cpp \
+		llama-cpp-python==$(LLAMA_CPP_PYTHON)
+	rm -rf build/llama-cpp/src && mkdir -p build/llama-cpp/src
+	tar xzf build/llama-cpp/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C build/llama-cpp/src --strip-components=1
+	rm -rf $(VENV)/share/llama.cpp && mkdir -p $(VENV)/share/llama.cpp
+	cp -r build/llama-cpp/src/vendor/llama.cpp/convert_hf_to_gguf.py build/llama-cpp/src/vendor/llama.cpp/conversion \
+		build/llama-cpp/src/vendor/llama.cpp/gguf-py $(VENV)/share/llama.cpp/
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[gguf]' \
+		build/llama-cpp/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz
+	$(PY) -m pytest -q -m llama_cpp tests/pipeline
 
 demo: setup
 	$(VENV)/bin/infernet demo

@@ -95,14 +95,28 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("--reason", default="cancelled by the submitter")
     ledger = job.add_parser("ledger", parents=[common, reader], help="print and verify the job's signed event log")
     ledger.add_argument("id", metavar="ID")
+    ledger.add_argument("--export", type=Path, metavar="FILE",
+                        help="also write every chain of the job we hold, with the public keys, as JSON to FILE")
+    ledger.add_argument("--sync", action="store_true", help="first pull the chains the job's live peers hold")
+    ledgers = sub.add_parser("ledger", help="job ledgers without an agent").add_subparsers(
+        dest="action", metavar="ACTION", required=True)
+    lverify = ledgers.add_parser("verify", parents=[common, reader],
+                                 help="check a ledger export file (from `job ledger ID --export FILE`)")
+    lverify.add_argument("file", type=Path)
 
     train = sub.add_parser("train", help="single-node training without the network").add_subparsers(
         dest="action", metavar="ACTION", required=True)
     tinit = train.add_parser("init", parents=[common], help="write a commented infernet.train.yml")
     tinit.add_argument("--output", type=Path, default=Path("."), metavar="DIR")
+    tinit.add_argument("--preset", choices=("quick-test", "balanced", "quality"), default=None,
+                       help="a spec tuned for: quick-test (a smoke run in about a minute), balanced (a useful "
+                            "adapter at moderate cost), quality (more rank, modules and steps)")
     trun = train.add_parser("run", parents=[common, reader], help="train on this machine")
     trun.add_argument("--local", action="store_true", required=True, help="train here, without the network")
-    trun.add_argument("--config", type=Path, required=True, metavar="FILE", help="the job spec (infernet.train.yml)")
+    trun.add_argument("--config", type=Path, metavar="FILE", help="the job spec (infernet.train.yml)")
+    trun.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                      help="continue an interrupted run from its last checkpoint (its spec, data and proof chain)")
+    trun.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     trun.add_argument("--dataset", type=Path, help="override input.dataset")
     trun.add_argument("--model", type=Path, help="local base model directory (default: the spec's base_model)")
     trun.add_argument("--output", type=Path, metavar="DIR", help="run directory (default: runs/NAME-TIME)")
@@ -111,14 +125,81 @@ def build_parser() -> argparse.ArgumentParser:
                       help="quick-test: at most 20 steps, short sequences; auto: device, dtype and micro-batch "
                            "from this machine's free VRAM (the spec's effective batch kept)")
 
-    data = sub.add_parser("data", help="content addresses of dataset files").add_subparsers(
+    tdata = train.add_parser("data", parents=[common, reader],
+                             help="make a ChatML dataset from a web search, URLs, a sitemap or local files")
+    source = tdata.add_argument_group("sources (one or more)")
+    source.add_argument("--query", metavar="TEXT", help="web search (ValueSerp: VALUESERP_API_KEY or [search] in config.toml)")
+    source.add_argument("--urls", type=Path, metavar="FILE", help="a file of URLs, one a line (# comments)")
+    source.add_argument("--sitemap", action="append", default=[], metavar="URL", help="a sitemap.xml (repeatable)")
+    source.add_argument("--dir", type=Path, metavar="PATH", help="local .html, .md and .txt files under PATH")
+    tdata.add_argument("--out", type=Path, required=True, metavar="FILE", help="the ChatML JSONL to write")
+    tdata.add_argument("--domains", default="", metavar="A,B", help="only pages on these domains (and below)")
+    tdata.add_argument("--num", type=int, default=None, metavar="N", help="at most N pages (search default: 10)")
+    tdata.add_argument("--provider", default="valueserp", help="search provider (default valueserp)")
+    tdata.add_argument("--search-endpoint", metavar="URL", default=None,
+                       help="the provider's API URL (default its own; also $INFERNET_SEARCH_ENDPOINT)")
+    tdata.add_argument("--min-chars", type=int, default=200, help="shortest passage in characters (default 200)")
+    tdata.add_argument("--max-chars", type=int, default=4000, help="longest passage in characters (default 4000)")
+    tdata.add_argument("--timeout", type=float, default=20.0, help="seconds for one request (default 20)")
+    tdata.add_argument("--max-bytes", type=int, default=5 << 20, help="largest page in bytes (default 5 MiB)")
+    tdata.add_argument("--retries", type=int, default=2, help="tries again after a timeout or 429/5xx (default 2)")
+    tdata.add_argument("--delay", type=float, default=1.0,
+                       help="seconds between requests to one host (default 1; robots.txt Crawl-delay wins if longer)")
+
+
+    infer = sub.add_parser("infer", parents=[common, reader],
+                           help="generate with a base model + trained adapter (a prompt, dataset samples, or a chat)")
+    infer.add_argument("source", metavar="RUN_OR_ADAPTER_OR_JOB",
+                       help="a run directory of `train run --local`, an adapter directory, or a job ID")
+    infer.add_argument("--base", type=Path, metavar="DIR", help="base model directory (default: what the source names)")
+    infer.add_argument("--prompt", help="one user message; without it: --samples, stdin, or a chat on a terminal")
+    infer.add_argument("--system", help="a system message before the prompt")
+    infer.add_argument("--samples", type=int, metavar="N", help="N prompts drawn from a dataset, answers beside the expected")
+    infer.add_argument("--dataset", type=Path, metavar="FILE",
+                       help="ChatML JSONL for --samples (default: the run's validation, else training data)")
+    infer.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
+    infer.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
+    infer.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
+    infer.add_argument("--repetition-penalty", type=float, default=1.0, help="default 1.0 (none)")
+    infer.add_argument("--seed", type=int, default=0, help="sampling and --samples draw seed (default 0)")
+    infer.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="auto (default): a CUDA GPU when there is one, in bf16 where supported; else the CPU")
+    publish = sub.add_parser("publish", parents=[common, reader],
+                             help="merge a trained adapter into its base; export GGUF, an Ollama model, or to the Hub")
+    publish.add_argument("source", metavar="RUN_OR_ADAPTER_OR_JOB",
+                         help="a run directory of `train run --local`, an adapter directory, or a job ID")
+    publish.add_argument("--base", type=Path, metavar="DIR", help="base model directory (default: what the source names)")
+    publish.add_argument("--merged", type=Path, metavar="DIR", help="write the merged model here (Hugging Face layout)")
+    publish.add_argument("--gguf", type=Path, metavar="FILE", help="write a GGUF file (llama.cpp's converter)")
+    publish.add_argument("--quant", default="q4_k_m",
+                         help="GGUF type: f32, f16, bf16, q8_0, or a llama.cpp quantization such as q4_k_m (default)")
+    publish.add_argument("--llama-cpp-path", type=Path, metavar="DIR",
+                         help="a llama.cpp checkout (convert_hf_to_gguf.py, build/bin/llama-quantize)")
+    publish.add_argument("--ollama", metavar="NAME", help="write a Modelfile beside the GGUF and `ollama create NAME`")
+    publish.add_argument("--hf", metavar="REPO", help="upload the merged model to the Hugging Face Hub (OWNER/NAME)")
+    publish.add_argument("--private", action="store_true", help="with --hf: a private repository")
+    publish.add_argument("--dry-run", action="store_true", help="with --hf: list what would be uploaded, send nothing")
+
+    data = sub.add_parser("data", help="dataset files: check, content addresses").add_subparsers(
         dest="action", metavar="ACTION", required=True)
     dadd = data.add_parser("add", parents=[common, reader],
                            help="print a file's CID (CIDv1, raw leaves: as `ipfs add --cid-version=1`)")
     dadd.add_argument("file", type=Path)
+    dcheck = data.add_parser("check", parents=[common, reader],
+                             help="validate a ChatML JSONL file: every bad line, counts, tokens, duplicates")
+    dcheck.add_argument("file", type=Path)
+    dcheck.add_argument("--model", default=None, metavar="PATH",
+                        help=f"count tokens with this model's tokenizer and chat template ({TINY_MODEL_NAME}: the tiny model)")
+    dcheck.add_argument("--max-seq-len", type=int, default=None, metavar="N",
+                        help="also count records training would cut at N tokens (needs --model)")
     dverify = data.add_parser("verify", parents=[common, reader], help="check that a file has the given CID")
     dverify.add_argument("file", type=Path)
     dverify.add_argument("cid")
+    dget = data.add_parser("get", parents=[common, reader],
+                           help="fetch any CID through the running agent, checking every block, into FILE")
+    dget.add_argument("cid", metavar="CID")
+    dget.add_argument("--out", type=Path, required=True, metavar="FILE")
+    dget.add_argument("--max-size", type=int, default=None, metavar="BYTES", help="refuse a file larger than this")
     harness = sub.add_parser("harness", help="protocol test harness: scenarios on real agents").add_subparsers(
         dest="action", metavar="ACTION", required=True)
     hrun = harness.add_parser("run", parents=[reader], help="run scenario files (or shipped scenarios by name)")
@@ -164,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
 
 _USER_ERRORS = (("agent.bundle", "BundleError"), ("agent.config", "ConfigError"), ("agent.control", "ControlError"),
                 ("agent.net.errors", "NetError"), ("agent.store", "StoreError"), ("agent.train.config", "TrainError"),
-                ("agent.train.data", "DataError"), ("agent.demo", "DemoError"))
+                ("agent.train.data", "DataError"), ("agent.demo", "DemoError"), ("agent.data", "DataSourceError"),
+                ("agent.pipeline.source", "PipelineError"))
 
 
 def _is_user_error(exc: Exception) -> bool:
@@ -351,11 +433,16 @@ def cmd_job_announce(args: argparse.Namespace) -> int:
     from protocol.jobspec import load_spec
 
     spec_path = args.spec.expanduser().resolve()
+    from protocol.jobspec import dataset_cid
+
     spec = load_spec(spec_path)  # a bad spec is reported here, before the agent is asked
-    dataset = (args.dataset or (spec_path.parent / spec.input.dataset)).expanduser().resolve()
-    if not dataset.is_file():
-        raise UserError(f"dataset {dataset}: no such file (give --dataset FILE or set input.dataset in {spec_path.name})")
-    job = request(_home(args), "job.announce", timeout=300, spec=str(spec_path), dataset=str(dataset))
+    dataset = None
+    if args.dataset or dataset_cid(spec.input.dataset) is None:  # else: a CID, fetched by the agent
+        dataset = (args.dataset or (spec_path.parent / spec.input.dataset)).expanduser().resolve()
+        if not dataset.is_file():
+            raise UserError(f"dataset {dataset}: no such file (give --dataset FILE or set input.dataset in {spec_path.name})")
+    job = request(_home(args), "job.announce", timeout=300, spec=str(spec_path),
+                  dataset=str(dataset) if dataset else None)
     _emit(args, job, f"announced job {job['id']}\n  {job['name']}: {job['shards']} shards x {job['rounds']} rounds\n"
                      f"next: infernet job watch {job['id'][:12]}")
     return 0
@@ -385,6 +472,9 @@ def cmd_job_show(args: argparse.Namespace) -> int:
         print(json.dumps(job, indent=2, default=str))
     else:
         Console().print(JobProgress().render(job))
+        from agent.jobdata import facts_text
+
+        print("\n".join(facts_text(job)))
     return 0
 
 
@@ -429,9 +519,24 @@ def cmd_job_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_job_ledger(args: argparse.Namespace) -> int:
-    from agent.control import request
+    from agent.jobdata import cmd_job_ledger as run
 
-    ledger = request(_home(args), "job.ledger", job=args.id)
+    return run(args, _home(args), _emit)
+
+
+def cmd_ledger_verify(args: argparse.Namespace) -> int:
+    from agent.jobdata import cmd_ledger_verify as run
+
+    return run(args, _emit)
+
+
+def cmd_data_get(args: argparse.Namespace) -> int:
+    from agent.jobdata import cmd_data_get as run
+
+    return run(args, _home(args), _emit)
+
+
+def _job_ledger_text(ledger: dict) -> list[str]:
     lines = []
     for e in ledger["entries"]:
         data = ", ".join(f"{k}={_short(v)}" for k, v in e["data"].items() if k not in ("parameters",))
@@ -439,8 +544,7 @@ def cmd_job_ledger(args: argparse.Namespace) -> int:
                      f"{e['peer'][-8:]} {data}")
     lines.append(f"ledger of job {ledger['id'][:16]}: {ledger['length']} entries, "
                  + ("chain and signatures verified" if ledger["verified"] else f"INVALID: {ledger['problem']}"))
-    _emit(args, ledger, "\n".join(lines))
-    return 0 if ledger["verified"] else 1
+    return lines
 
 
 def _short(value: Any) -> str:
@@ -458,8 +562,13 @@ def cmd_train_init(args: argparse.Namespace) -> int:
     path = out / SPEC_FILE_NAME
     if path.exists():
         raise UserError(f"{path}: already exists; edit it, or choose another --output")
-    path.write_text(TEMPLATE)
-    print(f"wrote {path}\nnext: edit name, base_model and input.dataset, then "
+    text = TEMPLATE
+    if args.preset:
+        from agent.train.presets import preset_spec
+
+        text = preset_spec(TEMPLATE, args.preset)
+    path.write_text(text)
+    print(f"wrote {path}{f' (preset {args.preset})' if args.preset else ''}\nnext: edit name, base_model and input.dataset, then "
           f"`infernet train run --local --config {path}` or `infernet job announce {path}`")
     return 0
 
@@ -469,6 +578,13 @@ def cmd_train_run(args: argparse.Namespace) -> int:
     from agent.train.data import check_dataset
     from protocol.jobspec import load_spec
 
+    if args.resume is not None:
+        if args.config is not None or args.dataset is not None or args.model is not None or args.preset:
+            raise UserError("--resume continues a run with its own spec, data and model; "
+                            "drop --config, --dataset, --model and --preset")
+        return _resume_local(args)
+    if args.config is None:
+        raise UserError("train run --local needs --config FILE (or --resume RUN_DIR to continue a run)")
     config_path = args.config.expanduser().resolve()
     spec = load_spec(config_path)
     dataset = (args.dataset or config_path.parent / spec.input.dataset).expanduser().resolve()
@@ -484,6 +600,10 @@ def cmd_train_run(args: argparse.Namespace) -> int:
     try:
         return _train_local(args, spec, config_path, model, run_dir, records, split)
     except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt) and _has_checkpoint(run_dir):
+            print(f"infernet: interrupted; checkpoints kept: continue with "
+                  f"`infernet train run --local --resume {run_dir}`", file=sys.stderr)
+            raise
         if created:  # nothing half-written stays behind to block a rerun with the same --output
             shutil.rmtree(run_dir, ignore_errors=True)
         if isinstance(exc, ValueError) and "assistant tokens" in str(exc):  # assistant turns cut by max_seq_len
@@ -518,8 +638,46 @@ def _train_local(args: argparse.Namespace, spec: Any, config_path: Path, model: 
         preset = (f", preset {args.preset} (micro-batch {config.micro_batch} x "
                   f"{config.samples_per_step // config.micro_batch})") if args.preset else ""
         print(f"training {spec.name}: {len(split.shards[0])} records, base model {model}, {threads} threads{preset} -> {run_dir}")
-    result = train_shard(TrainRequest(config, train_path, run_dir, validation=validation,
-                                      spec_text=config_path.read_text()))
+    request = TrainRequest(config, train_path, run_dir, validation=validation, spec_text=config_path.read_text())
+    return _run_and_report(args, request, resume=False)
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    """A checkpoint after step 0 exists: an interrupted run worth keeping for --resume."""
+    return any(p.name != "step-000000" for p in (run_dir / "checkpoints").glob("step-*"))
+
+
+def _resume_local(args: argparse.Namespace) -> int:
+    from agent.train import TrainConfig, TrainRequest
+
+    run_dir = args.resume.expanduser().resolve()
+    for needed in ("train_config.json", "proof.json", "data/train.jsonl"):
+        if not (run_dir / needed).is_file():
+            raise UserError(f"--resume {run_dir}: no {needed}; give the run directory of an interrupted "
+                            f"`train run --local`")
+    if (run_dir / "result.json").exists():
+        raise UserError(f"--resume {run_dir}: this run already finished (result.json); nothing to resume")
+    config = TrainConfig.from_json(json.loads((run_dir / "train_config.json").read_text()))
+    if args.threads and args.threads != config.threads:
+        raise UserError(f"--threads {args.threads}: the run used {config.threads} threads, and a resumed run must "
+                        f"match it (the proof records it); drop --threads")
+    validation = run_dir / "data" / "validation.jsonl"
+    spec = run_dir / "infernet.train.yml"
+    request = TrainRequest(config, run_dir / "data" / "train.jsonl", run_dir,
+                           validation=validation if validation.is_file() else None,
+                           spec_text=spec.read_text() if spec.is_file() else None)
+    if not args.json:
+        print(f"resuming {run_dir}")
+    return _run_and_report(args, request, resume=True)
+
+
+def _run_and_report(args: argparse.Namespace, request: Any, *, resume: bool) -> int:
+    from agent.pipeline.progress import TrainProgress
+    from agent.train import train_shard
+
+    run_dir = request.run_dir
+    with TrainProgress(enabled=not args.no_progress) as progress:
+        result = train_shard(request, resume=resume, on_step=progress.update)
     out = result.to_json()
     validation_text = (f"; validation loss {result.initial_validation_loss:.4f} -> {result.validation_loss:.4f}"
                        if result.validation_loss is not None else "")
@@ -557,6 +715,69 @@ def _regular_file(path: Path) -> Path:
     return path
 
 
+def cmd_train_data(args: argparse.Namespace) -> int:
+    from agent.data.crawl import FetchPolicy, PoliteFetcher, build_dataset, check_writable, gather_documents, render_summary
+    from agent.data.search import make_provider
+
+    if args.query is None and args.urls is None and not args.sitemap and args.dir is None:
+        raise UserError("no source: give --query, --urls, --sitemap or --dir")
+    for name, low in (("min_chars", 1), ("max_chars", 1), ("max_bytes", 1), ("retries", 0), ("num", 1)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise UserError(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
+    if args.max_chars < args.min_chars:
+        raise UserError(f"--max-chars {args.max_chars} is below --min-chars {args.min_chars}")
+    if not args.timeout > 0 or not args.delay >= 0:
+        raise UserError("--timeout must be above 0 and --delay at least 0")
+    if args.query is not None and not args.query.strip():
+        raise UserError("--query is empty")
+    out = args.out.expanduser().absolute()
+    check_writable(out)  # before any request
+    domains = [d.strip().lower() for d in args.domains.split(",") if d.strip()]
+    provider = make_provider(args.provider, _home(args), args.search_endpoint, timeout=args.timeout) \
+        if args.query is not None else None  # no key: fails here, before anything is fetched
+    fetcher = PoliteFetcher(FetchPolicy(timeout=args.timeout, max_bytes=args.max_bytes, retries=args.retries,
+                                        delay=args.delay))
+    documents = gather_documents(fetcher, query=args.query, domains=domains, num=args.num, provider=provider,
+                                 urls_file=args.urls.expanduser() if args.urls else None, sitemaps=args.sitemap,
+                                 directory=args.dir.expanduser() if args.dir else None)
+    show = sys.stderr.isatty() and not args.json
+    if show:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        bar = Progress(TextColumn("fetching"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                       TextColumn("{task.description}"), console=Console(stderr=True), transient=True)
+        with bar:
+            task = bar.add_task("", total=len(documents))
+            report = build_dataset(documents, out, fetcher=fetcher, min_chars=args.min_chars, max_chars=args.max_chars,
+                                   progress=lambda url: bar.update(task, advance=1, description=url[-60:]))
+    else:
+        report = build_dataset(documents, out, fetcher=fetcher, min_chars=args.min_chars, max_chars=args.max_chars)
+    _emit(args, report.to_json(), render_summary(report))
+    return 0
+
+
+def cmd_data_check(args: argparse.Namespace) -> int:
+    from agent.data.check import check_file, load_chat_tokenizer, render_text
+
+    path = _regular_file(args.file.expanduser())
+    if args.max_seq_len is not None and (args.model is None or args.max_seq_len < 1):
+        raise UserError("--max-seq-len needs --model and a value of at least 1")
+    tokenizer = None
+    if args.model is not None:
+        if args.model == TINY_MODEL_NAME:
+            from agent.train.tiny import tiny_model
+
+            model = tiny_model()
+        else:
+            model = Path(args.model).expanduser().resolve()
+        tokenizer = load_chat_tokenizer(model)
+    report = check_file(path, tokenizer=tokenizer, max_seq_len=args.max_seq_len)
+    _emit(args, report.to_json(), render_text(report))
+    return 0 if report.ok else 1
+
+
 def cmd_data_add(args: argparse.Namespace) -> int:
     from protocol.unixfs import compute_cid
 
@@ -584,6 +805,151 @@ def cmd_data_verify(args: argparse.Namespace) -> int:
     else:
         print(f"infernet: {path} does not match {args.cid} (its CID is {actual.encode()})", file=sys.stderr)
     return 0 if ok else 1
+
+
+# -- infer and publish (agent/pipeline) ------------------------------------------------------------------
+
+def cmd_infer(args: argparse.Namespace) -> int:
+    from agent.pipeline.infer import GenerationOptions, default_dataset, generate, load_model, sample_prompts
+    from agent.pipeline.source import resolve_source
+
+    options = GenerationOptions(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                                repetition_penalty=args.repetition_penalty, seed=args.seed)
+    options.check()
+    if args.samples is not None and args.samples < 1:
+        raise UserError(f"--samples must be at least 1, got {args.samples}")
+    if args.samples is not None and args.prompt is not None:
+        raise UserError("give either --prompt or --samples, not both")
+    source = resolve_source(args.source, base=args.base, home=_home(args) if args.home else None)
+    prompts: list[dict] = []
+    if args.samples is not None:
+        dataset = args.dataset or default_dataset(source)
+        if dataset is None:
+            raise UserError(f"--samples: {args.source} has no dataset of its own; give --dataset FILE")
+        prompts = sample_prompts(dataset.expanduser(), args.samples, args.seed)
+    else:
+        prompt = args.prompt
+        if prompt is None and not sys.stdin.isatty():
+            prompt = sys.stdin.read().strip()
+            if not prompt:
+                raise UserError("no prompt: stdin was empty (give --prompt TEXT, --samples N, or run on a terminal to chat)")
+        if prompt is not None:
+            prompts = [{"messages": [{"role": "user", "content": prompt}], "expected": None}]
+    if args.system:
+        for item in prompts:
+            if not item["messages"] or item["messages"][0]["role"] != "system":
+                item["messages"].insert(0, {"role": "system", "content": args.system})
+    _quiet_transformers()
+    model, tokenizer = load_model(source, device=args.device)
+    if not prompts:
+        return _chat(model, tokenizer, options, args.system)
+    results = []
+    for item in prompts:
+        stream = None
+        if not args.json:
+            print(f"> {item['messages'][-1]['content']}")
+            stream = lambda piece: print(piece, end="", flush=True)  # noqa: E731
+        answer = generate(model, tokenizer, item["messages"], options, on_text=stream)
+        results.append({"messages": item["messages"], "output": answer, "expected": item["expected"]})
+        if not args.json:
+            print()
+            if item["expected"] is not None:
+                print(f"  expected: {item['expected']}")
+    if args.json:
+        print(json.dumps({"adapter": str(source.adapter_dir), "base_model": str(source.base_dir),
+                          "options": options.__dict__, "results": results}, indent=2))
+    return 0
+
+
+def _chat(model: Any, tokenizer: Any, options: Any, system: str | None) -> int:
+    from agent.pipeline.infer import generate
+
+    print("chat with the model: an empty line or /exit ends, /reset forgets the conversation")
+    history = [{"role": "system", "content": system}] if system else []
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            print()
+            return 0
+        if not line or line == "/exit":
+            return 0
+        if line == "/reset":
+            history = history[:1] if system else []
+            continue
+        history.append({"role": "user", "content": line})
+        print("model> ", end="", flush=True)
+        answer = generate(model, tokenizer, history, options, on_text=lambda piece: print(piece, end="", flush=True))
+        print()
+        history.append({"role": "assistant", "content": answer})
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from agent.pipeline import publish as pub
+    from agent.pipeline.source import resolve_source
+
+    if args.ollama and not args.gguf:
+        raise UserError("--ollama needs --gguf FILE (Ollama runs the GGUF file)")
+    if not (args.merged or args.gguf or args.hf):
+        raise UserError("publish needs at least one of --merged DIR, --gguf FILE, --hf REPO")
+    if args.dry_run and not args.hf:
+        raise UserError("--dry-run goes with --hf (it lists what would be uploaded)")
+    # every output place and tool is checked before the slow work starts
+    if args.merged:
+        pub.check_target(args.merged, "--merged")
+    if args.gguf:
+        pub.check_target(args.gguf, "--gguf")
+        if args.quant.lower() not in pub.DIRECT_TYPES and args.quant.lower() not in pub.QUANT_TYPES:
+            raise UserError(f"--quant {args.quant}: unknown (known: {', '.join(pub.DIRECT_TYPES + tuple(pub.QUANT_TYPES))})")
+        llama_dir = pub.find_llama_cpp(args.llama_cpp_path)
+        if args.quant.lower() in pub.QUANT_TYPES:
+            pub.quantizer(llama_dir)
+    if args.hf and not args.dry_run and not pub.hf_token():
+        raise UserError(f"--hf {args.hf}: no token: set HF_TOKEN (or HUGGINGFACE_TOKEN) to a write token")
+    source = resolve_source(args.source, base=args.base, home=_home(args) if args.home else None)
+    _quiet_transformers()
+    result: dict[str, Any] = {"source": str(source.adapter_dir), "base_model": str(source.base_dir)}
+    lines = []
+    scratch = None
+    try:
+        merged = args.merged
+        if merged is None:
+            scratch = Path(tempfile.mkdtemp(prefix="infernet-publish-"))
+            merged = scratch / (args.hf.split("/")[-1] if args.hf else "merged")
+        result["merged"] = pub.write_merged(source, merged)
+        if args.merged:
+            lines.append(f"merged model: {result['merged']['path']} ({', '.join(result['merged']['files'])})")
+        if args.gguf:
+            result["gguf"] = pub.write_gguf(Path(result["merged"]["path"]), args.gguf, args.quant, args.llama_cpp_path)
+            lines.append(f"GGUF ({result['gguf']['quant']}): {result['gguf']['path']} ({result['gguf']['bytes']} bytes)")
+        if args.ollama:
+            result["ollama"] = pub.write_modelfile(Path(result["gguf"]["path"]), args.ollama)
+            o = result["ollama"]
+            lines.append(f"Modelfile: {o['modelfile']}")
+            lines.append(f"ollama model {o['name']} created; run: ollama run {o['name']}" if o["created"] else
+                         f"ollama is not installed here; to create the model run:\n  {o['command']}")
+        if args.hf:
+            folder = Path(result["merged"]["path"])
+            if args.dry_run:
+                plan = pub.hf_plan(folder, args.hf, args.private)
+                result["hf"] = plan
+                lines.append(f"would upload to https://huggingface.co/{args.hf}"
+                             f"{' (private)' if args.private else ''}: {len(plan['files'])} files from {folder}")
+                lines += [f"  {f['path']}  {f['bytes']} bytes" for f in plan["files"]]
+                if plan["token"] is None:
+                    lines.append("  (no HF_TOKEN set: the upload itself would fail)")
+            else:
+                result["hf"] = pub.upload_hf(folder, args.hf, args.private)
+                lines.append(f"uploaded to https://huggingface.co/{args.hf}: {result['hf']['url']}")
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    if scratch is not None:
+        result.pop("merged")
+    _emit(args, result, "\n".join(lines))
+    return 0
 
 
 # -- demo ------------------------------------------------------------------------------------------------
@@ -682,8 +1048,10 @@ COMMANDS = {
     ("job", "announce"): cmd_job_announce, ("job", "list"): cmd_job_list, ("job", "show"): cmd_job_show,
     ("job", "watch"): cmd_job_watch,
     ("job", "fetch"): cmd_job_fetch, ("job", "cancel"): cmd_job_cancel, ("job", "ledger"): cmd_job_ledger,
-    ("train", "init"): cmd_train_init, ("train", "run"): cmd_train_run,
-    ("data", "add"): cmd_data_add, ("data", "verify"): cmd_data_verify,
+    ("train", "init"): cmd_train_init, ("train", "run"): cmd_train_run, ("train", "data"): cmd_train_data,
+    ("infer", None): cmd_infer, ("publish", None): cmd_publish,
+    ("data", "add"): cmd_data_add, ("data", "check"): cmd_data_check, ("data", "verify"): cmd_data_verify,
+    ("data", "get"): cmd_data_get, ("ledger", "verify"): cmd_ledger_verify,
     ("harness", "run"): cmd_harness_run, ("harness", "list"): cmd_harness_list, ("harness", "check"): cmd_harness_check,
 }
 

@@ -67,6 +67,10 @@ price_per_hour = 0.0
 # CPU threads torch may use for one training (recorded in the proof: it changes float results).
 threads = 1
 
+# Processes that train one shard together, data-parallel (NCCL on GPUs, gloo on the CPU):
+# 0 = one per CUDA device this machine has (one without a GPU); 1 = always one process.
+train_processes = 0
+
 # An IPFS daemon's API multiaddr to also fetch from and add to (e.g. "/ip4/127.0.0.1/tcp/5001").
 # ipfs_api = "/ip4/127.0.0.1/tcp/5001"
 
@@ -85,12 +89,16 @@ gossip_max_burst = 400.0
 # Base models held locally: the name a job's base_model uses = a local Hugging Face directory.
 [models]
 # "Qwen/Qwen2.5-0.5B-Instruct" = "/srv/models/qwen2.5-0.5b-instruct"
+
+# Web search for `infernet train data --query` (not used by the agent). VALUESERP_API_KEY overrides it.
+# [search]
+# valueserp_api_key = "..."
 """
 
 _TYPES: dict[str, type | tuple[type, ...]] = {
     "listen": list, "bootstrap": list, "accept_training": bool, "can_coordinate": bool,
     "max_concurrent_shards": int, "allowed_base_models": list, "min_price_per_hour": (int, float),
-    "price_per_hour": (int, float), "threads": int, "ipfs_api": str, "fetch_timeout": (int, float),
+    "price_per_hour": (int, float), "threads": int, "train_processes": int, "ipfs_api": str, "fetch_timeout": (int, float),
     "heartbeat_seconds": (int, float), "missed_heartbeats": int, "grace_seconds": (int, float),
     "claim_interval": (int, float), "models": dict, "gossip_max_rate": (int, float),
     "gossip_max_burst": (int, float),
@@ -100,6 +108,7 @@ RANGES: dict[str, tuple[float, float, str]] = {
     # key: (lowest, highest, unit) -- a value outside is refused at load, naming file:line and key
     "max_concurrent_shards": (1, 64, ""),
     "threads": (1, 1024, ""),
+    "train_processes": (0, 64, " (0: one per CUDA device)"),
     "min_price_per_hour": (0, 1e9, ""),
     "price_per_hour": (0, 1e9, ""),
     "fetch_timeout": (1, 86400, " seconds"),
@@ -130,6 +139,9 @@ def load_config(home: Path, **overrides: Any) -> "AgentConfig":
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"{path}: not a readable TOML config: {exc}") from None
     known = {f.name for f in fields(AgentConfig)} - {"home", "misbehave"}
+    if "search" in values:  # [search]: API keys of `infernet train data` (agent/data/search.py), not the agent's
+        if not isinstance(values.pop("search"), dict):
+            raise ConfigError(f"{path}:{_line_of(text, 'search')}: search: expected a table")
     for key, value in values.items():
         where = f"{path}:{_line_of(text, key)}" if _line_of(text, key) else str(path)
         if key not in known:

@@ -210,17 +210,21 @@ def _hardware_fields(cap: Any) -> dict:
 
 
 async def _job_announce(agent: "Agent", spec: str, dataset: str | None = None) -> dict:
-    from protocol.jobspec import load_spec
+    from protocol.jobspec import dataset_cid, load_spec
 
     job_spec = load_spec(spec)
-    data = Path(dataset) if dataset else (Path(spec).parent / job_spec.input.dataset)
+    cid = None if dataset else dataset_cid(job_spec.input.dataset)
+    if cid is not None:  # data already in IPFS: fetched and checked against its CID, then sharded
+        data = await agent.submitter.fetch_dataset(cid)
+    else:
+        data = Path(dataset) if dataset else (Path(spec).parent / job_spec.input.dataset)
     if not data.is_file():
         raise ControlError(f"dataset {data}: no such file (give --dataset FILE or set input.dataset in the spec)")
     model = dict(agent.config.models).get(job_spec.base_model) or job_spec.base_model
     if not Path(model).is_dir():
         raise ControlError(f"base model {job_spec.base_model!r}: not a local directory and not in [models] "
                            f"of {agent.config.home / 'config.toml'}")
-    terms = await agent.submitter.prepare_terms(job_spec, data, model)
+    terms = await agent.submitter.prepare_terms(job_spec, data, model, dataset_cid=cid)
     view = await agent.submitter.announce(terms)
     return job_summary(agent, view)
 
@@ -255,7 +259,7 @@ async def _job_cancel(agent: "Agent", job: str, reason: str = "cancelled by the 
 
 
 async def _job_fetch(agent: "Agent", job: str, out: str, round: int | None = None) -> dict:
-    from agent.bundle import AGGREGATE_FILES, bundle_size_bound, unpack
+    from agent.bundle import AGGREGATE_FILES, bundle_size_bound
 
     view = _find_job(agent, job)
     if not view.aggregates:
@@ -274,25 +278,13 @@ async def _job_fetch(agent: "Agent", job: str, out: str, round: int | None = Non
     providers = [p for p in (view.coordination.coordinator, view.terms.submitter) if p and p != agent.peer_id]
     await agent.content.fetch(published.adapter_cid, bundle, timeout=agent.config.fetch_timeout, providers=providers,
                               max_size=bundle_size_bound(4 << 30, AGGREGATE_FILES))
-    if target.exists():
-        target.rmdir()
-    unpack(bundle, target, allowed=AGGREGATE_FILES, max_bytes=4 << 30)
+    from agent.sealing import open_bundle  # a private job's final aggregate is sealed to us (ipips/0010)
+
+    _, sealed = open_bundle(bundle, target, agent.identity, max_bytes=4 << 30)
     return {"id": view.job_id.hex(), "round": rnd, "final": published.final, "cid": published.adapter_cid,
+            "sealed": sealed,
             "path": str(target), "method": published.method, "shards": list(published.shards),
             "base_model": view.terms.base_model}
-
-
-async def _job_ledger(agent: "Agent", job: str) -> dict:
-    view = _find_job(agent, job)
-    entries = agent.store.ledger(view.job_id)
-    problem = None
-    try:
-        agent.store.verify_ledger(view.job_id)
-    except Exception as exc:  # noqa: BLE001 - LedgerError: reported, not raised
-        problem = str(exc)
-    return {"id": view.job_id.hex(), "verified": problem is None, "problem": problem, "length": len(entries),
-            "entries": [{"seq": e.seq, "time": e.time, "peer": e.peer, "kind": e.kind, "signer": e.signer_peer_id,
-                         "hash": e.hash.hex(), "data": _plain(e.data)} for e in entries]}
 
 
 async def _stop(agent: "Agent") -> dict:
@@ -302,9 +294,17 @@ async def _stop(agent: "Agent") -> dict:
 
 HANDLERS = {
     "status": _status, "peers": _peers, "job.announce": _job_announce, "job.list": _job_list,
-    "job.show": _job_show, "job.cancel": _job_cancel, "job.fetch": _job_fetch, "job.ledger": _job_ledger,
-    "stop": _stop,
+    "job.show": _job_show, "job.cancel": _job_cancel, "job.fetch": _job_fetch, "stop": _stop,
 }
+
+
+def _more_handlers() -> None:
+    from agent.jobdata import HANDLERS as JOBDATA  # job.ledger (chains, export), data.get
+
+    HANDLERS.update(JOBDATA)
+
+
+_more_handlers()
 
 
 # -- what a job looks like on the channel -------------------------------------------------------------
@@ -340,6 +340,10 @@ def job_detail(agent: "Agent", view: Any) -> dict:
         })
     out["shard_states"] = shards
     out["base_model"] = view.terms.base_model
+    out["base_model_sha256"] = view.terms.base_model_sha256.hex()  # what `infernet publish` writes in the card
+    out["dataset_cids"] = {f"shard-{ref.index}": ref.cid for ref in view.terms.shards}
+    if view.terms.validation_cid:
+        out["dataset_cids"]["validation"] = view.terms.validation_cid
     out["leases"] = len(view.leases)
     out["verdicts"] = {"accepted": sum(v.accepted for v in view.verdicts.values()),
                        "rejected": sum(not v.accepted for v in view.verdicts.values())}
@@ -350,6 +354,9 @@ def job_detail(agent: "Agent", view: Any) -> dict:
     out["outer"] = view.terms.outer.optimizer if view.terms.outer else "none"
     # accepted work our submitter role has no copy of yet (it keeps trying): empty when all is held
     out["not_held"] = [{k: v for k, v in item.items() if k != "provider"} for item in agent.submitter.not_held(view)]
+    from agent.jobdata import job_facts  # created, model hash, shard CIDs, parameters, price, cost so far
+
+    out.update(job_facts(agent, view))
     return out
 
 

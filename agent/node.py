@@ -48,6 +48,8 @@ from agent.net.errors import NetError
 from agent.net.gossip import GossipConfig
 from agent.net.host import NetConfig
 from agent.net.network import Network, open_network
+from agent.ledger_sync import LedgerService
+from agent.ledger_sync import sync_loop as ledger_sync_loop
 from agent.roles.coordinator import CoordinatorRole
 from agent.roles.job import JobView
 from agent.roles.submitter import SubmitterRole
@@ -79,6 +81,7 @@ class AgentConfig:
     min_price_per_hour: float = 0.0
     price_per_hour: float = 0.0
     threads: int = 1
+    train_processes: int = 0  # processes that train one shard: 0 = one per CUDA device (agent/train/parallel.py)
     models: tuple[tuple[str, str], ...] = ()  # (base_model name in a job, local path)
     heartbeat_seconds: float = 1.0
     missed_heartbeats: int = 5
@@ -100,6 +103,8 @@ class PeerInfo:
 
 
 class Agent:
+    ledger_sync_interval = 10.0  # seconds between pulls of a job's ledger chains from its peers
+
     def __init__(self, identity: Identity, config: AgentConfig, *, clock: Callable[[], float] = time.time,
                  machine: Any = None) -> None:
         self.identity = identity
@@ -120,6 +125,7 @@ class Agent:
         self.coordinator = CoordinatorRole(self)
         self.submitter = SubmitterRole(self)
         self.sync = SyncService(self)
+        self.ledger_service = LedgerService(self)  # copies of the job's other chains (agent/ledger_sync.py)
         self.job_events = trio.Event()  # set (and replaced) whenever a job's state changes
         self._stopping = trio.Event()
         self._heartbeat_seq = 0
@@ -169,6 +175,7 @@ class Agent:
             self.content = await stack.enter_async_context(
                 open_content(self.net.host, self.net.discovery, home, ipfs_api=self.config.ipfs_api))
             self.sync.install(self.net.host)
+            self.ledger_service.install(self.net.host)
             await self._measure()
             self.started_at = self.clock()
             async with trio.open_nursery() as nursery:
@@ -178,6 +185,7 @@ class Agent:
                 nursery.start_soon(self._read_jobs_topic, jobs_topic)
                 nursery.start_soon(self._heartbeats)
                 nursery.start_soon(self._ticks)
+                nursery.start_soon(ledger_sync_loop, self, self.ledger_sync_interval)
                 nursery.start_soon(partial(self.net.discovery.maintain, advertise=self.worker is not None, interval=10.0))
                 if self.worker is not None:
                     nursery.start_soon(self.worker.claim_loop)

@@ -37,6 +37,11 @@ Rules of this file:
   entries are signed by this agent's identity when appended, by other peers when imported.
   ``verify_ledger`` raises ``LedgerError`` naming the first bad seq (gap, broken chain, bad
   signature, malformed entry, stored columns that disagree with the entry).
+- Copies of the other peers' chains of a job (``ledger_copies``, keyed by author) and the conflicts
+  found between copies (``ledger_conflicts``; ipips/0008-ledger.md §5) are tables created when
+  missing at every open, without a schema version: an older agent opens the store and ignores them.
+  A copy only grows (``extend_copy``); it is never shortened or replaced. The entry rules themselves
+  live in protocol/ledger.py (re-exported here).
 - Only parameterised SQL; table and column names come from constants in this file.
 - A database written by a newer schema is refused with an error naming the file and both versions.
 - Damage is refused at open, never papered over: an existing store file that is empty (0 bytes:
@@ -49,8 +54,6 @@ Rules of this file:
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import math
 import sqlite3
 import threading
 from dataclasses import dataclass, field
@@ -59,33 +62,17 @@ from typing import Any, Iterator, Optional
 
 from protocol.codec import canonical_encode, decode_canonical
 from protocol.envelope import MAX_ENVELOPE_BYTES, Opened, open_envelope
-from protocol.errors import CodecError, KeyFileError
-from protocol.identity import Identity, peer_id_from_public_key, public_key_from_peer_id, verify_signature
+from protocol.errors import CodecError
+from protocol.identity import Identity
+from protocol.ledger import (  # noqa: F401 - the ledger's rules live in protocol/ledger.py; re-exported here
+    LEDGER_DOMAIN, LEDGER_KINDS, MAX_ENTRY_BYTES, ZERO_HASH, ChainConflict, LedgerEntry, LedgerError, compare_chain,
+    verify_chain,
+)
 from protocol.messages import JobTerms
 
 SCHEMA_VERSION = 2
 STORE_FILENAME = "agent.sqlite3"
 ROLES = ("submitter", "worker", "coordinator", "observer")
-
-LEDGER_DOMAIN = b"infernet/ledger/v1\x00"
-ZERO_HASH = bytes(32)
-MAX_ENTRY_BYTES = 64 * 1024
-_ENTRY_FIELDS = ("job_id", "seq", "prev", "time", "peer", "kind", "data", "signer")
-
-LEDGER_KINDS: dict[str, tuple[str, ...]] = {
-    "announced": ("submitter", "model", "parameters", "shards", "price_per_hour", "budget"),
-    "coordinator": ("term",),
-    "lease": ("round", "shard", "attempt", "worker", "expires_at"),
-    "checkpoint": ("round", "shard", "attempt", "step", "loss"),
-    "report": ("round", "shard", "attempt", "worker", "adapter_cid", "duration", "samples", "hardware",
-               "price_per_hour"),
-    "verdict": ("round", "shard", "attempt", "worker", "accepted", "reason"),
-    "aggregate": ("round", "adapter_cid", "method", "shards"),
-    "done": (),
-    "cancel": ("reason",),
-    "failed": ("reason",),
-}
-"""Each ledger kind and the keys its ``data`` map must hold (more keys are allowed)."""
 
 _SCHEMA = (
     "CREATE TABLE schema_version (version INTEGER NOT NULL)",
@@ -131,6 +118,17 @@ _SCHEMA = (
         path TEXT NOT NULL, size INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, sha256 TEXT NOT NULL,
         PRIMARY KEY (path))""",
 )
+# Tables added without a schema version: created when missing at every open, so an older agent still
+# opens the store (it ignores them). Copies of the other peers' ledger chains of a job and the
+# conflicts found between them (ipips/0008-ledger.md §5).
+_ADDITIVE = (
+    """CREATE TABLE IF NOT EXISTS ledger_copies (
+        job_id BLOB NOT NULL, author BLOB NOT NULL, seq INTEGER NOT NULL, entry BLOB NOT NULL,
+        signature BLOB NOT NULL, hash BLOB NOT NULL, PRIMARY KEY (job_id, author, seq))""",
+    """CREATE TABLE IF NOT EXISTS ledger_conflicts (
+        job_id BLOB NOT NULL, author BLOB NOT NULL, seq INTEGER NOT NULL, kind TEXT NOT NULL, server TEXT NOT NULL,
+        detail TEXT NOT NULL, evidence BLOB NOT NULL, found REAL NOT NULL, PRIMARY KEY (job_id, author, seq, kind))""",
+)
 _MIGRATIONS = {1: ("CREATE TABLE file_hashes (path TEXT NOT NULL, size INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, "
                    "sha256 TEXT NOT NULL, PRIMARY KEY (path))",)}
 """Statements that take a store from version N to N + 1."""
@@ -145,18 +143,6 @@ class StoreError(Exception):
 
 class StoreFullError(StoreError):
     """A write failed because the disk (or the database's size limit) is full; nothing was written."""
-
-
-class LedgerError(StoreError):
-    """A ledger entry is invalid. ``seq`` is the first bad entry (None if the entry has no readable seq)."""
-
-    def __init__(self, job_id: bytes, seq: Optional[int], problem: str) -> None:
-        self.job_id = job_id
-        self.seq = seq
-        self.problem = problem
-        job = f" of job {job_id.hex()[:16]}" if job_id else ""
-        where = f"seq {seq}" if seq is not None else "entry"
-        super().__init__(f"ledger{job}: {where}: {problem}")
 
 
 # -- records -----------------------------------------------------------------------------------------
@@ -199,102 +185,6 @@ class StoredMessage:
     @property
     def type(self) -> str:
         return self.message.TYPE
-
-
-@dataclass(frozen=True)
-class LedgerEntry:
-    """One signed ledger entry. ``encoded`` is the canonical map that is hashed and signed."""
-
-    job_id: bytes
-    seq: int
-    prev: bytes
-    time: float
-    peer: str
-    kind: str
-    data: dict
-    signer: bytes
-    signature: bytes = field(repr=False)
-    encoded: bytes = field(repr=False)
-    hash: bytes = field(repr=False)
-
-    @property
-    def signer_peer_id(self) -> str:
-        return peer_id_from_public_key(self.signer)
-
-    @classmethod
-    def create(cls, identity: Identity, job_id: bytes, seq: int, prev: bytes, time: float, peer: str,
-               kind: str, data: dict) -> "LedgerEntry":
-        """Build and sign a new entry; StoreError if a field is invalid."""
-        wire = {"job_id": job_id, "seq": seq, "prev": prev, "time": float(time), "peer": peer,
-                "kind": kind, "data": data, "signer": identity.public_key}
-        problem = _entry_problem(wire)
-        if problem is None:
-            try:
-                encoded = canonical_encode(wire)
-            except CodecError as exc:
-                problem = f"data cannot be encoded: {exc}"
-        if problem is None and len(encoded) > MAX_ENTRY_BYTES:
-            problem = f"entry is {len(encoded)} bytes > {MAX_ENTRY_BYTES}"
-        if problem is not None:
-            raise LedgerError(job_id, seq, f"{kind}: {problem}")
-        signed = LEDGER_DOMAIN + encoded
-        return cls(job_id, seq, prev, float(time), peer, kind, data, identity.public_key,
-                   identity.sign(signed), encoded, hashlib.sha256(signed).digest())
-
-    @classmethod
-    def decode(cls, encoded: bytes, signature: bytes) -> "LedgerEntry":
-        """Read untrusted entry bytes and their signature; LedgerError unless both are valid."""
-        try:
-            wire = decode_canonical(encoded, max_bytes=MAX_ENTRY_BYTES)
-        except CodecError as exc:
-            raise LedgerError(b"", None, f"not a canonical entry: {exc}") from None
-        job_id = wire.get("job_id") if isinstance(wire, dict) else None
-        job_id = job_id if isinstance(job_id, bytes) else b""
-        seq = wire.get("seq") if isinstance(wire, dict) else None
-        seq = seq if isinstance(seq, int) and not isinstance(seq, bool) else None
-        problem = _entry_problem(wire)
-        if problem is not None:
-            raise LedgerError(job_id, seq, problem)
-        signed = LEDGER_DOMAIN + encoded
-        if not verify_signature(wire["signer"], signed, signature):
-            raise LedgerError(job_id, seq, f"bad signature (signer {peer_id_from_public_key(wire['signer'])})")
-        return cls(job_id, seq, wire["prev"], wire["time"], wire["peer"], wire["kind"], wire["data"],
-                   wire["signer"], signature, bytes(encoded), hashlib.sha256(signed).digest())
-
-
-def _entry_problem(wire: Any) -> Optional[str]:
-    """What is wrong with an entry map's shape, or None."""
-    if not isinstance(wire, dict):
-        return "entry is not a map"
-    missing = [k for k in _ENTRY_FIELDS if k not in wire]
-    if missing:
-        return f"missing field {missing[0]!r}"
-    extra = sorted(set(wire) - set(_ENTRY_FIELDS))
-    if extra:
-        return f"unknown field {extra[0][:40]!r}"
-    for name in ("job_id", "prev", "signer"):
-        if not isinstance(wire[name], bytes) or len(wire[name]) != 32:
-            return f"{name}: expected 32 bytes"
-    seq, time = wire["seq"], wire["time"]
-    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
-        return "seq: expected a non-negative integer"
-    if not isinstance(time, float) or not math.isfinite(time):
-        return "time: expected a finite float"
-    if not isinstance(wire["peer"], str):
-        return "peer: expected a peer ID"
-    try:
-        public_key_from_peer_id(wire["peer"])
-    except KeyFileError:
-        return f"peer: not an Ed25519 peer ID: {wire['peer'][:60]!r}"
-    kind, data = wire["kind"], wire["data"]
-    if kind not in LEDGER_KINDS:
-        return f"kind: expected one of {', '.join(LEDGER_KINDS)}, got {str(kind)[:40]!r}"
-    if not isinstance(data, dict):
-        return "data: expected a map"
-    absent = [k for k in LEDGER_KINDS[kind] if k not in data]
-    if absent:
-        return f"data.{absent[0]}: missing (a {kind} entry records {', '.join(LEDGER_KINDS[kind])})"
-    return None
 
 
 def announced_data(terms: JobTerms) -> dict:
@@ -364,6 +254,8 @@ class Store:
                 for statement in _SCHEMA:
                     db.execute(statement)
                 db.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+                for statement in _ADDITIVE:
+                    db.execute(statement)
                 return
             if "schema_version" not in tables:
                 raise StoreError(f"{self.path}: not an infernet store (a SQLite file without schema_version)")
@@ -380,6 +272,8 @@ class Store:
                 db.execute("UPDATE schema_version SET version = ?", (version,))
             if version != SCHEMA_VERSION:
                 raise StoreError(f"{self.path}: unknown schema version {version!r}")
+            for statement in _ADDITIVE:
+                db.execute(statement)
 
     def probe_write(self) -> None:
         """A write that changes nothing but needs a free page: StoreFullError while the disk is full."""
@@ -592,6 +486,10 @@ class Store:
                      canonical_encode(list(msg.shards)), msg.samples, msg.final, signer))
         return StoredMessage(message_id, signer, env.timestamp_ms, now, bytes(data), msg)
 
+    def job_signers(self, job_id: bytes) -> list[str]:
+        """Peer IDs that signed a stored envelope of the job (who took part in it)."""
+        return [row[0] for row in self._rows("SELECT DISTINCT signer FROM envelopes WHERE job_id = ?", (job_id,))]
+
     def has_envelope(self, message_id: bytes) -> bool:
         return self._one("SELECT 1 FROM envelopes WHERE message_id = ?", (message_id,)) is not None
 
@@ -696,6 +594,78 @@ class Store:
             prev = entry.hash
             count += 1
         return count
+
+    # -- copies of the other peers' chains (ipips/0008-ledger.md §5) --------------------------------
+
+    def chain_rows(self, job_id: bytes) -> dict[bytes, list[tuple[bytes, bytes]]]:
+        """Every chain of the job we hold as stored ``(entry, signature)`` rows, by author, not decoded
+        (what we serve: the receiver checks every entry)."""
+        out: dict[bytes, list[tuple[bytes, bytes]]] = {}
+        own = self._rows("SELECT entry, signature FROM ledger WHERE job_id = ? ORDER BY seq", (job_id,))
+        if own:
+            out[self.identity.public_key] = own
+        for author, entry, signature in self._rows(
+                "SELECT author, entry, signature FROM ledger_copies WHERE job_id = ? ORDER BY author, seq", (job_id,)):
+            if author != self.identity.public_key:
+                out.setdefault(author, []).append((entry, signature))
+        return out
+
+    def chains(self, job_id: bytes) -> dict[bytes, list[LedgerEntry]]:
+        """Every chain of the job we hold, by author's public key: our own and our copies of the others'.
+        Each entry is re-checked (LedgerError names the first that does not verify)."""
+        return {author: [LedgerEntry.decode(e, sig) for e, sig in rows]
+                for author, rows in self.chain_rows(job_id).items()}
+
+    def ledger_copy(self, job_id: bytes, author: bytes) -> list[LedgerEntry]:
+        """Our copy of ``author``'s chain of the job (our own chain for our own key), each entry re-checked."""
+        if author == self.identity.public_key:
+            return self.ledger(job_id)
+        return [LedgerEntry.decode(entry, signature) for entry, signature in self._rows(
+            "SELECT entry, signature FROM ledger_copies WHERE job_id = ? AND author = ? ORDER BY seq",
+            (job_id, author))]
+
+    def extend_copy(self, job_id: bytes, author: bytes, entries: list[LedgerEntry]) -> int:
+        """Append entries that continue our copy of ``author``'s chain (the caller checked them with
+        protocol/ledger.compare_chain); LedgerError if one does not. Returns how many were added."""
+        if author == self.identity.public_key or not entries:
+            return 0
+        with self.transaction():
+            row = self._one("SELECT seq, hash FROM ledger_copies WHERE job_id = ? AND author = ? "
+                            "ORDER BY seq DESC LIMIT 1", (job_id, author))
+            seq, prev = (0, ZERO_HASH) if row is None else (row[0] + 1, row[1])
+            for entry in entries:
+                if entry.job_id != job_id or entry.signer != author or entry.seq != seq or entry.prev != prev:
+                    raise LedgerError(job_id, entry.seq, f"does not continue our copy of "
+                                                         f"{entry.signer_peer_id}'s chain at seq {seq}")
+                self._db.execute(
+                    "INSERT INTO ledger_copies (job_id, author, seq, entry, signature, hash) VALUES (?, ?, ?, ?, ?, ?)",
+                    (job_id, author, entry.seq, entry.encoded, entry.signature, entry.hash))
+                seq, prev = seq + 1, entry.hash
+        return len(entries)
+
+    def record_conflict(self, job_id: bytes, conflict: ChainConflict, now: float) -> bool:
+        """Keep a conflict found between copies of a chain (with the entries that prove a fork);
+        False if it was known already."""
+        evidence = canonical_encode({
+            "held": [conflict.held.encoded, conflict.held.signature] if conflict.held else None,
+            "served": [conflict.served.encoded, conflict.served.signature] if conflict.served else None})
+        with self.transaction():
+            cur = self._db.execute(
+                "INSERT OR IGNORE INTO ledger_conflicts (job_id, author, seq, kind, server, detail, evidence, found)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (job_id, conflict.author, conflict.seq, conflict.kind, conflict.server, conflict.describe(),
+                 evidence, now))
+        return cur.rowcount > 0
+
+    def conflicts(self, job_id: bytes) -> list[dict]:
+        """Conflicts found in the job's chains, oldest first: kind, author, seq, who served it, one line."""
+        from protocol.identity import peer_id_from_public_key
+
+        return [{"kind": kind, "author": peer_id_from_public_key(author), "seq": seq, "server": server,
+                 "detail": detail, "found": found}
+                for author, seq, kind, server, detail, found in self._rows(
+                    "SELECT author, seq, kind, server, detail, found FROM ledger_conflicts WHERE job_id = ?"
+                    " ORDER BY found, rowid", (job_id,))]
 
     def _ledger_head(self, job_id: bytes) -> tuple[int, bytes]:
         """The next seq of a job's ledger and the hash it must chain to."""

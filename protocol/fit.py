@@ -8,6 +8,11 @@ Rules of this file:
   the runtime must be one the peer offers (unsloth only with a CUDA device); the peer must hold the
   base model by content hash; ``min_vram_gb > 0`` needs one CUDA device whose *free* memory is at
   least that (training runs on one device; memory on several does not add up).
+- ``lease_refusals`` is what a coordinator checks before it grants a lease (IPIP-0004 §5.1): the
+  claimant's latest signed capability must exist, say it accepts training, and meet
+  ``training_refusals``' requirements, except that the VRAM rule reads each device's *total* memory:
+  the free memory a capability carries is a snapshot that lags (taken while the claimant still
+  trained its previous shard), and the claimant checked its free memory itself before it claimed.
 - ``replay_refusals`` is what a verifier needs to replay a segment (IPIP-0005 §8, IPIP-0006 §1.2):
   the base model by hash; for ``min_vram_gb > 0`` or ``runtime: unsloth`` a CUDA device whose *total*
   memory is at least ``min_vram_gb`` (total, not free: eligibility must not flicker while the peer
@@ -37,6 +42,18 @@ def _model_reason(terms: JobTerms) -> str:
 
 def training_refusals(cap: Capability, terms: JobTerms) -> list[str]:
     """Every reason this peer cannot train a shard of the job (empty: it can)."""
+    return _training_refusals(cap, terms, free=True)
+
+
+def lease_refusals(cap: Capability | None, terms: JobTerms) -> list[str]:
+    """Every reason a coordinator refuses a lease of the job to this claimant (empty: it may grant it)."""
+    if cap is None:
+        return ["no signed capability has been heard from this peer"]
+    reasons = [] if cap.accepts_training else ["its capability says it does not accept training"]
+    return reasons + _training_refusals(cap, terms, free=False)
+
+
+def _training_refusals(cap: Capability, terms: JobTerms, *, free: bool) -> list[str]:
     reasons = []
     gpus = cuda_devices(cap)
     if terms.runtime not in cap.backends:
@@ -49,11 +66,16 @@ def training_refusals(cap: Capability, terms: JobTerms) -> list[str]:
     if terms.min_vram_gb > 0:
         if not gpus:
             reasons.append(f"job needs {terms.min_vram_gb:g} GB of VRAM; this agent has no GPU")
-        else:
+        elif free:
             best = max(gpus, key=lambda d: d.vram_free_gb)
             if best.vram_free_gb < terms.min_vram_gb:
                 reasons.append(f"job needs {terms.min_vram_gb:g} GB of free VRAM on one GPU; the most free "
                                f"here is {best.vram_free_gb:.1f} GB (cuda:{best.index} {best.name})")
+        else:
+            best = max(gpus, key=lambda d: d.vram_total_gb)
+            if best.vram_total_gb < terms.min_vram_gb:
+                reasons.append(f"job needs {terms.min_vram_gb:g} GB of VRAM on one GPU; the largest here has "
+                               f"{best.vram_total_gb:.1f} GB (cuda:{best.index} {best.name})")
     return reasons
 
 

@@ -48,6 +48,7 @@ MAX_NODES = 2000  # a full spec has ~150; pure-Python YAML takes ~20 s for 1 MiB
 MAX_INT = 2**53  # count fields of the terms; also exact in a float and in JSON
 MAX_NAME = 256  # characters of name, base_model and any text that goes into the terms
 MAX_PATH = 4096  # characters of input.dataset (a local path is replaced by shard CIDs on announcing)
+MAX_DESCRIPTION = 4096  # characters of description (the terms' MAX_TEXT)
 MAX_MODULES = 64  # target_modules: items, and characters per item
 MAX_SHARDS = 1024
 
@@ -201,6 +202,19 @@ class _Sha256(_Rule):
         return value.lower()
 
 
+class _Description(_Rule):
+    expected = f"text of at most {MAX_DESCRIPTION} characters"
+
+    def check(self, value: Any) -> str:
+        if type(value) is not str:
+            raise self.mismatch(value)
+        if len(value) > MAX_DESCRIPTION:
+            raise _Mismatch(f"expected at most {MAX_DESCRIPTION} characters, got {len(value)}")
+        if re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", value):
+            raise _Mismatch("expected text (lines and tabs allowed, no other control characters)")
+        return value
+
+
 class _TextList(_Rule):
     expected = "a non-empty list of non-empty strings"
 
@@ -231,7 +245,7 @@ def _section(cls: type) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class InputSpec:
-    dataset: str = _key(MISSING, _Text(MAX_PATH))  # local path or CID
+    dataset: str = _key(MISSING, _Text(MAX_PATH))  # local path, or a CID (bare or ipfs://): dataset_cid()
     format: str = _key("chatml", _Choice("chatml"))
     validation_split: float = _key(0.0, _Number(0, 0.5, open_high=True))
 
@@ -300,6 +314,7 @@ AGGREGATIONS = ("fedavg", "exact", "svd", "median", "trimmed_mean")
 @dataclass(frozen=True, kw_only=True)
 class JobSpec:
     name: str = _key(MISSING, _Text())
+    description: str = _key("", _Description())  # what the job is for; informative
     base_model: str = _key(MISSING, _Text())
     base_model_sha256: str | None = _key(None, _Sha256())
     method: str = _key("lora", _Choice("lora", "qlora"))
@@ -319,6 +334,7 @@ class JobSpec:
     proof: ProofSpec = _section(ProofSpec)
     lease_seconds: int = _key(3600, _Integer(10))
     budget: BudgetSpec = _section(BudgetSpec)
+    private: bool = _key(False, _Flag())  # seal the final aggregate to the submitter (ipips/0010)
 
     @property
     def min_accepted_shards(self) -> int:
@@ -359,6 +375,7 @@ TEMPLATE = """\
 # Full reference: ipips/0007-job-spec.md. Quoted values are always text: write 8, not "8".
 
 name: my-adapter                  # a label for people; the job ID is a hash of the whole spec
+description: ""                   # what the job is for, for people (at most 4096 characters)
 base_model: ./base-model          # local path, or a hub name such as org/model
 # base_model_sha256: <64 hex>     # sha256 of the base model's weights; workers refuse a mismatch.
                                   # Unset by default; the submitter tooling may fill it in.
@@ -367,7 +384,8 @@ runtime: peft                     # peft (CPU or GPU) | unsloth (GPU only)
 seed: 0                           # job seed, same for every worker: LoRA A init, data shuffles
 
 input:
-  dataset: ./train.jsonl          # local path, or the IPFS CID of the dataset
+  dataset: ./train.jsonl          # local path, or the dataset's IPFS CID (bafy... or ipfs://bafy...):
+                                  #   the submitter fetches it, checks it against the CID, then shards it
   format: chatml                  # chatml: JSON lines of {"messages": [{"role": ..., "content": ...}]}
   validation_split: 0.0           # fraction held out before sharding to validate aggregates, in [0, 0.5)
 
@@ -427,6 +445,9 @@ lease_seconds: 3600               # how long a worker holds a shard before it ma
 budget:
   price_per_hour: 0               # offered per worker-hour, >= 0; 0 = volunteer job
   total: 0                        # most the submitter pays for the whole job, >= 0
+
+private: false                    # true: the final aggregate is sealed to the submitter's key; only
+                                  #   the submitter can open it (ipips/0010-sealed-results.md)
 """
 
 
@@ -554,8 +575,35 @@ def _read_job(data: Any, where: _Where) -> JobSpec:
     return spec
 
 
+def dataset_cid(dataset: str) -> str | None:
+    """The CID that ``input.dataset`` names, or None for a local path (IPIP-0007 "input.dataset").
+
+    ``ipfs://CID`` (optionally ``ipfs://CID/``) is always a CID; a bare value that parses as a CID
+    (``bafy...``, ``Qm...``) is one too (write ``./bafy...`` for a file of that name). Raises
+    CIDError for an ``ipfs://`` value that does not hold a CID."""
+    from protocol.cid import parse_cid
+    from protocol.errors import CIDError
+
+    text = dataset.strip()
+    if text.startswith("ipfs://"):
+        return str(parse_cid(text[len("ipfs://"):].rstrip("/")))
+    if "/" in text or "." in text:
+        return None
+    try:
+        return str(parse_cid(text))
+    except CIDError:
+        return None
+
+
 def _check_across_fields(spec: JobSpec, where: _Where) -> None:
     """Rules that tie two keys together (ipips/0007, "Rules across keys")."""
+    if spec.input.dataset.strip().startswith("ipfs://"):
+        from protocol.errors import CIDError
+
+        try:
+            dataset_cid(spec.input.dataset)
+        except CIDError as exc:
+            raise where.bad_value(("input", "dataset"), f"not an IPFS CID: {exc}") from None
     if spec.outer.optimizer != "none" and spec.aggregation not in OUTER_METHODS:
         raise where.bad_value(("outer", "optimizer"), (
             f"an outer optimizer needs aggregation {' or '.join(OUTER_METHODS)}, not {spec.aggregation!r} "

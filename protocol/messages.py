@@ -373,6 +373,12 @@ class JobTerms(Wire):
     created: int = count_field()
     outer: Optional[OuterTerms] = extension_field(None)
     stop: Optional[StopTerms] = extension_field(None)
+    # what the job is for, in the submitter's words (IPIP-0007 "description"); informative only
+    description: str = extension_field("", "text", max_len=MAX_TEXT)
+    # the final aggregate is sealed to the submitter's key (ipips/0010-sealed-results.md)
+    private: bool = extension_field(False)
+    # the dataset the submitter sharded, when the spec named it by CID (IPIP-0007 "input.dataset")
+    dataset_cid: Optional[str] = extension_field(None, "cid")
 
     def check(self, path: str) -> None:
         if self.stop is not None and self.validation_cid is None:

@@ -58,8 +58,11 @@ DETERMINISM_FIELDS = (
     "cpu_capability", "mkl_cbwr", "aten_cpu_capability", "backend",
 )
 """Environment fields a commitment header records; equal fields on CPU/float32 mean exact replay."""
-GPU_DETERMINISM_FIELDS = ("device_class", "cuda", "micro_batch", "quantization", "bitsandbytes", "unsloth")
-"""Fields added for GPU work (IPIP-0005 §8): equal when both sides leave them out, else must match."""
+GPU_DETERMINISM_FIELDS = ("device_class", "cuda", "micro_batch", "quantization", "bitsandbytes", "unsloth",
+                          "data_parallel")
+"""Fields added for GPU and data-parallel work (IPIP-0005 §8): equal when both sides leave them out, else
+must match. ``data_parallel`` (processes, recorded only when > 1) never matches a one-process verifier:
+the ranks' gradient sums change the float summation order, so its replay is judged within tolerance."""
 
 MAX_NAME_BYTES = 1024
 MAX_NDIM = 16

@@ -10,8 +10,12 @@ On a machine with a CUDA GPU and torch/transformers/peft installed (no hub acces
      better): tokens/s against a bare torch + peft loop (goal 0.95); replay and run-to-run drift
      (max relative L2 over adapter tensors) against the dtype's tolerance (ratio = tolerance /
      drift, goal 1.0: the tolerance holds with room to spare when the ratio is far above 1).
+  4. with two or more CUDA devices, the ``ddp`` case: one worker training data-parallel over all of them
+     (agent/train/parallel.py, NCCL) against one process, a one-process replay of its last segment,
+     and its scaling (tokens/s against N x one process, goal 0.8).
 These drift figures are the ones IPIP-0005 §8.1 asks for. ``--cpu-smoke`` runs the same code on
-the tiny model on the CPU in float32 (peft and qlora if bitsandbytes has a CPU backend), to check
+the tiny model on the CPU in float32 (peft, qlora if bitsandbytes has a CPU backend, ddp over 2 gloo
+processes), to check
 the script itself where there is no GPU.
 """
 
@@ -105,12 +109,46 @@ def run_case(name: str, config, shard: Path, work: Path, backend_name: str, devi
          env=env)
 
 
+def run_parallel_case(config, shard: Path, work: Path, processes: int) -> None:
+    """One worker, ``processes`` GPUs (agent/train/parallel.py): the data-parallel run against one process
+    with the same micro-batch split, a one-process replay of its last segment, and its scaling."""
+    from agent.train.backends import PeftBackend
+    from agent.train.parallel import DataParallelBackend, split_for
+    from agent.train.recorder import checkpoint_name
+    from agent.train.replay import verify_segment
+    from agent.train.run import TrainRequest
+    from protocol.proof import FP32_TOLERANCE, HALF_TOLERANCE, Commitment
+
+    config = split_for(config, processes)
+    name = f"ddp{processes}"
+    single = PeftBackend().train(TrainRequest(config, shard, work / name / "single", worker="worker-1"))
+    ddp = DataParallelBackend(processes).train(TrainRequest(config, shard, work / name / "ddp", worker="worker-N"))
+    commitment = Commitment.from_json(json.loads((ddp.run_dir / "proof.json").read_text()))
+    index = len(commitment.links) - 1
+    start = ddp.run_dir / "checkpoints" / checkpoint_name(commitment.segment_start(index)[0])
+    end = ddp.run_dir / "checkpoints" / checkpoint_name(commitment.links[index].step)
+    verdict = verify_segment(commitment, index, start=start, end=end, shard=shard, config=config)
+    dtype = ddp.environment.get("dtype", "float32")
+    tolerance = config.tolerance or (FP32_TOLERANCE if dtype == "float32" else HALF_TOLERANCE)
+    replay = 0.0 if verdict.exact else verdict.max_distance
+    drift = max_drift(single.adapter_dir, ddp.adapter_dir)
+    env = {k: ddp.environment.get(k) for k in ("device", "device_class", "dtype", "micro_batch", "data_parallel")}
+    # scaling: tokens/s of N processes against N times one process (goal 0.8)
+    emit(f"gpu_{name}_scaling", round(ddp.tokens_per_second, 1), "tokens/s", round(processes * single.tokens_per_second, 1),
+         ddp.tokens_per_second / (processes * single.tokens_per_second), 0.8, env=env)
+    emit(f"gpu_{name}_replay_drift", replay, "rel_l2", tolerance, tolerance / max(replay, 1e-8), 1.0,
+         accepted=verdict.accepted, exact=verdict.exact, segment=index, env=env)
+    emit(f"gpu_{name}_vs_one_process_drift", drift, "rel_l2", tolerance, tolerance / max(drift, 1e-8), 1.0, env=env)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU: check the script itself")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--work", type=Path, default=None, help="working directory (default: a temporary one)")
-    parser.add_argument("--only", nargs="*", default=None, help="cases to run: peft_bf16 qlora unsloth")
+    parser.add_argument("--only", nargs="*", default=None, help="cases to run: peft_bf16 qlora unsloth ddp")
+    parser.add_argument("--processes", type=int, default=0,
+                        help="data-parallel processes for the ddp case (default: every CUDA device; 2 with --cpu-smoke)")
     args = parser.parse_args(argv)
 
     import importlib.util
@@ -151,6 +189,15 @@ def main(argv: list[str] | None = None) -> int:
             run_case(name, case_config, shard, work, backend, device)
         except Exception as exc:  # noqa: BLE001 - one failing case must not hide the others' figures
             print(json.dumps({"bench": f"gpu_{name}", "error": f"{type(exc).__name__}: {exc}"[:500]}), flush=True)
+    processes = args.processes or (2 if smoke else torch.cuda.device_count())
+    if processes > 1 and (not args.only or "ddp" in args.only):
+        try:
+            run_parallel_case(config, shard, work, processes)
+        except Exception as exc:  # noqa: BLE001
+            print(json.dumps({"bench": f"gpu_ddp{processes}", "error": f"{type(exc).__name__}: {exc}"[:500]}), flush=True)
+    elif processes <= 1:
+        print(json.dumps({"bench": "gpu_ddp", "skipped": "one CUDA device: the multi-GPU case needs two or more"}),
+              flush=True)
     print(json.dumps({"bench": "gpu_check_seconds", "value": round(time.time() - started, 1), "unit": "s",
                       "device": torch.cuda.get_device_name() if not smoke else "cpu"}), flush=True)
     return 0

@@ -7,8 +7,10 @@ Rules of this file:
 - Which worker gets a lease is ours to decide: the shard it asked for if OPEN, else the lowest OPEN
   one; never a second live lease of this job to one worker (a shard it reported and that awaits
   its verdict does not count: it trains the next one meanwhile); never a lease to a worker whose work in
-  this job was rejected; only to a live peer whose signed capability says it trains (a claim
-  from anyone else is ignored, so a peer cannot hoard leases it never meant to train); never a
+  this job was rejected; only to a live peer whose signed capability says it trains and fits the
+  job (protocol/fit.lease_refusals: the job's runtime offered, its base model held by hash, a GPU
+  with ``min_vram_gb`` total; IPIP-0004 §5.1) -- a claim from anyone else gets no lease, its reason
+  logged once, so a peer cannot hoard leases it never meant or could not train; never a
   lease to ourselves — a coordinator does not judge its own work (a report of ours from a lease
   granted before we took over is judged by the next eligible peer by rank: ``judge_reports``,
   protocol/election.judge_of), and accepted work must outlive the coordinator (the worker, the submitter and the verifier
@@ -58,9 +60,11 @@ from agent.bundle import (
 )
 from agent.content.errors import FetchError
 from agent.roles.job import JobView, run_torch, train_config
+from agent.sealing import must_seal, seal_dir
 from protocol import messages as m
 from protocol import state as st
 from protocol.election import judge_of
+from protocol.fit import lease_refusals
 
 if TYPE_CHECKING:
     from agent.node import Agent
@@ -88,6 +92,7 @@ class CoordinatorRole:
         self._initial: dict[tuple[bytes, int], tuple[dict, dict, dict]] = {}
         self._validation: dict[bytes, Path] = {}  # job -> its validation split, fetched
         self.hash_limiter = trio.CapacityLimiter(2)  # tensor hashing off the event loop, at most two at once
+        self._refused: dict[tuple[bytes, str], str] = {}  # (job, worker) -> why its claims get no lease
 
     # -- leases -----------------------------------------------------------------------------------
 
@@ -99,9 +104,14 @@ class CoordinatorRole:
             return
         if worker == agent.peer_id or worker in self._banned.get(view.job_id, set()) or view.training_by(worker):
             return
-        info = agent.peers.get(worker)  # only a live peer that said, signed, that it trains
-        if info is None or info.capability is None or not info.capability.accepts_training or \
-                worker not in agent.live_peers():
+        if worker not in agent.live_peers():
+            return
+        refusal = self.lease_refusal(view, worker)
+        if refusal is not None:
+            agent.counters["leases_refused"] += 1
+            if self._refused.get((view.job_id, worker)) != refusal:  # claims repeat: say each reason once
+                log.info("job %s: no lease for %s: %s", view.job_id.hex()[:8], worker, refusal)
+            self._refused[(view.job_id, worker)] = refusal
             return
         open_shards = view.open_shards()
         if not open_shards:
@@ -120,6 +130,14 @@ class CoordinatorRole:
         await agent.publish(lease)
         agent.ledger(view.job_id, "lease", {"round": grant.round, "shard": grant.shard, "attempt": grant.attempt,
                                             "worker": worker, "expires_at": float(grant.expires_at)})
+
+    def lease_refusal(self, view: JobView, worker: str) -> str | None:
+        """Why we grant ``worker`` no lease of this job, read off its latest signed capability
+        (protocol/fit.lease_refusals: it trains, offers the runtime, holds the model, a large enough GPU);
+        None if it fits."""
+        info = self.agent.peers.get(worker)
+        reasons = lease_refusals(info.capability if info is not None else None, view.terms)
+        return "; ".join(reasons) if reasons else None
 
     # -- reacting to the state machine -------------------------------------------------------------
 
@@ -436,12 +454,15 @@ class CoordinatorRole:
             except Exception as exc:  # noqa: BLE001 - logged; the aggregate is published without a score
                 log.warning("job %s: round %d not scored on the validation split: %s", view.job_id.hex()[:8],
                             action.round, exc)
+        loss, base_loss = validation or (None, None)
+        final = view.ends_with(action.round, loss)  # the last round, or the job's stop rule holds
+        sealed = must_seal(terms, final)
+        if sealed:  # a private job's final aggregate: only its submitter can open it (ipips/0010)
+            out = await trio.to_thread.run_sync(seal_dir, out, work / "sealed", terms.submitter)
         cid = await agent.content.add_file(pack_dir(out, work / "adapter.tar"), provide=False)
         agent.provide_soon(cid)  # in the background: a slow DHT peer must not delay the aggregate
         if not agent.is_coordinator(view):
             return
-        loss, base_loss = validation or (None, None)
-        final = view.ends_with(action.round, loss)  # the last round, or the job's stop rule holds
         published = m.AggregatePublished(view.job_id, action.round, view.coordination.term, str(cid),
                                          terms.aggregation, tuple(action.accepted_shards),
                                          sum(n for _, n in inputs), final, loss, base_loss)
@@ -455,6 +476,8 @@ class CoordinatorRole:
                  "shards": list(action.accepted_shards)}
         if terms.outer is not None:
             entry["outer"] = terms.outer.optimizer
+        if sealed:
+            entry["sealed_to"] = terms.submitter
         if loss is not None:
             entry["validation_loss"] = loss
         if base_loss is not None:

@@ -1,6 +1,9 @@
 """The submitter role: turn a job spec and a dataset into an announced job, and follow it.
 
 Rules of this file:
+- A dataset named by CID (``input.dataset: bafy...`` or ``ipfs://...``) is fetched first through our
+  content service (``fetch_dataset``: every block checked against the CID), then sharded like a
+  local file; the terms name it (``dataset_cid``).
 - The dataset is split deterministically (agent/train/data.split_dataset with the job seed): a
   validation split, then ``shards`` near-equal shards. Each part is written as ChatML JSONL, added
   to the content store (CIDv1, raw leaves) and provided in the DHT; the announcement names every
@@ -44,8 +47,17 @@ class SubmitterRole:
         self.agent = agent
         self._keeping: set[tuple[bytes, str]] = set()  # (job, cid) copies under way
 
+    async def fetch_dataset(self, cid: str) -> Path:
+        """A dataset named by CID in the spec (IPIP-0007 ``input.dataset``): fetched through our content
+        service, every block checked against the CID, into our work directory."""
+        out = self.agent.work_dir / "datasets" / f"{cid}.jsonl"
+        if not out.exists():
+            await self.agent.content.fetch(cid, out, timeout=self.agent.config.fetch_timeout)
+        return out
+
     async def prepare_terms(self, spec: Any, dataset: Path, base_model_path: str, *,
-                            deadline: int | None = None, created: int | None = None) -> m.JobTerms:
+                            deadline: int | None = None, created: int | None = None,
+                            dataset_cid: str | None = None) -> m.JobTerms:
         """Shard ``dataset``, add the parts to the content store, and build the job's terms.
 
         ``created`` and ``deadline`` default to now and now + the spec's max runtime; the harness pins
@@ -92,6 +104,8 @@ class SubmitterRole:
             if spec.stop_when.validation_loss_below > 0 or spec.stop_when.patience_rounds > 0 else None,
             outer=None if spec.outer.optimizer == "none" else m.OuterTerms(
                 spec.outer.optimizer, spec.outer.lr, spec.outer.momentum, spec.outer.beta1, spec.outer.beta2),
+            description=getattr(spec, "description", ""), private=getattr(spec, "private", False),
+            dataset_cid=dataset_cid,
         )
 
     async def announce(self, terms: m.JobTerms) -> "JobView":

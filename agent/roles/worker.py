@@ -9,7 +9,12 @@ Rules of this file:
 - Training goes through the job's runtime (agent/train/backends.select_backend): peft in a thread
   here, unsloth in its child process; both record the same proof. On a GPU the micro-batch is
   chosen from the device's free VRAM, the job's effective batch kept (agent/train/presets.py). The
-  ledger's report records the device, its VRAM, the dtype and the runtime the proof names.
+  ledger's report records the device, its VRAM, the dtype, the runtime and the processes the proof names.
+- One worker, several GPUs: a peft shard is trained data-parallel by ``train_processes`` processes
+  (0: one per CUDA device we measured; agent/train/parallel.py): NCCL on the GPUs, gloo on the CPU,
+  each rank given at least one micro-batch; rank 0 records the proof, which a verifier replays in one
+  process within the tolerance (IPIP-0005 §6.1). On a CUDA machine, more processes than GPUs is a
+  refusal of every peft job (one process per GPU), said once per job, not a shard given back each time.
 - We claim an OPEN shard while we hold fewer than ``max_concurrent_shards`` leases; the coordinator
   decides. On a lease for us: fetch the shard by CID (every block hash-checked by the content
   room), check the local base model's content hash against the job's, and only then train. A
@@ -68,6 +73,11 @@ class WorkerRole:
             return f"base model {terms.base_model!r} is not available locally"
         if terms.price_per_hour < config.min_price_per_hour:
             return f"price {terms.price_per_hour}/h is below our minimum {config.min_price_per_hour}/h"
+        machine = self.agent.machine
+        if terms.runtime == "peft" and machine is not None and machine.cuda and \
+                config.train_processes > len(machine.cuda):
+            return (f"train_processes = {config.train_processes}, but this machine has {len(machine.cuda)} "
+                    "CUDA device(s): one training process per GPU")
         reasons = training_refusals(self.agent.capability(), terms)
         return "; ".join(reasons) if reasons else None
 
@@ -156,28 +166,45 @@ class WorkerRole:
 
     # -- one shard --------------------------------------------------------------------------------
 
-    def _fit_to_device(self, config: Any, model_path: str) -> Any:
-        """On a CUDA GPU: the micro-batch from its free VRAM, the job's effective batch kept. On a CPU
-        the job's own split (CPU runs replay bit for bit)."""
+    def train_processes(self, terms: m.JobTerms) -> int:
+        """Processes that train a shard of this job: ``train_processes``, else one per CUDA device we
+        measured (agent/train/parallel.plan_processes); unsloth trains on one GPU."""
+        from agent.train.parallel import plan_processes
+
+        machine = self.agent.machine
+        processes = plan_processes(self.agent.config.train_processes, len(machine.cuda) if machine else 0)
+        return 1 if terms.runtime != "peft" else processes
+
+    def _fit_to_device(self, config: Any, model_path: str, processes: int = 1) -> Any:
+        """On a CUDA GPU: the micro-batch from its free VRAM (the least free of the GPUs the ranks use),
+        the job's effective batch kept. On a CPU the job's own split (CPU runs replay bit for bit), the
+        threads shared among the ranks. With several processes each rank gets a micro-batch (parallel.split_for)."""
+        import torch
+
         from agent.hardware import refresh_free
+        from agent.train.parallel import split_for
         from agent.train.presets import auto_micro_batch
 
         machine = self.agent.machine
         if machine is None or not machine.cuda:
-            return config
+            if processes > 1 and not torch.cuda.is_available():
+                config = config.with_(threads=max(1, config.threads // processes))
+            return split_for(config, processes)
         machine = self.agent.machine = refresh_free(machine)
-        plan = auto_micro_batch(config, machine.best_free_vram_gb(), model_path)
+        free = min(d.vram_free_gb for d in machine.cuda[:processes]) if processes > 1 else machine.best_free_vram_gb()
+        plan = auto_micro_batch(config, free, model_path)
         if not plan.fits:
             log.warning("the model may not fit in %.1f GB free VRAM (estimated %.1f GB); trying one sample at a time",
-                        machine.best_free_vram_gb(), plan.estimate_gb)
-        return config.with_(micro_batch_size=plan.micro_batch)
+                        free, plan.estimate_gb)
+        return split_for(config.with_(micro_batch_size=plan.micro_batch), processes)
 
     def _hardware_record(self, environment: dict) -> dict:
         """What the ledger says a report ran on: the device, its VRAM, dtype and runtime the proof names."""
         device = str(environment.get("device", "cpu"))
         return {"hardware": device, "device_class": str(environment.get("device_class", "cpu")),
                 "vram_gb": _device_vram_gb(self.agent.machine, device), "dtype": str(environment.get("dtype", "")),
-                "runtime": str(environment.get("backend", "")), "micro_batch": int(environment.get("micro_batch", 0))}
+                "runtime": str(environment.get("backend", "")), "micro_batch": int(environment.get("micro_batch", 0)),
+                "processes": int(environment.get("data_parallel", 1))}
 
     async def _run_shard(self, view: JobView, lease: m.ShardLease, key: tuple) -> None:
         agent = self.agent
@@ -247,8 +274,9 @@ class WorkerRole:
                               max_size=bundle_size_bound(DEFAULT_MAX_BYTES, AGGREGATE_FILES))
             initial = unpack(bundle, run_dir / "initial", allowed=AGGREGATE_FILES)
         config = train_config(terms, model_path, round=lease.round, threads=agent.config.threads, log_every=5)
-        config = await trio.to_thread.run_sync(self._fit_to_device, config, model_path)
-        backend = select_backend(terms.runtime)  # TrainError (one line) if this machine cannot run it
+        processes = self.train_processes(terms)
+        config = await trio.to_thread.run_sync(self._fit_to_device, config, model_path, processes)
+        backend = select_backend(terms.runtime, processes)  # TrainError (one line) if this machine cannot run it
         if agent.config.misbehave == "wrong_base":
             config = config.with_(base_model_sha256=None)
         request = TrainRequest(config, shard_path, run_dir / "run", initial_adapter=initial, job_id=view.job_id,
@@ -262,6 +290,9 @@ class WorkerRole:
             await agent.publish(m.CheckpointCommit(
                 view.job_id, lease.round, lease.shard, lease.attempt, event.step, event.index, event.head,
                 event.link.adapter_hash, float(event.link.loss), str(cid)))
+            agent.ledger(view.job_id, "checkpoint", {  # IPIP-0008 §2: what the worker committed, when
+                "round": lease.round, "shard": lease.shard, "attempt": lease.attempt, "step": event.step,
+                "loss": float(event.link.loss), "checkpoint_cid": str(cid), "head": bytes(event.head).hex()})
 
         def on_checkpoint(event: Any) -> None:
             trio.from_thread.run(commit, event)

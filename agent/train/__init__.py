@@ -3,7 +3,8 @@
 A worker calls::
 
     config = TrainConfig.from_spec(spec, threads=4)
-    backend = select_backend(config.runtime)                    # TrainError if unusable here
+    backend = select_backend(config.runtime, processes=2)       # TrainError if unusable here; > 1:
+                                                                # data parallel (parallel.py)
     result = backend.train(TrainRequest(config, shard_path, run_dir, validation=..., job_id=...,
                                         round=..., shard_index=..., attempt=..., worker=peer_id),
                            on_checkpoint=lambda event: ...)     # CheckpointEvent per link
@@ -17,7 +18,7 @@ and a verifier::
 Modules: config (TrainConfig), data (ChatML, tokenization, splits, sample order), tiny (the
 test/demo model), model (base hash, seeded LoRA), loop (the training step), recorder (checkpoints
 and hash chain), run (train_shard and the run directory), replay (verify_segment), backends
-(peft, unsloth). Importing this package does not import transformers, peft or unsloth.
+(peft, unsloth), parallel (one shard in N processes: NCCL on GPUs, gloo on the CPU). Importing this package does not import transformers, peft or unsloth.
 """
 
 from agent.train.backends import Backend, PeftBackend, UnslothBackend, select_backend

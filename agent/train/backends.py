@@ -10,6 +10,8 @@ Rules of this file:
   writes checkpoint events and the result as ``EVENT_PREFIX``/``RESULT_PREFIX`` JSON lines on
   stdout; anything else it prints is passed through to our stderr.
 - Selecting unsloth without a GPU fails at once with one line, before any work.
+- ``select_backend(runtime, processes)`` with ``processes`` > 1 and peft: data parallel over that many
+  processes (agent/train/parallel.py), which reads its rank 0 child with the same lines (``read_child``).
 - The request file also carries the base model's file hashes this process knows
   (model.FILE_HASHES), so the child checks the model's hash without reading it again.
 """
@@ -74,27 +76,40 @@ class UnslothBackend:
             [self.python, "-m", "agent.train.unsloth_runner", str(request_path)],
             stdout=subprocess.PIPE, text=True, bufsize=1,
         )
-        result, error = None, None
-        assert child.stdout is not None
         with child:
-            for line in child.stdout:
-                if line.startswith(EVENT_PREFIX):
-                    if on_checkpoint is not None:
-                        on_checkpoint(CheckpointEvent.from_json(json.loads(line[len(EVENT_PREFIX):])))
-                elif line.startswith(RESULT_PREFIX):
-                    result = TrainResult.from_json(json.loads(line[len(RESULT_PREFIX):]))
-                elif line.startswith(ERROR_PREFIX):
-                    error = line[len(ERROR_PREFIX):].strip()
-                else:
-                    sys.stderr.write(line)
+            result, error = read_child(child, on_checkpoint)
         if result is None:
             raise TrainError(error or f"unsloth runner exited with status {child.returncode} and no result")
         return result
 
 
-def select_backend(runtime: str) -> Backend:
-    """The backend for a job's ``runtime``; TrainError when this machine cannot run it."""
+def read_child(child: subprocess.Popen, on_checkpoint: OnCheckpoint | None) -> tuple[TrainResult | None, str | None]:
+    """Read a training child's stdout to its end: checkpoint events to ``on_checkpoint``, then its
+    result or its error line; anything else it prints goes to our stderr."""
+    result, error = None, None
+    assert child.stdout is not None
+    for line in child.stdout:
+        if line.startswith(EVENT_PREFIX):
+            if on_checkpoint is not None:
+                on_checkpoint(CheckpointEvent.from_json(json.loads(line[len(EVENT_PREFIX):])))
+        elif line.startswith(RESULT_PREFIX):
+            result = TrainResult.from_json(json.loads(line[len(RESULT_PREFIX):]))
+        elif line.startswith(ERROR_PREFIX):
+            error = line[len(ERROR_PREFIX):].strip()
+        else:
+            sys.stderr.write(line)
+    return result, error
+
+
+def select_backend(runtime: str, processes: int = 1) -> Backend:
+    """The backend for a job's ``runtime``; TrainError when this machine cannot run it. With
+    ``processes`` > 1 the peft runtime trains data-parallel (agent/train/parallel.py); unsloth
+    trains on one GPU whatever ``processes`` says."""
     if runtime == "peft":
+        if processes > 1:
+            from agent.train.parallel import DataParallelBackend
+
+            return DataParallelBackend(processes)
         return PeftBackend()
     if runtime == "unsloth":
         if not torch.cuda.is_available():

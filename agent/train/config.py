@@ -69,6 +69,7 @@ class TrainConfig:
     dtype: str = "auto"
     packing: bool = False
     micro_batch_size: int = 0  # samples per forward pass; 0: the job's batch_size (agent/train/presets.py)
+    micro_batch_rng: bool = False  # reseed before each micro-batch: a data-parallel proof's rule (loop.py)
     log_every: int = 10
     skip_bad_lines: bool = False
     max_grad_norm: float = 1.0

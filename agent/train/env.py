@@ -1,7 +1,8 @@
 """The facts about this process that change float results, recorded in every proof header.
 
 Rules of this file:
-- ``environment()`` returns exactly the keys of protocol.proof.DETERMINISM_FIELDS. Two runs with
+- ``environment()`` returns exactly the keys of protocol.proof.DETERMINISM_FIELDS and
+  GPU_DETERMINISM_FIELDS (``data_parallel`` only for a data-parallel run). Two runs with
   equal values on CPU in float32 reproduce each other bit for bit (measured: a segment resumed in
   another process matches exactly); with different thread counts or CPU instruction sets results
   drift by ~1e-6..1e-5 relative after 50 steps.
@@ -51,10 +52,13 @@ def device_class(device: str) -> str:
 
 
 def environment(device: str, dtype: torch.dtype, backend: str, *, micro_batch: int = 0,
-                quantization: str = "none") -> dict[str, str | int]:
+                quantization: str = "none", processes: int = 1) -> dict[str, str | int]:
+    """The header's environment; ``data_parallel`` (the number of processes that trained, IPIP-0005 §6.1)
+    only when more than one did, so a single process's header is what it always was."""
     import peft
     import transformers
 
+    parallel = {"data_parallel": int(processes)} if processes > 1 else {}
     return {
         "torch": torch.__version__,
         "peft": peft.__version__,
@@ -72,4 +76,5 @@ def environment(device: str, dtype: torch.dtype, backend: str, *, micro_batch: i
         "quantization": quantization,
         "bitsandbytes": _version("bitsandbytes") if quantization != "none" else "",
         "unsloth": _version("unsloth") if backend == "unsloth" else "",
+        **parallel,
     }

@@ -18,8 +18,10 @@ Rules of this file:
 - Data parallel (one worker, several GPUs): when torch.distributed is initialised, rank r runs the
   micro-batches r, r + W, ... of each step and the gradients, losses and token counts are summed
   across ranks before clipping, so every rank takes the same AdamW step and the result equals a
-  single process's within float summation order. Dropout masks then differ from a single
-  process's (each rank draws from the same per-step seed): exact agreement needs dropout 0.
+  single process's within float summation order. So that dropout masks do not depend on which rank
+  runs a micro-batch, a data-parallel step (or one with ``config.micro_batch_rng``, which a verifier
+  sets to replay a data-parallel proof in one process) also reseeds before each micro-batch j from
+  SHA-256("infernet/micro-rng/v1", seed, offset + s, j) (IPIP-0005 §6.1).
 - No I/O here: the recorder (recorder.py) and the run (run.py) decide what to save and when.
 """
 
@@ -45,6 +47,26 @@ def data_parallel() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return 1, 0
+
+
+def same_on_every_rank(digest: bytes, device: str = "cpu") -> bool:
+    """True when every rank of the data-parallel group passed the same ``digest`` (always, alone).
+    Every rank must call it at the same point; every rank gets the same answer."""
+    world, _ = data_parallel()
+    if world == 1:
+        return True
+    import torch.distributed as dist
+
+    mine = torch.tensor(list(digest), dtype=torch.int64, device=device)
+    low, high = mine.clone(), mine.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    return bool(torch.equal(low, high))
+
+
+def micro_seed(seed: int, step: int, micro: int) -> int:
+    digest = hashlib.sha256(b"infernet/micro-rng/v1\0" + struct.pack("<QQQ", seed, step, micro)).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -112,8 +134,12 @@ class LoraSession:
         self.model.train()
         loss_total, tokens = 0.0, 0
         world, rank = data_parallel()
-        starts = range(0, len(indices), config.micro_batch)
-        for start in list(starts)[rank::world]:  # data parallel: micro-batches dealt round-robin to ranks
+        per_micro = world > 1 or config.micro_batch_rng
+        starts = list(range(0, len(indices), config.micro_batch))
+        for j in range(rank, len(starts), world):  # data parallel: micro-batches dealt round-robin to ranks
+            start = starts[j]
+            if per_micro:
+                torch.manual_seed(micro_seed(config.seed, position, j))
             batch = collate([self.examples[i] for i in indices[start:start + config.micro_batch]],
                             self.pad_id, self.device)
             loss_sum = token_loss_sum(self.model, batch)

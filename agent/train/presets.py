@@ -114,3 +114,59 @@ def apply_preset(config: Any, preset: str, *, free_vram_gb: float | None, model_
         plan = auto_micro_batch(config, free_vram_gb, model_dir)
         return config.with_(device="auto", dtype="auto", micro_batch_size=plan.micro_batch)
     raise ValueError(f"unknown preset {preset!r} (known: {', '.join(PRESETS)})")
+
+
+# -- presets for `infernet train init --preset`: a whole spec, tuned for a purpose ---------------------
+
+SPEC_PRESETS: dict[str, tuple[str, dict[tuple[str, str], str]]] = {
+    # name -> (what it is for, {(section, key): value}); "" is the top level
+    "quick-test": ("a smoke run: checks data, model and machine in a minute or two; not a useful adapter", {
+        ("input", "validation_split"): "0.1", ("training", "max_steps"): "20", ("training", "max_seq_len"): "256",
+        ("training", "batch_size"): "4", ("lora", "rank"): "8", ("lora", "alpha"): "16",
+        ("proof", "checkpoint_every"): "10"}),
+    "balanced": ("a useful adapter at moderate cost: all attention projections, rank 16, two epochs", {
+        ("input", "validation_split"): "0.05", ("training", "epochs"): "2", ("training", "learning_rate"): "0.0002",
+        ("training", "batch_size"): "4", ("training", "gradient_accumulation_steps"): "4",
+        ("training", "max_seq_len"): "1024", ("lora", "rank"): "16", ("lora", "alpha"): "32",
+        ("lora", "target_modules"): "[q_proj, k_proj, v_proj, o_proj]", ("proof", "checkpoint_every"): "50"}),
+    "quality": ("the best adapter for the data: every projection, rank 32, three epochs, longer sequences", {
+        ("input", "validation_split"): "0.1", ("training", "epochs"): "3", ("training", "learning_rate"): "0.0001",
+        ("training", "batch_size"): "4", ("training", "gradient_accumulation_steps"): "8",
+        ("training", "max_seq_len"): "2048", ("lora", "rank"): "32", ("lora", "alpha"): "64",
+        ("lora", "target_modules"): "[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]",
+        ("proof", "checkpoint_every"): "100"}),
+}
+
+
+def preset_spec(template: str, preset: str) -> str:
+    """The commented spec ``template`` with a preset's values set in place (comments kept)."""
+    import re
+
+    if preset not in SPEC_PRESETS:
+        raise ValueError(f"unknown preset {preset!r} (known: {', '.join(SPEC_PRESETS)})")
+    purpose, values = SPEC_PRESETS[preset]
+    lines = template.splitlines()
+    section = ""
+    done: set[tuple[str, str]] = set()
+    for i, line in enumerate(lines):
+        header = re.match(r"^([a-z_]+):\s*(#.*)?$", line)
+        if header:
+            section = header.group(1)
+            continue
+        if line and not line[0].isspace():
+            section = ""
+        match = re.match(r"^(\s*)([a-z_]+):( +)(\[[^\]]*\]|\S+)( *)(#.*)?$", line)
+        if not match or (section, match.group(2)) not in values:
+            continue
+        key = (section, match.group(2))
+        value = values[key]
+        head = f"{match.group(1)}{match.group(2)}:{match.group(3)}{value}"
+        comment = match.group(6)
+        column = match.start(6) if comment else 0  # keep the comment where it was, when the value fits
+        lines[i] = (head.ljust(column - 1) + " " + comment) if comment else head
+        done.add(key)
+    missing = set(values) - done
+    if missing:
+        raise ValueError(f"preset {preset}: the template has no key {sorted(missing)[0]}")
+    intro = f"# preset {preset}: {purpose}.\n"
+    return intro + "\n".join(lines) + "\n"

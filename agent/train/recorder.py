@@ -5,7 +5,9 @@ Rules of this file:
   adapter and the optimizer state (protocol.proof.tensor_set_hash), digests the batch indices of
   the steps since the previous checkpoint, appends a ChainLink with their mean loss, saves the
   checkpoint, rewrites ``proof.json``, and only then calls ``on_checkpoint``: a commitment is
-  never announced before the bytes it commits to are on disk.
+  never announced before the bytes it commits to are on disk. When a data-parallel group trains
+  (loop.py), rank 0 records and ``before_commit`` first checks that every rank holds the state the
+  link names (loop.same_on_every_rank); the other ranks record nothing.
 - A checkpoint is a directory ``checkpoints/step-NNNNNN/``:
       adapter_model.safetensors  adapter_config.json   the adapter (loadable by stock peft)
       optimizer.safetensors                            AdamW state, see loop.py for the names
@@ -36,6 +38,11 @@ from agent.train.model import save_adapter, tensors_hash
 from protocol.proof import ChainLink, Commitment, CommitmentHeader, batches_digest
 
 RNG_RULE = "torch.manual_seed(sha256('infernet/step-rng/v1\\0' || u64 seed || u64 step)[:8] & (2**63-1)) before each step"
+
+
+def is_checkpoint(step: int, every: int, total_steps: int) -> bool:
+    """Whether the chain gets a link after optimizer step ``step`` (1-based): every ``every`` steps and the last."""
+    return step % every == 0 or step == total_steps
 
 
 def checkpoint_name(step: int) -> str:
@@ -89,11 +96,13 @@ class ProofRecorder:
     """Extends the chain as a session trains and saves the checkpoint each link commits to."""
 
     def __init__(self, header: CommitmentHeader, run_dir: Path, total_steps: int,
-                 on_checkpoint: OnCheckpoint | None = None):
+                 on_checkpoint: OnCheckpoint | None = None,
+                 before_commit: Callable[[ChainLink], None] | None = None):
         self.header = header
         self.run_dir = run_dir
         self.total_steps = total_steps
         self.on_checkpoint = on_checkpoint
+        self.before_commit = before_commit  # data parallel: raises unless every rank holds this state
         self.links: list[ChainLink] = []
         self.head = header.genesis()
         self.pending_indices: list[tuple[int, ...]] = []
@@ -118,7 +127,7 @@ class ProofRecorder:
         """Record one finished step; at a checkpoint step, commit and return the event."""
         self.pending_indices.append(indices)
         self.pending_losses.append(loss)
-        if step % self.header.checkpoint_every and step != self.total_steps:
+        if not is_checkpoint(step, self.header.checkpoint_every, self.total_steps):
             return None
         adapter, optimizer = session.adapter_tensors(), session.optimizer_tensors()
         link = ChainLink(
@@ -126,6 +135,8 @@ class ProofRecorder:
             batches_digest=batches_digest(self.pending_indices),
             loss=sum(self.pending_losses) / len(self.pending_losses),
         )
+        if self.before_commit is not None:
+            self.before_commit(link)
         self.head = link.extend(self.head)
         self.links.append(link)
         self.pending_indices, self.pending_losses = [], []

@@ -141,7 +141,11 @@ def verify_segment(commitment: Commitment, index: int, *, start: Path, shard: Pa
     # the worker's micro-batch split (its own choice, presets.py): the same split replays the same bits
     micro = header.environment.get("micro_batch", 0)
     micro = micro if isinstance(micro, int) and 0 < micro <= config.samples_per_step else 0
-    config = config.with_(seed=header.seed, threads=max(threads, 1), dtype=dtype, micro_batch_size=micro)
+    # a data-parallel proof reseeds before each micro-batch (IPIP-0005 §6.1): one process replays that rule
+    parallel = header.environment.get("data_parallel", 1)
+    per_micro = isinstance(parallel, int) and not isinstance(parallel, bool) and parallel > 1
+    config = config.with_(seed=header.seed, threads=max(threads, 1), dtype=dtype, micro_batch_size=micro,
+                          micro_batch_rng=per_micro)
 
     tokenizer = load_tokenizer(config.base_model)
     examples = load_shard(config, tokenizer, shard).examples

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import yaml
@@ -37,13 +38,14 @@ from agent.train.aggregate import OPTIMIZER_FILE
 from agent.train.config import TrainConfig, TrainError
 from agent.train.data import Example, PreparedShard, prepare_examples
 from agent.train.env import environment, set_threads
-from agent.train.loop import LoraSession
+from agent.train.loop import LoraSession, data_parallel, same_on_every_rank
 from agent.train.model import (
     add_lora, base_model_sha256, load_adapter_state, load_base_model, load_tokenizer, pick_device,
     pick_dtype, save_adapter, seed_lora_a, tensors_hash,
 )
-from agent.train.recorder import OnCheckpoint, ProofRecorder
-from protocol.proof import CommitmentHeader
+from agent.train.recorder import OnCheckpoint, ProofRecorder, checkpoint_name, is_checkpoint, read_checkpoint
+from protocol.errors import ProofError
+from protocol.proof import ChainLink, Commitment, CommitmentHeader
 
 
 @dataclass(frozen=True)
@@ -195,18 +197,20 @@ def pad_token_id(tokenizer: Any) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None,
-                backend: str = "peft") -> TrainResult:
-    """Train ``request.shard`` into ``request.run_dir``; see the module docstring."""
+OnStep = Callable[[int, int, float, int, float], None]
+"""Called after every optimizer step with (step done, total steps, loss, tokens so far, seconds so far)."""
+
+
+def _prepare(request: TrainRequest, backend: str, *, with_validation: bool = True) -> tuple:
+    """(base model hash, shard, validation examples, session at step 0) for ``request``: the same on every rank."""
     config = request.config
     if config.round != request.round:
         raise TrainError(f"train config is for round {config.round}, the request for round {request.round}")
-    started = time.time()
-    started_at = datetime.now(timezone.utc)
     base_hash = check_base_model(config)
     tokenizer = load_tokenizer(config.base_model)
     shard = load_shard(config, tokenizer, request.shard)
-    validation = load_shard(config, tokenizer, request.validation).examples if request.validation else []
+    validation = load_shard(config, tokenizer, request.validation).examples \
+        if request.validation and with_validation else []
     initial = load_file(str(request.initial_adapter / "adapter_model.safetensors")) if request.initial_adapter else None
     session = open_session(config, shard.examples, pad_id=pad_token_id(tokenizer), backend=backend,
                            initial_adapter=initial)
@@ -219,7 +223,47 @@ def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None
             session.load_optimizer_tensors(load_file(str(state_file)))
         except (ValueError, KeyError) as error:
             raise TrainError(f"{state_file}: does not fit the model's trainable tensors: {error}") from None
+    return base_hash, shard, validation, session
+
+
+def _check_replicas(session: LoraSession, link: ChainLink) -> None:
+    """Data parallel: the state a link commits to must be every rank's (they all took the same steps)."""
+    if not same_on_every_rank(link.adapter_hash + link.optimizer_hash, session.device):
+        raise TrainError(f"data-parallel ranks disagree on the adapter after step {link.step}")
+
+
+def train_replica(request: TrainRequest, backend: str = "peft") -> None:
+    """A data-parallel rank other than 0 (loop.py): the same session and steps as rank 0, which alone
+    records the proof and writes the run; this rank writes nothing and checks its state at every link."""
+    _, shard, _, session = _prepare(request, backend, with_validation=False)
+    config = request.config
+    total_steps = config.total_steps(len(shard.examples))
+    for step in range(total_steps):
+        result = session.step(step)
+        if is_checkpoint(result.step, config.checkpoint_every, total_steps):
+            digest = tensors_hash(session.adapter_tensors()) + tensors_hash(session.optimizer_tensors())
+            if not same_on_every_rank(digest, session.device):
+                raise TrainError(f"data-parallel ranks disagree on the adapter after step {result.step}")
+
+
+def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None,
+                backend: str = "peft", *, resume: bool = False, on_step: OnStep | None = None) -> TrainResult:
+    """Train ``request.shard`` into ``request.run_dir``; see the module docstring. In a data-parallel
+    group (agent/train/parallel.py) this is rank 0's part; the others run ``train_replica``. With
+    ``resume``, the run directory's last intact checkpoint is loaded and training goes on from it
+    (``resume_point``; one process only)."""
+    config = request.config
+    started = time.time()
+    started_at = datetime.now(timezone.utc)
+    base_hash, shard, validation, session = _prepare(request, backend)
+    world, _ = data_parallel()
+    if resume and world > 1:
+        raise TrainError("resuming a run is done in one process, not data-parallel")
     run_dir = request.run_dir
+    if resume and (run_dir / "result.json").exists():
+        raise TrainError(f"{run_dir}: this run already finished (result.json); nothing to resume")
+    if resume and not (run_dir / "proof.json").exists():
+        raise TrainError(f"{run_dir}: no proof.json, so no checkpoint to resume from")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "infernet.train.yml").write_text(
         request.spec_text if request.spec_text is not None
@@ -233,32 +277,40 @@ def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None
         checkpoint_every=config.checkpoint_every, initial_adapter_hash=tensors_hash(session.adapter_tensors()),
         initial_optimizer_hash=tensors_hash(session.optimizer_tensors()),
         environment=environment(session.device, session.dtype, backend, micro_batch=config.micro_batch,
-                                quantization="nf4" if config.method == "qlora" else "none"),
+                                quantization="nf4" if config.method == "qlora" else "none", processes=world),
     )
     total_steps = config.total_steps(len(shard.examples))
-    recorder = ProofRecorder(header, run_dir, total_steps, on_checkpoint)
-    recorder.start(session)
-    initial_validation = session.evaluate(validation) if validation else None
+    recorder = ProofRecorder(header, run_dir, total_steps, on_checkpoint,
+                             before_commit=partial(_check_replicas, session) if world > 1 else None)
+    if resume:
+        initial_validation = session.evaluate(validation) if validation else None  # before the checkpoint loads
+        first_step, tokens = resume_point(session, recorder)
+    else:
+        recorder.start(session)
+        initial_validation = session.evaluate(validation) if validation else None
+        first_step, tokens = 0, 0
     load_seconds = time.time() - started
 
     train_started = time.time()
-    tokens = 0
+    resumed_tokens = tokens  # counted before a resume: not this session's throughput
     window_losses: list[float] = []
     last_loss = float("nan")
     validation_loss = initial_validation
-    with open(run_dir / "metrics.jsonl", "w", encoding="utf-8") as metrics:
-        for step in range(total_steps):
+    with open(run_dir / "metrics.jsonl", "a" if resume else "w", encoding="utf-8") as metrics:
+        for step in range(first_step, total_steps):
             result = session.step(step)
             recorder.after_step(session, result.step, result.indices, result.loss)
             tokens += result.tokens
             window_losses.append(result.loss)
             last_loss = result.loss
+            if on_step is not None:
+                on_step(result.step, total_steps, result.loss, tokens, time.time() - train_started)
             if result.step % config.log_every and result.step != total_steps:
                 continue
             elapsed = time.time() - train_started
             line = {"step": result.step, "round": config.round, "loss": sum(window_losses) / len(window_losses),
                     "learning_rate": config.learning_rate, "tokens": tokens,
-                    "tokens_per_s": tokens / elapsed if elapsed else 0.0, "elapsed_s": elapsed}
+                    "tokens_per_s": (tokens - resumed_tokens) / elapsed if elapsed else 0.0, "elapsed_s": elapsed}
             if validation:
                 validation_loss = session.evaluate(validation)
                 line["validation_loss"] = validation_loss
@@ -281,6 +333,56 @@ def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None
     (run_dir / "result.json").write_text(json.dumps(outcome.to_json(), indent=2, sort_keys=True) + "\n")
     (run_dir / "README.md").write_text(_readme(request, outcome, shard, base_hash, started_at))
     return outcome
+
+
+def resume_point(session: LoraSession, recorder: ProofRecorder) -> tuple[int, int]:
+    """Load the run's last intact checkpoint into ``session`` and its chain into ``recorder``.
+
+    The proof header written before must be the one this session would write (same job, base
+    model, seed, environment), else TrainError. A checkpoint counts only if its adapter and
+    optimizer tensors hash to what its chain link committed to; later links and checkpoints (cut
+    off by the interruption) are dropped, and metrics.jsonl is cut back to that step. Returns
+    (the step to go on from, tokens counted up to it from metrics.jsonl)."""
+    run_dir = recorder.run_dir
+    try:
+        saved = Commitment.from_json(json.loads((run_dir / "proof.json").read_text()))
+    except (ValueError, ProofError) as error:
+        raise TrainError(f"{run_dir / 'proof.json'}: cannot resume from it: {error}") from None
+    mine, theirs = recorder.header.to_json(), saved.header.to_json()
+    if mine != theirs:
+        field_name = next(k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k))
+        raise TrainError(f"{run_dir}: cannot resume here: the run's proof header differs in {field_name} "
+                         f"({theirs.get(field_name)!r} there, {mine.get(field_name)!r} here)")
+    links = list(saved.links)
+    keep = 0
+    for count in range(len(links), 0, -1):
+        link, directory = links[count - 1], recorder.checkpoint_dir(links[count - 1].step)
+        if not (directory / "state.json").is_file():
+            continue
+        adapter, optimizer, _ = read_checkpoint(directory)
+        if tensors_hash(adapter) == link.adapter_hash and tensors_hash(optimizer) == link.optimizer_hash:
+            load_adapter_state(session.model, adapter)
+            session.load_optimizer_tensors(optimizer)
+            keep = count
+            break
+    if keep == 0:  # not one checkpoint after step 0: start over, as if fresh
+        recorder.start(session)
+    recorder.links = links[:keep]
+    recorder.head = Commitment(recorder.header, tuple(recorder.links)).head
+    recorder._write_proof()
+    step = links[keep - 1].step if keep else 0
+    for stale in (run_dir / "checkpoints").glob("step-*"):
+        if stale.name > checkpoint_name(step):
+            import shutil
+
+            shutil.rmtree(stale, ignore_errors=True)
+    tokens = 0
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        kept = [line for line in metrics.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        metrics.write_text("".join(line + "\n" for line in kept))
+        tokens = json.loads(kept[-1])["tokens"] if kept else 0
+    return step, tokens
 
 
 def _readme(request: TrainRequest, result: TrainResult, shard: PreparedShard, base_hash: str,

@@ -47,6 +47,19 @@ def test_job_announce_watch_fetch_between_agent_processes(tmp_path, daemons, tin
                                                "optimizer.safetensors"}
     ledger = cli_json("job", "ledger", job["id"][:12], "--home", home)
     assert ledger["verified"] and "done" in [e["kind"] for e in ledger["entries"]]
+    # issue 14: the ledger of every participant, exported and checked without an agent; job show's facts;
+    # any CID fetched through a running agent
+    exported = tmp_path / "ledger.json"
+    synced = cli_json("job", "ledger", job["id"][:12], "--home", home, "--sync", "--export", str(exported))
+    assert synced["exported"]["chains"] >= 2 and not synced["conflicts"]
+    assert cli_json("ledger", "verify", str(exported))["entries"] == synced["exported"]["entries"]
+    shown = cli("job", "show", job["id"][:12], "--home", home)
+    assert shown.returncode == 0 and "cost so far" in shown.stdout and "model sha256" in shown.stdout, shown.stderr
+    detail = cli_json("job", "show", job["id"][:12], "--home", home)
+    shard = detail["shard_cids"][0]
+    got = cli_json("data", "get", shard["cid"], "--out", str(tmp_path / "shard0.jsonl"),
+                   "--home", str(daemons[-1].home))
+    assert got["size"] == shard["size"] == (tmp_path / "shard0.jsonl").stat().st_size
     listed = cli_json("job", "list", "--home", home)
     assert listed[0]["state"] == "DONE"
     for daemon in daemons:

@@ -73,3 +73,30 @@ def test_every_unmet_requirement_is_listed():
 ])
 def test_replay_needs_the_model_and_for_gpu_jobs_a_large_enough_gpu(job, peer, ok):
     assert (replay_refusals(peer, job) == []) is ok
+
+
+def test_lease_vectors():
+    """ipips/vectors/fit-lease.json (IPIP-0004 §5.1): whether a coordinator may lease to a claimant."""
+    import json
+    from pathlib import Path
+
+    from protocol.fit import lease_refusals
+    from scripts.make_fit_vectors import capability, terms
+
+    doc = json.loads((Path(__file__).resolve().parents[2] / "ipips/vectors/fit-lease.json").read_text())
+    assert len(doc["cases"]) >= 10 and {c["grant"] for c in doc["cases"]} == {True, False}
+    for case in doc["cases"]:
+        reasons = lease_refusals(capability(case["peer"]) if case["peer"] is not None else None, terms(case["job"]))
+        assert (not reasons, len(reasons)) == (case["grant"], case["refusals"]), case["name"]
+
+
+def test_a_lease_reads_total_vram_where_the_worker_itself_reads_free():
+    from protocol.fit import lease_refusals
+
+    job = replace(TERMS, min_vram_gb=40.0)
+    busy = gpu(free=10.0, total=80.0)  # its capability was signed while it still trained its last shard
+    assert lease_refusals(busy, job) == [] and len(training_refusals(busy, job)) == 1
+    assert lease_refusals(gpu(free=24.0, total=24.0), job) == [
+        "job needs 40 GB of VRAM on one GPU; the largest here has 24.0 GB (cuda:0 NVIDIA H100)"]
+    assert lease_refusals(replace(CPU, accepts_training=False), TERMS) == ["its capability says it does not accept training"]
+    assert lease_refusals(None, TERMS) == ["no signed capability has been heard from this peer"]

@@ -39,6 +39,13 @@ async def test_a_gpu_job_goes_to_gpu_workers_and_the_ledger_records_the_real_dev
         assert terms.min_vram_gb == 8.0 and cap.models[0].sha256 == terms.base_model_sha256
         assert cpu_worker.worker.refusal(terms) == "job needs 8 GB of VRAM; this agent has no GPU"
         assert gpu_workers[0].worker.refusal(terms) is None
+        # one process per GPU: asking for more than the machine has is refused before any claim
+        config = gpu_workers[0].config
+        gpu_workers[0].config = replace(config, train_processes=2)
+        assert gpu_workers[0].worker.refusal(terms) == \
+            "train_processes = 2, but this machine has 1 CUDA device(s): one training process per GPU"
+        gpu_workers[0].config = config
+        assert gpu_workers[0].worker.train_processes(terms) == 1  # 0: one per CUDA device, and it has one
         assert gpu_workers[0].worker.refusal(replace(terms, min_vram_gb=22.0)).startswith(
             "job needs 22 GB of free VRAM on one GPU; the most free here is 20.0 GB")
         # unsloth: one clear reason without CUDA; with a GPU but no unsloth installed, another
@@ -71,3 +78,13 @@ async def test_a_gpu_job_goes_to_gpu_workers_and_the_ledger_records_the_real_dev
         for data in reports:  # training ran on this machine's CPU, and the ledger says so
             assert data["hardware"] == "cpu" and data["device_class"] == "cpu" and data["runtime"] == "peft"
             assert data["dtype"] == "float32" and data["micro_batch"] == 8  # chosen from 20 GB free: the whole step
+        # the coordinator's lease-time check (IPIP-0004 §5.1), on the capabilities it heard over gossip:
+        # a claim from the CPU worker or the submitter would get no lease, the other GPU worker's would
+        coordinator = next(a for a in gpu_workers if a.peer_id == view.coordination.coordinator)
+        other = next(a for a in gpu_workers if a is not coordinator)
+        mirror = coordinator.jobs[view.job_id]
+        assert coordinator.coordinator.lease_refusal(mirror, cpu_worker.peer_id) == \
+            "job needs 8 GB of VRAM; this agent has no GPU"
+        assert coordinator.coordinator.lease_refusal(mirror, submitter.peer_id) == \
+            "its capability says it does not accept training; job needs 8 GB of VRAM; this agent has no GPU"
+        assert coordinator.coordinator.lease_refusal(mirror, other.peer_id) is None

@@ -36,3 +36,15 @@ def test_gpu_check_cpu_smoke_prints_the_bench_lines(tmp_path, capsys):
     for line in figures.values():
         if "ratio" in line:
             assert set(line) >= {"bench", "value", "unit", "reference", "ratio", "goal"}
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_smoke_runs_the_multi_gpu_case_on_two_gloo_processes(tmp_path, capsys):
+    from scripts.gpu_check import main
+
+    assert main(["--cpu-smoke", "--work", str(tmp_path), "--only", "ddp"]) == 0
+    figures = {line["bench"]: line for line in map(json.loads, capsys.readouterr().out.splitlines())
+               if line.get("bench", "").startswith("gpu_ddp")}
+    assert set(figures) == {"gpu_ddp2_scaling", "gpu_ddp2_replay_drift", "gpu_ddp2_vs_one_process_drift"}, figures
+    assert figures["gpu_ddp2_replay_drift"]["accepted"] and figures["gpu_ddp2_replay_drift"]["env"]["data_parallel"] == 2
+    assert figures["gpu_ddp2_vs_one_process_drift"]["value"] < 1e-5

@@ -1,0 +1,248 @@
+"""A job's record and data, for the control channel and the CLI: the replicated ledger (export and
+offline verification), datasets by CID, and the facts ``job show`` prints.
+
+Rules of this file:
+- Handlers (``HANDLERS``, merged into agent/control.py's) only read the agent's store and state or
+  call its content service and agent/ledger_sync.py; they decide nothing.
+- ``infernet ledger verify FILE`` needs no agent: it reads the export file (IPIP-0008 §6) and checks it
+  with protocol/ledger.verify_export; any problem is one line naming the entry's place, exit 1.
+- Cost so far is the IPIP-0008 §2 rule over the report entries of every chain we hold, each
+  (round, shard, attempt) counted once: ``duration / 3600 * price_per_hour``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agent.node import Agent
+
+MAX_EXPORT_FILE = 256 << 20  # bytes of an export file ``ledger verify`` reads
+
+
+# -- facts of a job ------------------------------------------------------------------------------------
+
+def cost_so_far(chains: dict[bytes, list[Any]]) -> float:
+    """What the job's accepted and unaccepted training cost so far, from the report entries we hold."""
+    seen: dict[tuple, float] = {}
+    for entries in chains.values():
+        for e in entries:
+            if e.kind != "report":
+                continue
+            key = (e.data.get("round"), e.data.get("shard"), e.data.get("attempt"))
+            try:
+                seen.setdefault(key, float(e.data["duration"]) / 3600.0 * float(e.data["price_per_hour"]))
+            except (TypeError, ValueError, KeyError):
+                continue
+    return round(sum(seen.values()), 9)
+
+
+def readable_chains(store: Any, job_id: bytes) -> tuple[dict[bytes, list[Any]], dict[bytes, str]]:
+    """The chains we hold that verify (protocol/ledger.verify_chain), and for each other one why not."""
+    from protocol.ledger import LedgerEntry, LedgerError, verify_chain
+
+    good, bad = {}, {}
+    for author, rows in store.chain_rows(job_id).items():
+        try:
+            entries = [LedgerEntry.decode(e, sig) for e, sig in rows]
+            verify_chain(entries, job_id, author)
+        except LedgerError as exc:
+            bad[author] = str(exc)
+            continue
+        good[author] = entries
+    return good, bad
+
+
+def job_facts(agent: "Agent", view: Any) -> dict:
+    """What ``job show`` adds to a job's detail: when and what was asked, at what price, what it cost."""
+    terms = view.terms
+    chains, _ = readable_chains(agent.store, view.job_id)
+    return {
+        "created": terms.created,
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(terms.created)),
+        "description": terms.description,
+        "private": terms.private,
+        "model_sha256": terms.base_model_sha256.hex(),
+        "dataset_cid": terms.dataset_cid,
+        "validation_cid": terms.validation_cid,
+        "shard_cids": [{"index": s.index, "cid": s.cid, "records": s.records, "size": s.size} for s in terms.shards],
+        "parameters": {"method": terms.method, "runtime": terms.runtime, "seed": terms.seed, "rounds": terms.rounds,
+                       "aggregation": terms.aggregation, "training": terms.training.to_wire(),
+                       "lora": terms.lora.to_wire(), "proof": terms.proof.to_wire(),
+                       "lease_seconds": terms.lease_seconds},
+        "price_per_hour": terms.price_per_hour,
+        "budget": terms.budget,
+        "cost_so_far": cost_so_far(chains),
+        "ledger": {"chains": len(chains), "entries": sum(len(c) for c in chains.values()),
+                   "conflicts": len(agent.store.conflicts(view.job_id))},
+    }
+
+
+# -- control handlers ----------------------------------------------------------------------------------
+
+async def _job_ledger(agent: "Agent", job: str, export: str | None = None, sync: bool = False) -> dict:
+    """Our own chain of the job (entries, verified), every chain we hold, the conflicts found; with
+    ``sync`` a pull from the job's live peers first; with ``export`` the export file written there."""
+    from agent.control import _find_job, _plain
+    from agent.ledger_sync import sync_job
+    from protocol.codec import canonical_encode
+    from protocol.ledger import export_document
+
+    view = _find_job(agent, job)
+    synced = await sync_job(agent, view) if sync else None
+    entries = agent.store.ledger(view.job_id)
+    problem = None
+    try:
+        agent.store.verify_ledger(view.job_id)
+    except Exception as exc:  # noqa: BLE001 - LedgerError: reported, not raised
+        problem = str(exc)
+    from protocol.identity import peer_id_from_public_key
+
+    chains, bad = readable_chains(agent.store, view.job_id)
+    summary = [{"author": peer_id_from_public_key(author), "entries": len(chain), "head": chain[-1].hash.hex(),
+                "problem": None} for author, chain in chains.items()]
+    summary += [{"author": peer_id_from_public_key(author), "entries": None, "head": None, "problem": problem}
+                for author, problem in bad.items()]
+    conflicts = agent.store.conflicts(view.job_id)
+    out = {"id": view.job_id.hex(), "verified": problem is None, "problem": problem, "length": len(entries),
+           "entries": [{"seq": e.seq, "time": e.time, "peer": e.peer, "kind": e.kind, "signer": e.signer_peer_id,
+                        "hash": e.hash.hex(), "data": _plain(e.data)} for e in entries],
+           "chains": summary, "conflicts": conflicts, "synced": synced}
+    if export:
+        if bad:
+            from agent.control import ControlError
+
+            raise ControlError(f"not exported: a chain we hold does not verify: {next(iter(bad.values()))}")
+        target = Path(export)
+        document = export_document(view.job_id, canonical_encode(view.terms.to_wire()), chains, conflicts)
+        _write_atomically(target, json.dumps(document, indent=1).encode() + b"\n")
+        out["exported"] = {"path": str(target), "chains": len(chains),
+                           "entries": sum(len(c) for c in chains.values())}
+    return out
+
+
+async def _data_get(agent: "Agent", cid: str, out: str, max_size: int | None = None) -> dict:
+    """Fetch any CID through our content service into ``out`` (a new file): every block is checked."""
+    from agent.control import ControlError
+    from protocol.cid import parse_cid
+
+    text = cid[len("ipfs://"):].rstrip("/") if cid.startswith("ipfs://") else cid
+    root = parse_cid(text)  # CIDError: one line naming the CID
+    target = Path(out)
+    if target.exists():
+        raise ControlError(f"{target}: already exists; choose a new --out file")
+    started = time.monotonic()
+    report = await agent.content.fetch(root, target, timeout=agent.config.fetch_timeout, max_size=max_size)
+    return {"cid": str(root), "path": str(target), "size": target.stat().st_size,
+            "fetched_blocks": report.fetched_blocks, "seconds": round(time.monotonic() - started, 3)}
+
+
+HANDLERS = {"job.ledger": _job_ledger, "data.get": _data_get}
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.partial{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+# -- the CLI's side ------------------------------------------------------------------------------------
+
+def verify_export_file(path: Path) -> Any:
+    """Read and check an export file; protocol LedgerError / OSError / ValueError as one line naming the file."""
+    from protocol.ledger import LedgerError, verify_export
+
+    size = path.stat().st_size
+    if size > MAX_EXPORT_FILE:
+        raise LedgerError(b"", None, f"{path}: {size} bytes, more than an export file may hold ({MAX_EXPORT_FILE})")
+    try:
+        document = json.loads(path.read_bytes())
+    except ValueError as exc:
+        raise ValueError(f"{path}: not JSON: {exc}") from None
+    try:
+        return verify_export(document)
+    except LedgerError as exc:
+        exc.args = (f"{path}: {exc}",)
+        raise
+
+
+def cmd_job_ledger(args: Any, home: Path, emit: Any) -> int:
+    """``infernet job ledger ID [--sync] [--export FILE]``: exit 1 if our chain does not verify or a
+    conflict was found between the chains of the job."""
+    from agent.cli import _job_ledger_text
+    from agent.control import request
+
+    export = str(args.export.expanduser().resolve()) if args.export else None
+    ledger = request(home, "job.ledger", timeout=120 if args.sync else 30, job=args.id, export=export,
+                     sync=bool(args.sync))
+    lines = _job_ledger_text(ledger)
+    for chain in ledger["chains"]:
+        lines.append(f"  chain of {chain['author'][-8:]}: {chain['entries']} entries"
+                     + (f", INVALID: {chain['problem']}" if chain["problem"] else ""))
+    for conflict in ledger["conflicts"]:
+        lines.append(f"  CONFLICT {conflict['detail']}")
+    if ledger.get("exported"):
+        x = ledger["exported"]
+        lines.append(f"exported {x['chains']} chains, {x['entries']} entries to {x['path']}")
+    emit(args, ledger, "\n".join(lines))
+    ok = ledger["verified"] and not ledger["conflicts"] and not any(c["problem"] for c in ledger["chains"])
+    return 0 if ok else 1
+
+
+def cmd_ledger_verify(args: Any, emit: Any) -> int:
+    """``infernet ledger verify FILE``: no agent needed."""
+    from agent.cli import UserError
+
+    path = args.file.expanduser()
+    try:
+        result = verify_export_file(path)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    summary = {"file": str(path), "job_id": result.job_id.hex(), "name": result.job_name,
+               "chains": {peer: len(entries) for peer, entries in result.chains.items()}, "entries": result.entries,
+               "valid": True}
+    lines = [f"ok: {path}: job {result.job_id.hex()[:16]}"
+             + (f" ({result.job_name})" if result.job_name else "")
+             + f", {len(result.chains)} chains, {result.entries} entries, every signature and link verified"]
+    lines += [f"  {peer}: {n} entries" for peer, n in summary["chains"].items()]
+    emit(args, summary, "\n".join(lines))
+    return 0
+
+
+def cmd_data_get(args: Any, home: Path, emit: Any) -> int:
+    """``infernet data get CID --out FILE`` through the running agent."""
+    from agent.control import request
+
+    result = request(home, "data.get", timeout=600, cid=args.cid, out=str(args.out.expanduser().resolve()),
+                     max_size=args.max_size)
+    emit(args, result, f"ok: {result['cid']} -> {result['path']} ({result['size']} bytes, verified)")
+    return 0
+
+
+def facts_text(job: dict) -> list[str]:
+    """``job show``'s lines for the facts of ``job_facts`` (text output)."""
+    if "created" not in job:
+        return []
+    p = job["parameters"]
+    lines = [f"created {job['created_utc']}  model sha256 {job['model_sha256'][:16]}…  "
+             f"{p['method']}/{p['runtime']} seed {p['seed']}  {p['aggregation']}  lr {p['training']['learning_rate']:g}"
+             f"  rank {p['lora']['rank']}  rounds {p['rounds']}"
+             + ("  private (final aggregate sealed to the submitter)" if job["private"] else "")]
+    if job["description"]:
+        lines.append(f"description: {job['description'].splitlines()[0][:200]}")
+    if job["dataset_cid"]:
+        lines.append(f"dataset {job['dataset_cid']}")
+    lines += [f"shard {s['index']}: {s['cid']} ({s['records']} records, {s['size']} bytes)" for s in job["shard_cids"]]
+    lines.append(f"price {job['price_per_hour']:g}/h  budget {job['budget']:g}  cost so far {job['cost_so_far']:.6g}"
+                 f"  ledger: {job['ledger']['chains']} chains, {job['ledger']['entries']} entries"
+                 + (f", {job['ledger']['conflicts']} CONFLICTS" if job["ledger"]["conflicts"] else ""))
+    return lines

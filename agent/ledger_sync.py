@@ -1,0 +1,240 @@
+"""The replicated ledger: every peer on a job keeps copies of the others' ledger chains (IPIP-0008 §5).
+
+Each agent appends only to its own chain of a job (agent/store.py, signed by itself). So that the
+record survives any single agent, and so that an agent that rewrites or cuts its own chain is
+caught, every agent pulls the chains that the job's other participants hold, checks them, extends
+its copies, and records every conflict it finds.
+
+Wire, one stream per request on ``/infernet/ledger/1.0.0`` (apart from job sync, agent/roles/sync.py):
+    client → server: the 32-byte job ID, then a half-close.
+    server → client: ``uvarint(len) + canonical([entry, signature])`` for each entry of each chain of
+                     the job it holds (its own and its copies), each chain in seq order, then
+                     ``uvarint(0)``.
+Limits: at most MAX_ENTRIES entries and MAX_BYTES bytes in all, each frame at most one entry
+(64 KiB) plus its signature; TIMEOUT seconds for the whole exchange.
+
+Trust: every entry is decoded and its signature checked (protocol/ledger.LedgerEntry.decode); the
+entries of one signer must form a whole chain from seq 0 (protocol/ledger.verify_chain), else that
+chain is refused and kept as an "invalid" conflict naming the server (its copy is bad). A verified chain is compared with our copy
+(protocol/ledger.compare_chain): a longer one extends it; a different entry at a seq we hold is a
+fork, proven by two entries the author signed; the author serving fewer entries than we hold of
+its own chain is a truncation; a copy of *our own* chain longer than ours or different from it
+means our store lost or changed entries. Conflicts are kept in the store, logged as warnings, and
+shown by ``infernet job ledger``.
+
+Only the chains of the job's participants (its submitter and whoever signed a stored message of
+it) are kept, each at most MAX_COPY entries: a stranger cannot fill our disk with chains of its own.
+
+When: ``sync_loop`` pulls, every ``INTERVAL`` seconds, for each job we follow that is running or ended
+less than ``LINGER`` seconds ago, from each live participant (the submitter, the coordinator and
+every peer that signed a message of the job).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+
+from agent.net.errors import NetError, PeerProtocolError
+from agent.net.streams import FrameReader, close_quietly, frame, remote_peer, reset_quietly
+from agent.store import StoreFullError
+from protocol.cid import varint_encode
+from protocol.codec import canonical_encode, decode_canonical
+from protocol.errors import CodecError
+from protocol.ledger import MAX_ENTRY_BYTES, ChainConflict, LedgerEntry, LedgerError, compare_chain, verify_chain
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "/infernet/ledger/1.0.0"
+MAX_ENTRIES = 20_000
+MAX_BYTES = 32 << 20
+MAX_FRAME = MAX_ENTRY_BYTES + 128
+TIMEOUT = 20.0
+INTERVAL = 10.0
+LINGER = 120.0
+MAX_COPY = 200_000  # entries we keep of one author's chain of one job
+END = varint_encode(0)
+
+
+def frames_for(store: Any, job_id: bytes) -> list[bytes]:
+    """What we serve for ``job_id``: every entry of every chain we hold, as frames' payloads."""
+    out, total = [], 0
+    for rows in store.chain_rows(job_id).values():
+        for encoded, signature in rows:
+            data = canonical_encode([encoded, signature])
+            if len(out) >= MAX_ENTRIES or total + len(data) > MAX_BYTES:
+                return out
+            out.append(data)
+            total += len(data)
+    return out
+
+
+class LedgerService:
+    """Serves the chains we hold of any job (installed on every agent)."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+
+    def install(self, host: Any) -> None:
+        host.set_handler(PROTOCOL, self.handle, timeout=TIMEOUT)
+
+    async def handle(self, stream: Any) -> None:
+        reader = FrameReader(stream, chunk=64)
+        job_id = await reader.read_exactly(32, f"{PROTOCOL} job id")
+        for data in frames_for(self.agent.store, job_id):
+            await stream.write(frame(data))
+        await stream.write(END)
+        log.debug("ledger: sent the chains of %s to %s", job_id.hex()[:8], remote_peer(stream))
+
+
+async def fetch_chains(host: Any, peer: str, job_id: bytes, timeout: float = TIMEOUT) -> list[tuple[bytes, bytes]]:
+    """The (entry, signature) pairs ``peer`` holds for ``job_id``, unverified. NetError or
+    PeerProtocolError naming the peer on failure; TooSlowError after ``timeout``."""
+    stream = await host.open_stream(peer, [PROTOCOL], timeout=min(10.0, timeout))
+    ok = False
+    try:
+        with trio.fail_after(timeout):
+            await stream.write(job_id)
+            await stream.close()
+            reader = FrameReader(stream)
+            out: list[tuple[bytes, bytes]] = []
+            total = 0
+            while True:
+                data = await reader.read_frame(MAX_FRAME, f"{PROTOCOL} entry")
+                if not data:
+                    break
+                total += len(data)
+                if len(out) >= MAX_ENTRIES or total > MAX_BYTES:
+                    raise PeerProtocolError(f"{PROTOCOL}: {peer} sent more than {MAX_ENTRIES} entries or {MAX_BYTES} bytes")
+                try:
+                    pair = decode_canonical(data, max_bytes=MAX_FRAME)
+                except CodecError as exc:
+                    raise PeerProtocolError(f"{PROTOCOL}: {peer} sent a bad frame: {exc}") from None
+                if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, bytes) for x in pair)):
+                    raise PeerProtocolError(f"{PROTOCOL}: {peer} sent a frame that is not [entry, signature]")
+                out.append((pair[0], pair[1]))
+        ok = True
+        return out
+    finally:
+        await (close_quietly(stream) if ok else reset_quietly(stream))
+
+
+def served_chains(pairs: list[tuple[bytes, bytes]], job_id: bytes,
+                  server: str) -> tuple[dict[bytes, list[LedgerEntry]], list[ChainConflict]]:
+    """The served entries grouped into verified chains by author; and an "invalid" conflict for each
+    chain refused (an entry that does not verify, a gap, a broken link: the server's copy is bad)."""
+    by_author: dict[bytes, list[LedgerEntry]] = {}
+    bad: dict[bytes, ChainConflict] = {}
+    for encoded, signature in pairs:
+        try:
+            entry = LedgerEntry.decode(encoded, signature)
+        except LedgerError as exc:
+            author = _claimed_signer(encoded)
+            if author not in bad:
+                bad[author] = ChainConflict("invalid", author, server, exc.seq if exc.seq is not None else -1, 0, 0,
+                                            problem=exc.problem)
+            continue
+        if entry.job_id == job_id:
+            by_author.setdefault(entry.signer, []).append(entry)
+    chains = {}
+    for author, entries in by_author.items():
+        if author in bad:
+            continue
+        try:
+            verify_chain(entries, job_id, author)
+        except LedgerError as exc:
+            bad[author] = ChainConflict("invalid", author, server, exc.seq if exc.seq is not None else -1, 0,
+                                        len(entries), problem=exc.problem)
+            continue
+        chains[author] = entries
+    return chains, list(bad.values())
+
+
+def _claimed_signer(encoded: bytes) -> bytes:
+    """The signer an undecodable entry claims (for naming whose chain a bad copy is), else 32 zero bytes."""
+    try:
+        wire = decode_canonical(encoded, max_bytes=MAX_ENTRY_BYTES)
+    except CodecError:
+        return bytes(32)
+    signer = wire.get("signer") if isinstance(wire, dict) else None
+    return signer if isinstance(signer, bytes) and len(signer) == 32 else bytes(32)
+
+
+def absorb(store: Any, job_id: bytes, chains: dict[bytes, list[LedgerEntry]], server: str,
+           now: float, authors: set[bytes] | None = None) -> tuple[int, list[ChainConflict]]:
+    """Compare each served chain with our copy: extend ours, record conflicts. Only chains of
+    ``authors`` (when given: the job's participants) are kept, at most MAX_COPY entries each, so no
+    peer can fill our disk with chains of keys that never took part. Returns (entries added, new conflicts)."""
+    me = store.identity.public_key
+    added, found = 0, []
+    for author, served in chains.items():
+        if authors is not None and author not in authors and author != me:
+            continue
+        served = served[:MAX_COPY]
+        held = store.ledger_copy(job_id, author)
+        conflict, new = compare_chain(held, served, author, server)
+        if conflict is None and author == me and len(served) > len(held):
+            # a peer holds more of our own chain than we do: our store lost entries
+            conflict = ChainConflict("truncated", author, server, len(held), len(held), len(served))
+        if conflict is not None:
+            if store.record_conflict(job_id, conflict, now):
+                found.append(conflict)
+            continue
+        added += store.extend_copy(job_id, author, new)
+    return added, found
+
+
+def job_authors(store: Any, view: Any) -> set[bytes]:
+    """Public keys whose chains of the job we keep: its submitter and whoever signed a stored message of it."""
+    from protocol.identity import public_key_from_peer_id
+
+    return {public_key_from_peer_id(p) for p in {view.terms.submitter, *store.job_signers(view.job_id)}}
+
+
+def participants(agent: Any, view: Any) -> list[str]:
+    """Live peers that take part in the job: its submitter, coordinator, and whoever signed one of its messages."""
+    peers = {view.terms.submitter, view.coordination.coordinator} | set(agent.store.job_signers(view.job_id))
+    live = agent.live_peers()
+    return sorted(p for p in peers if p and p != agent.peer_id and p in live)
+
+
+async def sync_job(agent: Any, view: Any, peers: list[str] | None = None, timeout: float = TIMEOUT) -> dict:
+    """Pull the job's chains from ``peers`` (default: its live participants) once.
+    Returns {"peers": asked, "added": entries, "conflicts": [one line each, new ones]}."""
+    peers = participants(agent, view) if peers is None else peers
+    added, conflicts = 0, []
+    for peer in peers:
+        try:
+            pairs = await fetch_chains(agent.net.host, peer, view.job_id, timeout)
+        except (NetError, PeerProtocolError, trio.TooSlowError) as exc:
+            log.info("job %s: ledger sync with %s failed: %s", view.job_id.hex()[:8], peer[-8:], exc)
+            continue
+        chains, invalid = served_chains(pairs, view.job_id, peer)
+        n, found = absorb(agent.store, view.job_id, chains, peer, agent.clock(), job_authors(agent.store, view))
+        found += [c for c in invalid if agent.store.record_conflict(view.job_id, c, agent.clock())]
+        added += n
+        for conflict in found:
+            log.warning("job %s: ledger conflict: %s", view.job_id.hex()[:8], conflict.describe())
+            conflicts.append(conflict.describe())
+    return {"peers": peers, "added": added, "conflicts": conflicts}
+
+
+async def sync_loop(agent: Any, interval: float = INTERVAL) -> None:
+    """Keep our copies of every followed job's chains up to date (owned by the agent's nursery)."""
+    ended: dict[bytes, float] = {}
+    while True:
+        await trio.sleep(interval)
+        now = agent.clock()
+        for view in list(agent.jobs.values()):
+            if view.state.terminal:
+                ended.setdefault(view.job_id, now)
+                if now - ended[view.job_id] > LINGER:
+                    continue
+            try:
+                await sync_job(agent, view)
+            except StoreFullError as exc:  # no room for the copies: refuse new work, as for any write
+                agent.refuse_work(exc)
+            except Exception as exc:  # noqa: BLE001 - the copies are best effort; the agent runs on
+                log.info("job %s: ledger sync: %s", view.job_id.hex()[:8], exc)

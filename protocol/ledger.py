@@ -1,0 +1,340 @@
+"""The job ledger's rules (ipips/0008-ledger.md): signed, hash-chained entries, one chain per author,
+copies of the others' chains, and the export file that anyone can check without an agent.
+
+Rules of this file:
+- An entry is the canonical msgpack map ``{job_id, seq, prev, time, peer, kind, data, signer}``;
+  ``hash = sha256(LEDGER_DOMAIN + entry)``, the signature is Ed25519 over the same bytes by ``signer``.
+  ``LedgerEntry.decode`` reads untrusted bytes and raises nothing but ``LedgerError``.
+- A job's ledger is a set of *chains*, one per author: every agent on the job appends only to its
+  own chain, every entry of it signed by itself (IPIP-0008 §5). ``verify_chain`` checks one chain
+  (seq from 0 without a gap, the job, prev links, one signer); the first bad entry names the error.
+- Replication (IPIP-0008 §5): peers keep copies of each other's chains. ``compare_chain`` tells what a
+  served copy says about the one we hold: more entries (we extend ours), the same, fewer entries
+  served by the author itself (truncation), or a different entry at a seq both hold (a fork: two
+  entries at one seq signed by the same key, proof that the author equivocated).
+- The export file (IPIP-0008 §6) is JSON: the job's terms, each chain with its author's public key and
+  its entries as hex; ``verify_export`` checks it whole and raises ``LedgerError`` whose text names
+  the chain and entry index of the first problem.
+
+No I/O here: the agent's store (agent/store.py) keeps the chains, agent/ledger_sync.py moves them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from protocol.codec import canonical_encode, decode_canonical
+from protocol.errors import CodecError, KeyFileError, ProtocolError
+from protocol.identity import Identity, peer_id_from_public_key, public_key_from_peer_id, verify_signature
+
+LEDGER_DOMAIN = b"infernet/ledger/v1\x00"
+ZERO_HASH = bytes(32)
+MAX_ENTRY_BYTES = 64 * 1024
+_ENTRY_FIELDS = ("job_id", "seq", "prev", "time", "peer", "kind", "data", "signer")
+
+LEDGER_KINDS: dict[str, tuple[str, ...]] = {
+    "announced": ("submitter", "model", "parameters", "shards", "price_per_hour", "budget"),
+    "coordinator": ("term",),
+    "lease": ("round", "shard", "attempt", "worker", "expires_at"),
+    "checkpoint": ("round", "shard", "attempt", "step", "loss"),
+    "report": ("round", "shard", "attempt", "worker", "adapter_cid", "duration", "samples", "hardware",
+               "price_per_hour"),
+    "verdict": ("round", "shard", "attempt", "worker", "accepted", "reason"),
+    "aggregate": ("round", "adapter_cid", "method", "shards"),
+    "done": (),
+    "cancel": ("reason",),
+    "failed": ("reason",),
+}
+"""Each ledger kind and the keys its ``data`` map must hold (more keys are allowed)."""
+
+
+class LedgerError(ProtocolError):
+    """A ledger entry is invalid. ``seq`` is the first bad entry (None if the entry has no readable seq)."""
+
+    def __init__(self, job_id: bytes, seq: Optional[int], problem: str) -> None:
+        self.job_id = job_id
+        self.seq = seq
+        self.problem = problem
+        job = f" of job {job_id.hex()[:16]}" if job_id else ""
+        where = f"seq {seq}" if seq is not None else "entry"
+        super().__init__(f"ledger{job}: {where}: {problem}")
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One signed ledger entry. ``encoded`` is the canonical map that is hashed and signed."""
+
+    job_id: bytes
+    seq: int
+    prev: bytes
+    time: float
+    peer: str
+    kind: str
+    data: dict
+    signer: bytes
+    signature: bytes = field(repr=False)
+    encoded: bytes = field(repr=False)
+    hash: bytes = field(repr=False)
+
+    @property
+    def signer_peer_id(self) -> str:
+        return peer_id_from_public_key(self.signer)
+
+    @classmethod
+    def create(cls, identity: Identity, job_id: bytes, seq: int, prev: bytes, time: float, peer: str,
+               kind: str, data: dict) -> "LedgerEntry":
+        """Build and sign a new entry; StoreError if a field is invalid."""
+        wire = {"job_id": job_id, "seq": seq, "prev": prev, "time": float(time), "peer": peer,
+                "kind": kind, "data": data, "signer": identity.public_key}
+        problem = _entry_problem(wire)
+        if problem is None:
+            try:
+                encoded = canonical_encode(wire)
+            except CodecError as exc:
+                problem = f"data cannot be encoded: {exc}"
+        if problem is None and len(encoded) > MAX_ENTRY_BYTES:
+            problem = f"entry is {len(encoded)} bytes > {MAX_ENTRY_BYTES}"
+        if problem is not None:
+            raise LedgerError(job_id, seq, f"{kind}: {problem}")
+        signed = LEDGER_DOMAIN + encoded
+        return cls(job_id, seq, prev, float(time), peer, kind, data, identity.public_key,
+                   identity.sign(signed), encoded, hashlib.sha256(signed).digest())
+
+    @classmethod
+    def decode(cls, encoded: bytes, signature: bytes) -> "LedgerEntry":
+        """Read untrusted entry bytes and their signature; LedgerError unless both are valid."""
+        try:
+            wire = decode_canonical(encoded, max_bytes=MAX_ENTRY_BYTES)
+        except CodecError as exc:
+            raise LedgerError(b"", None, f"not a canonical entry: {exc}") from None
+        job_id = wire.get("job_id") if isinstance(wire, dict) else None
+        job_id = job_id if isinstance(job_id, bytes) else b""
+        seq = wire.get("seq") if isinstance(wire, dict) else None
+        seq = seq if isinstance(seq, int) and not isinstance(seq, bool) else None
+        problem = _entry_problem(wire)
+        if problem is not None:
+            raise LedgerError(job_id, seq, problem)
+        signed = LEDGER_DOMAIN + encoded
+        if not verify_signature(wire["signer"], signed, signature):
+            raise LedgerError(job_id, seq, f"bad signature (signer {peer_id_from_public_key(wire['signer'])})")
+        return cls(job_id, seq, wire["prev"], wire["time"], wire["peer"], wire["kind"], wire["data"],
+                   wire["signer"], signature, bytes(encoded), hashlib.sha256(signed).digest())
+
+
+def _entry_problem(wire: Any) -> Optional[str]:
+    """What is wrong with an entry map's shape, or None."""
+    if not isinstance(wire, dict):
+        return "entry is not a map"
+    missing = [k for k in _ENTRY_FIELDS if k not in wire]
+    if missing:
+        return f"missing field {missing[0]!r}"
+    extra = sorted(set(wire) - set(_ENTRY_FIELDS))
+    if extra:
+        return f"unknown field {extra[0][:40]!r}"
+    for name in ("job_id", "prev", "signer"):
+        if not isinstance(wire[name], bytes) or len(wire[name]) != 32:
+            return f"{name}: expected 32 bytes"
+    seq, time = wire["seq"], wire["time"]
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        return "seq: expected a non-negative integer"
+    if not isinstance(time, float) or not math.isfinite(time):
+        return "time: expected a finite float"
+    if not isinstance(wire["peer"], str):
+        return "peer: expected a peer ID"
+    try:
+        public_key_from_peer_id(wire["peer"])
+    except KeyFileError:
+        return f"peer: not an Ed25519 peer ID: {wire['peer'][:60]!r}"
+    kind, data = wire["kind"], wire["data"]
+    if kind not in LEDGER_KINDS:
+        return f"kind: expected one of {', '.join(LEDGER_KINDS)}, got {str(kind)[:40]!r}"
+    if not isinstance(data, dict):
+        return "data: expected a map"
+    absent = [k for k in LEDGER_KINDS[kind] if k not in data]
+    if absent:
+        return f"data.{absent[0]}: missing (a {kind} entry records {', '.join(LEDGER_KINDS[kind])})"
+    return None
+
+
+# -- chains ------------------------------------------------------------------------------------------
+
+def verify_chain(entries: list[LedgerEntry], job_id: bytes, author: Optional[bytes] = None) -> int:
+    """Check one chain of a job (IPIP-0008 §3, §5): entry ``i`` has seq ``i``, names the job, links to
+    the hash of entry ``i - 1`` and, when ``author`` is given, is signed by it. Signatures and shapes
+    were checked by ``LedgerEntry.decode``. Returns the length; LedgerError at the first bad entry."""
+    prev = ZERO_HASH
+    for index, entry in enumerate(entries):
+        if entry.seq != index:
+            raise LedgerError(job_id, index, f"missing (the next entry is seq {entry.seq})")
+        if entry.job_id != job_id:
+            raise LedgerError(job_id, index, f"entry names job {entry.job_id.hex()[:16]}")
+        if author is not None and entry.signer != author:
+            raise LedgerError(job_id, index, f"signed by {entry.signer_peer_id}, not by the chain's author "
+                                             f"{peer_id_from_public_key(author)}")
+        if entry.prev != prev:
+            raise LedgerError(job_id, index, "broken chain: prev is not the hash of the entry before")
+        prev = entry.hash
+    return len(entries)
+
+
+@dataclass(frozen=True)
+class ChainConflict:
+    """What a copy of ``author``'s chain served by ``server`` shows against the one we hold.
+
+    ``kind`` is "fork" (a different entry at ``seq``, both signed by the author: ``held`` and ``served``
+    are that proof), "truncated" (the author itself served ``served_length`` < ``held_length`` entries)
+    or "invalid" (the served copy does not verify from ``seq``: the server's copy is bad, ``problem``)."""
+
+    kind: str
+    author: bytes
+    server: str
+    seq: int
+    held_length: int
+    served_length: int
+    held: Optional[LedgerEntry] = field(default=None, repr=False)
+    served: Optional[LedgerEntry] = field(default=None, repr=False)
+    problem: str = ""  # "invalid": why the served copy was refused
+
+    def describe(self) -> str:
+        who = peer_id_from_public_key(self.author) if any(self.author) else "an unknown author"
+        if self.kind == "invalid":
+            return f"invalid copy: {self.server} served {who}'s chain with a bad entry at seq {self.seq}: {self.problem}"
+        if self.kind == "fork":
+            return (f"fork: {who} signed two different entries at seq {self.seq} "
+                    f"(held {self.held.hash.hex()[:16]}, served by {self.server} {self.served.hash.hex()[:16]})")
+        return (f"truncated: {who} served its own chain with {self.served_length} entries; "
+                f"we hold {self.held_length} (seq {self.seq} onwards dropped)")
+
+
+def compare_chain(held: list[LedgerEntry], served: list[LedgerEntry], author: bytes,
+                  server: str) -> tuple[Optional[ChainConflict], list[LedgerEntry]]:
+    """Compare a verified copy of ``author``'s chain that ``server`` sent with the copy we hold.
+
+    Returns (conflict or None, the served entries past our last one, to append). A fork wins over
+    anything else; a shorter copy is a truncation only when the author itself served it (anyone
+    else may simply hold less). Both lists must have passed ``verify_chain`` for the same author."""
+    for held_entry, served_entry in zip(held, served):
+        if held_entry.hash != served_entry.hash:
+            return ChainConflict("fork", author, server, held_entry.seq, len(held), len(served),
+                                 held_entry, served_entry), []
+    if len(served) < len(held):
+        if server == peer_id_from_public_key(author):
+            return ChainConflict("truncated", author, server, len(served), len(held), len(served)), []
+        return None, []
+    return None, served[len(held):]
+
+
+# -- the export file ---------------------------------------------------------------------------------
+
+EXPORT_FORMAT = "infernet-ledger-export/1"
+MAX_EXPORT_CHAINS = 4096
+MAX_EXPORT_ENTRIES = 1_000_000
+
+
+def export_document(job_id: bytes, terms_wire: Optional[bytes], chains: dict[bytes, list[LedgerEntry]],
+                    conflicts: list[dict] | tuple = ()) -> dict:
+    """The export file's JSON object (IPIP-0008 §6): self-contained, checked by ``verify_export``."""
+    return {
+        "format": EXPORT_FORMAT,
+        "job_id": job_id.hex(),
+        "terms": terms_wire.hex() if terms_wire is not None else None,
+        "keys": {peer_id_from_public_key(a): a.hex() for a in sorted(chains)},
+        "chains": [{"author": peer_id_from_public_key(a),
+                    "entries": [{"entry": e.encoded.hex(), "signature": e.signature.hex()} for e in chains[a]]}
+                   for a in sorted(chains)],
+        "conflicts": list(conflicts),
+    }
+
+
+@dataclass(frozen=True)
+class VerifiedExport:
+    job_id: bytes
+    chains: dict[str, list[LedgerEntry]]  # author peer ID -> its entries
+    job_name: Optional[str]
+
+    @property
+    def entries(self) -> int:
+        return sum(len(c) for c in self.chains.values())
+
+
+def verify_export(document: Any) -> VerifiedExport:
+    """Check an export file's object whole; LedgerError whose text names the first problem's place
+    (``chains[I].entries[J]``), never anything else."""
+    def bad(where: str, problem: str) -> LedgerError:
+        error = LedgerError(b"", None, problem)
+        error.args = (f"{where}: {problem}",)
+        return error
+
+    if not isinstance(document, dict):
+        raise bad("file", "expected a JSON object")
+    if document.get("format") != EXPORT_FORMAT:
+        raise bad("format", f"expected {EXPORT_FORMAT!r}, got {str(document.get('format'))[:60]!r}")
+    job_id = _hex(document.get("job_id"), 32, "job_id", bad)
+    name = None
+    if document.get("terms") is not None:
+        from protocol.messages import JOB_ID_DOMAIN, JobTerms
+
+        terms_wire = _hex(document["terms"], None, "terms", bad, max_bytes=1 << 20)
+        if hashlib.sha256(JOB_ID_DOMAIN + terms_wire).digest() != job_id:
+            raise bad("terms", "do not hash to job_id")
+        try:
+            name = JobTerms.from_wire(decode_canonical(terms_wire, max_bytes=1 << 20), "terms").name
+        except CodecError as exc:
+            raise bad("terms", f"not valid job terms: {exc}") from None
+    keys = document.get("keys")
+    if not isinstance(keys, dict):
+        raise bad("keys", "expected a map of peer ID to public key")
+    for peer, key in keys.items():
+        if not isinstance(peer, str) or peer_id_from_public_key(_hex(key, 32, f"keys[{str(peer)[:60]!r}]", bad)) != peer:
+            raise bad(f"keys[{str(peer)[:60]!r}]", "the public key does not give this peer ID")
+    chains = document.get("chains")
+    if not isinstance(chains, list) or len(chains) > MAX_EXPORT_CHAINS:
+        raise bad("chains", f"expected a list of at most {MAX_EXPORT_CHAINS} chains")
+    out: dict[str, list[LedgerEntry]] = {}
+    total = 0
+    for i, chain in enumerate(chains):
+        where = f"chains[{i}]"
+        if not isinstance(chain, dict) or not isinstance(chain.get("author"), str) or \
+                not isinstance(chain.get("entries"), list):
+            raise bad(where, "expected {author, entries}")
+        author_id = chain["author"]
+        if author_id not in keys:
+            raise bad(f"{where}.author", f"{author_id[:60]!r} has no public key in keys")
+        if author_id in out:
+            raise bad(f"{where}.author", f"{author_id} has two chains")
+        author = bytes.fromhex(keys[author_id])
+        entries = []
+        total += len(chain["entries"])
+        if total > MAX_EXPORT_ENTRIES:
+            raise bad(where, f"more than {MAX_EXPORT_ENTRIES} entries in all")
+        for j, item in enumerate(chain["entries"]):
+            at = f"{where}.entries[{j}]"
+            if not isinstance(item, dict):
+                raise bad(at, "expected {entry, signature}")
+            encoded = _hex(item.get("entry"), None, f"{at}.entry", bad)
+            signature = _hex(item.get("signature"), 64, f"{at}.signature", bad)
+            try:
+                entries.append(LedgerEntry.decode(encoded, signature))
+            except LedgerError as exc:
+                raise bad(at, exc.problem) from None
+        try:
+            verify_chain(entries, job_id, author)
+        except LedgerError as exc:
+            raise bad(f"{where}.entries[{exc.seq}]", f"{exc.problem} (author {author_id})") from None
+        out[author_id] = entries
+    return VerifiedExport(job_id, out, name)
+
+
+def _hex(value: Any, length: Optional[int], where: str, bad: Any, max_bytes: int = MAX_ENTRY_BYTES) -> bytes:
+    if not isinstance(value, str) or len(value) > 2 * max_bytes:
+        raise bad(where, "expected a hex string")
+    try:
+        raw = bytes.fromhex(value)
+    except ValueError:
+        raise bad(where, "expected a hex string") from None
+    if length is not None and len(raw) != length:
+        raise bad(where, f"expected {length} bytes, got {len(raw)}")
+    return raw
