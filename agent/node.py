@@ -18,8 +18,14 @@ Rules of this file:
   next peer by rendezvous takes the job with term + 1 (protocol/election.Coordination). A peer acts
   as coordinator only while its own view says so. Both the view changes and acting as coordinator
   need the job's submitter to be heard: in a partition the submitter's side decides.
-- Every job-topic message but a claim is recorded in the store before it is applied; every decision we make is
-  gossiped and applied to our mirror at once (agent/roles/job.py).
+- A job-topic message is recorded in the store once it applies to our mirror (a held one when it
+  finally applies), in the order it applied, and before any action it caused is carried out; what
+  our mirror refuses (a flood of well-signed junk from many identities, say) is never written to disk
+  and is held in memory within per-signer bounds (agent/roles/job.py). Our own messages are recorded
+  when they come back to us. The writes (one fsync each) run in a worker thread, one at a time, so
+  heartbeats and gossip never wait on the disk. Every decision we make is gossiped and applied to our
+  mirror at once (agent/roles/job.py). With a full disk the mirror may run ahead of the store (we
+  then refuse new work); catch-up brings the rest back after a restart.
 """
 
 from __future__ import annotations
@@ -142,6 +148,8 @@ class Agent:
         self.reputations = Reputations(self)
         self.published_capability: m.Capability | None = None
         self._hashes_saved = 0  # position in FILE_HASHES already saved to the store
+        self.store_limiter = trio.CapacityLimiter(1)  # store writes in a worker thread, one at a time, in order
+        self._job_rows: dict[bytes, tuple[str, int, int]] = {}  # (state, round, term) last written per job
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -348,7 +356,9 @@ class Agent:
                         before = view.coordination
                         view.check_coordinator(signer, entry.term, self.eligible_coordinators(view.terms))
                         if view.coordination != before and view.pending:  # e.g. verdicts held for this term
-                            self.apply_actions(view, view.retry_pending(now, self.eligible_coordinators(view.terms)))
+                            actions = view.retry_pending(now, self.eligible_coordinators(view.terms))
+                            await self.keep_evidence(view)
+                            self.apply_actions(view, actions)
                             self._react(view, view.take_applied())
             elif isinstance(msg, m.Capability):
                 self.peers.setdefault(signer, PeerInfo(now, live_since=now)).capability = msg
@@ -401,9 +411,10 @@ class Agent:
     def rebuild_view(self, record: Any) -> JobView:
         """A job's mirror rebuilt from the store: its stored envelopes replayed in stored order."""
         view = JobView(record.terms, self.clock(), self.peer_id)
-        for stored in self.store.envelopes(record.job_id):
+        for stored in self.store.envelopes(record.job_id, stored_order=True):
             view.replay(stored.message, stored.signer, stored.timestamp_ms / 1000.0)
         view.take_applied()  # replayed history: nothing to react to
+        view.take_evidence()
         return view
 
     def job_view(self, job_id: bytes) -> JobView:
@@ -464,23 +475,52 @@ class Agent:
         if synced:
             self.apply_actions(view, ())
         async for received in subscription:
-            msg, signer, now = received.message, received.signer, self.clock()
             if self.observer is not None:
                 self.observer("recv", received)
             if received.envelope.message_id in synced:
                 continue  # already applied from the history
-            if isinstance(msg, m.ShardClaim):
-                # a request to the coordinator, not a change of the job: never stored (a claim flood
-                # must not become a flood of synchronous SQLite commits that stalls this loop)
-                await self.coordinator.on_claim(view, msg, signer)
-                continue
-            if not self.stored(self.store.record, received.envelope.to_bytes(), now):
-                continue  # unrecorded evidence is not applied (IPIP-0004 §11 brings it back later)
-            actions = view.apply(msg, signer, now, self.eligible_coordinators(view.terms))
-            if actions is None:
-                continue
-            self.apply_actions(view, actions)
-            self._react(view, view.take_applied())  # this message and any held one it unblocked
+            await self.on_job_message(view, received)
+
+    async def on_job_message(self, view: JobView, received: Any) -> None:
+        """One verified message of the job's topic (``received``: message, signer, envelope): apply it
+        to our mirror, store what applied, then carry out what it caused."""
+        msg, signer, now = received.message, received.signer, self.clock()
+        if isinstance(msg, m.ShardClaim):
+            # a request to the coordinator, not a change of the job: never stored
+            await self.coordinator.on_claim(view, msg, signer)
+            return
+        data = received.envelope.to_bytes()
+        actions = view.apply(msg, signer, now, self.eligible_coordinators(view.terms), data)
+        if actions is None and signer == self.peer_id and \
+                isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
+            view.evidence.append(data)  # our own decision, applied when we made it
+        if not await self.keep_evidence(view):
+            return  # the disk is full: we refuse new work (the mirror moved; a restart catches up)
+        if actions is None:
+            return
+        self.apply_actions(view, actions)
+        self._react(view, view.take_applied())  # this message and any held one it unblocked
+
+    async def keep_evidence(self, view: JobView) -> bool:
+        """Store the envelopes of the messages our mirror applied since the last call, in that order,
+        in one commit made in a worker thread (the event loop runs on while the disk syncs). False
+        (and we refuse new work) if the disk is full."""
+        evidence = view.take_evidence()
+        if not evidence:
+            return True
+        now, store = self.clock(), self.store
+
+        def write() -> None:
+            with store.transaction():
+                for data in evidence:
+                    store.record(data, now)
+
+        try:
+            await trio.to_thread.run_sync(write, limiter=self.store_limiter)
+        except StoreFullError as exc:
+            self.refuse_work(exc)
+            return False
+        return True
 
     def _react(self, view: JobView, applied: list[tuple[Any, str]]) -> None:
         """Our roles' reactions to messages the mirror applied: a lease for us, verdicts, aggregates."""
@@ -496,8 +536,7 @@ class Agent:
         """Carry out what the state machine asked for, in our roles; wake anyone waiting on the job."""
         if actions is None:
             return
-        self.stored(self.store.update_job, view.job_id, self.clock(), state=view.state.phase.value,
-                    round=view.state.round, coordinator_term=view.coordination.term)
+        self.save_job_row(view)
         self.coordinator.on_actions(view, actions)
         if self.worker is not None:  # any change may free a shard for us (a verdict often returns no action)
             self.worker.wake()
@@ -510,6 +549,15 @@ class Agent:
                 self.ledger(view.job_id, kind, _action_data(action))
         self.job_events.set()
         self.job_events = trio.Event()
+
+    def save_job_row(self, view: JobView) -> None:
+        """Write the job's summary (state, round, term) to the store when it changed since we last did:
+        one commit per change, not one per applied message (the envelopes are the evidence)."""
+        row = (view.state.phase.value, view.state.round, view.coordination.term)
+        if self._job_rows.get(view.job_id) != row and \
+                self.stored(self.store.update_job, view.job_id, self.clock(), state=row[0], round=row[1],
+                            coordinator_term=row[2]):
+            self._job_rows[view.job_id] = row
 
     def stored(self, write: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
         """Run a store write; if the disk is full, refuse new work (``refuse_work``) and return False

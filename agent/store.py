@@ -2,9 +2,12 @@
 
 Rules of this file:
 
-- One ``Store`` = one SQLite connection, used from the one thread the agent runs in (trio's).
-  Calls are plain and blocking; each is a small transaction whose cost is one fsync (a few ms),
-  so trio code calls them directly. ``close()`` when done (or use the Store as a context manager).
+- One ``Store`` = one SQLite connection. Calls are plain and blocking; each is a small transaction
+  whose cost is one fsync (a few ms). The agent makes the frequent ones (recording the evidence of
+  every applied gossip message) in a worker thread (``trio.to_thread.run_sync``, one at a time), so
+  its event loop keeps running while the disk syncs; the rare ones it makes directly. A lock makes
+  each call (and each ``transaction()`` block) whole with respect to the other threads.
+  ``close()`` when done (or use the Store as a context manager).
 - Durability. The database is in WAL mode with ``synchronous=FULL`` on every commit: when a
   method returns, what it wrote is on disk and survives ``kill -9`` of the agent and a power loss.
   (WAL alone makes a commit survive ``kill -9``; FULL adds the fsync that survives power loss.
@@ -16,7 +19,9 @@ Rules of this file:
 - What is stored. ``jobs``: the terms as canonical msgpack (``JobTerms.to_wire``), our role, the
   state name, round and coordinator term. ``shards``: the current view of each (job, round, shard).
   ``envelopes``: every signed envelope we accepted, byte for byte as received, keyed by message ID,
-  so that a successor coordinator can rebuild a job from its own store. ``leases``, ``reports``,
+  so that a successor coordinator can rebuild a job from its own store. For a job's topic the agent
+  records only messages that applied to its mirror, in the order they applied (agent/node.py), so
+  the stored order (``envelopes(stored_order=True)``) replays into the same mirror. ``leases``, ``reports``,
   ``verdicts``, ``aggregates``: decoded columns of those envelopes for queries; the bytes stay in
   ``envelopes``. ``ledger``: the per-job event log below. ``schema_version``: one row. ``file_hashes``
   (version 2): the cache of file hashes by (path, size, mtime), so base models are hashed once;
@@ -50,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -209,7 +215,8 @@ class Store:
         self._depth = 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
         existed = self.path.exists()
-        self._db = sqlite3.connect(str(self.path), isolation_level=None)
+        self._lock = threading.RLock()  # one thread at a time inside a call or a transaction block
+        self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
         try:
             self._open(existed)
         except sqlite3.DatabaseError as exc:
@@ -287,13 +294,14 @@ class Store:
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
         """Make every store call inside the block one commit (fsynced); an error leaving the block undoes all."""
-        if self._depth == 0:
-            with self._full_is_an_error():
-                with self._transaction():
-                    yield
-            return
-        with self._transaction():
-            yield
+        with self._lock:
+            if self._depth == 0:
+                with self._full_is_an_error():
+                    with self._transaction():
+                        yield
+                return
+            with self._transaction():
+                yield
 
     @contextlib.contextmanager
     def _full_is_an_error(self) -> Iterator[None]:
@@ -339,7 +347,8 @@ class Store:
     def _rows(self, sql: str, params: tuple = ()) -> list[tuple]:
         """Run a query to the end. A half-read cursor (kept alive by an exception's traceback, say) would
         hold an old read snapshot: later reads would not see new commits and WAL checkpoints would stall."""
-        return self._db.execute(sql, params).fetchall()
+        with self._lock:
+            return self._db.execute(sql, params).fetchall()
 
     def _one(self, sql: str, params: tuple) -> Optional[tuple]:
         rows = self._rows(sql, params)
@@ -484,11 +493,14 @@ class Store:
     def has_envelope(self, message_id: bytes) -> bool:
         return self._one("SELECT 1 FROM envelopes WHERE message_id = ?", (message_id,)) is not None
 
-    def envelopes(self, job_id: Optional[bytes] = None, type: Optional[str] = None) -> list[StoredMessage]:
-        """Accepted envelopes, oldest signer timestamp first; filtered by job and/or type tag."""
+    def envelopes(self, job_id: Optional[bytes] = None, type: Optional[str] = None, *,
+                  stored_order: bool = False) -> list[StoredMessage]:
+        """Accepted envelopes, oldest signer timestamp first (``stored_order``: in the order they were
+        stored, which for a job's topic is the order our mirror applied them); filtered by job and/or type."""
+        order = "e.rowid" if stored_order else "e.ts_ms, e.rowid"
         return self._messages(
             "SELECT e.message_id, e.ts_ms, e.received, e.data FROM envelopes e"
-            " WHERE (? IS NULL OR e.job_id = ?) AND (? IS NULL OR e.type = ?) ORDER BY e.ts_ms, e.rowid",
+            f" WHERE (? IS NULL OR e.job_id = ?) AND (? IS NULL OR e.type = ?) ORDER BY {order}",
             (job_id, job_id, type, type))
 
     def leases(self, job_id: bytes, round: Optional[int] = None) -> list[StoredMessage]:

@@ -41,6 +41,13 @@ Rules of this file:
   So a verdict never moves a view to a higher term (``check_message(adopt=False)``): its signer
   may be the judge, not the coordinator; it waits until a lease, an aggregate or the coordinator's
   heartbeat brings the view to its term.
+- Earlier terms (rule 7). A view remembers who coordinated each term it held (``past``). A verdict
+  of an earlier term ``t`` is not stale when it judges an attempt leased in term ``t`` or before
+  and comes from the peer that coordinated ``t`` in this view (or judged that coordinator's own
+  report), or, for a term this view skipped (it moved from below ``t`` to above it in one step,
+  so it never learned ``t``'s coordinator), from an eligible live peer: ``may_apply_past_verdict``.
+  It never moves the view; the state machine applies it only if that attempt is still the one
+  waiting for a verdict (a later term's decision about the shard makes it stale there).
 - Errors. A malformed job ID or peer ID, a stale or conflicting term: ``StateError``, nothing else.
 
 The document is ``ipips/0006-election-aggregation.md``; ``ipips/vectors/election-*.json`` are
@@ -63,6 +70,8 @@ HEARTBEAT_SECONDS = 10.0
 """How often a live peer gossips a Heartbeat."""
 MISSED_HEARTBEATS = 3
 """A peer silent for this many heartbeat intervals is no longer live."""
+PAST_TERMS_KEPT = 64
+"""Earlier terms a view remembers the coordinator of (rule 7); verdicts of older ones are refused."""
 
 
 def _peer_id_binary(peer_id: str) -> bytes:
@@ -166,16 +175,30 @@ class Coordination:
     job_id: bytes
     term: int = 0
     coordinator: str | None = None
+    past: tuple[tuple[int, str | None], ...] = ()  # (term, coordinator) of every earlier term this view held
 
     def __post_init__(self) -> None:
         _check_job_id(self.job_id)
+
+    def _moved(self, term: int, coordinator: str | None) -> Coordination:
+        past = self.past + ((self.term, self.coordinator),) if self.term >= 1 else self.past
+        return replace(self, term=term, coordinator=coordinator, past=past[-PAST_TERMS_KEPT:])
+
+    def coordinator_of(self, term: int) -> tuple[bool, str | None]:
+        """(known, coordinator) of ``term`` in this view: known is False for a term it never held."""
+        if term == self.term:
+            return True, self.coordinator
+        for held, coordinator in self.past:
+            if held == term:
+                return True, coordinator
+        return False, None
 
     def follow_view(self, live: Iterable[str]) -> Coordination:
         """Re-elect over the eligible live peers; a new winner starts the next term."""
         winner = elect(self.job_id, live)
         if winner == self.coordinator:
             return self
-        return replace(self, term=self.term + 1, coordinator=winner)
+        return self._moved(self.term + 1, winner)
 
     def check_message(self, signer: str, term: int, live: Iterable[str], *, adopt: bool = True) -> Coordination:
         """The view after a coordinator message signed by ``signer`` in ``term``; StateError if it is
@@ -196,7 +219,7 @@ class Coordination:
                              "the view (its signer may be the term's judge, not its coordinator)")
         if signer not in set(live):
             raise StateError(f"term {term} claimed by {signer}, which is not an eligible live peer")
-        return replace(self, term=term, coordinator=signer)
+        return self._moved(term, signer)
 
     def is_coordinator(self, peer_id: str) -> bool:
         return self.coordinator is not None and self.coordinator == peer_id
@@ -217,6 +240,26 @@ def may_judge(view: Coordination, signer: str, worker: str, term: int, eligible:
     from an eligible live peer that is not the worker. Never one signed by the worker it judges."""
     return (signer != worker and view.coordinator is not None and worker == view.coordinator
             and term == view.term and signer in set(eligible))
+
+
+def may_apply_past_verdict(view: Coordination, signer: str, worker: str, term: int, lease_term: int | None,
+                           eligible: Iterable[str]) -> bool:
+    """May a verdict of an earlier term than the view's be applied (rule 7)? It judges ``worker``'s
+    attempt, leased in ``lease_term`` (None: the lease is not known here). Only when the verdict's
+    term is not older than that lease, it is not signed by the worker it judges, and its signer
+    coordinated that term in this view, or judged the report of that term's coordinator, or the view
+    skipped that term (never held it) and the signer is an eligible live peer. It never moves the view;
+    the state machine still refuses it unless that attempt is the one waiting for a verdict."""
+    if isinstance(term, bool) or not isinstance(term, int) or not 1 <= term < view.term or signer == worker:
+        return False
+    if lease_term is not None and term < lease_term:
+        return False  # a coordinator of an earlier term never saw this attempt's lease
+    known, coordinator = view.coordinator_of(term)
+    if known:
+        return signer == coordinator or (coordinator is not None and worker == coordinator and signer in set(eligible))
+    if len(view.past) >= PAST_TERMS_KEPT and term < view.past[0][0]:
+        return False  # older than what the view remembers: forgotten, not skipped
+    return signer in set(eligible)  # a term the view skipped: nobody told it who held it
 
 
 def stepped_down(before: Coordination, after: Coordination, me: str) -> bool:

@@ -29,6 +29,16 @@ attempt that ends badly (released, lease expired, report rejected, no verdict in
 *retry*: the shard reopens while attempts are left, else it is FAILED for the round. Every waiting
 state has a timer, so no shard can be held forever by a silent worker or a silent verifier.
 
+Late verdicts. Each mirror runs the timers on its own clock, and messages take time to travel: a
+verdict the coordinator gave inside its verification window can reach another mirror just after
+that mirror's window closed and reopened the shard (found by the partition-heal scenario on a
+loaded machine: the submitter reopened a shard 0.1 s before the verdict accepting it arrived, then
+refused the round's aggregate for good). Until the shard is leased again, an OPEN shard whose
+attempt ended by the verification timer still takes that attempt's verdict: an acceptance makes it
+ACCEPTED, a rejection leaves it OPEN. So every mirror follows what the coordinator decided rather
+than its own timing, and nothing is decided twice: the next lease ends that chance (the coordinator's
+own mirror does the same, so a verdict it gives late is published only if it leased nobody since).
+
 Jobs. ANNOUNCED -> TRAINING (first lease) -> VERIFYING (no shard OPEN or LEASED) -> AGGREGATING
 (every shard ACCEPTED or FAILED, and at least ``min_accepted_shards`` accepted) -> the aggregate is
 published -> TRAINING for the next round (every shard reopens with a fresh retry budget) or DONE
@@ -129,6 +139,7 @@ class ShardState:
     attempt: int = 0  # leases granted this round: the current lease's number; 0 before the first
     worker: str | None = None  # lease holder while LEASED/REPORTED; the accepted worker when ACCEPTED
     expires_at: float | None = None  # lease expiry (LEASED) or end of the verification window (REPORTED)
+    late_verdict: str | None = None  # OPEN only: its verification window expired; that attempt's worker
 
 
 @dataclass(frozen=True)
@@ -339,6 +350,8 @@ RETRY = "RETRY"
 SHARD_TRANSITIONS: dict[ShardPhase, dict[ShardInput, ShardPhase | str]] = {
     ShardPhase.OPEN: {
         ShardInput.LEASE: ShardPhase.LEASED,  # new attempt, lease until now + lease_seconds
+        ShardInput.ACCEPT: ShardPhase.ACCEPTED,  # late verdict: only after a verification expiry, same attempt
+        ShardInput.REJECT: ShardPhase.OPEN,  # late verdict, as above: it was reopened already
     },
     ShardPhase.LEASED: {
         ShardInput.CHECKPOINT: ShardPhase.LEASED,  # holder only; lease extended to now + lease_seconds
@@ -489,11 +502,18 @@ def _shard_step(
         raise StateError(f"shard {shard.index}: attempt {attempt} is stale, the current attempt is {shard.attempt}")
     if shard_input is not ShardInput.LEASE and worker is not None and worker != shard.worker:
         raise StateError(f"shard {shard.index}: {worker} does not hold the lease of attempt {shard.attempt}")
+    if shard.phase is ShardPhase.OPEN and shard_input is not ShardInput.LEASE:  # a late verdict
+        if shard.late_verdict is None:
+            raise StateError(f"shard {shard.index} is OPEN: {shard_input.value} is not allowed")
+        if shard_input is ShardInput.REJECT:
+            return replace(shard, late_verdict=None), ()  # it was reopened already
+        shard = replace(shard, worker=shard.late_verdict, late_verdict=None)
 
     config, r, i = job.config, job.round, shard.index
     if shard_input is ShardInput.LEASE:
         expires = now + config.lease_seconds
-        leased = replace(shard, phase=target, attempt=shard.attempt + 1, worker=worker, expires_at=expires)
+        leased = replace(shard, phase=target, attempt=shard.attempt + 1, worker=worker, expires_at=expires,
+                         late_verdict=None)
         return leased, (PublishLease(r, i, worker, leased.attempt, expires),)
     if shard_input is ShardInput.CHECKPOINT:
         expires = max(shard.expires_at, now + config.lease_seconds)  # a clock step back never shortens a lease
@@ -510,7 +530,9 @@ def _shard_step(
     elif shard_input is ShardInput.VERIFICATION_EXPIRED:
         reason = f"no verdict on attempt {shard.attempt} in time"
     if shard.attempt < config.attempts_per_round:
-        return replace(shard, phase=ShardPhase.OPEN, worker=None, expires_at=None), (ReopenShard(r, i, reason),)
+        late = shard.worker if shard_input is ShardInput.VERIFICATION_EXPIRED else None  # its verdict may follow
+        reopened = replace(shard, phase=ShardPhase.OPEN, worker=None, expires_at=None, late_verdict=late)
+        return reopened, (ReopenShard(r, i, reason),)
     reason = f"{reason}; no attempts left ({shard.attempt} of {config.attempts_per_round} used)"
     return replace(shard, phase=ShardPhase.FAILED, worker=None, expires_at=None), (FailShard(r, i, reason),)
 

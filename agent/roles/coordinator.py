@@ -96,6 +96,7 @@ class CoordinatorRole:
         self._initial: dict[tuple[bytes, int], tuple[dict, dict, dict]] = {}
         self._validation: dict[bytes, Path] = {}  # job -> its validation split, fetched
         self._claims: dict[bytes, list[tuple[str, int, int]]] = {}  # job -> (worker, round, shard) in arrival order
+        self.hash_limiter = trio.CapacityLimiter(2)  # tensor hashing off the event loop, at most two at once
         self._refused: dict[tuple[bytes, str], str] = {}  # (job, worker) -> why its claims get no lease
 
     # -- leases -----------------------------------------------------------------------------------
@@ -355,7 +356,7 @@ class CoordinatorRole:
         adapter_dir = _unpack_worker_bundle(work / "adapter.tar", work / "adapter", allowed=REPORT_FILES,
                                             max_bytes=1 << 30)
         adapter = await trio.to_thread.run_sync(run_torch, _check_adapter, adapter_dir, terms)
-        if tensors_hash(adapter) != commitment.links[-1].adapter_hash:
+        if await tensors_hash_off_loop(adapter, self.hash_limiter) != commitment.links[-1].adapter_hash:
             raise Rejection("the adapter does not hash to the last committed checkpoint")
         if terms.training.optimizer_state == "carried":  # it becomes part of the next round's start
             problem = await trio.to_thread.run_sync(_check_final_optimizer, adapter_dir, commitment.links[-1].optimizer_hash)
@@ -614,6 +615,14 @@ def _check_final_optimizer(adapter_dir: Path, committed: bytes) -> str | None:
     if tensors_hash(tensors) != committed:
         return f"{OPTIMIZER_FILE} does not hash to the last committed checkpoint's optimizer state"
     return None
+
+
+async def tensors_hash_off_loop(tensors: Any, limiter: trio.CapacityLimiter) -> bytes:
+    """agent.train.model.tensors_hash in a worker thread (hashing a large adapter takes long enough to
+    stall heartbeats and gossip if it ran on the event loop); ``limiter`` bounds how many run at once."""
+    from agent.train.model import tensors_hash
+
+    return await trio.to_thread.run_sync(tensors_hash, tensors, limiter=limiter)
 
 
 def _load_tensors(path: Path) -> dict:

@@ -14,7 +14,18 @@ Rules of this file:
   held (at most ``PENDING_MAX``, for ``PENDING_SECONDS``) and tried again after every message that
   does apply, because gossip keeps no order: a lease for attempt 2 may arrive before the release
   or verdict that reopened the shard, a report before the lease it answers. Duplicates and
-  forgeries simply stay refused until they expire. No I/O here.
+  forgeries simply stay refused until they expire. What is held is bounded per signer
+  (``PENDING_PER_SIGNER``), and when the whole is full the held messages of peers the job does not
+  know (not an eligible coordinator, not its submitter, no lease) go first: many identities each
+  under the rate limit cannot push a held verdict out. No I/O here.
+- Evidence. ``apply`` and ``replay`` take the message's envelope bytes; the envelopes of the
+  messages that applied, in the order they applied (a held one when it finally does), are kept in
+  ``evidence`` until the caller takes them (``take_evidence``) to store them: the store holds what
+  changed the mirror, in that order, so a replay of it (a restart, another peer's catch-up from us)
+  rebuilds the same mirror, and refused junk is never written to disk.
+- Earlier terms (IPIP-0006 §1.3 rule 7): a verdict of a term before the view's is applied when
+  ``election.may_apply_past_verdict`` allows it (its signer held that term in our view, or our view
+  skipped that term); it never moves the view.
 """
 
 from __future__ import annotations
@@ -28,13 +39,14 @@ from typing import Any
 from agent.train.config import TrainConfig
 from protocol import messages as m
 from protocol import state as st
-from protocol.election import Coordination, may_judge
+from protocol.election import Coordination, may_apply_past_verdict, may_judge
 from protocol.errors import StateError
 
 log = logging.getLogger(__name__)
 
 Key = tuple[int, int, int]  # (round, shard, attempt)
 PENDING_MAX = 256
+PENDING_PER_SIGNER = 32  # held messages of one signer; its oldest goes first
 PENDING_SECONDS = 300.0  # an envelope's acceptance window (IPIP-0001)
 
 TORCH_LOCK = threading.Lock()
@@ -99,8 +111,10 @@ class JobView:
     verdicts: dict[Key, m.Verdict] = field(default_factory=dict)
     aggregates: dict[int, m.AggregatePublished] = field(default_factory=dict)
     refused: Counter = field(default_factory=Counter)
-    pending: list[tuple[float, Any, str]] = field(default_factory=list)  # (first seen, message, signer)
+    # (first seen, message, signer, envelope bytes or None)
+    pending: list[tuple[float, Any, str, bytes | None]] = field(default_factory=list)
     applied: list[tuple[Any, str]] = field(default_factory=list)  # applied since the caller last took them
+    evidence: list[bytes] = field(default_factory=list)  # envelopes of those, in the order they applied
 
     def __post_init__(self) -> None:
         self._replaying = False
@@ -161,45 +175,70 @@ class JobView:
             log.debug("job %s: ignored coordinator message: %s", self.job_id.hex()[:8], exc)
             return False
 
-    def apply(self, msg: Any, signer: str, now: float, eligible: frozenset[str]) -> tuple[Any, ...] | None:
+    def apply(self, msg: Any, signer: str, now: float, eligible: frozenset[str],
+              envelope: bytes | None = None) -> tuple[Any, ...] | None:
         """Apply one verified job-topic message, then any held message it unblocks; return the actions
-        (None if this message was refused — it is then held for a later try)."""
+        (None if this message was refused — it is then held for a later try). ``envelope``: its bytes,
+        kept in ``evidence`` once it applies."""
         before = self.coordination
         actions = self._apply_one(msg, signer, now, eligible)
         if actions is None:
             if signer != self.me or not isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
-                self.pending.append((now, msg, signer))  # (echoes of our own decisions are never held)
-                if len(self.pending) > PENDING_MAX:
-                    self.pending.pop(0)
-                    self.refused["pending-overflow"] += 1
+                self._hold(now, msg, signer, envelope, eligible)  # (echoes of our own decisions never are)
             if self.coordination != before:  # it moved our view to its term: what waited for it may apply
                 more = self.retry_pending(now, eligible)
                 return more if self.applied else None
             return None
         self.applied.append((msg, signer))
+        if envelope is not None:
+            self.evidence.append(envelope)
         return actions + self.retry_pending(now, eligible)
 
-    def replay(self, msg: Any, signer: str, at: float) -> None:
+    def _hold(self, now: float, msg: Any, signer: str, envelope: bytes | None, eligible: frozenset[str]) -> None:
+        """Hold a refused message for a later try, within the per-signer and total bounds (once)."""
+        mine = [i for i, p in enumerate(self.pending) if p[2] == signer]
+        if any(self.pending[i][1] == msg for i in mine):
+            return  # already held (a catch-up brought it again)
+        if len(mine) >= PENDING_PER_SIGNER:
+            del self.pending[mine[0]]
+            self.refused["pending-signer-quota"] += 1
+        self.pending.append((now, msg, signer, envelope))
+        if len(self.pending) > PENDING_MAX:
+            known = set(eligible) | {self.terms.submitter} | {lease.worker for lease in self.leases.values()}
+            strangers = [i for i, p in enumerate(self.pending) if p[2] not in known]
+            del self.pending[strangers[0] if strangers else 0]
+            self.refused["pending-overflow"] += 1
+
+    def take_evidence(self) -> list[bytes]:
+        """The envelopes of the messages applied since the last call, in the order they applied."""
+        evidence, self.evidence = self.evidence, []
+        return evidence
+
+    def replay(self, msg: Any, signer: str, at: float, envelope: bytes | None = None) -> None:
         """Apply a message accepted earlier (our store after a restart, the submitter's history):
         its signer is believed at its term, as it was when the message was accepted, and our own
         decisions are applied as when we made them."""
         if isinstance(msg, m.ShardClaim):
             return  # a request to the coordinator, not a change of the job
+        own = None
         if isinstance(msg, m.Verdict) and signer == self.me and \
                 may_judge(self.coordination, signer, msg.worker, msg.term, frozenset({signer})):
-            self.apply_decision(msg, at)  # we judged the coordinator's own work (IPIP-0006 §1.3)
+            own = self.apply_decision(msg, at)  # we judged the coordinator's own work (IPIP-0006 §1.3)
         elif isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)) and signer == self.me:
             if self.check_coordinator(signer, msg.term, frozenset({signer})):
-                self.apply_decision(msg, at)
+                own = self.apply_decision(msg, at)
         else:
             # history is believed as it was accepted: here a verdict's higher term is adopted (live, it
             # is not: its signer may be the judge, rule 6; replayed, it was the term's coordinator's
             # unless a judge's verdict is the first message of its term in the history)
             self._replaying = True
             try:
-                self.apply(msg, signer, at, frozenset({signer}))
+                self.apply(msg, signer, at, frozenset({signer}), envelope)
             finally:
                 self._replaying = False
+            return
+        if own is not None and envelope is not None:
+            self.evidence.append(envelope)
 
     def take_applied(self) -> list[tuple[Any, str]]:
         """The messages applied since the last call (the one in hand and any held one it unblocked),
@@ -214,15 +253,19 @@ class JobView:
         while progress and self.pending:
             progress = False
             keep = []
-            for seen, msg, signer in self.pending:
+            for held in self.pending:
+                seen, msg, signer = held[:3]
+                envelope = held[3] if len(held) > 3 else None
                 if now - seen > PENDING_SECONDS:
                     continue
                 actions = self._apply_one(msg, signer, now, eligible, count=False)
                 if actions is None:
-                    keep.append((seen, msg, signer))
+                    keep.append(held)
                 else:
                     out.extend(actions)
                     self.applied.append((msg, signer))
+                    if envelope is not None:
+                        self.evidence.append(envelope)
                     progress = True
             self.pending = keep
         return tuple(out)
@@ -247,6 +290,16 @@ class JobView:
             if signer == msg.worker and count:
                 self.refused["self-judged"] += 1
             if signer == msg.worker or signer == self.me:
+                return None
+            return self.apply_decision(msg, now, count=count)
+        if isinstance(msg, m.Verdict) and signer != self.me and isinstance(msg.term, int) and \
+                msg.term < self.coordination.term:
+            # an earlier term's verdict (IPIP-0006 §1.3 rule 7): never moves the view
+            lease = self.leases.get((msg.round, msg.shard, msg.attempt))
+            if not may_apply_past_verdict(self.coordination, signer, msg.worker, msg.term,
+                                          None if lease is None else lease.term, eligible):
+                if count:
+                    self.refused["coordinator"] += 1
                 return None
             return self.apply_decision(msg, now, count=count)
         if isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):

@@ -11,6 +11,12 @@ Wire, one stream per request on ``/infernet/jobsync/1.0.0``:
 Limits: at most MAX_HISTORY envelopes and MAX_HISTORY_BYTES in all, each at most the envelope limit;
 30 s for the whole exchange. A server that does not follow the job sends ``uvarint(0)`` at once.
 
+What is served is what changed the server's mirror, in the order it applied (agent/node.py stores
+nothing else), so replaying it rebuilds that mirror. A history over the limits sends the decisions
+(leases, verdicts, aggregates), reports and releases first and fills what room is left with
+checkpoint commitments, still in stored order: a checkpoint only extends a lease, so leaving some out
+costs a lease extension, never a decision.
+
 Trust: every envelope is checked again (signature, strict body, the job ID) regardless of its age;
 nothing unsigned or foreign gets in. Coordinator decisions in the history are taken as the
 submitter accepted them (the term of each is believed), as after a restart from our own store: a
@@ -39,17 +45,23 @@ TIMEOUT = 30.0
 END = varint_encode(0)
 
 
-def history_for(store: Any, job_id: bytes) -> list[bytes]:
-    """The job-topic envelopes we would send for ``job_id`` (claims are requests, not history)."""
-    out, total = [], 0
-    for stored in store.envelopes(job_id):
-        if stored.type == "claim" or stored.type == "announce":
-            continue
-        if len(out) >= MAX_HISTORY or total + len(stored.data) > MAX_HISTORY_BYTES:
-            break
-        out.append(stored.data)
-        total += len(stored.data)
-    return out
+def history_for(store: Any, job_id: bytes, max_count: int = MAX_HISTORY,
+                max_bytes: int = MAX_HISTORY_BYTES) -> list[bytes]:
+    """The job-topic envelopes we would send for ``job_id``, in stored order (claims are requests, not
+    history); over the limits, everything but checkpoints first (see the module's docstring)."""
+    history = [s for s in store.envelopes(job_id, stored_order=True) if s.type not in ("claim", "announce")]
+    chosen: set[int] = set()
+    count = total = 0
+    for first in (True, False):
+        for i, stored in enumerate(history):
+            if (stored.type != "ckpt") != first or i in chosen:
+                continue
+            if count >= max_count or total + len(stored.data) > max_bytes:
+                continue
+            chosen.add(i)
+            count += 1
+            total += len(stored.data)
+    return [stored.data for i, stored in enumerate(history) if i in chosen]
 
 
 class SyncService:
@@ -65,7 +77,9 @@ class SyncService:
     async def handle(self, stream: Any) -> None:
         reader = FrameReader(stream, chunk=64)
         job_id = await reader.read_exactly(32, f"{PROTOCOL} job id")
-        for data in history_for(self.agent.store, job_id):
+        # reading and re-verifying up to MAX_HISTORY envelopes takes seconds: not on the event loop
+        history = await trio.to_thread.run_sync(history_for, self.agent.store, job_id)
+        for data in history:
             await stream.write(frame(data))
         await stream.write(END)
         self.served += 1
@@ -133,7 +147,7 @@ async def _fetch_verified(agent: Any, view: Any, timeout: float, what: str,
     except (NetError, PeerProtocolError, trio.TooSlowError) as exc:
         log.info("job %s: could not %s from %s: %s", view.job_id.hex()[:8], what, peer[-8:], exc)
         return None
-    verified, refused = _verified(history, view.job_id)
+    verified, refused = await trio.to_thread.run_sync(_verified, history, view.job_id)  # signatures: off the loop
     if refused:
         log.warning("job %s: %d envelopes from %s's history refused", view.job_id.hex()[:8], refused, peer[-8:])
     return verified
@@ -162,26 +176,33 @@ async def submitter_catch_up(agent: Any, view: Any, timeout: float = TIMEOUT) ->
     applied: set[bytes] = set()
     for peer in peers:
         verified = await _fetch_verified(agent, view, timeout, "catch up", peer)
-        now = agent.clock()
         for data, opened in verified or ():
             if agent.store.has_envelope(opened.envelope.message_id):
                 continue
-            agent.store.record(data, now)
             signer, at = opened.envelope.signer, opened.envelope.timestamp_ms / 1000.0
-            view.apply(opened.message, signer, at, agent.eligible_coordinators(view.terms))
+            view.apply(opened.message, signer, at, agent.eligible_coordinators(view.terms), data)
             applied.add(opened.envelope.message_id)
+        await _keep(agent, view)  # what applied, in the order it did
     agent._react(view, view.take_applied())  # keep our copies of the accepted work and aggregates we missed
     if applied:
         log.info("job %s: caught up on %d messages from %d peers after a restart: %s, round %d, term %d",
                  view.job_id.hex()[:8], len(applied), len(peers), view.state.phase.value, view.state.round,
                  view.coordination.term)
-        agent.store.update_job(view.job_id, agent.clock(), state=view.state.phase.value, round=view.state.round,
-                               coordinator_term=view.coordination.term)
+        agent.save_job_row(view)
     return applied
 
 
-def _replay(view: Any, opened: Any) -> None:
-    view.replay(opened.message, opened.envelope.signer, opened.envelope.timestamp_ms / 1000.0)
+def _replay(view: Any, opened: Any, data: bytes | None = None) -> None:
+    view.replay(opened.message, opened.envelope.signer, opened.envelope.timestamp_ms / 1000.0, data)
+
+
+async def _keep(agent: Any, view: Any) -> None:
+    """Store what applied to ``view`` since the last call (agent.keep_evidence); a full disk raises
+    StoreFullError to the caller, as a direct store write would."""
+    from agent.store import StoreFullError
+
+    if not await agent.keep_evidence(view):
+        raise StoreFullError(agent.store_full or "the store cannot be written")
 
 
 async def catch_up(agent: Any, view: Any, timeout: float = TIMEOUT) -> set[bytes]:
@@ -189,20 +210,18 @@ async def catch_up(agent: Any, view: Any, timeout: float = TIMEOUT) -> set[bytes
     Returns the message IDs applied (the live reader skips them); failures are logged, not raised."""
     verified = await _fetch_verified(agent, view, timeout, "catch up")
     applied: set[bytes] = set()
-    now = agent.clock()
     for data, opened in verified or ():
         if agent.store.has_envelope(opened.envelope.message_id):
             continue
-        agent.store.record(data, now)
-        _replay(view, opened)
+        _replay(view, opened, data)
         applied.add(opened.envelope.message_id)
     view.take_applied()  # history: nothing to react to
+    await _keep(agent, view)
     if applied:
         log.info("job %s: caught up on %d messages from the submitter: %s, round %d, term %d",
                  view.job_id.hex()[:8], len(applied), view.state.phase.value, view.state.round,
                  view.coordination.term)
-        agent.store.update_job(view.job_id, now, state=view.state.phase.value, round=view.state.round,
-                               coordinator_term=view.coordination.term)
+        agent.save_job_row(view)
     return applied
 
 
@@ -216,7 +235,7 @@ def needs_resync(view: Any, eligible: frozenset[str], now: float) -> bool:
     others did not). Messages of anyone else, an attacker's included, never trigger a rebuild."""
     return any(isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)) and signer in eligible
                and signer != view.me and now - seen > RESYNC_HELD_SECONDS
-               for seen, msg, signer in view.pending)
+               for seen, msg, signer, *_ in view.pending)
 
 
 async def resync(agent: Any, view: Any, timeout: float = TIMEOUT) -> list[tuple[Any, str]] | None:
@@ -230,15 +249,13 @@ async def resync(agent: Any, view: Any, timeout: float = TIMEOUT) -> list[tuple[
     if not verified:
         return None
     fresh = JobView(view.terms, view.first_seen, view.me)
-    for _, opened in verified:
-        _replay(fresh, opened)
+    for data, opened in verified:
+        _replay(fresh, opened, data)
     fresh.take_applied()
     # the submitter's record wins even with a lower term: decisions count only on its side
     # (IPIP-0006 §1.3), so a higher term it never saw was ours alone
     now = agent.clock()
-    for data, opened in verified:
-        if not agent.store.has_envelope(opened.envelope.message_id):
-            agent.store.record(data, now)
+    evidence = fresh.take_evidence()  # stored below, after the swap (nothing may run on the old mirror between)
     before = (view.state.phase.value, view.state.round, len(view.pending))
     held = view.pending
     for name in ("state", "coordination", "leases", "commits", "reports", "verdicts", "aggregates"):
@@ -246,11 +263,12 @@ async def resync(agent: Any, view: Any, timeout: float = TIMEOUT) -> list[tuple[
     term = view.coordination.term  # still-held live messages may apply now, except stale decisions
     view.pending = [p for p in held if p[2] != view.me and getattr(p[1], "term", term) >= term]
     view.take_applied()
+    view.evidence = view.evidence + evidence
     view.retry_pending(now, agent.eligible_coordinators(view.terms))
     applied = view.take_applied()
+    await _keep(agent, view)
     log.warning("job %s: mirror rebuilt from the submitter's history (%d messages): was %s round %d with %d held, "
                 "now %s round %d, term %d", view.job_id.hex()[:8], len(verified), *before,
                 view.state.phase.value, view.state.round, view.coordination.term)
-    agent.store.update_job(view.job_id, now, state=view.state.phase.value, round=view.state.round,
-                           coordinator_term=view.coordination.term)
+    agent.save_job_row(view)
     return applied

@@ -343,3 +343,37 @@ def test_a_verdict_never_moves_a_view_to_a_higher_term_vector():
             assert case["error"], case["name"]
             after = start
         assert (after.term, after.coordinator) == (case["expect_term"], case["expect_coordinator"]), case["name"]
+
+
+def test_verdicts_of_earlier_terms_vector():
+    """IPIP-0006 §1.3 rule 7 (issue #17): a verdict of an earlier term applies when its signer held that
+    term in our view (or judged that coordinator's report), or our view skipped the term and the signer
+    is eligible; never on an attempt leased after its term, never signed by its worker; never moves the view."""
+    from protocol.election import may_apply_past_verdict
+
+    vector = json.loads((VECTORS / "election-past.json").read_text())
+    job = bytes.fromhex(vector["job_id_hex"])
+    view = Coordination(job, vector["start"]["term"], vector["start"]["coordinator"])
+    for move in vector["moves"]:
+        view = view.check_message(move["signer"], move["term"], vector["ranking"])
+    assert (view.term, view.coordinator) == (vector["view"]["term"], vector["view"]["coordinator"])
+    assert [list(p) for p in view.past] == vector["past"]
+    assert {c["expect"] for c in vector["cases"]} == {True, False}
+    for case in vector["cases"]:
+        got = may_apply_past_verdict(view, case["signer"], case["worker"], case["term"], case["lease_term"],
+                                     case["eligible"])
+        assert got == case["expect"], case["name"]
+
+
+def test_a_view_remembers_a_bounded_number_of_earlier_terms():
+    from protocol.election import PAST_TERMS_KEPT, may_apply_past_verdict
+
+    vector = json.loads((VECTORS / "election-past.json").read_text())
+    job, ranking = bytes.fromhex(vector["job_id_hex"]), vector["ranking"]
+    view = Coordination(job)
+    for term in range(1, PAST_TERMS_KEPT + 10):
+        view = view.check_message(ranking[term % 2], term, ranking)
+    assert len(view.past) == PAST_TERMS_KEPT and view.past[-1][0] == view.term - 1
+    forgotten = view.past[0][0] - 1  # older than what it remembers: refused, not taken as skipped
+    assert not may_apply_past_verdict(view, ranking[forgotten % 2], ranking[4], forgotten, None, ranking)
+    assert may_apply_past_verdict(view, ranking[view.past[0][0] % 2], ranking[4], view.past[0][0], None, ranking)

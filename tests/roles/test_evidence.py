@@ -1,0 +1,174 @@
+"""Issue #15 items 5 and 6: the store keeps what changed the mirror, in the order it did; history sync
+serves decisions first under its limits; hashing and store commits run off the event loop.
+
+Real parts: a real Agent (not started on the network) with a real SQLite store, fed real signed
+envelopes through the code path of the job topic's reader (``Agent.on_job_message``).
+"""
+
+from __future__ import annotations
+
+import trio
+
+from agent.net.gossip import Received
+from agent.node import Agent, AgentConfig, PeerInfo
+from agent.roles.job import PENDING_MAX, PENDING_PER_SIGNER, JobView
+from agent.roles.sync import history_for
+from agent.store import Store
+from protocol import messages as m
+from protocol import state as st
+from protocol.election import Coordination
+from protocol.envelope import open_envelope, seal
+from protocol.identity import Identity
+from scripts.make_envelope_vectors import sample_capability, sample_terms
+
+SUBMITTER, COORD, W1, W2, OBSERVER = (Identity(bytes([i]) * 32) for i in (1, 30, 31, 32, 33))
+TERMS = sample_terms(SUBMITTER)
+JOB = TERMS.job_id()
+NOW = 1_790_000_000.0
+
+
+def received(identity: Identity, message, at: float) -> Received:
+    data = seal(identity, message, now=at)
+    opened = open_envelope(data, now=at)
+    return Received(m.job_topic(JOB), opened.message, opened.envelope, identity.peer_id)
+
+
+def observer_agent(tmp_path) -> tuple[Agent, JobView]:
+    """An agent that follows the job (not its submitter, not a worker), its store open, not on a network."""
+    agent = Agent(OBSERVER, AgentConfig(home=tmp_path, can_coordinate=False), clock=lambda: NOW)
+    agent.store = Store.in_data_dir(tmp_path, OBSERVER)
+    agent.store.add_job(TERMS, "observer", NOW)
+    agent.peers[COORD.peer_id] = PeerInfo(NOW, capability=sample_capability())
+    view = JobView(TERMS, NOW, OBSERVER.peer_id)
+    view.coordination = Coordination(JOB, 1, COORD.peer_id)
+    agent.jobs[JOB] = view
+    return agent, view
+
+
+def report(shard: int, attempt: int) -> m.ShardReport:
+    cid = TERMS.shards[shard].cid
+    return m.ShardReport(JOB, 1, shard, attempt, cid, cid, bytes(32), 1, 4, 32, 1.0, {})
+
+
+def test_a_flood_of_well_signed_messages_that_do_not_apply_is_not_stored_and_does_not_crowd_out_history(tmp_path):
+    agent, view = observer_agent(tmp_path)
+    real = [
+        received(COORD, m.ShardLease(JOB, 1, 0, 1, W1.peer_id, 1, NOW + 120, None), NOW + 1),
+        received(W1, m.CheckpointCommit(JOB, 1, 0, 1, 4, 0, bytes(32), bytes(32), 1.5, None), NOW + 2),
+        received(W1, report(0, 1), NOW + 3),
+    ]
+    # a held verdict (it arrives before the report it judges): kept in memory, stored once it applies
+    held = received(COORD, m.Verdict(JOB, 1, 0, 1, W1.peer_id, 1, True, "ok", (0,)), NOW + 2.5)
+    sybils = [Identity(bytes([100 + i]) * 32) for i in range(12)]
+    flood = [received(s, report(1, 1 + k), NOW + 2 + k / 100) for s in sybils for k in range(PENDING_PER_SIGNER + 2)]
+
+    async def main() -> None:
+        await agent.on_job_message(view, real[0])
+        await agent.on_job_message(view, real[1])
+        await agent.on_job_message(view, held)
+        for r in flood:  # valid signatures, the job's ID, but none holds a lease: nothing applies
+            await agent.on_job_message(view, r)
+        await agent.on_job_message(view, real[2])
+
+    trio.run(main)
+    assert view.shard(0).phase is st.ShardPhase.ACCEPTED
+    stored = [s.data for s in agent.store.envelopes(JOB, stored_order=True)]
+    expected = [r.envelope.to_bytes() for r in (*real, held)]
+    assert stored == expected, "only what applied is stored, in the order it applied (the verdict after its report)"
+    assert history_for(agent.store, JOB) == expected
+    # what is held is bounded per signer and in all, and the held verdict was never pushed out by the flood
+    assert len(view.pending) <= PENDING_MAX
+    assert max(sum(1 for p in view.pending if p[2] == s.peer_id) for s in sybils) <= PENDING_PER_SIGNER
+    assert view.refused["pending-signer-quota"] > 0 and view.refused["pending-overflow"] > 0
+    # a restart rebuilds the same mirror from that store
+    rebuilt = agent.rebuild_view(agent.store.job(JOB))
+    assert rebuilt.state == view.state
+    agent.store.close()
+
+
+def test_the_strangers_held_messages_go_first_when_the_held_set_is_full():
+    view = JobView(TERMS, NOW, SUBMITTER.peer_id)
+    view.coordination = Coordination(JOB, 1, COORD.peer_id)
+    eligible = frozenset({COORD.peer_id})
+    early = m.Verdict(JOB, 1, 1, 1, W2.peer_id, 1, True, "ok", (0,))  # before the lease and report it follows
+    assert view.apply(early, COORD.peer_id, NOW, eligible) is None
+    for i in range(PENDING_MAX + 50):
+        stranger = Identity((1000 + i).to_bytes(2, "big") * 16)
+        view.apply(report(1, 1), stranger.peer_id, NOW + 1, eligible)
+    assert len(view.pending) == PENDING_MAX
+    assert any(p[1] == early for p in view.pending), "the coordinator's held verdict survived the flood"
+
+
+def test_history_over_the_limit_sends_decisions_and_reports_before_checkpoints(tmp_path):
+    store = Store.in_data_dir(tmp_path, SUBMITTER)
+    sealed = [seal(COORD, m.ShardLease(JOB, 1, 0, 1, W1.peer_id, 1, NOW + 120, None), now=NOW)]
+    sealed += [seal(W1, m.CheckpointCommit(JOB, 1, 0, 1, 4 * i, i, bytes([i]) * 32, bytes(32), 1.0, None), now=NOW + 1 + i)
+               for i in range(20)]
+    sealed += [seal(W1, report(0, 1), now=NOW + 30),
+               seal(COORD, m.Verdict(JOB, 1, 0, 1, W1.peer_id, 1, True, "ok", (0,)), now=NOW + 31)]
+    for i, data in enumerate(sealed):
+        store.record(data, NOW + i)
+    assert history_for(store, JOB) == sealed  # under the limits: everything, in stored order
+    limited = history_for(store, JOB, max_count=8)
+    assert limited == [sealed[0], *sealed[1:6], sealed[-2], sealed[-1]]  # decisions and report kept, in order
+    size = sum(len(d) for d in (sealed[0], sealed[-2], sealed[-1]))
+    assert history_for(store, JOB, max_bytes=size) == [sealed[0], sealed[-2], sealed[-1]]
+    store.close()
+
+
+def test_hashing_a_large_adapter_leaves_the_event_loop_running():
+    import torch
+
+    from agent.roles.coordinator import tensors_hash_off_loop
+    from agent.train.model import tensors_hash
+
+    tensors = {f"layer{i}.lora_B.weight": torch.full((1024, 1024), float(i)) for i in range(24)}  # 96 MiB
+    expected = tensors_hash(tensors)
+    ticks_during: list[int] = []
+
+    async def main() -> bytes:
+        ticks = 0
+        hashing = True
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while hashing:
+                await trio.sleep(0)
+                ticks += 1
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            await trio.sleep(0)  # the ticker is running before the hash starts
+            before = ticks
+            digest = await tensors_hash_off_loop(tensors, trio.CapacityLimiter(1))
+            ticks_during.append(ticks - before)
+            hashing = False
+        return digest
+
+    assert trio.run(main) == expected
+    # on the event loop the ticker could not have run at all while the hash ran; in a thread it ran on
+    assert ticks_during[0] > 10, ticks_during
+
+
+def test_store_writes_of_the_job_reader_run_in_a_worker_thread(tmp_path):
+    import threading
+
+    agent, view = observer_agent(tmp_path)
+    threads: list[int] = []
+    record = agent.store.record
+
+    def spy(data, now):
+        threads.append(threading.get_ident())
+        return record(data, now)
+
+    agent.store.record = spy
+    lease = received(COORD, m.ShardLease(JOB, 1, 0, 1, W1.peer_id, 1, NOW + 120, None), NOW + 1)
+
+    async def main() -> int:
+        await agent.on_job_message(view, lease)
+        return threading.get_ident()
+
+    loop_thread = trio.run(main)
+    assert threads and all(t != loop_thread for t in threads)
+    assert len(agent.store.envelopes(JOB)) == 1
+    agent.store.close()

@@ -1,0 +1,118 @@
+"""Verdicts of earlier terms (IPIP-0006 §1.3 rule 7), fed in the exact order that broke partition-heal.
+
+Issue #17: the submitter held the term-2 coordinator's verdict (a verdict never moves a view to a higher
+term); a term-3 lease then moved its view past term 2 and the held verdict was refused for good as
+stale: its mirror kept the shard REPORTED (then reopened it) while every other mirror had accepted it.
+"""
+
+from protocol import messages as m
+from protocol import state as st
+from protocol.election import Coordination
+from protocol.identity import Identity
+from agent.roles.job import JobView
+from scripts.make_envelope_vectors import sample_terms
+
+SUBMITTER, W0, W1, W2, W3 = (Identity(bytes([i]) * 32) for i in (1, 20, 21, 22, 23))
+TERMS = sample_terms(SUBMITTER)
+JOB = TERMS.job_id()
+NOW = 1_790_000_000.0
+ELIGIBLE = frozenset({W0.peer_id, W1.peer_id, W2.peer_id, W3.peer_id})
+
+
+def submitter_view() -> JobView:
+    v = JobView(TERMS, NOW, me=SUBMITTER.peer_id)
+    v.coordination = Coordination(JOB, 1, W0.peer_id)  # term 1: W0, elected after the grace period
+    return v
+
+
+def lease(shard, attempt, worker, term, rnd=1):
+    return m.ShardLease(JOB, rnd, shard, attempt, worker.peer_id, term, NOW + 120, None)
+
+
+def report(shard, attempt, rnd=1):
+    cid = TERMS.shards[shard].cid
+    return m.ShardReport(JOB, rnd, shard, attempt, cid, cid, bytes(32), 1, 4, 32, 1.0, {})
+
+
+def verdict(shard, attempt, worker, term, accepted=True, rnd=1):
+    return m.Verdict(JOB, rnd, shard, attempt, worker.peer_id, term, accepted, "ok", (0,))
+
+
+def test_a_held_verdict_of_a_skipped_term_applies_once_a_later_term_moves_the_view_past_it():
+    v = submitter_view()
+    assert v.apply(lease(1, 1, W1, 1), W0.peer_id, NOW, ELIGIBLE) is not None
+    assert v.apply(report(1, 1), W1.peer_id, NOW + 1, ELIGIBLE) is not None
+    # W3 coordinates term 2 on the submitter's side of a partition; its verdict reaches us while our
+    # view is still in term 1: held, the view does not move (rule 6)
+    assert v.apply(verdict(1, 1, W1, 2), W3.peer_id, NOW + 2, ELIGIBLE) is None
+    assert v.coordination.term == 1 and v.shard(1).phase is st.ShardPhase.REPORTED
+    # a term-3 lease (W2 took over from W3) moves the view from term 1 to term 3: term 2 was skipped
+    assert v.apply(lease(0, 1, W0, 3), W2.peer_id, NOW + 3, ELIGIBLE) is not None
+    assert (v.coordination.term, v.coordination.coordinator) == (3, W2.peer_id)
+    # the held term-2 verdict is not stale: it judged an attempt leased in term 1, and term 2 is one
+    # our view never held; it applied on the way (before the fix it stayed held and expired)
+    assert v.shard(1).phase is st.ShardPhase.ACCEPTED, (v.shard(1), v.pending)
+    assert not v.pending and (1, 1, 1) in v.verdicts
+    assert v.coordination.past == ((1, W0.peer_id),)  # the verdict never moved the view
+
+
+def test_a_verdict_of_a_term_we_held_applies_only_from_that_terms_coordinator():
+    v = submitter_view()
+    v.apply(lease(1, 1, W1, 1), W0.peer_id, NOW, ELIGIBLE)
+    v.apply(report(1, 1), W1.peer_id, NOW + 1, ELIGIBLE)
+    v.apply(lease(0, 1, W0, 2), W2.peer_id, NOW + 2, ELIGIBLE)  # W0 deposed; W2 coordinates term 2
+    assert (v.coordination.term, v.coordination.past) == (2, ((1, W0.peer_id),))
+    # a term-1 verdict from W3, which never coordinated term 1 in our view: refused
+    assert v.apply(verdict(1, 1, W1, 1), W3.peer_id, NOW + 3, ELIGIBLE) is None
+    assert v.shard(1).phase is st.ShardPhase.REPORTED
+    # the term-1 coordinator's own verdict, sent before it learned it was deposed: applied, view unmoved
+    assert v.apply(verdict(1, 1, W1, 1), W0.peer_id, NOW + 4, ELIGIBLE) is not None
+    assert v.shard(1).phase is st.ShardPhase.ACCEPTED and v.coordination.term == 2
+
+
+def test_an_earlier_terms_verdict_never_judges_a_later_lease_nor_a_reopened_attempt():
+    v = submitter_view()
+    v.apply(lease(1, 1, W1, 1), W0.peer_id, NOW, ELIGIBLE)
+    v.apply(report(1, 1), W1.peer_id, NOW + 1, ELIGIBLE)
+    v.apply(lease(0, 1, W0, 2), W2.peer_id, NOW + 2, ELIGIBLE)
+    # term 2's coordinator rejects attempt 1 and leases attempt 2 in term 2
+    assert v.apply(verdict(1, 1, W1, 2, accepted=False), W2.peer_id, NOW + 3, ELIGIBLE) is not None
+    assert v.apply(lease(1, 2, W3, 2), W2.peer_id, NOW + 4, ELIGIBLE) is not None
+    v.apply(report(1, 2), W3.peer_id, NOW + 5, ELIGIBLE)
+    # the deposed term-1 coordinator's late verdict on attempt 1: the state machine refuses it (stale attempt)
+    assert v.apply(verdict(1, 1, W1, 1), W0.peer_id, NOW + 6, ELIGIBLE) is None
+    # ... and its verdict on attempt 2, leased in term 2, is refused by rule 7 (a term-1 coordinator never saw it)
+    assert v.apply(verdict(1, 2, W3, 1), W0.peer_id, NOW + 7, ELIGIBLE) is None
+    assert (v.shard(1).phase, v.shard(1).attempt) == (st.ShardPhase.REPORTED, 2)
+
+
+def test_a_verdict_of_a_skipped_term_signed_by_its_worker_or_an_ineligible_peer_is_refused():
+    v = submitter_view()
+    v.apply(lease(1, 1, W1, 1), W0.peer_id, NOW, ELIGIBLE)
+    v.apply(report(1, 1), W1.peer_id, NOW + 1, ELIGIBLE)
+    v.apply(lease(0, 1, W0, 3), W2.peer_id, NOW + 2, ELIGIBLE)
+    outsider = Identity(bytes([99]) * 32)
+    assert v.apply(verdict(1, 1, W1, 2), W1.peer_id, NOW + 3, ELIGIBLE) is None  # self-judged
+    assert v.apply(verdict(1, 1, W1, 2), outsider.peer_id, NOW + 4, ELIGIBLE) is None  # not eligible
+    assert v.shard(1).phase is st.ShardPhase.REPORTED
+
+
+# -- late verdicts (IPIP-0004 §5), the other way partition-heal's submitter fell behind ------------
+
+
+def test_a_verdict_arriving_just_after_our_verification_window_closed_is_still_taken():
+    """On a loaded machine the submitter's window closed 0.1 s before the coordinator's verdict (given in
+    its own window) arrived; the submitter reopened the shard, refused the verdict and then the round's
+    aggregate for good. A verdict for the attempt the verification timer ended applies until a new lease."""
+    v = submitter_view()
+    lease_seconds = float(TERMS.lease_seconds)
+    for shard, worker in ((0, W2), (1, W1)):
+        v.apply(lease(shard, 1, worker, 1), W0.peer_id, NOW, ELIGIBLE)
+        v.apply(report(shard, 1), worker.peer_id, NOW + 1, ELIGIBLE)
+    v.apply(verdict(0, 1, W2, 1), W0.peer_id, NOW + 2, ELIGIBLE)
+    assert v.step(st.Tick(), NOW + 1 + lease_seconds)  # shard 1's window closes here: reopened
+    assert v.shard(1).phase is st.ShardPhase.OPEN
+    actions = v.apply(verdict(1, 1, W1, 1), W0.peer_id, NOW + 1.1 + lease_seconds, ELIGIBLE)
+    assert actions is not None and any(isinstance(a, st.Aggregate) for a in actions)
+    assert (v.shard(1).phase, v.shard(1).worker) == (st.ShardPhase.ACCEPTED, W1.peer_id)
+    assert v.state.phase is st.JobPhase.AGGREGATING
