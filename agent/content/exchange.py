@@ -46,7 +46,8 @@ PROTOCOL = "/infernet/blocks/1.0.0"
 MAX_REQUEST_BYTES = 64 * 1024
 MAX_WANTS = 1024
 IDLE_TIMEOUT = 30.0
-PIPELINE_DEPTH = 4  # blocks in flight between the network task and the checking task (each side)
+PIPELINE_DEPTH = 4  # batches (server) or blocks (client) in flight between the network and disk tasks
+BATCH_BYTES = 1 << 20  # the server reads and writes blocks in batches of about this many bytes
 NOT_HAVE = varint_encode(0)
 
 
@@ -109,34 +110,49 @@ class BlockServer:
         reader = FrameReader(stream, chunk=MAX_REQUEST_BYTES)
         with trio.fail_after(self.idle_timeout):
             wants = decode_request(await reader.read_frame(MAX_REQUEST_BYTES, f"{PROTOCOL} request"), peer)
-        # a walker task reads blocks in worker threads while this task writes the previous ones:
-        # disk and network overlap
-        send, receive = trio.open_memory_channel[bytes | None](PIPELINE_DEPTH)
+        # a walker task reads blocks in worker threads, a batch at a time, while this task writes
+        # the previous batch: disk and network overlap, and a thread hop serves several blocks
+        send, receive = trio.open_memory_channel[list[bytes | None]](PIPELINE_DEPTH)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._walk, wants, send)
             async with receive:
-                async for data in receive:
+                async for batch in receive:
+                    lacks = batch[-1] is None
+                    blocks = batch[:-1] if lacks else batch
+                    out = b"".join(varint_encode(len(data) + 1) + data for data in blocks)  # type: ignore[arg-type]
                     with trio.fail_after(self.idle_timeout):
-                        if data is None:
-                            await stream.write(NOT_HAVE)
-                            break
-                        await stream.write(varint_encode(len(data) + 1) + data)
-                    self.blocks_served += 1
-                    self.bytes_served += len(data)
+                        await stream.write(out + NOT_HAVE if lacks else out)
+                    self.blocks_served += len(blocks)
+                    self.bytes_served += sum(len(data) for data in blocks)  # type: ignore[arg-type]
+                    if lacks:
+                        break
             nursery.cancel_scope.cancel()
 
     async def _walk(self, wants: list[CID], send: trio.MemorySendChannel) -> None:
-        """DFS pre-order over the wanted DAGs; None after the last block we have, if one is missing."""
+        """DFS pre-order over the wanted DAGs, in batches; a batch ending in None is the last:
+        the next block is one we lack."""
         async with send:
             pending = list(reversed(wants))
             while pending:
-                found = await trio.to_thread.run_sync(self._block_and_links, pending.pop())
-                if found is None:
-                    await send.send(None)
+                batch = await trio.to_thread.run_sync(self._read_batch, pending)
+                await send.send(batch)
+                if batch and batch[-1] is None:
                     return
-                data, children = found
-                pending.extend(reversed(children))
-                await send.send(data)
+
+    def _read_batch(self, pending: list[CID]) -> list[bytes | None]:
+        """The next blocks in DFS order, up to BATCH_BYTES (at least one); ``pending`` is the stack."""
+        batch: list[bytes | None] = []
+        size = 0
+        while pending and size < BATCH_BYTES:
+            found = self._block_and_links(pending.pop())
+            if found is None:
+                batch.append(None)
+                break
+            data, children = found
+            pending.extend(reversed(children))
+            batch.append(data)
+            size += len(data)
+        return batch
 
 
 async def fetch_from_peer(
@@ -225,12 +241,19 @@ async def _check_blocks(verifier: StreamVerifier, on_block: Callable[[CID, bytes
                         receive: trio.MemoryReceiveChannel) -> None:
     async with receive:
         async for data in receive:
+            batch = [data]  # every block already received goes in the same thread hop
+            while len(batch) < PIPELINE_DEPTH:
+                try:
+                    batch.append(receive.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
             # CIDError names the CID; a rejected block leaves the verifier where it was
-            await trio.to_thread.run_sync(_feed, verifier, on_block, data)
+            await trio.to_thread.run_sync(_feed, verifier, on_block, batch)
 
 
-def _feed(verifier: StreamVerifier, on_block: Callable[[CID, bytes, bytes], None], data: bytes) -> None:
-    cid = verifier.expected()
-    if cid is None:
-        raise CIDError(f"file {verifier.root} is complete; the peer sent more blocks")
-    on_block(cid, data, verifier.feed(data))
+def _feed(verifier: StreamVerifier, on_block: Callable[[CID, bytes, bytes], None], batch: list[bytes]) -> None:
+    for data in batch:
+        cid = verifier.expected()
+        if cid is None:
+            raise CIDError(f"file {verifier.root} is complete; the peer sent more blocks")
+        on_block(cid, data, verifier.feed(data))
