@@ -121,7 +121,10 @@ class BlockServer:
                 async for batch in receive:
                     lacks = batch[-1] is None
                     blocks = batch[:-1] if lacks else batch
-                    out = b"".join(varint_encode(len(data) + 1) + data for data in blocks)  # type: ignore[arg-type]
+                    parts: list[bytes] = []
+                    for data in blocks:
+                        parts += (varint_encode(len(data) + 1), data)  # type: ignore[arg-type]
+                    out = b"".join(parts)  # the blocks are copied once
                     with trio.fail_after(self.idle_timeout):
                         await stream.write(out + NOT_HAVE if lacks else out)
                     self.blocks_served += len(blocks)
