@@ -20,7 +20,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -172,9 +171,9 @@ async def bench_transfer(mib: int, repeats: int, workdir: Path) -> None:
             return time.perf_counter() - start
 
         async def fetch(via: str) -> float:
-            # an empty blockstore in a new directory each time; the previous one is deleted only
-            # after this fetch is timed (deleting 2 x --mib MiB of files right before a fetch made
-            # the file system's deferred work land inside its measurement)
+            # an empty blockstore in a new directory each time, all deleted only when the bench
+            # ends: deleting 2 x --mib MiB of files between runs made the file system's deferred
+            # work land in whichever run came next (--repeats x 4 x --mib MiB of disk until then)
             store_dir = workdir / f"f-{via}-{time.perf_counter_ns()}"
             async with open_content(fetcher.host, fetcher.discovery, store_dir) as content:
                 out = store_dir / "out.bin"
@@ -183,9 +182,6 @@ async def bench_transfer(mib: int, repeats: int, workdir: Path) -> None:
                                     timeout=TRANSFER_TIMEOUT)
                 elapsed = time.perf_counter() - start
                 assert out.stat().st_size == len(data)
-            for old in workdir.glob("f-*"):
-                if old != store_dir:
-                    shutil.rmtree(old, ignore_errors=True)
             return elapsed
 
         best = {"raw": float("inf"), VIA_BLOCKS: float("inf"), VIA_BITSWAP: float("inf")}

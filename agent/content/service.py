@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 VIA_AUTO = "auto"  # per provider: ours where it is offered, else Bitswap
 VIA_BLOCKS = "blocks"
 VIA_BITSWAP = "bitswap"
+SYNC_EVERY = 8 << 20  # a fetch's output file is flushed to disk every this many bytes, as they arrive
 NO_BLOCKS_TTL = 600.0  # how long a provider that refused /infernet/blocks is asked over Bitswap directly
 
 
@@ -156,11 +157,21 @@ class ContentService:
         report = FetchReport(root, out_path, 0)
         try:
             with open(tmp, "wb") as out:
+                unsynced = 0
+
                 def on_block(block_cid: CID, data: bytes, payload: bytes) -> None:
+                    nonlocal unsynced
                     self.store.put_verified(block_cid, data)
                     out.write(payload)
                     report.size += len(payload)
                     report.fetched_blocks += 1
+                    # flush as we go (this runs in a worker thread, while the network goes on), so
+                    # the final fsync has at most SYNC_EVERY bytes left to write
+                    unsynced += len(payload)
+                    if unsynced >= SYNC_EVERY:
+                        out.flush()
+                        os.fdatasync(out.fileno())
+                        unsynced = 0
 
                 with trio.move_on_after(timeout) as deadline:
                     # in a thread: resuming a large file re-hashes every block it already has
@@ -175,7 +186,8 @@ class ContentService:
                     raise FetchError(str(root), reason, missing=[str(c) for c in verifier.remaining()],
                                      attempts=report.attempts, corrupt=report.corrupt)
                 out.flush()
-                os.fsync(out.fileno())
+                # not in the event loop: flushing the tail of a large file can take a while
+                await trio.to_thread.run_sync(os.fsync, out.fileno())
             os.replace(tmp, out_path)
             return report
         finally:
