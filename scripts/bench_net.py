@@ -20,7 +20,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -42,6 +41,7 @@ MiB = 1 << 20
 PIECE = 256 * 1024
 GOSSIP_GOAL_MS = 1000.0
 TRANSFER_GOAL = 0.8
+TRANSFER_TIMEOUT = 300.0  # one transfer; a stalled one fails the bench instead of hanging it
 
 
 def emit(bench: str, value: float, unit: str, reference: float, goal: float | None, *,
@@ -155,26 +155,31 @@ async def bench_transfer(mib: int, repeats: int, workdir: Path) -> None:
         async def raw() -> float:
             start = time.perf_counter()
             stream = await fetcher.host.open_stream(provider.peer_id, ["/bench/raw/1"])
-            await stream.write(b"go")
             received = 0
-            while True:
-                try:
-                    chunk = await stream.read(1 << 20)
-                except EOFError:
-                    break
-                if not chunk:
-                    break
-                received += len(chunk)
+            with trio.fail_after(TRANSFER_TIMEOUT):  # as a fetch: the whole transfer has a deadline
+                await stream.write(b"go")
+                while True:
+                    try:
+                        chunk = await stream.read(1 << 20)
+                    except EOFError:
+                        break
+                    if not chunk:
+                        break
+                    received += len(chunk)
+            await stream.close()
             assert received == len(data), received
             return time.perf_counter() - start
 
         async def fetch(via: str) -> float:
-            store_dir = workdir / f"f-{via}"
-            shutil.rmtree(store_dir, ignore_errors=True)
+            # an empty blockstore in a new directory each time, all deleted only when the bench
+            # ends: deleting 2 x --mib MiB of files between runs made the file system's deferred
+            # work land in whichever run came next (--repeats x 4 x --mib MiB of disk until then)
+            store_dir = workdir / f"f-{via}-{time.perf_counter_ns()}"
             async with open_content(fetcher.host, fetcher.discovery, store_dir) as content:
                 out = store_dir / "out.bin"
                 start = time.perf_counter()
-                await content.fetch(root, out, providers=[provider.peer_id], use_dht=False, via=via, timeout=300)
+                await content.fetch(root, out, providers=[provider.peer_id], use_dht=False, via=via,
+                                    timeout=TRANSFER_TIMEOUT)
                 elapsed = time.perf_counter() - start
                 assert out.stat().st_size == len(data)
             return elapsed

@@ -2,7 +2,7 @@
 
     service.open_content(host, discovery, data_dir, ipfs_api=None) -> ContentService
     ContentService       add_file(path) / add_bytes(data) -> CID (stored, provided in the DHT);
-                         fetch(cid, out_path, timeout=, providers=, via="blocks"|"bitswap")
+                         fetch(cid, out_path, timeout=, providers=, via="auto"|"blocks"|"bitswap")
                          -> FetchReport; FetchError names the CID, the missing block, each attempt
     blockstore.BlockStore  one file per block, hash-checked on put, temp + rename
     exchange             /infernet/blocks/1.0.0: BlockServer, fetch_from_peer

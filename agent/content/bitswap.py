@@ -27,6 +27,11 @@ Rules of this file:
      fails the sender's next write, and the sender opens a new stream. Our own sender (``_Queue``)
      then writes the same messages again on the new stream, as Kubo's message sender does, instead
      of dropping them and leaving the other side to ask again later.
+  4. ``stop`` resets every inbound stream the client is still reading. py-libp2p leaves their
+     reader tasks running (they belong to the connection, not to the client): a peer's queue kept
+     writing blocks on its old stream into the stopped client's store, and a later client on the
+     same host waited out every window of its fetch for blocks that had gone there
+     (scripts/bench_net.py stalled for minutes). A reset makes the peer open a new stream.
 - Fetching never calls py-libp2p's ``fetch_file`` (it retries forever). ``fetch_from_peer`` is our
   own want-loop: it asks for a window of the blocks the StreamVerifier will need next, waits at most
   ``idle_timeout`` for each window, then feeds the verifier in DFS order from the store. A window
@@ -51,6 +56,7 @@ from libp2p.peer.id import ID
 from agent.content.blockstore import BlockStore
 from agent.net.errors import PeerProtocolError
 from agent.net.host import Host
+from agent.net.streams import reset_quietly
 from protocol.cid import CID, SHA2_256, varint_encode
 from protocol.errors import CIDError
 from protocol.unixfs import StreamVerifier
@@ -124,21 +130,37 @@ class _Client(BitswapClient):
 
     block_store: _StoreAdapter
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._inbound: dict[Any, trio.CancelScope] = {}  # the inbound streams being read, to end at stop
+
     async def _handle_stream(self, stream: Any) -> None:
-        """Serve one inbound stream until the peer closes it; reset it after INBOUND_IDLE silent."""
+        """Serve one inbound stream until the peer closes it; reset it after INBOUND_IDLE silent,
+        or when this client stops."""
         peer_id = stream.muxed_conn.peer_id
         if protocol := stream.get_protocol():
             self._peer_protocols[peer_id] = str(protocol)
-        while True:
-            message = None
-            with trio.move_on_after(INBOUND_IDLE) as idle:
-                message = await self._read_message(stream)  # None at EOF or on a bad message
-            if idle.cancelled_caught:
-                await stream.reset()
-                return
-            if message is None:
-                return
-            await self._process_message(message, peer_id, stream)  # an error: HandlerGuard resets
+        with trio.CancelScope() as scope:
+            self._inbound[stream] = scope
+            try:
+                while True:
+                    message = None
+                    with trio.move_on_after(INBOUND_IDLE) as idle:
+                        message = await self._read_message(stream)  # None at EOF or on a bad message
+                    if idle.cancelled_caught:
+                        break
+                    if message is None:
+                        return
+                    await self._process_message(message, peer_id, stream)  # an error: HandlerGuard resets
+            finally:
+                self._inbound.pop(stream, None)
+        await reset_quietly(stream)  # silent, or this client stopped: the peer opens a new stream
+
+    async def stop(self) -> None:
+        """Stop, and end every inbound stream still being read (rule 4)."""
+        for scope in list(self._inbound.values()):
+            scope.cancel()
+        await super().stop()
 
     def get_or_create_message_queue(self, peer_id: ID) -> BitswapMessageQueue:
         if peer_id not in self._message_queues:

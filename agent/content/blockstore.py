@@ -28,6 +28,8 @@ class BlockStore:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self._root = str(self.root)
+        self._subdirs: set[str] = set()  # <2 hex> subdirectories known to exist
 
     def path_for(self, cid: CID) -> Path:
         digest = cid.digest.hex()
@@ -42,23 +44,41 @@ class BlockStore:
         self.put_verified(cid, data)
 
     def put_verified(self, cid: CID, data: bytes) -> None:
-        """Store a block the caller has just hash-checked against ``cid`` (e.g. a StreamVerifier)."""
-        path = self.path_for(cid)
-        if path.is_file():
+        """Store a block the caller has just hash-checked against ``cid`` (e.g. a StreamVerifier).
+
+        Plain string paths and the known subdirectories remembered: a fetch stores every block from
+        its checker thread, and every microsecond of Python here holds the GIL the network loop needs.
+        """
+        digest = cid.digest.hex()
+        sub = os.path.join(self._root, digest[:2])
+        path = os.path.join(sub, digest)
+        if os.path.exists(path):
             return
-        path.parent.mkdir(exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        if sub not in self._subdirs:
+            os.makedirs(sub, exist_ok=True)
+            self._subdirs.add(sub)
+        tmp = os.path.join(sub, f".{digest}.tmp{os.getpid()}")
         try:
-            with open(tmp, "wb") as fh:
+            try:
+                fh = open(tmp, "wb")
+            except FileNotFoundError:  # the subdirectory was removed behind our back
+                os.makedirs(sub, exist_ok=True)
+                fh = open(tmp, "wb")
+            with fh:
                 fh.write(data)
             os.replace(tmp, path)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
             raise
 
     def get_unchecked(self, cid: CID) -> bytes | None:
+        digest = cid.digest.hex()
         try:
-            return self.path_for(cid).read_bytes()
+            with open(os.path.join(self._root, digest[:2], digest), "rb") as fh:
+                return fh.read()
         except FileNotFoundError:
             return None
 

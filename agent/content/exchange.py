@@ -26,6 +26,7 @@ Rules of this file:
 from __future__ import annotations
 
 import logging
+import queue
 from collections.abc import Callable
 from typing import Any
 
@@ -46,7 +47,9 @@ PROTOCOL = "/infernet/blocks/1.0.0"
 MAX_REQUEST_BYTES = 64 * 1024
 MAX_WANTS = 1024
 IDLE_TIMEOUT = 30.0
-PIPELINE_DEPTH = 4  # blocks in flight between the network task and the checking task (each side)
+PIPELINE_DEPTH = 4  # batches read from disk ahead of the network task (server)
+BATCH_BYTES = 1 << 20  # the server reads and writes blocks in batches of about this many bytes
+CHECK_QUEUE_BYTES = 8 << 20  # received blocks waiting to be checked, at most (client)
 NOT_HAVE = varint_encode(0)
 
 
@@ -109,34 +112,52 @@ class BlockServer:
         reader = FrameReader(stream, chunk=MAX_REQUEST_BYTES)
         with trio.fail_after(self.idle_timeout):
             wants = decode_request(await reader.read_frame(MAX_REQUEST_BYTES, f"{PROTOCOL} request"), peer)
-        # a walker task reads blocks in worker threads while this task writes the previous ones:
-        # disk and network overlap
-        send, receive = trio.open_memory_channel[bytes | None](PIPELINE_DEPTH)
+        # a walker task reads blocks in worker threads, a batch at a time, while this task writes
+        # the previous batch: disk and network overlap, and a thread hop serves several blocks
+        send, receive = trio.open_memory_channel[list[bytes | None]](PIPELINE_DEPTH)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._walk, wants, send)
             async with receive:
-                async for data in receive:
+                async for batch in receive:
+                    lacks = batch[-1] is None
+                    blocks = batch[:-1] if lacks else batch
+                    parts: list[bytes] = []
+                    for data in blocks:
+                        parts += (varint_encode(len(data) + 1), data)  # type: ignore[arg-type]
+                    out = b"".join(parts)  # the blocks are copied once
                     with trio.fail_after(self.idle_timeout):
-                        if data is None:
-                            await stream.write(NOT_HAVE)
-                            break
-                        await stream.write(varint_encode(len(data) + 1) + data)
-                    self.blocks_served += 1
-                    self.bytes_served += len(data)
+                        await stream.write(out + NOT_HAVE if lacks else out)
+                    self.blocks_served += len(blocks)
+                    self.bytes_served += sum(len(data) for data in blocks)  # type: ignore[arg-type]
+                    if lacks:
+                        break
             nursery.cancel_scope.cancel()
 
     async def _walk(self, wants: list[CID], send: trio.MemorySendChannel) -> None:
-        """DFS pre-order over the wanted DAGs; None after the last block we have, if one is missing."""
+        """DFS pre-order over the wanted DAGs, in batches; a batch ending in None is the last:
+        the next block is one we lack."""
         async with send:
             pending = list(reversed(wants))
             while pending:
-                found = await trio.to_thread.run_sync(self._block_and_links, pending.pop())
-                if found is None:
-                    await send.send(None)
+                batch = await trio.to_thread.run_sync(self._read_batch, pending)
+                await send.send(batch)
+                if batch and batch[-1] is None:
                     return
-                data, children = found
-                pending.extend(reversed(children))
-                await send.send(data)
+
+    def _read_batch(self, pending: list[CID]) -> list[bytes | None]:
+        """The next blocks in DFS order, up to BATCH_BYTES (at least one); ``pending`` is the stack."""
+        batch: list[bytes | None] = []
+        size = 0
+        while pending and size < BATCH_BYTES:
+            found = self._block_and_links(pending.pop())
+            if found is None:
+                batch.append(None)
+                break
+            data, children = found
+            pending.extend(reversed(children))
+            batch.append(data)
+            size += len(data)
+        return batch
 
 
 async def fetch_from_peer(
@@ -182,14 +203,18 @@ async def _fetch_batch(host: Host, peer: str, verifier: StreamVerifier, wants: l
         with trio.fail_after(idle_timeout):
             await stream.write(encode_request(wants))
             await stream.close()  # a half-close: the request is complete
-        # this task reads frames; a checker task verifies, stores and writes them out in worker
-        # threads (hashing and file writes release the GIL), so receiving and checking overlap
-        send, receive = trio.open_memory_channel[bytes](PIPELINE_DEPTH)
+        # this task reads frames; a checker thread verifies, stores and writes them out (hashing
+        # and file writes release the GIL), so receiving and checking overlap
+        checker = _Checker(verifier, on_block)
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_check_blocks, verifier, on_block, receive)
-                async with send:
-                    lacks = await _read_blocks(FrameReader(stream), peer, send, idle_timeout)
+                nursery.start_soon(checker.run)
+                try:
+                    lacks = await _read_blocks(FrameReader(stream), peer, checker, idle_timeout)
+                except BaseException:
+                    checker.close(abort=True)
+                    raise
+                checker.close()
         except BaseExceptionGroup as group:
             raise first_error(group) from None
         if len(verifier.remaining()) > untouched:
@@ -202,7 +227,7 @@ async def _fetch_batch(host: Host, peer: str, verifier: StreamVerifier, wants: l
         await (close_quietly(stream) if ok else reset_quietly(stream))
 
 
-async def _read_blocks(reader: FrameReader, peer: str, send: trio.MemorySendChannel, idle_timeout: float) -> bool:
+async def _read_blocks(reader: FrameReader, peer: str, checker: _Checker, idle_timeout: float) -> bool:
     """Forward frames until the stream ends; True if the peer said it lacks the next block."""
     while True:
         try:
@@ -218,15 +243,82 @@ async def _read_blocks(reader: FrameReader, peer: str, send: trio.MemorySendChan
                 data = await reader.read_exactly(n - 1, f"{PROTOCOL} block")
         except trio.TooSlowError:
             raise PeerProtocolError(f"{PROTOCOL}: {peer} sent nothing for {idle_timeout:.0f} s") from None
-        await send.send(data)
+        if not await checker.put(data):
+            return False  # the checker stopped on a bad block: run() raises it
 
 
-async def _check_blocks(verifier: StreamVerifier, on_block: Callable[[CID, bytes, bytes], None],
-                        receive: trio.MemoryReceiveChannel) -> None:
-    async with receive:
-        async for data in receive:
-            # CIDError names the CID; a rejected block leaves the verifier where it was
-            await trio.to_thread.run_sync(_feed, verifier, on_block, data)
+class _Checker:
+    """Feeds received blocks through the verifier in ONE worker thread for the whole request.
+
+    A thread hop per block (or per batch) made the checking wait for the event loop between blocks,
+    and the loop wait for the thread: under CPU contention the two barely overlapped. Here the
+    network task only queues blocks (``put``); the thread takes them as they come. At most
+    ``CHECK_QUEUE_BYTES`` wait unchecked (then ``put`` waits), so a fast peer cannot fill memory.
+    ``close()`` lets the thread finish what is queued; ``close(abort=True)`` drops it (a failed or
+    cancelled request). The thread always ends, so ``run`` (not cancellable: the verifier must not
+    be touched after the request returns) never waits long. ``run`` raises the thread's error
+    (CIDError naming the CID, FileSizeError); the verifier stays at the block that failed.
+    """
+
+    _END = object()
+
+    def __init__(self, verifier: StreamVerifier, on_block: Callable[[CID, bytes, bytes], None], *,
+                 max_bytes: int | None = None) -> None:
+        self.verifier = verifier
+        self.on_block = on_block
+        self.max_bytes = CHECK_QUEUE_BYTES if max_bytes is None else max_bytes
+        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.queued = 0  # bytes put and not yet checked
+        self.aborted = False
+        self.finished = False
+        self.error: BaseException | None = None
+        self._space = trio.Event()
+        self._waiting = False
+        self._token = trio.lowlevel.current_trio_token()
+
+    async def run(self) -> None:
+        await trio.to_thread.run_sync(self._loop)
+        if self.error is not None:
+            raise self.error
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                data = self.queue.get()
+                if data is self._END or self.aborted:
+                    return
+                try:
+                    _feed(self.verifier, self.on_block, data)
+                finally:
+                    self.queued -= len(data)
+                    if self._waiting:
+                        self._token.run_sync_soon(self._space.set)
+        except BaseException as exc:  # noqa: BLE001 - handed to run(), in the trio task
+            self.error = exc
+        finally:
+            self.finished = True
+            if self._waiting:
+                self._token.run_sync_soon(self._space.set)
+
+    async def put(self, data: bytes) -> bool:
+        """Queue a block; False (nothing queued) once the thread has stopped on an error."""
+        while self.queued >= self.max_bytes and not self.finished:
+            self._space = trio.Event()
+            self._waiting = True
+            if self.queued < self.max_bytes or self.finished:  # the thread moved on meanwhile
+                break
+            await self._space.wait()
+        self._waiting = False
+        if self.finished:
+            return False
+        self.queued += len(data)
+        self.queue.put(data)
+        await trio.lowlevel.checkpoint()
+        return True
+
+    def close(self, *, abort: bool = False) -> None:
+        self.aborted = self.aborted or abort
+        self.queue.put(self._END)
 
 
 def _feed(verifier: StreamVerifier, on_block: Callable[[CID, bytes, bytes], None], data: bytes) -> None:

@@ -7,8 +7,8 @@ Rules of this file:
 - ``fetch`` produces ``out_path`` only when the whole DAG has arrived and been verified; until then
   the bytes go to a temp file next to it, renamed into place at the end (never a half-written file).
   Order of sources: blocks already in the local store (so an interrupted fetch resumes where it was),
-  then each provider in turn (explicit ones first, then the DHT's), over /infernet/blocks/1.0.0 or
-  Bitswap, then the IPFS daemon if one is configured. Every block passes one ``StreamVerifier`` whatever
+  then each provider in turn (explicit ones first, then the DHT's), then the IPFS daemon if one is
+  configured. Every block passes one ``StreamVerifier`` whatever
   its source; a provider that dies, stalls, or sends a bad block is left, and the next continues from
   the same position.
 - Every fetch is bounded (IPIP-0003 "Size bounds"): ``max_size`` (the most the caller's protocol
@@ -17,6 +17,12 @@ Rules of this file:
   the fetch at once with FetchError naming the CID and the bound, before any other block is
   asked for (no provider can do better: the size is the CID's), and the bytes arriving are
   counted against the stated size.
+- The protocol is chosen per provider (``via="auto"``, the default; IPIP-0003 §4): our
+  /infernet/blocks/1.0.0 first; a provider that refuses it in protocol negotiation (a plain IPFS
+  node: Kubo, Helia) is asked over Bitswap in the same fetch, from the same verifier position, and
+  is remembered for ``NO_BLOCKS_TTL`` seconds so the next fetch goes straight to Bitswap. Only a
+  refusal falls back: a provider that fails any other way (silent, broken stream, bad block) is left
+  as before. ``via="blocks"`` or ``"bitswap"`` forces one protocol for every provider.
 - Every wait has a deadline: the whole fetch (``timeout``), each provider lookup, each stream read.
   A fetch that cannot complete raises FetchError naming the root, the first missing block and why
   each provider failed.
@@ -42,7 +48,7 @@ from agent.content.errors import ContentError, FetchError
 from agent.content.exchange import BlockServer, fetch_from_peer
 from agent.content.ipfs_daemon import IpfsDaemon
 from agent.net.discovery import Discovery
-from agent.net.errors import NetConfigError, NetError
+from agent.net.errors import NetConfigError, NetError, ProtocolNotSupported
 from agent.net.host import Host, parse_peer_multiaddr
 from protocol.cid import CID, parse_cid
 from protocol.errors import CIDError, FileSizeError, KeyFileError
@@ -51,8 +57,11 @@ from protocol.unixfs import Block, StreamVerifier, import_file
 
 log = logging.getLogger(__name__)
 
+VIA_AUTO = "auto"  # per provider: ours where it is offered, else Bitswap
 VIA_BLOCKS = "blocks"
 VIA_BITSWAP = "bitswap"
+SYNC_EVERY = 8 << 20  # a fetch's output file is flushed to disk every this many bytes, as they arrive
+NO_BLOCKS_TTL = 600.0  # how long a provider that refused /infernet/blocks is asked over Bitswap directly
 
 
 @dataclass
@@ -65,6 +74,7 @@ class FetchReport:
     local_blocks: int = 0
     fetched_blocks: int = 0
     providers_used: list[str] = field(default_factory=list)
+    protocols: dict[str, str] = field(default_factory=dict)  # provider -> VIA_BLOCKS or VIA_BITSWAP spoken
     attempts: list[str] = field(default_factory=list)
     refused: str = ""  # why the file itself is refused (its root states a size over the bound)
     corrupt: list[str] = field(default_factory=list)  # providers that sent a block failing verification
@@ -85,6 +95,7 @@ class ContentService:
         self.server = BlockServer(store, idle_timeout=idle_timeout)
         self.server.install(host)
         self.bitswap = BitswapExchange(host, store)
+        self._no_blocks: dict[str, float] = {}  # provider -> trio time it refused /infernet/blocks
 
     async def start(self) -> None:
         """Start serving over Bitswap (needs the running host's nursery)."""
@@ -126,16 +137,17 @@ class ContentService:
     # -- fetching ---------------------------------------------------------------------------------
 
     async def fetch(self, cid: CID | str, out_path: str | os.PathLike[str], *, timeout: float = 600.0,
-                    providers: Sequence[str] = (), via: str = VIA_BLOCKS, use_dht: bool = True,
+                    providers: Sequence[str] = (), via: str = VIA_AUTO, use_dht: bool = True,
                     max_size: int | None = None, exact_size: int | None = None) -> FetchReport:
         """Fetch the file ``cid`` into ``out_path`` (see the rules above).
 
         ``providers`` are peer IDs or /p2p/ multiaddrs to try before the DHT's providers.
         ``max_size``/``exact_size`` bound the file (FetchError at the root if it states more/other).
+        ``via``: "auto" (per provider, see the rules above), "blocks" or "bitswap" (that one only).
         """
         root = parse_cid(cid) if isinstance(cid, str) else cid
-        if via not in (VIA_BLOCKS, VIA_BITSWAP):
-            raise ValueError(f"via must be {VIA_BLOCKS!r} or {VIA_BITSWAP!r}")
+        if via not in (VIA_AUTO, VIA_BLOCKS, VIA_BITSWAP):
+            raise ValueError(f"via must be {VIA_AUTO!r}, {VIA_BLOCKS!r} or {VIA_BITSWAP!r}")
         sources = _parse_providers(providers)
         out_path = Path(out_path)
         out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -145,11 +157,21 @@ class ContentService:
         report = FetchReport(root, out_path, 0)
         try:
             with open(tmp, "wb") as out:
+                unsynced = 0
+
                 def on_block(block_cid: CID, data: bytes, payload: bytes) -> None:
+                    nonlocal unsynced
                     self.store.put_verified(block_cid, data)
                     out.write(payload)
                     report.size += len(payload)
                     report.fetched_blocks += 1
+                    # flush as we go (this runs in a worker thread, while the network goes on), so
+                    # the final fsync has at most SYNC_EVERY bytes left to write
+                    unsynced += len(payload)
+                    if unsynced >= SYNC_EVERY:
+                        out.flush()
+                        os.fdatasync(out.fileno())
+                        unsynced = 0
 
                 with trio.move_on_after(timeout) as deadline:
                     # in a thread: resuming a large file re-hashes every block it already has
@@ -164,7 +186,8 @@ class ContentService:
                     raise FetchError(str(root), reason, missing=[str(c) for c in verifier.remaining()],
                                      attempts=report.attempts, corrupt=report.corrupt)
                 out.flush()
-                os.fsync(out.fileno())
+                # not in the event loop: flushing the tail of a large file can take a while
+                await trio.to_thread.run_sync(os.fsync, out.fileno())
             os.replace(tmp, out_path)
             return report
         finally:
@@ -214,12 +237,21 @@ class ContentService:
             return
         tried.add(peer)
         before = report.fetched_blocks
+        protocol = self._protocol_for(peer, via)
         try:
             await self._reach(peer, info)
-            if via == VIA_BITSWAP:
+            if protocol == VIA_BLOCKS:
+                try:
+                    await fetch_from_peer(self.host, peer, verifier, on_block, idle_timeout=self.idle_timeout)
+                except ProtocolNotSupported as exc:
+                    if via != VIA_AUTO:
+                        raise
+                    # a plain IPFS node: the same fetch goes on over Bitswap from the same block
+                    log.info("fetch %s: %s; asking over Bitswap", verifier.root, exc)
+                    self._no_blocks[peer] = trio.current_time()
+                    protocol = VIA_BITSWAP
+            if protocol == VIA_BITSWAP:
                 await self.bitswap.fetch_from_peer(peer, verifier, on_block, idle_timeout=self.idle_timeout)
-            else:
-                await fetch_from_peer(self.host, peer, verifier, on_block, idle_timeout=self.idle_timeout)
             if not verifier.done:
                 report.attempts.append(f"{peer}: lacks block {verifier.expected()}")
         except FileSizeError as exc:  # the transfer stops here (the stream is reset)
@@ -232,6 +264,17 @@ class ContentService:
             log.info("fetch %s: %s", verifier.root, report.attempts[-1])
         if report.fetched_blocks > before:
             report.providers_used.append(peer)
+            report.protocols[peer] = protocol
+
+    def _protocol_for(self, peer: str, via: str) -> str:
+        """The protocol to ask ``peer`` first: ``via`` if forced, else ours unless it recently refused it."""
+        if via != VIA_AUTO:
+            return via
+        refused_at = self._no_blocks.get(peer)
+        if refused_at is not None and trio.current_time() - refused_at < NO_BLOCKS_TTL:
+            return VIA_BITSWAP
+        self._no_blocks.pop(peer, None)
+        return VIA_BLOCKS
 
     async def _reach(self, peer: str, info: PeerInfo | None) -> None:
         """Be connected to ``peer``, dialing its known or DHT-found addresses (one deadline each)."""

@@ -15,5 +15,9 @@ class NetConfigError(NetError):
     """A network setting is invalid (bad multiaddr, missing /p2p/ peer ID, ...)."""
 
 
+class ProtocolNotSupported(NetError):
+    """The peer answered protocol negotiation (multistream-select) with "na": it does not speak it."""
+
+
 class PeerProtocolError(NetError):
     """A peer broke one of our stream protocols: oversize length prefix, truncated frame, bad request."""

@@ -36,6 +36,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.protocol_muxer.exceptions import MultiselectClientError
+from libp2p.protocol_muxer.exceptions import ProtocolNotSupportedError as MultiselectProtocolNotSupported
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
@@ -43,7 +45,7 @@ from libp2p.stream_muxer.exceptions import MuxedConnUnavailable
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service.context import background_trio_service
 
-from agent.net.errors import NetConfigError, NetError
+from agent.net.errors import NetConfigError, NetError, ProtocolNotSupported
 from agent.net.streams import HandlerGuard, StreamHandler
 from protocol.identity import Identity
 
@@ -175,7 +177,24 @@ class Host:
         except trio.TooSlowError:
             raise NetError(f"open {protocols[0]} to {peer_id_text(peer)}: no stream within {timeout:.0f} s") from None
         except Exception as exc:
+            if _refused_protocols(exc):
+                raise ProtocolNotSupported(f"open {protocols[0]} to {peer_id_text(peer)}: "
+                                           f"the peer does not support {' or '.join(protocols)}") from None
             raise NetError(f"open {protocols[0]} to {peer_id_text(peer)}: {type(exc).__name__}: {exc}") from None
+
+
+def _refused_protocols(exc: BaseException) -> bool:
+    """True when py-libp2p's StreamFailure comes from the peer answering "na" to every protocol
+    (multistream-select), not from a broken connection or a timeout."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, MultiselectProtocolNotSupported):
+            return True
+        # py-libp2p 0.8.1 reports "every protocol refused" as a plain MultiselectClientError
+        if isinstance(seen, MultiselectClientError) and str(seen).startswith("protocols not supported"):
+            return True
+        seen = seen.__cause__
+    return False
 
 
 FRAME_WRITE_TIMEOUT = 60.0  # a peer that takes no bytes for this long has a dead connection

@@ -137,7 +137,8 @@ class FrameReader:
                 raise PeerProtocolError(
                     f"{what}: stream from {remote_peer(self._stream)} ended after {len(self._buf)} of {n} bytes"
                 )
-        out = bytes(self._buf[:n])
+        with memoryview(self._buf) as view:
+            out = bytes(view[:n])  # one copy (a slice of the bytearray would copy twice)
         del self._buf[:n]
         return out
 

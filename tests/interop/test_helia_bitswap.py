@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent.content.service import VIA_BITSWAP
+from agent.content.service import VIA_AUTO, VIA_BITSWAP
 from protocol.unixfs import compute_cid, import_file
 from tests.net.conftest import agents_with_content
 
@@ -129,6 +129,21 @@ async def test_our_agent_fetches_a_file_helia_adds(tmp_path, node, random_file, 
                                          via=VIA_BITSWAP, use_dht=False)
         assert out.read_bytes() == data
         assert report.providers_used == [helia["peerId"]] and report.size == len(data)
+
+
+async def test_a_default_fetch_from_helia_serving_alone_falls_back_to_bitswap(tmp_path, node, random_file):
+    """Helia is the only provider and does not speak /infernet/blocks/1.0.0: a fetch with no ``via``
+    (what every role calls) must not fail on the refused negotiation but go on over Bitswap, within
+    its deadline and size bound; the next fetch from it goes to Bitswap at once."""
+    path, data = random_file
+    async with agents_with_content(1, tmp_path) as [(agent, content)], \
+            helia_serving(node, path, "kubo", tmp_path / "helia.log") as helia:
+        with trio.fail_after(60):
+            report = await content.fetch(helia["cid"], tmp_path / "out.bin", providers=[helia["addrs"][0]],
+                                         use_dht=False, max_size=len(data), timeout=50)
+        assert (tmp_path / "out.bin").read_bytes() == data
+        assert report.protocols == {helia["peerId"]: VIA_BITSWAP} and report.attempts == []
+        assert content._protocol_for(helia["peerId"], VIA_AUTO) == VIA_BITSWAP
 
 
 async def test_an_empty_file_and_a_one_block_file_go_both_ways(tmp_path, node):
