@@ -15,13 +15,17 @@ Rules of this file:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 from agent.content.errors import ContentError
 from protocol.cid import CID
 from protocol.unixfs import verify_block
+
+_TMP_SEQ = itertools.count()
 
 
 class BlockStore:
@@ -57,7 +61,9 @@ class BlockStore:
         if sub not in self._subdirs:
             os.makedirs(sub, exist_ok=True)
             self._subdirs.add(sub)
-        tmp = os.path.join(sub, f".{digest}.tmp{os.getpid()}")
+        # unique per writer: two threads of this process may put the same block at once (a fetch's
+        # checker thread and an add, say); a shared temp name would let one rename the other's file away
+        tmp = os.path.join(sub, f".{digest}.tmp{os.getpid()}-{threading.get_ident()}-{next(_TMP_SEQ)}")
         try:
             try:
                 fh = open(tmp, "wb")

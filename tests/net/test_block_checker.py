@@ -95,3 +95,31 @@ async def test_an_aborted_request_drops_the_queued_blocks_and_the_thread_ends():
                 checker.close(abort=True)  # a deadline or a failure: what is queued is not checked
                 gate.set()
     assert len(fed) < len(blocks) and not verifier.done
+
+
+def test_two_threads_putting_the_same_block_at_once_both_succeed(tmp_path) -> None:
+    """Concurrent puts of one block (a fetch's checker thread and an add) must not rename each other's temp file."""
+    import threading
+
+    from agent.content.blockstore import BlockStore
+    from protocol.cid import CID, RAW
+
+    store = BlockStore(tmp_path / "blocks")
+    blocks = [bytes([i]) * 4096 for i in range(64)]
+    cids = [CID.for_block(b, RAW) for b in blocks]
+    errors: list[BaseException] = []
+
+    def put_all() -> None:
+        try:
+            for cid, data in zip(cids, blocks):
+                store.put(cid, data)
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=put_all) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert all(store.get(cid) == data for cid, data in zip(cids, blocks))
