@@ -17,7 +17,7 @@ and are kept. On any exit (an error, Ctrl-C, SIGTERM) the running step is stoppe
 then stops its agents), SIGKILL after a grace period; if this script is killed, the kernel sends its
 child SIGTERM. Exit 0 when every step succeeded; otherwise one line on stderr and exit 1.
 
-    python scripts/pipeline_demo.py [--dir DIR] [--workers 3] [--rounds 2] [--steps 30]
+    python scripts/pipeline_demo.py [--dir DIR] [--workers 3] [--rounds 3] [--steps 8]
 """
 
 from __future__ import annotations
@@ -194,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=None, help="where every file goes (default: a new temp dir)")
     parser.add_argument("--workers", type=int, default=3, help="worker agents (default 3; one coordinates)")
     parser.add_argument("--shards", type=int, default=3, help="dataset shards (default 3)")
-    parser.add_argument("--rounds", type=int, default=2, help="train-then-aggregate rounds (default 2)")
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per shard and round (default 30)")
+    parser.add_argument("--rounds", type=int, default=3, help="train-then-aggregate rounds (default 3)")
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per shard and round (default 8)")
     parser.add_argument("--quant", default="q4_k_m", help="GGUF type (default q4_k_m)")
     parser.add_argument("--name", default="rivers", help="the model's name (files, Ollama; default rivers)")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens to generate (default 48)")
