@@ -37,7 +37,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from agent.demo import _die_with  # noqa: E402 - after the path fix above
+from agent.config import CONTROL_SOCKET  # noqa: E402 - after the path fix above
+from agent.control import MAX_SOCKET_PATH  # noqa: E402
+from agent.demo import _die_with  # noqa: E402
 from scripts.demo_site import DemoSite  # noqa: E402
 
 PROMPT = 'What does "The Danube" say about Capitals?'  # a question of the dataset (its answer: the passage)
@@ -119,7 +121,12 @@ def generate_from_gguf(gguf: Path, prompt: str, max_tokens: int) -> tuple[str, i
 
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
-    root = args.dir or Path(tempfile.mkdtemp(prefix="infernet-pipeline-"))
+    root = (args.dir or Path(tempfile.mkdtemp(prefix="infernet-pipeline-"))).absolute()  # the CLI runs in the repo
+    network = root / "net"
+    longest = network / "submitter" / CONTROL_SOCKET
+    if len(str(longest)) > MAX_SOCKET_PATH:
+        raise PipelineDemoError(f"{root}: too deep for the agents' control sockets ({longest} is over "
+                                f"{MAX_SOCKET_PATH} characters); give a shorter --dir")
     root.mkdir(parents=True, exist_ok=True)
     if any(root.iterdir()):
         raise PipelineDemoError(f"{root}: not empty; give --dir a new directory")
@@ -152,7 +159,6 @@ def run(args: argparse.Namespace) -> int:
                  timeout=120, log=logs / "data-check.log")
         done("dataset", t)
 
-    network = root / "network"
     t = step(3, f"a job on a loopback network: 1 submitter + {args.workers} workers, {args.shards} shards x "
                 f"{args.rounds} rounds x {args.steps} steps")
     output = infernet("demo", "--dataset", str(dataset), "--dir", str(network), "--workers", str(args.workers),

@@ -60,7 +60,7 @@ def test_demo_refuses_a_missing_or_too_small_dataset_before_starting_agents(tmp_
 @pytest.mark.llama_cpp
 @pytest.mark.skipif(_llama_cpp_ready() is not None, reason=str(_llama_cpp_ready()))
 def test_pipeline_demo_runs_from_a_website_to_a_gguf_that_llama_cpp_generates_from(tmp_path):
-    root = tmp_path / "pipeline"
+    root = tmp_path / "p"  # short: the agents' control sockets live under it
     done = subprocess.run([sys.executable, "scripts/pipeline_demo.py", "--dir", str(root), "--rounds", "1",
                            "--steps", "6", "--max-tokens", "16"], cwd=REPO, capture_output=True, text=True,
                           timeout=900)
@@ -78,14 +78,20 @@ def test_pipeline_demo_runs_from_a_website_to_a_gguf_that_llama_cpp_generates_fr
     assert generated and int(generated.group(1)) > 0 and generated.group(2).strip(), out
     assert "> What does \"The Danube\" say about Capitals?" in out  # infernet infer ran on the same adapter
     for home in ("submitter", "worker0", "worker1", "worker2"):  # every agent stopped cleanly
-        assert not (root / "network" / home / "control.sock").exists()
-        assert '"stopped"' in (root / "network" / home / "agent.log").read_text()
+        assert not (root / "net" / home / "control.sock").exists()
+        assert '"stopped"' in (root / "net" / home / "agent.log").read_text()
 
 
-def test_pipeline_demo_refuses_a_directory_in_use(tmp_path):
+def test_pipeline_demo_refuses_a_directory_in_use_or_too_deep(tmp_path):
     (tmp_path / "x").write_text("x")
     done = subprocess.run([sys.executable, "scripts/pipeline_demo.py", "--dir", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and done.stderr.strip().splitlines() == [
         f"pipeline_demo: {tmp_path}: not empty; give --dir a new directory"], done.stderr
     assert Path(tmp_path / "x").read_text() == "x" and len(list(tmp_path.iterdir())) == 1
+    deep = tmp_path / ("d" * 80)
+    done = subprocess.run([sys.executable, "scripts/pipeline_demo.py", "--dir", str(deep)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and "give a shorter --dir" in lines[0], done.stderr
+    assert not deep.exists()
