@@ -35,8 +35,14 @@ interop: setup
 
 # GGUF export (`infernet publish --gguf`): llama-cpp-python, compiled from its sdist (about 6 min on
 # 2 cores), and llama.cpp's own converter (convert_hf_to_gguf.py, conversion/, gguf-py/) copied
-# from the same sdist into $(VENV)/share/llama.cpp, where `infernet publish` looks for it.
-pipeline: setup
+# from the same sdist into $(VENV)/share/llama.cpp, where `infernet publish` looks for it. Then its
+# tests, and scripts/pipeline_demo.py: a topic website on loopback -> `train data` -> a job on a
+# loopback network -> `publish` (merged, GGUF, Ollama) -> text from the GGUF (about 2 min).
+pipeline: $(VENV)/.llama-cpp-$(LLAMA_CPP_PYTHON)
+	$(PY) -m pytest -q -m 'llama_cpp and not slow' tests/pipeline
+	$(PY) scripts/pipeline_demo.py
+
+$(VENV)/.llama-cpp-$(LLAMA_CPP_PYTHON): $(VENV)/.installed
 	mkdir -p build/llama-cpp
 	$(PY) -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: -d build/llama-cpp \
 		llama-cpp-python==$(LLAMA_CPP_PYTHON)
@@ -47,7 +53,7 @@ pipeline: setup
 		build/llama-cpp/src/vendor/llama.cpp/gguf-py $(VENV)/share/llama.cpp/
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[gguf]' \
 		build/llama-cpp/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz
-	$(PY) -m pytest -q -m llama_cpp tests/pipeline
+	touch $@
 
 demo: setup
 	$(VENV)/bin/infernet demo

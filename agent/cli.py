@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=12, help="optimizer steps per shard and round (default 12)")
     demo.add_argument("--dir", type=Path, default=None, help="where the agents' homes go (default: a new temp dir)")
     demo.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
+    demo.add_argument("--dataset", type=Path, default=None, metavar="FILE",
+                      help="train on this ChatML JSONL (e.g. from `train data`) instead of the demo task")
 
     agent = sub.add_parser("agent", help="run and inspect this machine's agent").add_subparsers(
         dest="action", metavar="ACTION", required=True)
@@ -1069,7 +1071,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.workers < 2:
         raise UserError("--workers must be at least 2: one coordinates, the others train")
     return run_demo(DemoOptions(workers=args.workers, shards=args.shards, rounds=args.rounds, steps=args.steps,
-                                directory=args.dir, timeout=args.timeout,
+                                directory=args.dir, timeout=args.timeout, dataset=args.dataset,
                                 verbose=bool(getattr(args, "verbose", False))))
 
 

@@ -54,6 +54,13 @@ class DemoOptions:
     directory: Path | None = None
     timeout: float = 600.0
     verbose: bool = False
+    # a ChatML dataset of your own instead of the demo's (`--dataset`): longer sequences, and the
+    # validation loss measured on the job's own held-out split of it
+    dataset: Path | None = None
+
+    @property
+    def max_seq_len(self) -> int:
+        return 96 if self.dataset is None else 256
 
 
 def demo_dataset() -> Path:
@@ -64,20 +71,30 @@ def demo_dataset() -> Path:
     return path
 
 
+SEED = 7
+VALIDATION_SPLIT = 0.1
+
+
+def dataset_name(options: DemoOptions) -> str:
+    return "demo.jsonl" if options.dataset is None else "dataset.jsonl"
+
+
 def demo_spec(options: DemoOptions) -> str:
+    what = ("the demo task (colours, French words, counting, spelling)" if options.dataset is None
+            else f"the records of {options.dataset.name}")
     return f"""\
-# The demo job: the tiny model learns the demo task (colours, French words, counting, spelling).
+# The demo job: the tiny model learns {what}.
 name: infernet-demo
 base_model: {MODEL_NAME}
-seed: 7
+seed: {SEED}
 input:
-  dataset: demo.jsonl
-  validation_split: 0.1
+  dataset: {dataset_name(options)}
+  validation_split: {VALIDATION_SPLIT}
 training:
   learning_rate: 0.01
   batch_size: 8
   max_steps: {options.steps}
-  max_seq_len: 96
+  max_seq_len: {options.max_seq_len}
 lora:
   rank: 16
   alpha: 32
@@ -217,7 +234,13 @@ def run_demo(options: DemoOptions) -> int:
                       f"a {options.shards}-shard x {options.rounds}-round job  (files in {root})")
         with console.status("building the tiny base model (cached after the first run)"):
             model = tiny_model()
-        dataset = shutil.copy(demo_dataset(), root / "demo.jsonl")
+        if options.dataset is None:
+            dataset = shutil.copy(demo_dataset(), root / dataset_name(options))
+        else:
+            from agent.train.data import check_dataset
+
+            check_dataset(options.dataset, options.shards, VALIDATION_SPLIT, SEED)  # DataError: one line
+            dataset = shutil.copy(options.dataset, root / dataset_name(options))
         spec = root / "infernet.train.yml"
         spec.write_text(demo_spec(options))
 
@@ -260,7 +283,9 @@ def run_demo(options: DemoOptions) -> int:
 
         fetched = request(submitter, "job.fetch", timeout=120, job=job["id"], out=str(root / "adapter"))
         with console.status("measuring validation loss with stock transformers + peft"):
-            before, after = validation_losses(model, Path(fetched["path"]), root / "validation.jsonl")
+            before, after = validation_losses(model, Path(fetched["path"]), root / "validation.jsonl",
+                                              dataset=None if options.dataset is None else Path(dataset),
+                                              max_seq_len=options.max_seq_len)
         console.print(f"\njob {job['id'][:16]} DONE in {time.monotonic() - started:.0f} s")
         for agg in detail.get("aggregates", []):  # the coordinator's own score, signed in each aggregate
             if agg.get("validation_loss") is not None:
@@ -292,8 +317,11 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def validation_losses(model_dir: Path, adapter_dir: Path, out: Path) -> tuple[float, float]:
-    """Mean loss on assistant tokens of held-out demo records: base model, then base + adapter (stock peft)."""
+def validation_losses(model_dir: Path, adapter_dir: Path, out: Path, *, dataset: Path | None = None,
+                      max_seq_len: int = 96) -> tuple[float, float]:
+    """Mean loss on assistant tokens of held-out records: base model, then base + adapter (stock peft).
+    Held out: fresh demo records, or with ``dataset`` the job's own validation split of it (all of it
+    when the split is empty)."""
     import warnings
 
     import torch
@@ -306,15 +334,21 @@ def validation_losses(model_dir: Path, adapter_dir: Path, out: Path) -> tuple[fl
     warnings.filterwarnings("ignore", category=FutureWarning)
 
     from agent.train import TrainConfig
-    from agent.train.data import write_chatml
+    from agent.train.data import read_chatml, split_dataset, write_chatml
     from agent.train.model import load_tokenizer
     from agent.train.run import load_shard
     from agent.train.tiny import demo_records
 
     torch.set_num_threads(max(1, min(os.cpu_count() or 1, 4)))
-    write_chatml(out, demo_records(48, seed=99))
+    if dataset is None:
+        write_chatml(out, demo_records(48, seed=99))
+    else:
+        records = read_chatml(dataset).records
+        held = split_dataset(len(records), 1, VALIDATION_SPLIT, SEED).validation or range(len(records))
+        write_chatml(out, [records[i] for i in held])
     tokenizer = load_tokenizer(str(model_dir))
-    examples = load_shard(TrainConfig(base_model=str(model_dir), max_seq_len=96, threads=1), tokenizer, out).examples
+    examples = load_shard(TrainConfig(base_model=str(model_dir), max_seq_len=max_seq_len, threads=1), tokenizer,
+                          out).examples
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
 
     def loss(model) -> float:
