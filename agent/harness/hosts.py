@@ -130,6 +130,17 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def scenario_unavailable(specs: dict[str, "HostSpec"]) -> str | None:
+    """Why hosts with these specs cannot be made here (a test skips with it), or None."""
+    reason = unavailable_reason()
+    if reason is None:
+        delayed = [s.name for s in specs.values() if s.link.delay_ms or s.link.jitter_ms]
+        if delayed and not netem_available():
+            reason = (f"host {delayed[0]}: link delay/jitter need the kernel's sch_netem qdisc, "
+                      "which this kernel lacks (CONFIG_NET_SCH_NETEM)")
+    return reason
+
+
 _netem: bool | None = None
 
 
@@ -209,10 +220,9 @@ class Hosts:
         if reason:
             raise HostsUnavailable(reason)
         sweep()
-        shaped = [s for s in self.specs.values() if s.link.delay_ms or s.link.jitter_ms]
-        if shaped and not netem_available():
-            raise HostsUnavailable(f"host {shaped[0].name}: link delay/jitter need the kernel's sch_netem qdisc, "
-                                   "which this kernel lacks (CONFIG_NET_SCH_NETEM)")
+        reason = scenario_unavailable(self.specs)
+        if reason:
+            raise HostsUnavailable(reason)
         try:
             inet = self._namespace(INET)
             _run(["ip", "-n", inet, "link", "add", "br0", "type", "bridge"])
