@@ -61,7 +61,7 @@ ATTACKS = ("replay", "spoof", "stale", "malformed", "oversize", "claim_flood", "
 SELECTORS = ("coordinator", "trainer", "workers", "killed")
 AGENT_KEYS = {"claim_interval": float, "max_concurrent_shards": int, "can_coordinate": bool,
               "price_per_hour": float, "min_price_per_hour": float, "fetch_timeout": float,
-              "gossip_max_rate": float, "gossip_max_burst": float}
+              "gossip_max_rate": float, "gossip_max_burst": float, "relay": bool}
 EXPECT_KEYS = ("phase", "reason", "min_term", "reassigned", "rejected", "released", "gossip_rejected",
                "rate_limited", "trained", "not_trained", "coordinator_judged")
 
@@ -146,7 +146,7 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
                                   "in the harness's process (an agent process has no misbehave setting)")
     config = {}
     for key, values in r.mapping(agents.get("config", {}), ("agents", "config")).items():
-        r.agent_name(key, ("agents", "config", key), ["all", *names], key_error=True)
+        r.agent_name(key, ("agents", "config", key), ["all", "submitter", *names], key_error=True)
         values = r.mapping(values, ("agents", "config", key))
         r.only(values, ("agents", "config", key), tuple(AGENT_KEYS))
         config[key] = {k: r.typed(v, ("agents", "config", key, k), AGENT_KEYS[k]) for k, v in values.items()}
@@ -500,6 +500,7 @@ async def run_scenario(scenario: Scenario, out_dir: Path, *, seed: int | None = 
     index = {f"w{i}": i for i in range(scenario.workers)}
     common = scenario.agent_config.get("all", {})  # every agent's, the submitter's and mallory's too
     overrides = {i: {**common, **scenario.agent_config.get(n, {})} for n, i in index.items()}
+    common = {**common, **scenario.agent_config.get("submitter", {})}
     misbehave = {index[n]: mode for n, mode in scenario.byzantine.items()}
     started = time.monotonic()
     hosts = entered = None
@@ -609,6 +610,9 @@ class _Run:
 
         bootstrap = (self.net.submitter.addrs()[0],)
         config = mallory_config(self.net.home / "mallory", bootstrap)
+        if self.net.hosts is not None:  # on the submitter's host, dialled there
+            config = replace(config, listen=self.net.listen_for("mallory"), bootstrap=self.net.submitter.config.bootstrap
+                             or (self.net.dial_address("submitter"),))
         common = self.scenario.agent_config.get("all", {})
         await self.net.start("mallory", replace(config, **common) if common else config)
 
