@@ -321,7 +321,8 @@ def _reach_lines(reach: dict | None) -> list[str]:
     relays = ", ".join(f"{r[-8:]}" for r in reach["reservations"]) or "none"
     lines = [f"  reach:     {reach['status']}" + ("; serving as a relay" if reach["relay_service"] else "") +
              (f"; relay slots: {relays}" if reach["status"] == "private" or reach["reservations"] else ""),
-             f"  links:     {len(reach['direct'])} direct, {len(reach['relayed'])} relayed"]
+             f"  links:     {len(reach['direct'])} direct, {len(reach['relayed'])} relayed" +
+             (f"; {reach['circuits_served']} circuit(s) relayed for others" if reach["relay_service"] else "")]
     lines += [f"  relayed:   {a}" for a in reach["relayed_addrs"][:3]]
     return lines
 

@@ -63,7 +63,7 @@ AGENT_KEYS = {"claim_interval": float, "max_concurrent_shards": int, "can_coordi
               "price_per_hour": float, "min_price_per_hour": float, "fetch_timeout": float,
               "gossip_max_rate": float, "gossip_max_burst": float, "relay": bool}
 EXPECT_KEYS = ("phase", "reason", "min_term", "reassigned", "rejected", "released", "gossip_rejected",
-               "rate_limited", "trained", "not_trained", "coordinator_judged")
+               "rate_limited", "trained", "not_trained", "coordinator_judged", "relayed", "max_term")
 
 
 @dataclass(frozen=True)
@@ -382,9 +382,10 @@ class _Reader:
                                                     ("DONE", "FAILED", "CANCELLED"))}
         if "reason" in data:
             out["reason"] = self.text(data["reason"], path + ("reason",))
-        if "min_term" in data:
-            out["min_term"] = self.integer(data["min_term"], path + ("min_term",), 1, 1000)
-        for key in ("reassigned", "rate_limited", "coordinator_judged"):
+        for key in ("min_term", "max_term"):
+            if key in data:
+                out[key] = self.integer(data[key], path + (key,), 1, 1000)
+        for key in ("reassigned", "rate_limited", "coordinator_judged", "relayed"):
             if key in data:
                 out[key] = self.typed(data[key], path + (key,), bool)
         if "released" in data:
@@ -825,6 +826,9 @@ class _Run:
         if "min_term" in expect:
             add(Check(f"coordinator term >= {expect['min_term']}", view.coordination.term >= expect["min_term"],
                       f"term {view.coordination.term}, coordinator {self.name_of(view.coordination.coordinator)}"))
+        if "max_term" in expect:  # no spurious failover (a slow or lossy link is not a dead coordinator)
+            add(Check(f"coordinator term <= {expect['max_term']}", view.coordination.term <= expect["max_term"],
+                      f"term {view.coordination.term}, coordinator {self.name_of(view.coordination.coordinator)}"))
         if expect.get("coordinator_judged"):
             coordinator = view.coordination.coordinator
             judged = [f"{self.name_of(w)}'s work judged by {self.name_of(s)} in term {t}"
@@ -863,6 +867,12 @@ class _Run:
                       f"{reasons.get(reason, 0)} at honest agents"))
         if expect.get("rate_limited"):
             add(Check("flood rate-limited", limited > 0, f"{limited} messages refused by honest agents"))
+        if "relayed" in expect:  # the relays the harness can see: agents in its own process
+            circuits = {n: a.net.host.reach.protocol.circuits for n, a in net.agents.items() if a.net is not None}
+            served = sum(circuits.values())
+            add(Check("a relay carried connections" if expect["relayed"] else "no relay carried a connection",
+                      (served > 0) == expect["relayed"],
+                      ", ".join(f"{n} relayed {c}" for n, c in sorted(circuits.items()) if c) or "no circuits"))
         trained = {self.name_of(v.worker) for _, v in accepted}
         for name in expect.get("trained", []):
             add(Check(f"{name} trained accepted work", name in trained, f"accepted from: {sorted(trained)}"))

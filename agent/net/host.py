@@ -100,7 +100,12 @@ class Host:
         self.identity = identity
         self.config = config
         self.reach: Any = None  # built below: it needs the libp2p host
-        self.libp2p = _build_libp2p_host(identity, self._listen, lambda candidates: self._advertised(announce, candidates))
+        self.libp2p = _build_libp2p_host(identity, self._listen, lambda candidates: list(announce or candidates))
+        # py-libp2p's get_addrs cuts every address at its first /p2p/ and appends ours, which turns a
+        # relayed address (<relay addr>/p2p/<relay>/p2p-circuit) into the relay's address under our
+        # peer ID; the relayed addresses are appended after that step instead.
+        self._libp2p_get_addrs = self.libp2p.get_addrs
+        self.libp2p.get_addrs = self._advertised
         if self.libp2p.get_id().to_base58() != identity.peer_id:  # a py-libp2p change would show here
             raise NetError("py-libp2p derived a different peer ID from the agent's key")
         self.guard = HandlerGuard()
@@ -114,10 +119,13 @@ class Host:
     def peer_id(self) -> str:
         return self.identity.peer_id
 
-    def _advertised(self, announce: list[multiaddr.Multiaddr], candidates: list[multiaddr.Multiaddr]) -> list:
+    def _advertised(self) -> list[multiaddr.Multiaddr]:
         """What identify tells peers: the announce addresses (else the listen ones), then relayed ones."""
-        own = list(announce or candidates)
-        return self.reach.advertised(own) if self.reach is not None else own
+        own = self._libp2p_get_addrs()
+        if self.reach is None:
+            return own
+        me = multiaddr.Multiaddr(f"/p2p/{self.identity.peer_id}")
+        return own + [a.encapsulate(me) for a in self.reach.advertised([])]
 
     @property
     def nursery(self) -> trio.Nursery:

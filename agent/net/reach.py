@@ -100,6 +100,12 @@ class _CircuitV2(CircuitV2Protocol):
     to end, or for the relay's limits to end it.
     """
 
+    circuits = 0  # circuits this agent relayed (as the relay), for status and the harness
+
+    async def _handle_connect(self, stream: Any, msg: Any) -> None:
+        self.circuits += 1
+        await super()._handle_connect(stream, msg)
+
     async def handle_incoming_connection(self, stream: Any, remote_peer_id: bytes) -> None:
         await super().handle_incoming_connection(stream, remote_peer_id)
         peer = ID(remote_peer_id)
@@ -134,6 +140,7 @@ class ReachReport:
     relayed_addrs: list[str] = field(default_factory=list)
     direct: list[str] = field(default_factory=list)  # peers connected directly
     relayed: list[str] = field(default_factory=list)  # peers connected over a relay
+    circuits_served: int = 0  # circuits relayed for others (relay = true)
 
 
 class Reachability:
@@ -180,7 +187,8 @@ class Reachability:
         now = time.time()
         return ReachReport(self.status, self.relay_service,
                            {r.to_base58(): e for r, e in self.reservations.items() if e > now},
-                           [str(a) for a in self.advertised([]) if is_circuit(a)], direct, relayed)
+                           [f"{a}/p2p/{self.host.peer_id}" for a in self.advertised([])], direct, relayed,
+                           self.protocol.circuits)
 
     # -- the loop -----------------------------------------------------------------------------------
 
