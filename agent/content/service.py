@@ -210,10 +210,11 @@ class ContentService:
         for peer, info in late:
             if verifier.done or report.refused:
                 return
-            bound = verifier.exact_size if verifier.exact_size is not None else verifier.max_file_size
-            if bound is not None and bound > RELAY_LIMITS.data:
+            # a file whose size is known (a shard) and beyond what a circuit carries is not asked for
+            # through a relay; others are (a circuit cut at the relay's limit leaves the blocks we got)
+            if verifier.exact_size is not None and verifier.exact_size > RELAY_LIMITS.data:
                 report.attempts.append(f"{peer}: reached only through a relay, whose circuits carry at most "
-                                       f"{RELAY_LIMITS.data} bytes; this file may be {bound}")
+                                       f"{RELAY_LIMITS.data} bytes; this file is {verifier.exact_size}")
                 continue
             await self._try_provider(peer, info, verifier, on_block, report, via, tried)
         if not verifier.done and not report.refused and self.ipfs is not None:
