@@ -304,7 +304,7 @@ class Hosts:
                       "rate", f"{link.rate_mbit * 1000:g}kbit", "burst", "32kb", "latency", "400ms"])
         if link.loss and not netem_available():  # both directions, at the host end of the link
             for chain, flag in (("OUTPUT", "-o"), ("INPUT", "-i"), ("FORWARD", "-o"), ("FORWARD", "-i")):
-                _run(["ip", "netns", "exec", ns, "iptables", "-A", chain, flag, dev, "-m", "statistic",
+                _run(["ip", "netns", "exec", ns, "iptables", "-I", chain, "1", flag, dev, "-m", "statistic",
                       "--mode", "random", "--probability", f"{link.loss / 100:.6f}", "-j", "DROP"])
 
     def close(self) -> None:

@@ -195,11 +195,14 @@ class Reachability:
     async def maintain(self) -> None:
         """Check reachability now and then; while private, hold reservations on relays."""
         while True:
-            with trio.move_on_after(QUERY_TIMEOUT * MAX_SERVERS + 5):
-                await self.check()
-            if self.status == "private":
-                with trio.move_on_after(RESERVE_TIMEOUT * MAX_RELAYS + 5):
-                    await self.keep_reservations()
+            try:
+                with trio.move_on_after(QUERY_TIMEOUT * MAX_SERVERS + 5):
+                    await self.check()
+                if self.status == "private":
+                    with trio.move_on_after(RESERVE_TIMEOUT * MAX_RELAYS + 5):
+                        await self.keep_reservations()
+            except Exception as exc:  # noqa: BLE001 - py-libp2p's relay code raises freely; the agent lives on
+                log.warning("reachability check failed: %s: %s", type(exc).__name__, exc)
             unsettled = self.status == "unknown" or (self.status == "private" and not self.reservations)
             await trio.sleep(FIRST_CHECKS if unsettled else CHECK_INTERVAL)
 
