@@ -115,6 +115,12 @@ def test_a_nat_lets_connections_out_and_none_in_and_everything_is_removed():
             for server in servers:
                 server.kill()
                 server.wait()
+        router = hosts.ns("nat-home")  # the link's shape: tbf for the rate, iptables statistic for the loss
+        qdisc = subprocess.run(["ip", "netns", "exec", router, "tc", "qdisc", "show", "dev", "eth0"],
+                               capture_output=True, text=True).stdout
+        rules = subprocess.run(["ip", "netns", "exec", router, "iptables", "-S"], capture_output=True, text=True).stdout
+        assert ("netem" in qdisc or "tbf" in qdisc) and "rate 20Mbit" in qdisc, qdisc
+        assert "netem" in qdisc or rules.count("-m statistic --mode random --probability 0.0099") == 4, rules
         made = set(hosts.made)
         assert made <= _netns() and all(n.startswith(PREFIX) for n in made)
     finally:
