@@ -19,10 +19,12 @@ Rules of this file:
 - A relay serves circuits within ``RELAY_LIMITS`` (duration and bytes per circuit, circuits and
   reservations at once): enough for gossip, reports and small adapters, not for datasets; bulk
   content reaches other peers by re-providing (IPIP-0003 §4.1).
-- Hole punching (DCUtR) is not driven: py-libp2p 0.8.1's TCP transport dials from an ephemeral
-  port (no SO_REUSEPORT on the listen port), so the address a NAT maps for the punch is never the
-  one exchanged; agents stay on the relay until a direct dial succeeds (a peer that later gets a
-  public address, or an operator's ``announce``).
+- Hole punching (DCUtR) is not enabled. py-libp2p 0.8.1's ``DCUtRProtocol`` does the right things
+  (predicts <NAT address>:<listen port>, dials from the listen port), but between two harness NATs
+  it never succeeded: with the router answering unasked SYNs with a reset, the first crossing SYN
+  was refused; with the router dropping them, the retried dials from the same port failed with
+  EADDRNOTAVAIL (the 4-tuple still held by the first attempt). Not solved yet; agents stay on the
+  relay until a direct dial succeeds (a peer with a public address, or an operator's ``announce``).
 """
 
 from __future__ import annotations
