@@ -1,6 +1,8 @@
 """WAN figures: agents on separate hosts (network namespaces, agent/harness/hosts.py) over shaped links.
 
-Needs root, `ip`, `iptables`; the delay figures need the kernel's sch_netem. A figure that cannot be
+Needs root, `ip`, `iptables`; the delay figures need the kernel's sch_netem or, without it, the
+harness's userspace delayer (agent/harness/delay.py: iptables NFQUEUE; ``delay_method`` says which,
+and every figure names it as ``"shaper"``). A figure that cannot be
 measured here is not printed; its reason goes to stderr (``skipped: ...``). Figures (one JSON object
 per line, ratio higher is better):
 
@@ -30,7 +32,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.harness.hosts import Hosts, HostSpec, Link, netem_available, unavailable_reason  # noqa: E402
+from agent.harness.hosts import Hosts, HostSpec, Link, delay_method, unavailable_reason  # noqa: E402
 
 MiB = 1 << 20
 PORT = 4101
@@ -109,9 +111,10 @@ async def fetch(address: str, peer: str, cid: str, work: Path, gossip: int) -> N
 
 
 def link_figures(args: argparse.Namespace) -> None:
-    delay = args.delay if netem_available() else 0.0
-    if not netem_available():
-        skipped("gossip_p50_vs_rtt", "the kernel has no sch_netem (delay); gossip is measured on rate-shaped links only")
+    delay = args.delay if delay_method() else 0.0
+    if not delay_method():
+        skipped("gossip_p50_vs_rtt", "no way to delay a link here (no sch_netem, no NFQUEUE delayer); gossip is "
+                "measured on rate-shaped links only")
     hosts = Hosts({"src": HostSpec("src", link=Link(delay_ms=delay, rate_mbit=args.rate)),
                    "dst": HostSpec("dst", link=Link(delay_ms=delay))}).create()
     work = Path(tempfile.mkdtemp(prefix="bench-wan-"))
@@ -130,7 +133,8 @@ def link_figures(args: argparse.Namespace) -> None:
             stdout=subprocess.PIPE, text=True, env=env)
         fetched = json.loads(client.stdout.readline())
         mbit = args.mib * MiB * 8 / 1e6 / fetched["seconds"]
-        emit("transfer_over_link", mbit, "Mbit/s", args.rate, 0.8, mib=args.mib)
+        emit("transfer_over_link", mbit, "Mbit/s", args.rate, 0.8, mib=args.mib, delay_ms=delay,
+             shaper=delay_method() if delay else "tbf")
         server.stdin.write("go\n")
         server.stdin.flush()
         arrived = json.loads(client.stdout.readline())["arrived"]
@@ -141,9 +145,9 @@ def link_figures(args: argparse.Namespace) -> None:
         if delays and delay:
             one_way = delay  # each link adds delay/2 each way; two links
             emit("gossip_p50_vs_rtt", percentile(delays, 0.5), "ms", one_way, None, lower_is_better=True,
-                 received=len(delays))
+                 received=len(delays), shaper=delay_method())
             emit("gossip_p95_vs_rtt", percentile(delays, 0.95), "ms", one_way, None, lower_is_better=True,
-                 received=len(delays))
+                 received=len(delays), shaper=delay_method())
         elif delays:
             print(f"gossip one hop over rate-shaped, undelayed links: p50 {percentile(delays, 0.5):.1f} ms, "
                   f"p95 {percentile(delays, 0.95):.1f} ms ({len(delays)} messages)", file=sys.stderr)
@@ -157,8 +161,8 @@ def link_figures(args: argparse.Namespace) -> None:
 
 
 def job_figure(args: argparse.Namespace) -> None:
-    if not netem_available():
-        skipped("job_wall_time_wan", "the kernel has no sch_netem (delay)")
+    if not delay_method():
+        skipped("job_wall_time_wan", "no way to delay a link here (no sch_netem, no NFQUEUE delayer)")
         return
     from agent.harness.scenario import parse_scenario, run_scenario
     from agent.train.tiny import tiny_model
@@ -180,7 +184,7 @@ job: {{shards: 2, rounds: 1}}\n""", "bench-wan")
                 return
             times[delay] = result.seconds
     emit("job_wall_time_wan", times[args.delay], "s", times[0.0], round(1 / 1.3, 3), lower_is_better=True,
-         delay_ms=args.delay)
+         delay_ms=args.delay, shaper=delay_method())
 
 
 def main() -> None:

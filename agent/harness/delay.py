@@ -1,19 +1,19 @@
 """A link delayer without ``sch_netem``: holds each packet of a queue for ``delay ± jitter``, then lets it go.
 
-The harness (agent/harness/hosts.py) starts one of these per shaped access link, inside the
-namespace that owns the link, as ``ip netns exec NS python delay.py --queue 0:40:10 --queue 1:40:10``;
-once it prints ``ready`` the harness adds iptables rules in that namespace that send the link's
-packets to the queues (``-t mangle POSTROUTING -o eth0 -j NFQUEUE --queue-num 0``, ``PREROUTING -i
-eth0 ... 1``). The kernel keeps each packet (nfnetlink_queue) and sends us its metadata only
+The harness (agent/harness/hosts.py) starts one of these per delayed access link, inside the
+namespace that owns the link, as ``ip netns exec NS python delay.py --queue 0:80:20``; once it
+prints ``ready`` the harness adds the iptables rule in that namespace that sends the packets coming
+in through the link to the queue (``-t mangle -A PREROUTING -i eth0 -j NFQUEUE --queue-num 0``;
+hosts.py says why incoming only). The kernel keeps each packet (nfnetlink_queue) and sends us its metadata only
 (``NFQNL_COPY_META``, no payload); we give it back (``NF_ACCEPT``) when its time has come.
 
 Rules of this file:
 - Standard library only, run as a script (no imports from the package): it talks to the kernel's
   nfnetlink_queue with a raw netlink socket (the message layouts are linux/netfilter/nfnetlink_queue.h).
-- Each queue (one direction of one link) is a FIFO with a monotone schedule: a packet is due at
+- Each queue is a FIFO with a monotone schedule: a packet is due at
   ``max(arrival + sample, previous packet's due time)``, ``sample`` drawn from a normal law of mean
   ``delay`` and deviation ``jitter`` (clipped to ``[0, delay + 2 jitter]``). Jitter therefore never
-  reorders packets of a direction (TCP sees late packets, never out-of-order ones); a burst leaves
+  reorders packets of a queue (TCP sees late packets, never out-of-order ones); a burst leaves
   together. Verdicts are batched (``NFQNL_MSG_VERDICT_BATCH``: every packet up to an id), so a lost
   notification (socket buffer overrun) cannot strand a packet in the kernel.
 - It exits when its stdin closes or its parent changes (the harness died, even by SIGKILL), on

@@ -21,9 +21,10 @@ Rules of this file:
   is per direction, ``rate`` caps each direction. With the kernel's ``sch_netem`` one netem qdisc
   per end does it all. Without it: rate with ``tbf``, loss with iptables ``statistic`` and delay
   and jitter with ``delay.py``, a userspace delayer the run starts in the namespace that owns the
-  link (the host, or its NAT router): iptables (``-t mangle``, ``-j NFQUEUE``) hands it the link's
-  packets, one queue per direction, and it accepts each after ``delay/2 ± jitter/2`` without
-  reordering a direction. The run owns those processes: ``close`` stops them before deleting the
+  link (the host, or its NAT router): iptables (``-t mangle PREROUTING -i eth0 -j NFQUEUE``) hands
+  it the packets coming in through the link, and it accepts each after ``delay ± jitter`` without
+  reordering them (same round trips as netem; see ``Hosts._delay`` for why incoming only). The run
+  owns those processes: ``close`` stops them before deleting the
   namespaces, and they exit on their own when the run dies (their stdin closes).
   ``delay_method()`` says which is used ("netem", "nfqueue", None: delay impossible here, and a
   scenario asking for it says so); ``INFERNET_HARNESS_DELAY=nfqueue`` forces the delayer.
@@ -412,15 +413,20 @@ class Hosts:
             self._delay(ns, dev, link)
 
     def _delay(self, ns: str, dev: str, link: Link) -> None:
-        """Delay and jitter without netem: a delayer in ``ns`` holds ``dev``'s packets, queue 0 going
-        out, queue 1 coming in (mangle POSTROUTING/PREROUTING: forwarded packets too, on a router)."""
+        """Delay and jitter without netem: a delayer in ``ns`` holds the packets coming in on ``dev``
+        (mangle PREROUTING: forwarded ones too, on a router) for the link's whole ``delay ± jitter``.
+
+        Only incoming packets: a packet going out of the host that sent it still belongs to its
+        socket until it leaves, and TCP Small Queues would then stall the sender after a couple of
+        packets per delay (netem orphans the packets it holds; a userspace queue cannot). Round trips
+        are what netem gives (each link on the path adds its delay once); one way, A to B takes B's
+        link's delay instead of half of each.
+        """
         if delay_method() != "nfqueue":
             raise HostsUnavailable(f"link delay/jitter: {_delay_reason}")
-        half = (link.delay_ms / 2, link.jitter_ms / 2)
-        self.delayers.append(_start_delayer(["ip", "netns", "exec", ns], {0: half, 1: half}))
-        for chain, flag, queue in (("POSTROUTING", "-o", "0"), ("PREROUTING", "-i", "1")):
-            _run(["ip", "netns", "exec", ns, "iptables", "-t", "mangle", "-A", chain, flag, dev,
-                  "-j", "NFQUEUE", "--queue-num", queue])
+        self.delayers.append(_start_delayer(["ip", "netns", "exec", ns], {0: (link.delay_ms, link.jitter_ms)}))
+        _run(["ip", "netns", "exec", ns, "iptables", "-t", "mangle", "-A", "PREROUTING", "-i", dev,
+              "-j", "NFQUEUE", "--queue-num", "0"])
 
     def close(self) -> None:
         """Stop this run's delayers and delete every namespace it made (their veths and rules go with
