@@ -170,7 +170,7 @@ def delay_method() -> str | None:
         wanted = os.environ.get("INFERNET_HARNESS_DELAY", "")
         if wanted not in ("", "netem", "nfqueue"):
             _delay_reason = f"INFERNET_HARNESS_DELAY={wanted!r}: expected netem or nfqueue"
-        elif wanted != "nfqueue" and netem_available():
+        elif _use_netem():
             _method = "netem"
         elif wanted == "netem":
             _delay_reason = "INFERNET_HARNESS_DELAY=netem, but the kernel has no sch_netem (CONFIG_NET_SCH_NETEM)"
@@ -183,6 +183,11 @@ def delay_method() -> str | None:
                                  f"cannot run: {problem}")
         _method_probed = True
     return _method
+
+
+def _use_netem() -> bool:
+    """Shape links with netem (else tbf, iptables and the delayer): netem exists and is not refused."""
+    return os.environ.get("INFERNET_HARNESS_DELAY", "") != "nfqueue" and netem_available()
 
 
 def _nfqueue_problem() -> str | None:
@@ -390,7 +395,7 @@ class Hosts:
         if not link.shaped:
             return
         for where, name in ((ns, dev), (peer_ns, peer_dev)):
-            if netem_available():
+            if _use_netem():
                 args = ["ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", name, "root", "netem"]
                 if link.delay_ms or link.jitter_ms:
                     args += ["delay", f"{link.delay_ms / 2:g}ms"]
@@ -405,11 +410,11 @@ class Hosts:
             if link.rate_mbit:
                 _run(["ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", name, "root", "tbf",
                       "rate", f"{link.rate_mbit * 1000:g}kbit", "burst", "32kb", "latency", "400ms"])
-        if link.loss and not netem_available():  # both directions, at the host end of the link
+        if link.loss and not _use_netem():  # both directions, at the host end of the link
             for chain, flag in (("OUTPUT", "-o"), ("INPUT", "-i"), ("FORWARD", "-o"), ("FORWARD", "-i")):
                 _run(["ip", "netns", "exec", ns, "iptables", "-I", chain, "1", flag, dev, "-m", "statistic",
                       "--mode", "random", "--probability", f"{link.loss / 100:.6f}", "-j", "DROP"])
-        if (link.delay_ms or link.jitter_ms) and not netem_available():
+        if (link.delay_ms or link.jitter_ms) and not _use_netem():
             self._delay(ns, dev, link)
 
     def _delay(self, ns: str, dev: str, link: Link) -> None:
