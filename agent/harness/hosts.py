@@ -217,12 +217,16 @@ def _start_delayer(prefix: list[str], queues: dict[int, tuple[float, float]]) ->
         process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors)
         deadline = time.monotonic() + 20
         line = b""
-        while not line.endswith(b"\n") and time.monotonic() < deadline:
-            ready, _, _ = select.select([process.stdout], [], [], max(0.0, deadline - time.monotonic()))
-            chunk = os.read(process.stdout.fileno(), 64) if ready else b""
-            if not chunk:
-                break
-            line += chunk
+        try:
+            while not line.endswith(b"\n") and time.monotonic() < deadline:
+                ready, _, _ = select.select([process.stdout], [], [], max(0.0, deadline - time.monotonic()))
+                chunk = os.read(process.stdout.fileno(), 64) if ready else b""
+                if not chunk:
+                    break
+                line += chunk
+        except BaseException:  # Ctrl-C while it starts: it is not ours to forget
+            _stop_delayer(process)
+            raise
         if line.strip() != b"ready":
             _stop_delayer(process)
             errors.seek(0)
