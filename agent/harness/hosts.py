@@ -16,18 +16,18 @@ Rules of this file:
        └── veth ── router nat-C    10.1.0.101  MASQUERADE; nothing forwards inbound connections
                      └── veth ── host C  192.168.3.2 (default via 192.168.3.1): outbound only
 
-- A link's shape applies in both directions of the host's access link: ``delay`` and ``jitter``
-  are added half each way (a host's link adds ``delay`` to every round trip through it), ``loss``
-  is per direction, ``rate`` caps each direction. With the kernel's ``sch_netem`` one netem qdisc
-  per end does it all. Without it: rate with ``tbf``, loss with iptables ``statistic`` and delay
-  and jitter with ``delay.py``, a userspace delayer the run starts in the namespace that owns the
-  link (the host, or its NAT router): iptables (``-t mangle PREROUTING -i eth0 -j NFQUEUE``) hands
-  it the packets coming in through the link, and it accepts each after ``delay ± jitter`` without
-  reordering them (same round trips as netem; see ``Hosts._delay`` for why incoming only). The run
-  owns those processes: ``close`` stops them before deleting the
-  namespaces, and they exit on their own when the run dies (their stdin closes).
-  ``delay_method()`` says which is used ("netem", "nfqueue", None: delay impossible here, and a
-  scenario asking for it says so); ``INFERNET_HARNESS_DELAY=nfqueue`` forces the delayer.
+- A link's shape applies in both directions of the host's access link: a host's link adds
+  ``delay ± jitter`` to every round trip through it, ``loss`` is per direction, ``rate`` caps each
+  direction. With the kernel's ``sch_netem`` one netem qdisc per end does it all (delay and jitter
+  half each way). Without it: rate with ``tbf``, loss with iptables ``statistic``, and delay and
+  jitter with ``delay.py``, a userspace delayer the run starts in the namespace that owns the link
+  (the host, or its NAT router): iptables (``-t mangle PREROUTING -i eth0 -j NFQUEUE``) hands it
+  the packets coming in through the link, and it accepts each after the whole ``delay ± jitter``
+  without reordering them (same round trips as netem; ``Hosts._delay`` says why incoming only).
+  The run owns those processes: ``close`` stops them before deleting the namespaces, and they
+  exit on their own when the run dies (their stdin closes). ``delay_method()`` says which is used
+  ("netem", "nfqueue", or None: delay impossible here, and a scenario asking for it says so);
+  ``INFERNET_HARNESS_DELAY=nfqueue`` forces the delayer where netem exists.
 - ``HostsUnavailable`` is raised (and tests skip on it) when the machine cannot make hosts: not
   root, no ``ip``, no ``iptables``, namespaces refused.
 """
@@ -64,8 +64,8 @@ class HostsError(Exception):
 class Link:
     """The shape of a host's access link."""
 
-    delay_ms: float = 0.0  # added to each round trip through this link (half each direction)
-    jitter_ms: float = 0.0  # ± around the delay (half each direction)
+    delay_ms: float = 0.0  # added to each round trip through this link (netem: half each direction)
+    jitter_ms: float = 0.0  # ± around the delay (netem: half each direction)
     loss: float = 0.0  # percent of packets lost, each direction
     rate_mbit: float = 0.0  # 0 = unlimited
 

@@ -26,8 +26,6 @@ def shim(monkeypatch):
     monkeypatch.setattr(hosts_module, "_method", None)
     if hosts_module.delay_method() != "nfqueue":
         pytest.skip(f"the NFQUEUE delayer cannot run here: {hosts_module._delay_reason}")
-    yield
-    monkeypatch.setattr(hosts_module, "_method_probed", False)
 
 
 def _netns() -> set[str]:
