@@ -134,7 +134,7 @@ def link_figures(args: argparse.Namespace) -> None:
         fetched = json.loads(client.stdout.readline())
         mbit = args.mib * MiB * 8 / 1e6 / fetched["seconds"]
         emit("transfer_over_link", mbit, "Mbit/s", args.rate, 0.8, mib=args.mib, delay_ms=delay,
-             shaper=delay_method() if delay else "tbf")
+             shaper="netem" if delay_method() == "netem" else "tbf+nfqueue" if delay else "tbf")
         server.stdin.write("go\n")
         server.stdin.flush()
         arrived = json.loads(client.stdout.readline())["arrived"]
