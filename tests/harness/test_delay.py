@@ -118,3 +118,26 @@ def test_the_delayers_of_a_killed_run_exit_and_its_namespaces_are_swept(shim):
     stale = {n for n in _netns() if n.startswith(f"{PREFIX}{run.pid}x")}
     assert stale and stale <= set(sweep())
     assert not {n for n in _netns() if n.startswith(f"{PREFIX}{run.pid}x")}
+
+
+def test_a_setup_failing_after_a_delayer_started_stops_it_and_removes_everything(shim, monkeypatch):
+    before = _netns()
+    started = []
+    real_start, real_run = hosts_module._start_delayer, hosts_module._run
+
+    def start(*args, **kwargs):
+        started.append(real_start(*args, **kwargs))
+        return started[-1]
+
+    def run(args):
+        if "NFQUEUE" in args:  # the rule that would hand the link's packets to the delayer
+            raise hosts_module.HostsError("iptables: refused (as a test)")
+        return real_run(args)
+
+    monkeypatch.setattr(hosts_module, "_start_delayer", start)
+    monkeypatch.setattr(hosts_module, "_run", run)
+    hosts = Hosts({"a": HostSpec("a", link=Link(delay_ms=20))})
+    with pytest.raises(hosts_module.HostsError, match="refused"):
+        hosts.create()
+    assert len(started) == 1 and started[0].poll() is not None  # stopped, not left running
+    assert not hosts.delayers and not hosts.made and _netns() == before
