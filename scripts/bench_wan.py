@@ -1,6 +1,8 @@
 """WAN figures: agents on separate hosts (network namespaces, agent/harness/hosts.py) over shaped links.
 
-Needs root, `ip`, `iptables`; the delay figures need the kernel's sch_netem. A figure that cannot be
+Needs root, `ip`, `iptables`; the delay figures need the kernel's sch_netem or, without it, the
+harness's userspace delayer (agent/harness/delay.py: iptables NFQUEUE; ``delay_method`` says which,
+and every figure names it as ``"shaper"``). A figure that cannot be
 measured here is not printed; its reason goes to stderr (``skipped: ...``). Figures (one JSON object
 per line, ratio higher is better):
 
@@ -12,7 +14,7 @@ per line, ratio higher is better):
   Reference: that one-way delay; ratio = reference / value (1.0: gossip adds nothing to the link).
 - job_wall_time_wan: the wall time of a 1-round, 2-shard job with agents on separate hosts, every
   link adding ``--delay`` ms; reference: the same job on unshaped hosts; ratio = reference / value,
-  goal 1 / 1.3 (at most 1.3 times slower).
+  goal 1 / 1.3 (at most 1.3 times slower). The median of ``--repeat`` runs each, alternated.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.harness.hosts import Hosts, HostSpec, Link, netem_available, unavailable_reason  # noqa: E402
+from agent.harness.hosts import Hosts, HostSpec, Link, delay_method, unavailable_reason  # noqa: E402
 
 MiB = 1 << 20
 PORT = 4101
@@ -109,9 +111,10 @@ async def fetch(address: str, peer: str, cid: str, work: Path, gossip: int) -> N
 
 
 def link_figures(args: argparse.Namespace) -> None:
-    delay = args.delay if netem_available() else 0.0
-    if not netem_available():
-        skipped("gossip_p50_vs_rtt", "the kernel has no sch_netem (delay); gossip is measured on rate-shaped links only")
+    delay = args.delay if delay_method() else 0.0
+    if not delay_method():
+        skipped("gossip_p50_vs_rtt", "no way to delay a link here (no sch_netem, no NFQUEUE delayer); gossip is "
+                "measured on rate-shaped links only")
     hosts = Hosts({"src": HostSpec("src", link=Link(delay_ms=delay, rate_mbit=args.rate)),
                    "dst": HostSpec("dst", link=Link(delay_ms=delay))}).create()
     work = Path(tempfile.mkdtemp(prefix="bench-wan-"))
@@ -130,7 +133,8 @@ def link_figures(args: argparse.Namespace) -> None:
             stdout=subprocess.PIPE, text=True, env=env)
         fetched = json.loads(client.stdout.readline())
         mbit = args.mib * MiB * 8 / 1e6 / fetched["seconds"]
-        emit("transfer_over_link", mbit, "Mbit/s", args.rate, 0.8, mib=args.mib)
+        emit("transfer_over_link", mbit, "Mbit/s", args.rate, 0.8, mib=args.mib, delay_ms=delay,
+             shaper="netem" if delay_method() == "netem" else "tbf+nfqueue" if delay else "tbf")
         server.stdin.write("go\n")
         server.stdin.flush()
         arrived = json.loads(client.stdout.readline())["arrived"]
@@ -141,9 +145,9 @@ def link_figures(args: argparse.Namespace) -> None:
         if delays and delay:
             one_way = delay  # each link adds delay/2 each way; two links
             emit("gossip_p50_vs_rtt", percentile(delays, 0.5), "ms", one_way, None, lower_is_better=True,
-                 received=len(delays))
+                 received=len(delays), shaper=delay_method())
             emit("gossip_p95_vs_rtt", percentile(delays, 0.95), "ms", one_way, None, lower_is_better=True,
-                 received=len(delays))
+                 received=len(delays), shaper=delay_method())
         elif delays:
             print(f"gossip one hop over rate-shaped, undelayed links: p50 {percentile(delays, 0.5):.1f} ms, "
                   f"p95 {percentile(delays, 0.95):.1f} ms ({len(delays)} messages)", file=sys.stderr)
@@ -157,8 +161,8 @@ def link_figures(args: argparse.Namespace) -> None:
 
 
 def job_figure(args: argparse.Namespace) -> None:
-    if not netem_available():
-        skipped("job_wall_time_wan", "the kernel has no sch_netem (delay)")
+    if not delay_method():
+        skipped("job_wall_time_wan", "no way to delay a link here (no sch_netem, no NFQUEUE delayer)")
         return
     from agent.harness.scenario import parse_scenario, run_scenario
     from agent.train.tiny import tiny_model
@@ -171,16 +175,19 @@ def job_figure(args: argparse.Namespace) -> None:
   a: {{agents: [submitter]{link}}}\n  b: {{agents: [w0]{link}}}\n  c: {{agents: [w1]{link}}}
 job: {{shards: 2, rounds: 1}}\n""", "bench-wan")
 
-    times = {}
-    for delay in (0.0, args.delay):
-        with tempfile.TemporaryDirectory() as out:
-            result = trio.run(lambda: run_scenario(scenario(delay), Path(out), model_dir=model))
-            if not result.ok:
-                print(result.summary, file=sys.stderr)
-                return
-            times[delay] = result.seconds
-    emit("job_wall_time_wan", times[args.delay], "s", times[0.0], round(1 / 1.3, 3), lower_is_better=True,
-         delay_ms=args.delay)
+    times: dict[float, list[float]] = {0.0: [], args.delay: []}
+    for _ in range(args.repeat):  # alternate, so a busy spell of the machine hits both alike
+        for delay in (0.0, args.delay):
+            with tempfile.TemporaryDirectory() as out:
+                result = trio.run(lambda: run_scenario(scenario(delay), Path(out), model_dir=model))
+                if not result.ok:
+                    print(result.summary, file=sys.stderr)
+                    return
+                times[delay].append(result.seconds)
+    print(f"job wall times (s): unshaped {[round(t, 1) for t in times[0.0]]}, "
+          f"{args.delay:g} ms {[round(t, 1) for t in times[args.delay]]}", file=sys.stderr, flush=True)
+    emit("job_wall_time_wan", percentile(times[args.delay], 0.5), "s", percentile(times[0.0], 0.5), round(1 / 1.3, 3),
+         lower_is_better=True, delay_ms=args.delay, shaper=delay_method(), runs=args.repeat)
 
 
 def main() -> None:
@@ -190,6 +197,8 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=50)
     parser.add_argument("--messages", type=int, default=50)
     parser.add_argument("--skip-job", action="store_true")
+    parser.add_argument("--skip-link", action="store_true", help="only the job's wall time")
+    parser.add_argument("--repeat", type=int, default=3, help="jobs run at each delay (the median counts)")
     parser.add_argument("--role", choices=("serve", "fetch"), help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--peer", help=argparse.SUPPRESS)
@@ -207,7 +216,8 @@ def main() -> None:
     if reason:
         skipped("all", reason)
         sys.exit(0)
-    link_figures(args)
+    if not args.skip_link:
+        link_figures(args)
     if not args.skip_job:
         job_figure(args)
 

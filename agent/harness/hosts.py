@@ -16,11 +16,18 @@ Rules of this file:
        └── veth ── router nat-C    10.1.0.101  MASQUERADE; nothing forwards inbound connections
                      └── veth ── host C  192.168.3.2 (default via 192.168.3.1): outbound only
 
-- A link's shape applies in both directions of the host's access link: ``delay`` and ``jitter``
-  are added half each way (a host's link adds ``delay`` to every round trip through it), ``loss``
-  is per direction, ``rate`` caps each direction. Delay and jitter need the kernel's ``sch_netem``
-  qdisc; without it (``netem_available()`` false) a scenario asking for delay cannot run and says
-  so, while loss (iptables ``statistic``) and rate (``tbf``) still work.
+- A link's shape applies in both directions of the host's access link: a host's link adds
+  ``delay ± jitter`` to every round trip through it, ``loss`` is per direction, ``rate`` caps each
+  direction. With the kernel's ``sch_netem`` one netem qdisc per end does it all (delay and jitter
+  half each way). Without it: rate with ``tbf``, loss with iptables ``statistic``, and delay and
+  jitter with ``delay.py``, a userspace delayer the run starts in the namespace that owns the link
+  (the host, or its NAT router): iptables (``-t mangle PREROUTING -i eth0 -j NFQUEUE``) hands it
+  the packets coming in through the link, and it accepts each after the whole ``delay ± jitter``
+  without reordering them (same round trips as netem; ``Hosts._delay`` says why incoming only).
+  The run owns those processes: ``close`` stops them before deleting the namespaces, and they
+  exit on their own when the run dies (their stdin closes). ``delay_method()`` says which is used
+  ("netem", "nfqueue", or None: delay impossible here, and a scenario asking for it says so);
+  ``INFERNET_HARNESS_DELAY=nfqueue`` forces the delayer where netem exists.
 - ``HostsUnavailable`` is raised (and tests skip on it) when the machine cannot make hosts: not
   root, no ``ip``, no ``iptables``, namespaces refused.
 """
@@ -30,8 +37,12 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import select
 import shutil
 import subprocess
+import sys
+import tempfile
+import time
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -53,8 +64,8 @@ class HostsError(Exception):
 class Link:
     """The shape of a host's access link."""
 
-    delay_ms: float = 0.0  # added to each round trip through this link (half each direction)
-    jitter_ms: float = 0.0  # ± around the delay (half each direction)
+    delay_ms: float = 0.0  # added to each round trip through this link (netem: half each direction)
+    jitter_ms: float = 0.0  # ± around the delay (netem: half each direction)
     loss: float = 0.0  # percent of packets lost, each direction
     rate_mbit: float = 0.0  # 0 = unlimited
 
@@ -135,13 +146,113 @@ def scenario_unavailable(specs: dict[str, "HostSpec"]) -> str | None:
     reason = unavailable_reason()
     if reason is None:
         delayed = [s.name for s in specs.values() if s.link.delay_ms or s.link.jitter_ms]
-        if delayed and not netem_available():
-            reason = (f"host {delayed[0]}: link delay/jitter need the kernel's sch_netem qdisc, "
-                      "which this kernel lacks (CONFIG_NET_SCH_NETEM)")
+        if delayed and delay_method() is None:
+            reason = f"host {delayed[0]}: link delay/jitter: {_delay_reason}"
     return reason
 
 
 _netem: bool | None = None
+_method: str | None = None
+_method_probed = False
+_delay_reason = ""
+DELAYER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delay.py")
+
+
+def delay_method() -> str | None:
+    """How links get delay and jitter here: "netem", "nfqueue" (the userspace delayer) or None.
+
+    netem when the kernel has it, else the delayer when nfnetlink_queue and the NFQUEUE target work
+    (probed once, in a throwaway namespace); ``INFERNET_HARNESS_DELAY=nfqueue`` (or ``netem``)
+    insists on one, and None follows when it cannot be had.
+    """
+    global _method, _method_probed, _delay_reason
+    if not _method_probed:
+        wanted = os.environ.get("INFERNET_HARNESS_DELAY", "")
+        if wanted not in ("", "netem", "nfqueue"):
+            _delay_reason = f"INFERNET_HARNESS_DELAY={wanted!r}: expected netem or nfqueue"
+        elif _use_netem():
+            _method = "netem"
+        elif wanted == "netem":
+            _delay_reason = "INFERNET_HARNESS_DELAY=netem, but the kernel has no sch_netem (CONFIG_NET_SCH_NETEM)"
+        else:
+            problem = _nfqueue_problem()
+            if problem is None:
+                _method = "nfqueue"
+            else:
+                _delay_reason = (f"the kernel has no sch_netem (CONFIG_NET_SCH_NETEM) and the userspace delayer "
+                                 f"cannot run: {problem}")
+        _method_probed = True
+    return _method
+
+
+def _use_netem() -> bool:
+    """Shape links with netem (else tbf, iptables and the delayer): netem exists and is not refused."""
+    return os.environ.get("INFERNET_HARNESS_DELAY", "") != "nfqueue" and netem_available()
+
+
+def _nfqueue_problem() -> str | None:
+    """Why the NFQUEUE delayer cannot run here (None: it can): tried in a throwaway namespace."""
+    name = f"{PREFIX}{os.getpid()}x0-dprobe"
+    delayer = None
+    try:
+        _run(["ip", "netns", "add", name])
+        delayer = _start_delayer(["ip", "netns", "exec", name], {0: (1.0, 0.0)})
+        _run(["ip", "netns", "exec", name, "iptables", "-t", "mangle", "-A", "POSTROUTING", "-o", "lo",
+              "-j", "NFQUEUE", "--queue-num", "0"])
+        return None
+    except HostsError as exc:
+        return str(exc)
+    finally:
+        if delayer is not None:
+            _stop_delayer(delayer)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def _start_delayer(prefix: list[str], queues: dict[int, tuple[float, float]]) -> subprocess.Popen:
+    """Start delay.py (``prefix`` puts it in a namespace) and wait until its queues are bound."""
+    args = prefix + [sys.executable, DELAYER]
+    for queue, (delay_ms, jitter_ms) in queues.items():
+        args += ["--queue", f"{queue}:{delay_ms:g}:{jitter_ms:g}"]
+    with tempfile.TemporaryFile() as errors:  # the child writes its own copy; read here on failure only
+        process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors)
+        deadline = time.monotonic() + 20
+        line = b""
+        try:
+            while not line.endswith(b"\n") and time.monotonic() < deadline:
+                ready, _, _ = select.select([process.stdout], [], [], max(0.0, deadline - time.monotonic()))
+                chunk = os.read(process.stdout.fileno(), 64) if ready else b""
+                if not chunk:
+                    break
+                line += chunk
+        except BaseException:  # Ctrl-C while it starts: it is not ours to forget
+            _stop_delayer(process)
+            raise
+        if line.strip() != b"ready":
+            _stop_delayer(process)
+            errors.seek(0)
+            said = errors.read().decode(errors="replace").strip().splitlines()
+            raise HostsError(f"{' '.join(args)}: {said[-1] if said else 'did not say ready within 20 s'}")
+    return process
+
+
+def _stop_delayer(process: subprocess.Popen) -> None:
+    """Stop a delayer: close its stdin (it exits), then SIGTERM, then SIGKILL. Never raises."""
+    try:
+        if process.stdin is not None:
+            process.stdin.close()
+    except OSError:
+        pass
+    try:
+        process.wait(timeout=2)
+    except subprocess.TimeoutExpired:
+        process.terminate()
+        try:
+            process.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    if process.stdout is not None:
+        process.stdout.close()
 
 
 def netem_available() -> bool:
@@ -203,6 +314,7 @@ class Hosts:
     made: list[str] = field(default_factory=list)  # namespaces, in creation order
     addresses: dict[str, str] = field(default_factory=dict)  # host -> its own IPv4 address
     public: dict[str, str] = field(default_factory=dict)  # host -> the address the internet sees
+    delayers: list[subprocess.Popen] = field(default_factory=list)  # delay.py processes (no netem)
 
     def ns(self, host: str) -> str:
         return f"{PREFIX}{self.run_id}-{host}"
@@ -287,7 +399,7 @@ class Hosts:
         if not link.shaped:
             return
         for where, name in ((ns, dev), (peer_ns, peer_dev)):
-            if netem_available():
+            if _use_netem():
                 args = ["ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", name, "root", "netem"]
                 if link.delay_ms or link.jitter_ms:
                     args += ["delay", f"{link.delay_ms / 2:g}ms"]
@@ -302,13 +414,35 @@ class Hosts:
             if link.rate_mbit:
                 _run(["ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", name, "root", "tbf",
                       "rate", f"{link.rate_mbit * 1000:g}kbit", "burst", "32kb", "latency", "400ms"])
-        if link.loss and not netem_available():  # both directions, at the host end of the link
+        if link.loss and not _use_netem():  # both directions, at the host end of the link
             for chain, flag in (("OUTPUT", "-o"), ("INPUT", "-i"), ("FORWARD", "-o"), ("FORWARD", "-i")):
                 _run(["ip", "netns", "exec", ns, "iptables", "-I", chain, "1", flag, dev, "-m", "statistic",
                       "--mode", "random", "--probability", f"{link.loss / 100:.6f}", "-j", "DROP"])
+        if (link.delay_ms or link.jitter_ms) and not _use_netem():
+            self._delay(ns, dev, link)
+
+    def _delay(self, ns: str, dev: str, link: Link) -> None:
+        """Delay and jitter without netem: a delayer in ``ns`` holds the packets coming in on ``dev``
+        (mangle PREROUTING: forwarded ones too, on a router) for the link's whole ``delay ± jitter``.
+
+        Only incoming packets: a packet going out of the host that sent it still belongs to its
+        socket until it leaves, and TCP Small Queues would then stall the sender after a couple of
+        packets per delay (netem orphans the packets it holds; a userspace queue cannot). Round trips
+        are what netem gives (each link on the path adds its delay once); one way, A to B takes B's
+        link's delay instead of half of each.
+        """
+        if delay_method() != "nfqueue":
+            raise HostsUnavailable(f"link delay/jitter: {_delay_reason}")
+        self.delayers.append(_start_delayer(["ip", "netns", "exec", ns], {0: (link.delay_ms, link.jitter_ms)}))
+        _run(["ip", "netns", "exec", ns, "iptables", "-t", "mangle", "-A", "PREROUTING", "-i", dev,
+              "-j", "NFQUEUE", "--queue-num", "0"])
 
     def close(self) -> None:
-        """Delete every namespace this run made (their veths and rules go with them). Never raises."""
+        """Stop this run's delayers and delete every namespace it made (their veths and rules go with
+        them). Never raises."""
+        for delayer in self.delayers:
+            _stop_delayer(delayer)
+        self.delayers.clear()
         for ns in reversed(self.made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self.made.clear()
