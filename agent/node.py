@@ -47,7 +47,7 @@ from agent.content.service import ContentService, open_content
 from agent.net.errors import NetError
 from agent.net.gossip import GossipConfig
 from agent.net.host import NetConfig
-from agent.net.network import Network, open_network
+from agent.net.stack import Network, open_network
 from agent.ledger_sync import LedgerService
 from agent.ledger_sync import sync_loop as ledger_sync_loop
 from agent.roles.coordinator import CoordinatorRole

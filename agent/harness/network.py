@@ -153,7 +153,7 @@ class LoopbackNet:
         import sys
 
         from agent.config import IDENTITY_FILE
-        from protocol.identity import save_identity
+        from agent.keyfile import save_identity
 
         home = config.home
         home.mkdir(parents=True, exist_ok=True)

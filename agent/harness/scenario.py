@@ -33,8 +33,9 @@ from typing import Any
 
 import trio
 
+from agent.specfile import read_text
 from protocol.errors import SpecError
-from protocol.jobspec import _Where, read_job, read_text, read_yaml
+from protocol.jobspec import _Where, read_job, read_yaml
 
 log = logging.getLogger(__name__)
 

@@ -61,7 +61,8 @@ from agent.bundle import (
     AGGREGATE_FILES, CHECKPOINT_FILES, REPORT_FILES, BundleError, bundle_size_bound, pack_dir, unpack,
 )
 from agent.content.errors import FetchError
-from agent.roles.job import JobView, run_torch, train_config
+from agent.roles.job import JobView
+from agent.train.runner import run_torch, train_config
 from agent.sealing import must_seal, seal_dir
 from protocol import messages as m
 from protocol import state as st

@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from agent.bundle import AGGREGATE_FILES, DEFAULT_MAX_BYTES, bundle_size_bound, pack_dir, unpack
-from agent.roles.job import JobView, run_torch, train_config
+from agent.roles.job import JobView
+from agent.train.runner import run_torch, train_config
 from protocol import messages as m
 from protocol import state as st
 from protocol.fit import training_refusals
