@@ -48,6 +48,7 @@ from agent.net.errors import NetError
 from agent.net.gossip import GossipConfig
 from agent.net.host import NetConfig
 from agent.net.stack import Network, open_network
+from agent.hooks import AgentHooks
 from agent.ledger_sync import LedgerService
 from agent.ledger_sync import sync_loop as ledger_sync_loop
 from agent.roles.coordinator import CoordinatorRole
@@ -91,7 +92,6 @@ class AgentConfig:
     ipfs_api: str | None = None
     gossip_max_rate: float = 200.0  # messages per second accepted from one peer (its signed messages) ...
     gossip_max_burst: float = 400.0  # ... with this much burst; beyond it they are dropped at the first hop
-    misbehave: str | None = None  # test harness only: see agent/roles/worker.py MISBEHAVIOURS
     measure_speed: bool = False  # measure tokens/s per held model once (agent/market.py); `agent run` turns it on
 
 
@@ -107,7 +107,7 @@ class Agent:
     ledger_sync_interval = 10.0  # seconds between pulls of a job's ledger chains from its peers
 
     def __init__(self, identity: Identity, config: AgentConfig, *, clock: Callable[[], float] = time.time,
-                 machine: Any = None) -> None:
+                 machine: Any = None, hooks: AgentHooks | None = None) -> None:
         self.identity = identity
         self.config = config
         self.clock = clock
@@ -122,7 +122,9 @@ class Agent:
         self.hearing_peers_since: float | None = None  # other peers' heartbeats arrive without a break since
         self.store_full: str | None = None  # why we refuse new work: our store cannot be written (disk full)
         self._store_full_logged = 0.0
-        self.worker = WorkerRole(self) if config.accept_training else None
+        # the test harness's injections (agent/hooks.py): an observer tap, a Byzantine worker; never in production
+        self.hooks = hooks or AgentHooks()
+        self.worker = WorkerRole(self, self.hooks.training) if config.accept_training else None
         self.coordinator = CoordinatorRole(self)
         self.submitter = SubmitterRole(self)
         self.sync = SyncService(self)
@@ -134,10 +136,6 @@ class Agent:
         self._coordinating: set[bytes] = set()  # jobs whose pending work we took over as coordinator
         self._resyncing: set[bytes] = set()  # jobs whose mirror is being rebuilt (agent/roles/sync.py)
         self._last_resync: dict[bytes, float] = {}
-        # the test harness's tap (agent/harness/trace.py): called with ("recv", Received) for every
-        # verified message we receive and ("state", JobView, actions) for every state change; never
-        # set in production, and it must not raise
-        self.observer: Callable[..., None] | None = None
         # agent/hardware.Machine: measured in run(), unless declared here (the harness declares GPUs this
         # machine lacks, so that GPU jobs' decisions run on real agents; training itself runs on what torch has)
         self.machine: Any = machine
@@ -340,8 +338,8 @@ class Agent:
     async def _read_jobs_topic(self, subscription: Any) -> None:
         async for received in subscription:
             msg, signer, now = received.message, received.signer, self.clock()
-            if self.observer is not None:
-                self.observer("recv", received)
+            if self.hooks.observer is not None:
+                self.hooks.observer("recv", received)
             if isinstance(msg, m.Heartbeat):
                 if signer != self.peer_id and not self.live_peers():
                     self.hearing_peers_since = now  # the first peer heard since we (re)started or were alone
@@ -475,8 +473,8 @@ class Agent:
         if synced:
             self.apply_actions(view, ())
         async for received in subscription:
-            if self.observer is not None:
-                self.observer("recv", received)
+            if self.hooks.observer is not None:
+                self.hooks.observer("recv", received)
             if received.envelope.message_id in synced:
                 continue  # already applied from the history
             await self.on_job_message(view, received)
@@ -540,8 +538,8 @@ class Agent:
         self.coordinator.on_actions(view, actions)
         if self.worker is not None:  # any change may free a shard for us (a verdict often returns no action)
             self.worker.wake()
-        if self.observer is not None and actions:
-            self.observer("state", view, actions)
+        if self.hooks.observer is not None and actions:
+            self.hooks.observer("state", view, actions)
         for action in actions:
             kind = _LEDGER_KIND.get(type(action).__name__)
             if kind is not None:

@@ -31,6 +31,8 @@ from typing import Any, Callable
 
 import trio
 
+from agent.harness.byzantine import byzantine
+from agent.hooks import AgentHooks
 from agent.net.gossip import GossipFaults
 from agent.node import Agent, AgentConfig
 from protocol.identity import Identity
@@ -59,6 +61,7 @@ class LoopbackNet:
     processes: dict[str, Any] = field(default_factory=dict)  # name -> subprocess.Popen (agents run as processes)
     process_names: set[str] = field(default_factory=set)  # agents that run as processes
     machines: dict[str, Any] = field(default_factory=dict)  # name -> declared agent/hardware.Machine (tests)
+    misbehave: dict[str, str] = field(default_factory=dict)  # name -> agent/harness/byzantine.py mode
 
     # -- who is who -------------------------------------------------------------------------------
 
@@ -101,15 +104,22 @@ class LoopbackNet:
         if name in self.process_names:
             await self._start_process(name, config)
             return None
-        agent = Agent(identity_for(self.seed, name), config, machine=self.machines.get(name))
-        if self.observer is not None:
-            agent.observer = lambda kind, *args, _n=name, _a=agent: self.observer(_n, _a, kind, args)
+        agent = Agent(identity_for(self.seed, name), config, machine=self.machines.get(name),
+                      hooks=self._hooks(name))
         scope = trio.CancelScope()
         self.scopes[name] = scope
         self.agents[name] = agent
         await self.nursery.start(_run, agent, scope)
         self._apply_faults(name)
         return agent
+
+    def _hooks(self, name: str) -> AgentHooks:
+        """What the harness injects into agent ``name``: the observer's tap, its misbehaviour."""
+        observer = None
+        if self.observer is not None:  # called only while the agent runs: it is self.agents[name] by then
+            def observer(kind: str, *args: Any, _n: str = name) -> None:
+                self.observer(_n, self.agents[_n], kind, args)
+        return AgentHooks(observer=observer, training=byzantine(self.misbehave.get(name)))
 
     def _named(self, who: "str | Agent") -> str:
         return who if isinstance(who, str) else self.name_of(who.peer_id)
@@ -249,7 +259,7 @@ def _config_toml(config: AgentConfig) -> str:
     lines, models = [], []
     for f in fields(AgentConfig):
         value = getattr(config, f.name)
-        if f.name in ("home", "misbehave") or value is None:
+        if f.name == "home" or value is None:
             continue
         if f.name == "models":
             models = [f"{json.dumps(k)} = {json.dumps(v)}" for k, v in value]
@@ -309,7 +319,9 @@ async def network(home: Path, model_dir: Path, workers: int = 3, *, seed: int = 
             submitter.submitter.reannounce_seconds = reannounce_seconds
         bootstrap = (submitter.addrs()[0],)
         for i in range(workers):
-            settings = {"misbehave": misbehave.get(i), "can_coordinate": misbehave.get(i) in (None, "crash"),
+            if misbehave.get(i) is not None:
+                net.misbehave[f"w{i}"] = misbehave[i]
+            settings = {"can_coordinate": misbehave.get(i) in (None, "crash"),
                         **(overrides or {}).get(i, {})}
             config = worker_config(home / f"w{i}", model_dir, bootstrap, **settings)
             if i in late:

@@ -129,7 +129,7 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
     workers = r.integer(agents.get("workers", 3), ("agents", "workers"), 1, 16)
     names = [f"w{i}" for i in range(workers)]
     known = ["submitter", *names] + (["mallory"] if agents.get("mallory") else [])
-    from agent.roles.worker import MISBEHAVIOURS
+    from agent.harness.byzantine import MISBEHAVIOURS
 
     byzantine = {}
     for key, mode in r.mapping(agents.get("byzantine", {}), ("agents", "byzantine")).items():
