@@ -5,6 +5,13 @@ Rules of this file:
   which every task of the agent lives (gossip readers, heartbeats, ticks, the worker's claims and
   shard trainings, the coordinator's verifications and aggregations). Leaving ``run`` (``stop()``,
   cancellation or an error) ends them all.
+- The roles see the agent through one port (agent/roles/port.py ``RolePort``), which ``Agent``
+  satisfies. Each followed job has its own nursery (``job_tasks``, owned by ``_own_job_tasks`` in the
+  agent's nursery): the roles' tasks of a job (claim grants, verifications, aggregations, shard
+  trainings, re-announcing, the budget watch) are started in it with ``spawn_in_job``; once the job
+  ends they have ``job_end_grace`` seconds to finish, then are cancelled. Waits on peers or a job
+  (``wait_until``) wake on job changes, heartbeats and ended job tasks, each with a deadline.
+- The test harness injects its hooks at construction (``hooks``: agent/hooks.py), never via the config.
 - Peers are known by their signed ``cap`` and ``heartbeat`` messages. A peer is *live* while its
   heartbeats arrive (protocol/election.live_peers); a job's coordinator is elected among live peers
   whose capability can coordinate *that job* (protocol/election.eligible_for_job: it holds the base
@@ -105,6 +112,7 @@ class PeerInfo:
 
 class Agent:
     ledger_sync_interval = 10.0  # seconds between pulls of a job's ledger chains from its peers
+    job_end_grace = 30.0  # seconds a job's tasks have to finish once it ended, before they are cancelled
 
     def __init__(self, identity: Identity, config: AgentConfig, *, clock: Callable[[], float] = time.time,
                  machine: Any = None, hooks: AgentHooks | None = None) -> None:
@@ -130,6 +138,8 @@ class Agent:
         self.sync = SyncService(self)
         self.ledger_service = LedgerService(self)  # copies of the job's other chains (agent/ledger_sync.py)
         self.job_events = trio.Event()  # set (and replaced) whenever a job's state changes
+        self._changes = trio.Event()  # set (and replaced) when a job changes, a peer is heard or a job task ends
+        self.job_tasks: dict[bytes, trio.Nursery] = {}  # each followed job's own nursery (spawn_in_job)
         self._stopping = trio.Event()
         self._heartbeat_seq = 0
         self.counters: Counter[str] = Counter()  # shards_trained, verdicts_accepted, ... (metrics, status)
@@ -348,6 +358,7 @@ class Agent:
                     info.live_since = now  # back after a silence (it restarted, or a partition healed)
                 info.last_heartbeat = now
                 info.active_shards = msg.active_shards
+                self._notify()  # wait_until: someone may wait for a peer to be heard
                 for entry in msg.coordinating:
                     view = self.jobs.get(entry.job_id)
                     if view is not None and signer != self.peer_id:
@@ -357,9 +368,10 @@ class Agent:
                             actions = view.retry_pending(now, self.eligible_coordinators(view.terms))
                             await self.keep_evidence(view)
                             self.apply_actions(view, actions)
-                            self._react(view, view.take_applied())
+                            self.react(view, view.take_applied())
             elif isinstance(msg, m.Capability):
                 self.peers.setdefault(signer, PeerInfo(now, live_since=now)).capability = msg
+                self._notify()
             elif isinstance(msg, m.JobAnnouncement):
                 await self.follow_job(msg.terms, signer, received.envelope.to_bytes())
             elif isinstance(msg, m.JobCancel):
@@ -381,6 +393,7 @@ class Agent:
                 continue
             view = self.rebuild_view(record)
             self.jobs[record.job_id] = view
+            await self.nursery.start(self._own_job_tasks, record.job_id)
             log.info("job %s: resumed from the store: %s, round %d, term %d", record.job_id.hex()[:8],
                      view.state.phase.value, view.state.round, view.coordination.term)
             if view.state.phase.value != record.state:
@@ -388,10 +401,10 @@ class Agent:
             subscription = await self.net.gossip.subscribe(m.job_topic(record.job_id))
             self.nursery.start_soon(partial(self._read_job_topic, view, subscription, True, resumed=True))
             if record.terms.submitter == self.peer_id:
-                self.nursery.start_soon(self.submitter.resume, view)
+                self.spawn_in_job(view.job_id, self.submitter.resume, view)
             if self.worker is not None:
                 self.worker.consider(view)
-                self.nursery.start_soon(self.worker.release_stale, view)
+                self.spawn_in_job(view.job_id, self.worker.release_stale, view)
             self.nursery.start_soon(self._provide_again, view)
 
     async def _provide_again(self, view: JobView) -> None:
@@ -450,6 +463,7 @@ class Agent:
             self.stored(self.store.record, envelope, now)
         view = JobView(terms, now, self.peer_id)
         self.jobs[job_id] = view
+        await self.nursery.start(self._own_job_tasks, job_id)
         subscription = await self.net.gossip.subscribe(m.job_topic(job_id))
         # the job may have a history we missed (we joined late, or were down): ask its submitter
         self.nursery.start_soon(self._read_job_topic, view, subscription, True)
@@ -497,7 +511,7 @@ class Agent:
         if actions is None:
             return
         self.apply_actions(view, actions)
-        self._react(view, view.take_applied())  # this message and any held one it unblocked
+        self.react(view, view.take_applied())  # this message and any held one it unblocked
 
     async def keep_evidence(self, view: JobView) -> bool:
         """Store the envelopes of the messages our mirror applied since the last call, in that order,
@@ -520,7 +534,7 @@ class Agent:
             return False
         return True
 
-    def _react(self, view: JobView, applied: list[tuple[Any, str]]) -> None:
+    def react(self, view: JobView, applied: list[tuple[Any, str]]) -> None:
         """Our roles' reactions to messages the mirror applied: a lease for us, verdicts, aggregates."""
         for msg, by in applied:
             if self.worker is not None and isinstance(msg, m.ShardLease) and msg.worker == self.peer_id:
@@ -547,6 +561,7 @@ class Agent:
                 self.ledger(view.job_id, kind, _action_data(action))
         self.job_events.set()
         self.job_events = trio.Event()
+        self._notify()
 
     def save_job_row(self, view: JobView) -> None:
         """Write the job's summary (state, round, term) to the store when it changed since we last did:
@@ -608,6 +623,60 @@ class Agent:
 
         self.nursery.start_soon(provide)
 
+    # -- tasks (agent/roles/port.py) ------------------------------------------------------------------
+
+    def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Start a task of the agent's own (it ends when the agent does)."""
+        self.nursery.start_soon(fn, *args)
+
+    def spawn_in_job(self, job_id: bytes, fn: Callable[..., Any], *args: Any) -> bool:
+        """Start a task owned by job ``job_id``: it is cancelled when the job ends (``_own_job_tasks``).
+        False (nothing started) if the job has no running tasks' owner: it ended, or we do not follow it."""
+        nursery = self.job_tasks.get(job_id)
+        if nursery is None:
+            log.debug("job %s: ended; %s not started", job_id.hex()[:8], getattr(fn, "__name__", fn))
+            return False
+
+        async def task() -> None:
+            try:
+                await fn(*args)
+            finally:
+                self._notify()  # _own_job_tasks may be waiting for the last one
+
+        nursery.start_soon(task)
+        return True
+
+    async def _own_job_tasks(self, job_id: bytes, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """The owner of a job's tasks: once the job ends (a terminal state) they have ``job_end_grace``
+        seconds to finish what they were doing (the publication of the decision that ended it), then
+        whatever still runs is cancelled. Leaving the agent cancels them all."""
+        async with trio.open_nursery() as nursery:
+            self.job_tasks[job_id] = nursery
+            task_status.started()
+            try:
+                await self.wait_until(lambda: self._job_ended(job_id), math.inf)
+                await self.wait_until(lambda: not nursery.child_tasks, self.job_end_grace)
+            finally:
+                if self.job_tasks.get(job_id) is nursery:
+                    del self.job_tasks[job_id]
+                nursery.cancel_scope.cancel()
+
+    def _job_ended(self, job_id: bytes) -> bool:
+        view = self.jobs.get(job_id)
+        return view is None or view.state.terminal
+
+    def _notify(self) -> None:
+        self._changes.set()
+        self._changes = trio.Event()
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) until ``predicate()`` holds, re-checked whenever a job
+        changes, a peer's heartbeat or capability arrives, or a job's task ends; returns ``predicate()``."""
+        with trio.move_on_after(timeout):
+            while not predicate():
+                await self._changes.wait()
+        return predicate()
+
     def ledger(self, job_id: bytes, kind: str, data: dict) -> None:
         try:
             self.store.append_event(job_id, kind, data, self.clock())
@@ -652,7 +721,7 @@ class Agent:
         applied = await resync(self, view)
         if applied is not None:
             self.apply_actions(view, ())
-            self._react(view, applied)  # held live messages that apply on the rebuilt mirror
+            self.react(view, applied)  # held live messages that apply on the rebuilt mirror
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> None:
         """Wait until ``predicate()`` holds, re-checked whenever a job changes; TooSlowError after ``timeout``."""

@@ -47,7 +47,7 @@ from protocol import state as st
 from protocol.fit import training_refusals
 
 if TYPE_CHECKING:
-    from agent.node import Agent
+    from agent.roles.port import RolePort
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ CHECKPOINTS_FILE = "checkpoints.json"
 
 
 class WorkerRole:
-    def __init__(self, agent: "Agent", training: HonestTraining | None = None) -> None:
+    def __init__(self, agent: "RolePort", training: HonestTraining | None = None) -> None:
         self.agent = agent
         self.training = training or HonestTraining()  # the harness's faults (agent/hooks.py), if any
         self.candidates: dict[bytes, JobView] = {}
@@ -162,15 +162,14 @@ class WorkerRole:
         if key in self.active or len(self.active) >= self.agent.config.max_concurrent_shards:
             return
         self.active[key] = lease
-        self.agent.nursery.start_soon(self._run_shard, view, lease, key)
+        if not self.agent.spawn_in_job(view.job_id, self._run_shard, view, lease, key):
+            self.active.pop(key, None)  # the job ended
 
     async def release_stale(self, view: JobView) -> None:
         """After a restart: give back the shards our mirror says we hold but no longer train, so
         they are reassigned now rather than when the lease runs out. Waits (bounded) for a peer to hear it."""
         agent = self.agent
-        with trio.move_on_after(10):
-            while not agent.peers.keys() - {agent.peer_id}:
-                await trio.sleep(0.2)
+        await agent.wait_until(lambda: bool(agent.peers.keys() - {agent.peer_id}), 10)
         for shard in view.held_by(agent.peer_id):
             if shard.phase is st.ShardPhase.LEASED and \
                     (view.job_id, view.state.round, shard.index, shard.attempt) not in self.active:
