@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     run = agent.add_parser("run", parents=[common], help="run the agent headless until SIGTERM")
     run.add_argument("--listen", action="append", metavar="MULTIADDR", help="listen address (repeatable)")
     run.add_argument("--bootstrap", action="append", metavar="MULTIADDR", help="peer to join through (repeatable)")
+    run.add_argument("--announce", action="append", metavar="MULTIADDR",
+                     help="address peers should dial, e.g. a port your router forwards (repeatable)")
+    run.add_argument("--relay", action="store_true", default=None,
+                     help="serve circuit relay v2 to agents behind NAT (a public agent)")
     run.add_argument("--accept-training", action="store_true", default=None,
                      help="train other people's jobs here (also INFERNET_ACCEPT_TRAINING=1)")
     run.add_argument("--no-coordinate", action="store_true", help="never coordinate jobs")
@@ -339,6 +343,7 @@ def cmd_agent_run(args: argparse.Namespace) -> int:
     config = load_config(
         home, listen=tuple(args.listen) if args.listen else None,
         bootstrap=tuple(args.bootstrap) if args.bootstrap else None, accept_training=args.accept_training,
+        announce=tuple(args.announce) if args.announce else None, relay=args.relay,
         can_coordinate=False if args.no_coordinate else None, max_concurrent_shards=args.max_concurrent_shards,
         allowed_base_models=tuple(args.allowed_base_model) if args.allowed_base_model else None,
         min_price_per_hour=args.min_price, threads=args.threads)
@@ -355,6 +360,8 @@ def cmd_agent_run(args: argparse.Namespace) -> int:
         parse_multiaddr(text, f"listen[{i}]")
     for i, text in enumerate(config.bootstrap):
         parse_peer_multiaddr(text, f"bootstrap[{i}]")
+    for i, text in enumerate(config.announce):
+        parse_multiaddr(text, f"announce[{i}]")
     setup_logging(default_log_stream(args.log_file), verbose=bool(getattr(args, "verbose", False)))
     try:
         return run_daemon(identity, config, metrics_port=args.metrics_port)
@@ -403,8 +410,21 @@ def cmd_agent_status(args: argparse.Namespace) -> int:
         f"  peers:     {s['peers']} live, {s['connected']} connected",
         f"  training:  {'accepted' if s['accept_training'] else 'not accepted'}; {s['active_shards']} active shard(s);"
         f" coordinating: {'yes' if s['can_coordinate'] else 'no'}",
-        f"  jobs:      {jobs}"] + ([f"  REFUSING NEW WORK: {s['refusing_work']}"] if s.get("refusing_work") else [])))
+        f"  jobs:      {jobs}"] + _reach_lines(s.get("reach")) + ([f"  REFUSING NEW WORK: {s['refusing_work']}"] if s.get("refusing_work") else [])))
     return 0
+
+
+def _reach_lines(reach: dict | None) -> list[str]:
+    """``agent status`` lines on reachability (agent/net/reach.py)."""
+    if not reach:
+        return []
+    relays = ", ".join(f"{r[-8:]}" for r in reach["reservations"]) or "none"
+    lines = [f"  reach:     {reach['status']}" + ("; serving as a relay" if reach["relay_service"] else "") +
+             (f"; relay slots: {relays}" if reach["status"] == "private" or reach["reservations"] else ""),
+             f"  links:     {len(reach['direct'])} direct, {len(reach['relayed'])} relayed" +
+             (f"; {reach['circuits_served']} circuit(s) relayed for others" if reach["relay_service"] else "")]
+    lines += [f"  relayed:   {a}" for a in reach["relayed_addrs"][:3]]
+    return lines
 
 
 def cmd_agent_stop(args: argparse.Namespace) -> int:

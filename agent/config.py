@@ -48,6 +48,14 @@ listen = ["/ip4/127.0.0.1/tcp/0"]
 # Peers to join the network through: multiaddrs ending in /p2p/<peer id>.
 bootstrap = []
 
+# Addresses peers should dial to reach this agent, when they differ from `listen`: a router that
+# forwards a public port here (e.g. ["/ip4/203.0.113.7/tcp/4001"]). Empty = the listen addresses.
+announce = []
+
+# Serve circuit relay v2 to agents behind a NAT (only useful on a publicly reachable agent): they
+# reserve a slot here and are dialled through it, within per-circuit limits of time and bytes.
+relay = false
+
 # Opt in to training other people's jobs on this machine (also: INFERNET_ACCEPT_TRAINING=1).
 accept_training = false
 
@@ -100,7 +108,7 @@ measure_speed = true
 """
 
 _TYPES: dict[str, type | tuple[type, ...]] = {
-    "listen": list, "bootstrap": list, "accept_training": bool, "can_coordinate": bool,
+    "listen": list, "bootstrap": list, "announce": list, "relay": bool, "accept_training": bool, "can_coordinate": bool,
     "max_concurrent_shards": int, "allowed_base_models": list, "min_price_per_hour": (int, float),
     "price_per_hour": (int, float), "threads": int, "train_processes": int, "ipfs_api": str, "fetch_timeout": (int, float),
     "heartbeat_seconds": (int, float), "missed_heartbeats": int, "grace_seconds": (int, float),
@@ -157,7 +165,7 @@ def load_config(home: Path, **overrides: Any) -> "AgentConfig":
                          flag=True)
     if "models" in values:
         values["models"] = tuple((name, str(Path(p).expanduser())) for name, p in values["models"].items())
-    for key in ("listen", "bootstrap", "allowed_base_models"):
+    for key in ("listen", "bootstrap", "announce", "allowed_base_models"):
         if key in values:
             values[key] = tuple(values[key])
     values.update({k: v for k, v in overrides.items() if v is not None})

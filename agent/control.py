@@ -175,7 +175,17 @@ async def _status(agent: "Agent") -> dict:
         "peers": len(agent.live_peers()), "connected": len(agent.net.host.connected_peers()), "jobs": jobs,
         "active_shards": len(agent.worker.active) if agent.worker else 0, "counters": dict(agent.counters),
         "refusing_work": agent.store_full,  # None, or why (the store cannot be written: disk full)
+        "reach": _reach(agent),
     }
+
+
+def _reach(agent: "Agent") -> dict | None:
+    """Reachability (AutoNAT), relay slots held and served, direct vs relayed connections."""
+    from dataclasses import asdict
+
+    if agent.net is None:
+        return None
+    return asdict(agent.net.host.reach.report())
 
 
 async def _peers(agent: "Agent") -> list[dict]:

@@ -408,6 +408,8 @@ def bill(agent: "Agent", view: "JobView") -> dict:
     last = [e for e in agent.store.ledger(view.job_id) if e.kind == "bill"]
     if not last or last[-1].data.get("total") != doc["total"] or last[-1].data.get("workers") != entry["workers"]:
         agent.ledger(view.job_id, "bill", entry)  # a new bill only when the amounts changed
+    from agent.control import _plain
+
     out = _plain(doc)
     out.update(state=view.state.phase.value, signature=signature.hex(), signer=agent.peer_id,
                bill_sha256=digest.hex(), ledger=ledger_check(agent, view, doc))
@@ -453,13 +455,3 @@ def bill_text(b: dict) -> str:
                  + (f"consistent ({ledger['entries_checked']} verdict entries checked)" if ledger["consistent"]
                     else "INCONSISTENT: " + "; ".join(ledger["problems"][:3])))
     return "\n".join(lines)
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return value.hex()
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value

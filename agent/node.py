@@ -82,6 +82,8 @@ class AgentConfig:
     home: Path
     listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
     bootstrap: tuple[str, ...] = ()
+    announce: tuple[str, ...] = ()  # addresses peers should dial instead of the listen ones (a forwarded port)
+    relay: bool = False  # serve circuit relay v2 (within agent/net/reach.py RELAY_LIMITS) to unreachable peers
     accept_training: bool = False
     can_coordinate: bool = True
     max_concurrent_shards: int = 1
@@ -175,7 +177,8 @@ class Agent:
         home = self.config.home
         home.mkdir(parents=True, exist_ok=True)
         self.work_dir.mkdir(exist_ok=True)
-        net_config = NetConfig(listen=self.config.listen, bootstrap=self.config.bootstrap)
+        net_config = NetConfig(listen=self.config.listen, bootstrap=self.config.bootstrap,
+                               announce=self.config.announce, relay=self.config.relay)
         async with AsyncExitStack() as stack:
             self.store = stack.enter_context(Store.in_data_dir(home, self.identity))
             gossip_config = GossipConfig(max_rate=float(self.config.gossip_max_rate),

@@ -49,7 +49,7 @@ from agent.content.exchange import BlockServer, fetch_from_peer
 from agent.content.ipfs_daemon import IpfsDaemon
 from agent.net.discovery import Discovery
 from agent.net.errors import NetConfigError, NetError, ProtocolNotSupported
-from agent.net.host import Host, parse_peer_multiaddr
+from agent.net.host import Host, parse_peer_multiaddr, to_libp2p_id
 from protocol.cid import CID, parse_cid
 from protocol.errors import CIDError, FileSizeError, KeyFileError
 from protocol.identity import public_key_from_peer_id
@@ -212,15 +212,34 @@ class ContentService:
     async def _fetch_remote(self, verifier: StreamVerifier, on_block: Any, report: FetchReport,
                             providers: list[tuple[str, PeerInfo | None]], via: str, use_dht: bool) -> None:
         tried = {self.host.peer_id}
+        late: list[tuple[str, PeerInfo | None]] = []  # reached only through a relay: asked last (IPIP-0003 §4.1)
         for peer, info in providers:
             if verifier.done or report.refused:
                 return
+            if self._relayed_only(peer):
+                late.append((peer, info))
+                continue
             await self._try_provider(peer, info, verifier, on_block, report, via, tried)
         if use_dht and not verifier.done and not report.refused:
             for info in await self.discovery.find_providers(verifier.root, timeout=self.idle_timeout):
                 if verifier.done or report.refused:
                     return
+                if self._relayed_only(info.peer_id.to_base58()):
+                    late.append((info.peer_id.to_base58(), info))
+                    continue
                 await self._try_provider(info.peer_id.to_base58(), info, verifier, on_block, report, via, tried)
+        from agent.net.reach import RELAY_LIMITS
+
+        for peer, info in late:
+            if verifier.done or report.refused:
+                return
+            # a file whose size is known (a shard) and beyond what a circuit carries is not asked for
+            # through a relay; others are (a circuit cut at the relay's limit leaves the blocks we got)
+            if verifier.exact_size is not None and verifier.exact_size > RELAY_LIMITS.data:
+                report.attempts.append(f"{peer}: reached only through a relay, whose circuits carry at most "
+                                       f"{RELAY_LIMITS.data} bytes; this file is {verifier.exact_size}")
+                continue
+            await self._try_provider(peer, info, verifier, on_block, report, via, tried)
         if not verifier.done and not report.refused and self.ipfs is not None:
             try:
                 await self.ipfs.fetch_blocks(verifier, on_block)
@@ -275,6 +294,14 @@ class ContentService:
             return VIA_BITSWAP
         self._no_blocks.pop(peer, None)
         return VIA_BLOCKS
+
+    def _relayed_only(self, peer: str) -> bool:
+        """Is ``peer`` connected, and only over a relay?"""
+        reach = getattr(self.host, "reach", None)
+        try:
+            return reach is not None and reach._only_relayed(to_libp2p_id(peer))
+        except Exception:  # noqa: BLE001 - not a peer ID we can parse: not connected either
+            return False
 
     async def _reach(self, peer: str, info: PeerInfo | None) -> None:
         """Be connected to ``peer``, dialing its known or DHT-found addresses (one deadline each)."""

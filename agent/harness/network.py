@@ -62,6 +62,8 @@ class LoopbackNet:
     process_names: set[str] = field(default_factory=set)  # agents that run as processes
     machines: dict[str, Any] = field(default_factory=dict)  # name -> declared agent/hardware.Machine (tests)
     misbehave: dict[str, str] = field(default_factory=dict)  # name -> agent/harness/byzantine.py mode
+    hosts: Any = None  # agent.harness.hosts.Hosts: agents on separate hosts (None: all on loopback)
+    placement: dict[str, str] = field(default_factory=dict)  # name -> host, when ``hosts``
 
     # -- who is who -------------------------------------------------------------------------------
 
@@ -156,6 +158,35 @@ class LoopbackNet:
                 config = replace(config, bootstrap=(peers[0].addrs()[0],))
         return await self.start(name, config)
 
+    def listen_for(self, name: str) -> tuple[str, ...] | None:
+        """An agent's listen address on its host (port 4001 + its index there); None on loopback."""
+        if self.hosts is None:
+            return None
+        host = self.placement[name]
+        index = sorted(n for n, h in self.placement.items() if h == host).index(name)
+        return (f"/ip4/{self.hosts.ip(host)}/tcp/{4001 + index}",)
+
+    def dial_address(self, name: str) -> str:
+        """Where the other hosts dial agent ``name`` (it must be on a public host)."""
+        return f"{self.listen_for(name)[0]}/p2p/{identity_for(self.seed, name).peer_id}"
+
+    async def wait_listening(self, name: str, timeout: float = 120.0) -> None:
+        """Until agent ``name`` accepts TCP connections (a process that has no submitter to heartbeat to yet)."""
+        _, _, ip, _, port = self.listen_for(name)[0].split("/")
+        with trio.fail_after(timeout):
+            while True:
+                if name in self.processes and self.processes[name].poll() is not None:
+                    raise RuntimeError(f"agent process {name} exited {self.processes[name].returncode}: "
+                                       f"{(self.configs[name].home / 'stderr.log').read_text()[-500:]}")
+                try:
+                    with trio.move_on_after(2):
+                        stream = await trio.open_tcp_stream(ip, int(port))
+                        await stream.aclose()
+                        return
+                except OSError:
+                    pass
+                await trio.sleep(0.3)
+
     async def _start_process(self, name: str, config: AgentConfig, timeout: float = 120.0) -> None:
         """``infernet agent run`` in the agent's home; returns once the submitter hears its heartbeats."""
         import os
@@ -173,12 +204,16 @@ class LoopbackNet:
         (home / "config.toml").write_text(_config_toml(config))
         env = dict(os.environ, OMP_NUM_THREADS="1")
         env.pop("INFERNET_ACCEPT_TRAINING", None)
+        on_host = self.hosts.exec_prefix(self.placement[name]) if self.hosts is not None else []
         with open(home / "stderr.log", "ab") as stderr:
             self.processes[name] = subprocess.Popen(
-                [sys.executable, "-m", "agent.cli", "agent", "run", "--home", str(home),
+                [*on_host, sys.executable, "-m", "agent.cli", "agent", "run", "--home", str(home),
                  "--log-file", str(home / "agent.log")], stdout=subprocess.DEVNULL, stderr=stderr, env=env)
         self.processes[name].started_at = time.time()  # a heartbeat after this is from the new process
         submitter = self.agents.get("submitter")
+        if submitter is None and self.hosts is not None:  # the bootstrap peer, started before the submitter
+            await self.wait_listening(name, timeout)
+            return
         with trio.fail_after(timeout):
             while submitter is not None and not _hears_since(submitter, identity.peer_id, self.processes[name]):
                 if self.processes[name].poll() is not None:
@@ -297,7 +332,8 @@ async def network(home: Path, model_dir: Path, workers: int = 3, *, seed: int = 
                   reannounce_seconds: float | None = None,
                   common: dict | None = None,
                   processes: tuple[int, ...] = (),
-                  machines: dict[int, Any] | None = None) -> AsyncIterator[LoopbackNet]:
+                  machines: dict[int, Any] | None = None,
+                  hosts: Any = None, placement: dict[str, str] | None = None) -> AsyncIterator[LoopbackNet]:
     """A submitter (bootstrap, never a coordinator) and ``workers`` training agents ``w0``...
 
     Byzantine workers never coordinate (a Byzantine coordinator is another test's subject); a
@@ -305,6 +341,10 @@ async def network(home: Path, model_dir: Path, workers: int = 3, *, seed: int = 
     Workers in ``late`` are configured but not started: ``net.start(name, net.configs[name])``.
     ``common`` are AgentConfig fields for the submitter (``overrides`` are per worker).
     ``machines`` declares a worker's hardware (agent/hardware.Machine) instead of measuring it.
+    ``hosts`` (agent/harness/hosts.Hosts) and ``placement`` (name -> host) put agents on separate
+    hosts: each listens on its host's address; this process must already be on the submitter's host
+    (hosts.Entered), and workers elsewhere must be in ``processes``. When the submitter is behind a
+    NAT, the first worker on a public host is the bootstrap peer and is started first.
     Waits until every started agent hears every honest coordinator-to-be, then yields.
     """
     misbehave = misbehave or {}
@@ -313,17 +353,33 @@ async def network(home: Path, model_dir: Path, workers: int = 3, *, seed: int = 
         net = LoopbackNet(nursery, seed, home, observer=observer)
         net.process_names = {f"w{i}" for i in processes}
         net.machines = {f"w{i}": machine for i, machine in (machines or {}).items()}
-        submitter = await net.start("submitter", AgentConfig(home=home / "submitter", can_coordinate=False,
-                                                             models=models, **(common or {})))
-        if reannounce_seconds is not None:
-            submitter.submitter.reannounce_seconds = reannounce_seconds
-        bootstrap = (submitter.addrs()[0],)
-        for i in range(workers):
-            if misbehave.get(i) is not None:
-                net.misbehave[f"w{i}"] = misbehave[i]
+        net.hosts, net.placement = hosts, dict(placement or {})
+        net.misbehave = {f"w{i}": mode for i, mode in misbehave.items() if mode is not None}
+
+        def settings_of(i: int) -> dict:
             settings = {"can_coordinate": misbehave.get(i) in (None, "crash"),
                         **(overrides or {}).get(i, {})}
-            config = worker_config(home / f"w{i}", model_dir, bootstrap, **settings)
+            listen = net.listen_for(f"w{i}")
+            return {**settings, "listen": listen} if listen else settings
+
+        first = None  # a worker that is the bootstrap peer (the submitter is behind a NAT)
+        if hosts is not None and hosts.specs[net.placement["submitter"]].nat:
+            first = next(i for i in range(workers) if i not in late
+                         and not hosts.specs[net.placement[f"w{i}"]].nat)
+            await net.start(f"w{first}", worker_config(home / f"w{first}", model_dir, (), **settings_of(first)))
+        listen = net.listen_for("submitter")
+        submitter = await net.start("submitter", AgentConfig(
+            home=home / "submitter", can_coordinate=False, models=models, **(common or {}),
+            **({"listen": listen} if listen else {}),
+            **({"bootstrap": (net.dial_address(f"w{first}"),)} if first is not None else {})))
+        if reannounce_seconds is not None:
+            submitter.submitter.reannounce_seconds = reannounce_seconds
+        bootstrap = (net.dial_address(f"w{first}") if first is not None else
+                     net.dial_address("submitter") if hosts is not None else submitter.addrs()[0],)
+        for i in range(workers):
+            if i == first:
+                continue
+            config = worker_config(home / f"w{i}", model_dir, bootstrap, **settings_of(i))
             if i in late:
                 net.configs[f"w{i}"] = config
             elif i in processes:

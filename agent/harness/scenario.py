@@ -62,9 +62,9 @@ ATTACKS = ("replay", "spoof", "stale", "malformed", "oversize", "claim_flood", "
 SELECTORS = ("coordinator", "trainer", "workers", "killed")
 AGENT_KEYS = {"claim_interval": float, "max_concurrent_shards": int, "can_coordinate": bool,
               "price_per_hour": float, "min_price_per_hour": float, "fetch_timeout": float,
-              "gossip_max_rate": float, "gossip_max_burst": float}
+              "gossip_max_rate": float, "gossip_max_burst": float, "relay": bool}
 EXPECT_KEYS = ("phase", "reason", "min_term", "reassigned", "rejected", "released", "gossip_rejected",
-               "rate_limited", "trained", "not_trained", "coordinator_judged")
+               "rate_limited", "trained", "not_trained", "coordinator_judged", "relayed", "max_term")
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,8 @@ class Scenario:
     faults: tuple[Fault, ...] = ()
     expect: dict = field(default_factory=dict)
     slow: bool = False
+    hosts: dict = field(default_factory=dict)  # host name -> agent.harness.hosts.HostSpec (empty: all on loopback)
+    placement: dict[str, str] = field(default_factory=dict)  # agent name -> host name
 
     def spec(self) -> Any:
         from protocol.jobspec import parse_spec
@@ -122,7 +124,7 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
     data, where = read_yaml(text, source, "scenario settings")
     r = _Reader(where)
     root = r.mapping(data, ())
-    r.only(root, (), ("name", "description", "seed", "timeout", "slow", "agents", "job", "faults", "expect"))
+    r.only(root, (), ("name", "description", "seed", "timeout", "slow", "agents", "hosts", "job", "faults", "expect"))
     name = r.text(r.need(root, (), "name"), ("name",))
     agents = r.mapping(root.get("agents", {}), ("agents",))
     r.only(agents, ("agents",), ("workers", "byzantine", "late", "mallory", "config", "records", "processes"))
@@ -145,7 +147,7 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
                                   "in the harness's process (an agent process has no misbehave setting)")
     config = {}
     for key, values in r.mapping(agents.get("config", {}), ("agents", "config")).items():
-        r.agent_name(key, ("agents", "config", key), ["all", *names], key_error=True)
+        r.agent_name(key, ("agents", "config", key), ["all", "submitter", *names], key_error=True)
         values = r.mapping(values, ("agents", "config", key))
         r.only(values, ("agents", "config", key), tuple(AGENT_KEYS))
         config[key] = {k: r.typed(v, ("agents", "config", key, k), AGENT_KEYS[k]) for k, v in values.items()}
@@ -166,6 +168,10 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
             raise where.bad_value(("faults",), f"line {fault.line}: start {fault.value}: only agents listed "
                                   "in agents.late are started by a fault")
     expect = r.expect(r.mapping(root.get("expect", {}), ("expect",)), known)
+    hosts, placement = r.hosts(root["hosts"], known, byzantine) if "hosts" in root else ({}, {})
+    if hosts:  # workers away from the harness's host (the submitter's) run as agent processes there
+        home = placement["submitter"]
+        processes = processes + tuple(n for n in names if placement[n] != home and n not in processes)
     return Scenario(
         name=name, source=source,
         description=r.text(root.get("description", ""), ("description",)),
@@ -175,7 +181,10 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
         workers=workers, byzantine=byzantine, late=late, processes=processes,
         mallory=bool(agents.get("mallory", False)),
         agent_config=config, records=r.integer(agents.get("records", 160), ("agents", "records"), 20, 100_000),
-        job=job, faults=faults, expect=expect)
+        job=job, faults=faults, expect=expect, hosts=hosts, placement=placement)
+
+
+HOST_NAME = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 
 
 class _Reader:
@@ -305,6 +314,68 @@ class _Reader:
             value = {"shard": self.integer(self.need(settings, vpath, "shard"), vpath + ("shard",), 0, 1023)}
         return Fault(self.where.value_lines.get(path, 0), action, value, at, when, after)
 
+    def hosts(self, raw: Any, known: list[str], byzantine: dict[str, str]) -> tuple[dict, dict[str, str]]:
+        """``hosts:``: name -> {agents, nat, link}; every agent on exactly one host (agent/harness/hosts.py)."""
+        from agent.harness.hosts import HostSpec, Link, parse_duration_ms, parse_percent, parse_rate_mbit
+
+        path = ("hosts",)
+        data = self.mapping(raw, path)
+        if not data:
+            raise self.fail(path, "expected at least one host")
+        if len(data) > 32:
+            raise self.fail(path, f"at most 32 hosts, got {len(data)}")
+        specs: dict[str, Any] = {}
+        placement: dict[str, str] = {}
+        where_placed: dict[str, tuple] = {}
+        for name, settings in data.items():
+            hpath = path + (name,)
+            if not isinstance(name, str) or not HOST_NAME.match(name) or name == "inet":
+                raise self.where.bad_key(hpath, "a host name is 1-8 lowercase letters or digits, starting with a "
+                                         "letter (and not 'inet')")
+            settings = self.mapping(settings, hpath)
+            self.only(settings, hpath, ("agents", "nat", "link"))
+            agents = self.sequence(self.need(settings, hpath, "agents"), hpath + ("agents",))
+            for i, agent in enumerate(agents):
+                self.agent_name(agent, hpath + ("agents", i), known)
+                if agent in placement:
+                    raise self.fail(hpath + ("agents", i), f"{agent} is already on host {placement[agent]}")
+                placement[agent] = name
+                where_placed[agent] = hpath + ("agents", i)
+            nat = self.typed(settings.get("nat", False), hpath + ("nat",), bool)
+            link = Link()
+            if "link" in settings:
+                lpath = hpath + ("link",)
+                shape = self.mapping(settings["link"], lpath)
+                self.only(shape, lpath, ("delay", "jitter", "loss", "rate"))
+                values: dict[str, float] = {}
+                for key, parse, low, high, example in (
+                        ("delay", parse_duration_ms, 0, 10_000, "80ms"), ("jitter", parse_duration_ms, 0, 10_000, "20ms"),
+                        ("loss", parse_percent, 0, 100, "1%"), ("rate", parse_rate_mbit, 0.01, 100_000, "20mbit")):
+                    if key not in shape:
+                        continue
+                    value = parse(shape[key])
+                    if value is None:
+                        raise self.fail(lpath + (key,), f"expected a value such as {example}, got {_short(shape[key])}")
+                    if not low <= value <= high:
+                        raise self.fail(lpath + (key,), f"out of range: {_short(shape[key])}")
+                    values[key] = value
+                if values.get("jitter", 0) > values.get("delay", 0):
+                    raise self.fail(lpath + ("jitter",), "jitter larger than the delay")
+                link = Link(values.get("delay", 0.0), values.get("jitter", 0.0), values.get("loss", 0.0),
+                            values.get("rate", 0.0))
+            specs[name] = HostSpec(name, nat, link)
+        missing = [n for n in known if n not in placement]
+        if missing:
+            raise self.fail(path, f"every agent needs a host; not placed: {', '.join(missing)}")
+        home = placement["submitter"]
+        for agent in [*byzantine, *(["mallory"] if "mallory" in known else [])]:
+            if placement[agent] != home:
+                raise self.fail(where_placed[agent], f"{agent} runs in the harness's process, so on the submitter's host "
+                                f"({home}), not on {placement[agent]}")
+        if specs[home].nat and all(specs[placement[n]].nat for n in known):
+            raise self.fail(path, "every agent is behind a NAT: nobody could accept a connection")
+        return specs, placement
+
     def expect(self, data: dict, known: list[str]) -> dict:
         path = ("expect",)
         self.only(data, path, EXPECT_KEYS)
@@ -312,9 +383,10 @@ class _Reader:
                                                     ("DONE", "FAILED", "CANCELLED"))}
         if "reason" in data:
             out["reason"] = self.text(data["reason"], path + ("reason",))
-        if "min_term" in data:
-            out["min_term"] = self.integer(data["min_term"], path + ("min_term",), 1, 1000)
-        for key in ("reassigned", "rate_limited", "coordinator_judged"):
+        for key in ("min_term", "max_term"):
+            if key in data:
+                out[key] = self.integer(data[key], path + (key,), 1, 1000)
+        for key in ("reassigned", "rate_limited", "coordinator_judged", "relayed"):
             if key in data:
                 out[key] = self.typed(data[key], path + (key,), bool)
         if "released" in data:
@@ -430,15 +502,28 @@ async def run_scenario(scenario: Scenario, out_dir: Path, *, seed: int | None = 
     index = {f"w{i}": i for i in range(scenario.workers)}
     common = scenario.agent_config.get("all", {})  # every agent's, the submitter's and mallory's too
     overrides = {i: {**common, **scenario.agent_config.get(n, {})} for n, i in index.items()}
+    common = {**common, **scenario.agent_config.get("submitter", {})}
     misbehave = {index[n]: mode for n, mode in scenario.byzantine.items()}
     started = time.monotonic()
+    hosts = entered = None
+    if scenario.hosts:  # before the trace starts: a machine that cannot make hosts says so and nothing is written
+        from agent.harness.hosts import Entered, Hosts
+
+        hosts = await trio.to_thread.run_sync(Hosts(scenario.hosts).create)
+        run.hosts = hosts
     trace.write("start", scenario=scenario.name, seed=seed, source=scenario.source, agents=run.ids,
-                faults=[f.describe() for f in scenario.faults])
+                faults=[f.describe() for f in scenario.faults],
+                **({"hosts": {h: {"ns": hosts.ns(h), "ip": hosts.ip(h), "public": hosts.public[h],
+                                  "nat": s.nat, "link": s.link.describe()} for h, s in scenario.hosts.items()}}
+                   if hosts else {}))
     try:
+        if hosts is not None:  # the harness's own agents (the submitter's) live on the submitter's host
+            entered = Entered(hosts.ns(scenario.placement["submitter"]))
         async with network(out_dir / "agents", model_dir, scenario.workers, seed=seed, misbehave=misbehave,
                            overrides=overrides, late=tuple(index[n] for n in scenario.late),
                            observer=run.observe, reannounce_seconds=5.0, common=common,
-                           processes=tuple(index[n] for n in scenario.processes)) as net:
+                           processes=tuple(index[n] for n in scenario.processes),
+                           hosts=hosts, placement=scenario.placement) as net:
             run.net = net
             if scenario.mallory:
                 await run.start_mallory()
@@ -454,6 +539,10 @@ async def run_scenario(scenario: Scenario, out_dir: Path, *, seed: int | None = 
             checks = run.check()
     finally:
         trace.close()
+        if entered is not None:
+            entered.leave()
+        if hosts is not None:
+            hosts.close()
     seconds = time.monotonic() - started
     ok = all(c.ok for c in checks)
     view = run.view
@@ -491,6 +580,7 @@ class _Run:
         self.timed_out = False
         self.fault_errors: list[str] = []
         self.facts: dict = {}
+        self.hosts: Any = None  # agent.harness.hosts.Hosts when the scenario places agents on hosts
         self.mallory_sent: dict[str, int] = {}
         from agent.harness.network import identity_for
 
@@ -522,6 +612,9 @@ class _Run:
 
         bootstrap = (self.net.submitter.addrs()[0],)
         config = mallory_config(self.net.home / "mallory", bootstrap)
+        if self.net.hosts is not None:  # on the submitter's host, dialled there
+            config = replace(config, listen=self.net.listen_for("mallory"), bootstrap=self.net.submitter.config.bootstrap
+                             or (self.net.dial_address("submitter"),))
         common = self.scenario.agent_config.get("all", {})
         await self.net.start("mallory", replace(config, **common) if common else config)
 
@@ -734,6 +827,9 @@ class _Run:
         if "min_term" in expect:
             add(Check(f"coordinator term >= {expect['min_term']}", view.coordination.term >= expect["min_term"],
                       f"term {view.coordination.term}, coordinator {self.name_of(view.coordination.coordinator)}"))
+        if "max_term" in expect:  # no spurious failover (a slow or lossy link is not a dead coordinator)
+            add(Check(f"coordinator term <= {expect['max_term']}", view.coordination.term <= expect["max_term"],
+                      f"term {view.coordination.term}, coordinator {self.name_of(view.coordination.coordinator)}"))
         if expect.get("coordinator_judged"):
             coordinator = view.coordination.coordinator
             judged = [f"{self.name_of(w)}'s work judged by {self.name_of(s)} in term {t}"
@@ -772,6 +868,12 @@ class _Run:
                       f"{reasons.get(reason, 0)} at honest agents"))
         if expect.get("rate_limited"):
             add(Check("flood rate-limited", limited > 0, f"{limited} messages refused by honest agents"))
+        if "relayed" in expect:  # the relays the harness can see: agents in its own process
+            circuits = {n: a.net.host.reach.protocol.circuits for n, a in net.agents.items() if a.net is not None}
+            served = sum(circuits.values())
+            add(Check("a relay carried connections" if expect["relayed"] else "no relay carried a connection",
+                      (served > 0) == expect["relayed"],
+                      ", ".join(f"{n} relayed {c}" for n, c in sorted(circuits.items()) if c) or "no circuits"))
         trained = {self.name_of(v.worker) for _, v in accepted}
         for name in expect.get("trained", []):
             add(Check(f"{name} trained accepted work", name in trained, f"accepted from: {sorted(trained)}"))
@@ -797,6 +899,9 @@ class _Run:
                 alive = " (down)" if name in self.down else ""
                 roles.append(f"{name}{'[' + tag + ']' if tag else ''}{alive}")
             lines.append("agents: " + " ".join(roles))
+            for host, spec in s.hosts.items():
+                placed = [n for n, h in s.placement.items() if h == host]
+                lines.append(f"host {host}{' (NAT)' if spec.nat else ''}: {' '.join(placed)}; {spec.link.describe()}")
             for t, what in result.fired:
                 lines.append(f"  {t:7.1f} s  {what}")
             for rnd in range(1, state.round + 1):

@@ -60,6 +60,7 @@ class NetConfig:
     announce: tuple[str, ...] = ()
     bootstrap: tuple[str, ...] = ()
     connect_timeout: float = 10.0
+    relay: bool = False  # serve circuit relay v2 to peers that cannot be dialled (agent/net/reach.py)
 
 
 def parse_multiaddr(text: str, where: str) -> multiaddr.Multiaddr:
@@ -100,16 +101,33 @@ class Host:
             raise NetConfigError("listen: at least one listen address is needed")
         self.identity = identity
         self.config = config
-        self.libp2p = _build_libp2p_host(identity, self._listen, announce)
+        self.reach: Any = None  # built below: it needs the libp2p host
+        self.libp2p = _build_libp2p_host(identity, self._listen, lambda candidates: list(announce or candidates))
+        # py-libp2p's get_addrs cuts every address at its first /p2p/ and appends ours, which turns a
+        # relayed address (<relay addr>/p2p/<relay>/p2p-circuit) into the relay's address under our
+        # peer ID; the relayed addresses are appended after that step instead.
+        self._libp2p_get_addrs = self.libp2p.get_addrs
+        self.libp2p.get_addrs = self._advertised
         if self.libp2p.get_id().to_base58() != identity.peer_id:  # a py-libp2p change would show here
             raise NetError("py-libp2p derived a different peer ID from the agent's key")
         self.guard = HandlerGuard()
         self._services: list[Any] = []
         self._nursery: trio.Nursery | None = None
+        from agent.net.reach import Reachability
+
+        self.reach = Reachability(self, relay=config.relay)
 
     @property
     def peer_id(self) -> str:
         return self.identity.peer_id
+
+    def _advertised(self) -> list[multiaddr.Multiaddr]:
+        """What identify tells peers: the announce addresses (else the listen ones), then relayed ones."""
+        own = self._libp2p_get_addrs()
+        if self.reach is None:
+            return own
+        me = multiaddr.Multiaddr(f"/p2p/{self.identity.peer_id}")
+        return own + [a.encapsulate(me) for a in self.reach.advertised([])]
 
     @property
     def nursery(self) -> trio.Nursery:
@@ -160,10 +178,25 @@ class Host:
         """Dial ``peer`` (no-op when already connected); NetError naming the peer on failure."""
         if peer.peer_id == self.libp2p.get_id() or peer.peer_id in self.libp2p.get_connected_peers():
             return
+        from agent.net.reach import is_circuit
+
         limit = timeout or self.config.connect_timeout
+        direct = PeerInfo(peer.peer_id, [a for a in peer.addrs if not is_circuit(a)])
+        relayed = [a for a in peer.addrs if is_circuit(a)]
         try:
             with trio.fail_after(limit):
-                await self.libp2p.connect(peer)
+                relays = relayed or self.reach.relays() or [
+                    a for a in self.reach._stored(peer.peer_id) if is_circuit(a)]
+                # with a relay to fall back on, the direct addresses get half the time
+                with trio.move_on_after(limit / 2 if relays else limit + 1):
+                    try:
+                        await self.libp2p.connect(direct)
+                        return
+                    except Exception:
+                        if not relays:
+                            raise
+                # every direct address failed: through a relay the peer may hold a slot on
+                await self.reach.dial_relayed(peer)
         except trio.TooSlowError:
             raise NetError(f"connect to {peer.peer_id.to_base58()}: no connection within {limit:.0f} s") from None
         except Exception as exc:
@@ -228,8 +261,7 @@ def _shield_yamux_frame_writes() -> None:
 _shield_yamux_frame_writes()
 
 
-def _build_libp2p_host(identity: Identity, listen: list[multiaddr.Multiaddr],
-                       announce: list[multiaddr.Multiaddr]) -> Any:
+def _build_libp2p_host(identity: Identity, listen: list[multiaddr.Multiaddr], addrs_factory: Any) -> Any:
     key_pair = create_new_key_pair(identity.seed)
     # The Noise static key is a fresh X25519 key per host run; the identity key signs it in the
     # Noise handshake payload, so the remote learns (and checks) our Ed25519 peer ID.
@@ -239,5 +271,5 @@ def _build_libp2p_host(identity: Identity, listen: list[multiaddr.Multiaddr],
         sec_opt={NOISE_PROTOCOL_ID: noise},
         muxer_opt={YAMUX_PROTOCOL_ID: Yamux},
         listen_addrs=listen,
-        announce_addrs=announce or None,
+        addrs_factory=addrs_factory,  # our announce addresses (or the listen ones) and our relayed ones
     )

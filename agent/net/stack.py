@@ -46,4 +46,5 @@ async def open_network(identity: Identity, config: NetConfig = NetConfig(),
     async with host.run():
         await gossip.wait_ready()
         await discovery.bootstrap()
+        host.nursery.start_soon(host.reach.maintain)  # AutoNAT; relay reservations while private
         yield Network(host, gossip, discovery)

@@ -44,6 +44,7 @@ from agent.roles.job import JobView
 from agent.train.runner import run_torch, train_config
 from protocol import messages as m
 from protocol import state as st
+from protocol.cid import parse_cid
 from protocol.fit import training_refusals
 
 if TYPE_CHECKING:
@@ -274,6 +275,7 @@ class WorkerRole:
         shard_path = run_dir / "shard.jsonl"
         log.info("job %s shard %d attempt %d: fetching %s", view.job_id.hex()[:8], lease.shard, lease.attempt, ref.cid)
         await self._fetch(view, lease, ref.cid, shard_path, [terms.submitter], exact_size=ref.size)
+        agent.provide_soon(parse_cid(ref.cid))  # every block was checked on arrival: serve it too (IPIP-0003 §4.1)
         self.training.before_training()
         model_path = self.agent.local_model(terms)
         substitute = await self.training.base_model(agent.config.home)

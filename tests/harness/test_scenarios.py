@@ -116,6 +116,12 @@ def test_identities_are_seeded():
 @pytest.mark.parametrize("name", list(_params()))
 def test_shipped_scenario_passes_against_real_agents(name, tmp_path, tiny_model_dir):
     scenario = load_scenario(SHIPPED[name])
+    if scenario.hosts:
+        from agent.harness.hosts import scenario_unavailable
+
+        reason = scenario_unavailable(scenario.hosts)
+        if reason:
+            pytest.skip(f"{name} places agents on hosts: {reason}")
     result = trio.run(lambda: run_scenario(scenario, tmp_path / name, model_dir=tiny_model_dir))
     assert result.ok, result.summary
     lines = read_trace(result.trace_path)

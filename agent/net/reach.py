@@ -1,0 +1,348 @@
+"""Reachability: is this agent dialable (AutoNAT), relays for those that are not (circuit relay v2).
+
+Rules of this file:
+- The protocols are py-libp2p 0.8.1's own: AutoNAT v1 (``libp2p.host.autonat``) and circuit relay
+  v2 (``libp2p.relay.circuit_v2``). This file wires them into the agent's host and patches, here and
+  nowhere else, what they get wrong for us:
+  * AutoNAT's dial-back calls ``host.connect``, which returns at once when the asking peer is already
+    connected (it always is: it asked over that connection), so every peer would be told "public".
+    Our server dials back on a fresh TCP connection to the address and waits for the libp2p
+    listener's multistream-select greeting (``_dial_back``); the existing connection proves nothing.
+  * AutoNAT's handler is registered through our ``HandlerGuard`` with a deadline, not raw.
+  * The relay transport is not a transport of py-libp2p's swarm: dialing a ``/p2p-circuit`` address
+    goes through ``Reachability.dial_relayed`` (``Host.connect`` falls back to it when every direct
+    address failed). The relayed addresses we hold a reservation for are added to what identify
+    advertises through the host's ``addrs_factory`` (``advertised``).
+- Status: ``unknown`` until ``CONFIRMATIONS`` peers agree, then ``public`` or ``private``. A private
+  agent reserves a slot on up to ``MAX_RELAYS`` connected peers that serve the hop protocol (agents
+  with ``relay = true``) and advertises ``<relay addr>/p2p/<relay>/p2p-circuit``.
+- A relay serves circuits within ``RELAY_LIMITS`` (duration and bytes per circuit, circuits and
+  reservations at once): enough for gossip, reports and small adapters, not for datasets; bulk
+  content reaches other peers by re-providing (IPIP-0003 §4.1).
+- Hole punching (DCUtR) is not enabled. py-libp2p 0.8.1's ``DCUtRProtocol`` does the right things
+  (predicts <NAT address>:<listen port>, dials from the listen port), but between two harness NATs
+  it never succeeded: with the router answering unasked SYNs with a reset, the first crossing SYN
+  was refused; with the router dropping them, the retried dials from the same port failed with
+  EADDRNOTAVAIL (the 4-tuple still held by the first attempt). Not solved yet; agents stay on the
+  relay until a direct dial succeeds (a peer with a public address, or an operator's ``announce``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p.host.autonat.autonat import AUTONAT_PROTOCOL_ID, AutoNATService, AutoNATStatus
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+from libp2p.relay.circuit_v2.resources import RelayLimits
+from libp2p.relay.circuit_v2.transport import CircuitV2Transport
+
+log = logging.getLogger(__name__)
+
+CONFIRMATIONS = 2  # peers that must agree before the status flips (the spec says more; our networks are small)
+MAX_SERVERS = 4  # peers asked per check
+FIRST_CHECKS = 3.0  # seconds between checks while unknown (or private without a relay slot)
+CHECK_INTERVAL = 30.0  # seconds between checks once known (a slot is renewed 60 s before it ends)
+QUERY_TIMEOUT = 10.0
+DIAL_BACK_TIMEOUT = 5.0
+MAX_RELAYS = 2
+RESERVE_TIMEOUT = 10.0
+RELAY_LIMITS = RelayLimits(duration=600, data=64 << 20, max_circuit_conns=32, max_reservations=64,
+                           reservation_ttl=600)
+MULTISTREAM = b"/multistream/1.0.0\n"
+
+STATUS_TEXT = {AutoNATStatus.UNKNOWN: "unknown", AutoNATStatus.PUBLIC: "public", AutoNATStatus.PRIVATE: "private"}
+
+
+def is_circuit(addr: multiaddr.Multiaddr | str) -> bool:
+    return "/p2p-circuit" in str(addr)
+
+
+async def _dial_back(addr: multiaddr.Multiaddr, timeout: float = DIAL_BACK_TIMEOUT) -> bool:
+    """A fresh TCP connection to ``addr`` answered by a libp2p listener's multistream greeting."""
+    try:
+        ip = addr.value_for_protocol("ip4")
+        port = int(addr.value_for_protocol("tcp"))
+    except Exception:  # noqa: BLE001 - not /ip4/.../tcp/...: we dial nothing else
+        return False
+    with trio.move_on_after(timeout):
+        try:
+            stream = await trio.open_tcp_stream(ip, port)
+        except OSError:
+            return False
+        try:
+            seen = b""
+            while len(seen) < 1 + len(MULTISTREAM):
+                chunk = await stream.receive_some(64)
+                if not chunk:
+                    break
+                seen += chunk
+            return seen[1:1 + len(MULTISTREAM)] == MULTISTREAM
+        except (OSError, trio.BrokenResourceError):
+            return False
+        finally:
+            await stream.aclose()
+    return False
+
+
+class _CircuitV2(CircuitV2Protocol):
+    """py-libp2p's circuit relay v2, whose STOP handler keeps its stream while the connection on it lives.
+
+    py-libp2p's handler upgrades the relayed stream into a connection and returns; our host's guard
+    then closes the stream (streams.py: a handler that returns is done with its stream), which cut
+    every relayed connection right after its handshake. Here the handler waits for the connection
+    to end, or for the relay's limits to end it.
+    """
+
+    circuits = 0  # circuits this agent relayed (as the relay), for status and the harness
+
+    async def _handle_connect(self, stream: Any, msg: Any) -> None:
+        self.circuits += 1
+        await super()._handle_connect(stream, msg)
+
+    async def handle_incoming_connection(self, stream: Any, remote_peer_id: bytes) -> None:
+        await super().handle_incoming_connection(stream, remote_peer_id)
+        peer = ID(remote_peer_id)
+        relayed = [c for c in _conns(self.host, peer) if _is_relayed_conn(c)]
+        muxed = getattr(relayed[-1], "muxed_conn", None) if relayed else None
+        closed = getattr(muxed, "event_closed", None)
+        if closed is None:
+            return
+        with trio.move_on_after(RELAY_LIMITS.duration + 60):  # the relay ends it at its duration limit
+            await closed.wait()
+
+
+class _AutoNAT(AutoNATService):
+    """py-libp2p's AutoNAT with a dial-back that does not reuse the asker's connection."""
+
+    async def _try_dial(self, peer_id: ID, addrs: list[bytes]) -> bytes | None:
+        for raw in addrs:
+            try:
+                addr = multiaddr.Multiaddr(raw)
+            except Exception:  # noqa: BLE001 - an undecodable address is skipped
+                continue
+            if not is_circuit(addr) and await _dial_back(addr):
+                return bytes(raw)
+        return None
+
+
+@dataclass
+class ReachReport:
+    status: str
+    relay_service: bool
+    reservations: dict[str, float] = field(default_factory=dict)  # relay peer ID -> expiry (unix time)
+    relayed_addrs: list[str] = field(default_factory=list)
+    direct: list[str] = field(default_factory=list)  # peers connected directly
+    relayed: list[str] = field(default_factory=list)  # peers connected over a relay
+    circuits_served: int = 0  # circuits relayed for others (relay = true)
+
+
+class Reachability:
+    """AutoNAT client and server, circuit relay v2 (always the stop side; the hop side with ``relay``)."""
+
+    def __init__(self, host: Any, *, relay: bool = False) -> None:
+        self.host = host  # agent.net.host.Host
+        libp2p = host.libp2p
+        self.relay_service = relay
+        self.protocol = _CircuitV2(libp2p, limits=RELAY_LIMITS, allow_hop=relay)
+        roles = RelayRole.STOP | RelayRole.CLIENT | (RelayRole.HOP if relay else RelayRole(0))
+        self.transport = CircuitV2Transport(libp2p, self.protocol, RelayConfig(roles=roles, limits=RELAY_LIMITS))
+        self.autonat = _AutoNAT(libp2p, serve=False, confirmations=CONFIRMATIONS)
+        host.set_handler(AUTONAT_PROTOCOL_ID, self.autonat.handle_stream, timeout=30)
+        host.add_service(self.protocol)
+        self.reservations: dict[ID, float] = {}
+        self.relay_addrs: dict[ID, list[multiaddr.Multiaddr]] = {}
+        self.checked = 0
+
+    # -- what we are --------------------------------------------------------------------------------
+
+    @property
+    def status(self) -> str:
+        return STATUS_TEXT.get(self.autonat.get_status(), "unknown")
+
+    def advertised(self, candidates: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
+        """The host's addrs_factory: its own addresses, then the relayed ones it holds a slot for."""
+        out = list(candidates)
+        now = time.time()
+        for relay, addrs in self.relay_addrs.items():
+            if self.reservations.get(relay, 0) > now:
+                for addr in addrs:
+                    out.append(addr.encapsulate(multiaddr.Multiaddr(f"/p2p/{relay.to_base58()}/p2p-circuit")))
+        return out
+
+    def report(self) -> ReachReport:
+        direct, relayed = [], []
+        network = self.host.libp2p.get_network()
+        for peer in self.host.libp2p.get_connected_peers():
+            conns = network.connections.get(peer, [])
+            conns = conns if isinstance(conns, list) else [conns]
+            kinds = {_is_relayed_conn(c) for c in conns}
+            (direct if False in kinds or not kinds else relayed).append(peer.to_base58())
+        now = time.time()
+        return ReachReport(self.status, self.relay_service,
+                           {r.to_base58(): e for r, e in self.reservations.items() if e > now},
+                           [f"{a}/p2p/{self.host.peer_id}" for a in self.advertised([])], direct, relayed,
+                           self.protocol.circuits)
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    async def maintain(self) -> None:
+        """Check reachability now and then; while private, hold reservations on relays."""
+        while True:
+            try:
+                with trio.move_on_after(QUERY_TIMEOUT * MAX_SERVERS + 5):
+                    await self.check()
+                if self.status == "private":
+                    with trio.move_on_after(RESERVE_TIMEOUT * MAX_RELAYS + 5):
+                        await self.keep_reservations()
+            except Exception as exc:  # noqa: BLE001 - py-libp2p's relay code raises freely; the agent lives on
+                log.warning("reachability check failed: %s: %s", type(exc).__name__, exc)
+            unsettled = self.status == "unknown" or (self.status == "private" and not self.reservations)
+            await trio.sleep(FIRST_CHECKS if unsettled else CHECK_INTERVAL)
+
+    async def check(self) -> str:
+        """Ask up to MAX_SERVERS directly connected peers to dial us back; update the status."""
+        servers = [p for p in self.host.libp2p.get_connected_peers() if not self._only_relayed(p)]
+        servers = [p for p in servers if self._supports(p, AUTONAT_PROTOCOL_ID)][:MAX_SERVERS]
+        async with trio.open_nursery() as nursery:
+            for server in servers:
+                nursery.start_soon(self._ask, server)
+        # a small network may have fewer peers than CONFIRMATIONS: then every peer that answered must agree
+        answered = len(self.autonat.dial_results)
+        self.autonat.confirmations = max(1, min(CONFIRMATIONS, answered))
+        if len(set(self.autonat.dial_results.values())) <= 1 or answered >= CONFIRMATIONS:
+            self.autonat.update_status()
+        self.checked += 1
+        return self.status
+
+    async def _ask(self, server: ID) -> None:
+        try:
+            with trio.fail_after(QUERY_TIMEOUT):
+                await self.autonat.query_server(server, addrs=self._own_addrs(), timeout=QUERY_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - a server that cannot answer says nothing about us
+            log.debug("autonat query to %s: %s", server, exc)
+
+    def _own_addrs(self) -> list[bytes]:
+        return [a.to_bytes() for a in self.host.libp2p.get_addrs() if not is_circuit(a)]
+
+    async def keep_reservations(self) -> None:
+        now = time.time()
+        for relay in [r for r, e in self.reservations.items() if e - now < 60
+                      or r not in self.host.libp2p.get_connected_peers()]:
+            self.reservations.pop(relay, None)  # renewed below if it still serves us
+        for relay in self.relays():
+            if len(self.reservations) >= MAX_RELAYS:
+                return
+            if relay not in self.reservations:
+                await self.reserve(relay)
+
+    async def reserve(self, relay: ID) -> bool:
+        stream = None
+        try:
+            with trio.fail_after(RESERVE_TIMEOUT):
+                stream = await self.host.libp2p.new_stream(relay, [HOP_PROTOCOL_ID])
+                ok = await self.transport._make_reservation(stream, relay)
+        except Exception as exc:  # noqa: BLE001 - the next relay, or the next round
+            log.info("relay reservation on %s: %s", relay, exc)
+            ok = False
+        finally:
+            if stream is not None:
+                with trio.move_on_after(2):
+                    await stream.close()
+        if not ok:
+            return False
+        expire = float(self.transport._reservations.get(relay) or time.time() + 300)
+        proof = self.transport._reservation_proofs.get(relay)
+        addrs = []
+        for raw in getattr(proof, "addrs", []) or []:  # the relay's own addresses, from its answer
+            try:
+                addrs.append(_without_p2p(multiaddr.Multiaddr(raw)))
+            except Exception:  # noqa: BLE001
+                continue
+        if not addrs:
+            addrs = [_without_p2p(a) for a in self.host.libp2p.get_peerstore().addrs(relay) if not is_circuit(a)]
+        self.relay_addrs[relay] = addrs
+        fresh = relay not in self.reservations
+        self.reservations[relay] = expire
+        log.info("reachability: private; reserved a slot on relay %s until %s", relay, time.ctime(expire))
+        if fresh:  # tell the peers we are connected to our new (relayed) address at once
+            from libp2p.identity.identify_push.identify_push import push_identify_to_peers
+
+            with trio.move_on_after(RESERVE_TIMEOUT):
+                try:
+                    await push_identify_to_peers(self.host.libp2p)
+                except Exception as exc:  # noqa: BLE001 - they learn it at their next identify
+                    log.debug("identify push: %s", exc)
+        return True
+
+    def relays(self) -> list[ID]:
+        """Connected peers (directly) that serve circuit relay v2."""
+        return [p for p in self.host.libp2p.get_connected_peers()
+                if not self._only_relayed(p) and self._supports(p, HOP_PROTOCOL_ID)]
+
+    # -- dialing through a relay --------------------------------------------------------------------
+
+    async def dial_relayed(self, peer: PeerInfo) -> None:
+        """Connect to ``peer`` over one of its /p2p-circuit addresses (ConnectionError if none works)."""
+        addrs = [a for a in list(peer.addrs) + list(self._stored(peer.peer_id)) if is_circuit(a)]
+        for relay in self.relays():  # a relay we know may hold a slot for it although no address says so yet
+            if relay != peer.peer_id:
+                addrs += [_without_p2p(a).encapsulate(multiaddr.Multiaddr(f"/p2p/{relay.to_base58()}/p2p-circuit"))
+                          for a in self._stored(relay) if not is_circuit(a)][:1]
+        seen: set[str] = set()
+        addrs = [a for a in addrs if not (str(a) in seen or seen.add(str(a)))]
+        errors = []
+        for addr in addrs:
+            full = addr if str(addr).endswith(f"/p2p/{peer.peer_id.to_base58()}") else addr.encapsulate(
+                multiaddr.Multiaddr(f"/p2p/{peer.peer_id.to_base58()}"))
+            try:
+                await self.transport.dial(full)
+                return
+            except Exception as exc:  # noqa: BLE001 - try the next relay
+                errors.append(f"{addr}: {exc}")
+        raise ConnectionError("; ".join(errors) or "no relayed address known")
+
+    def _stored(self, peer: ID) -> list[multiaddr.Multiaddr]:
+        try:
+            return list(self.host.libp2p.get_peerstore().addrs(peer))
+        except Exception:  # noqa: BLE001 - unknown peer
+            return []
+
+    def _supports(self, peer: ID, protocol: str) -> bool:
+        try:
+            return bool(self.host.libp2p.get_peerstore().supports_protocols(peer, [protocol]))
+        except Exception:  # noqa: BLE001 - identify has not told us yet
+            return False
+
+    def _only_relayed(self, peer: ID) -> bool:
+        conns = self.host.libp2p.get_network().connections.get(peer, [])
+        conns = conns if isinstance(conns, list) else [conns]
+        return bool(conns) and all(_is_relayed_conn(c) for c in conns)
+
+
+def _conns(libp2p: Any, peer: ID) -> list[Any]:
+    conns = libp2p.get_network().connections.get(peer, [])
+    return conns if isinstance(conns, list) else [conns]
+
+
+def _is_relayed_conn(conn: Any) -> bool:
+    try:
+        return any(is_circuit(a) for a in conn.get_transport_addresses())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _without_p2p(addr: multiaddr.Multiaddr) -> multiaddr.Multiaddr:
+    try:
+        value = addr.value_for_protocol("p2p")
+    except Exception:  # noqa: BLE001
+        return addr
+    return addr.decapsulate(multiaddr.Multiaddr(f"/p2p/{value}")) if value else addr

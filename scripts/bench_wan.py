@@ -1,0 +1,216 @@
+"""WAN figures: agents on separate hosts (network namespaces, agent/harness/hosts.py) over shaped links.
+
+Needs root, `ip`, `iptables`; the delay figures need the kernel's sch_netem. A figure that cannot be
+measured here is not printed; its reason goes to stderr (``skipped: ...``). Figures (one JSON object
+per line, ratio higher is better):
+
+- transfer_over_link: MiB moved by ``ContentService.fetch`` (our block protocol, every block checked
+  and stored) from a host whose link is capped at ``--rate`` Mbit/s to an unshaped host, as Mbit/s.
+  Reference: the link's rate; goal 0.8 of it.
+- gossip_p50_vs_rtt / gossip_p95_vs_rtt: one-hop gossip delivery between two hosts whose links add
+  ``--delay`` ms each to a round trip (so one way is ``--delay`` ms, both links together), in ms.
+  Reference: that one-way delay; ratio = reference / value (1.0: gossip adds nothing to the link).
+- job_wall_time_wan: the wall time of a 1-round, 2-shard job with agents on separate hosts, every
+  link adding ``--delay`` ms; reference: the same job on unshaped hosts; ratio = reference / value,
+  goal 1 / 1.3 (at most 1.3 times slower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agent.harness.hosts import Hosts, HostSpec, Link, netem_available, unavailable_reason  # noqa: E402
+
+MiB = 1 << 20
+PORT = 4101
+
+
+def emit(bench: str, value: float, unit: str, reference: float, goal: float | None, *,
+         lower_is_better: bool = False, **extra: object) -> None:
+    ratio = reference / value if lower_is_better else value / reference
+    print(json.dumps({"bench": bench, "value": round(value, 2), "unit": unit, "reference": round(reference, 2),
+                      "ratio": round(ratio, 3), "goal": goal, **extra}), flush=True)
+
+
+def skipped(bench: str, reason: str) -> None:
+    print(f"skipped: {bench}: {reason}", file=sys.stderr, flush=True)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+# -- the two sides, each run in its host's namespace (``--role``) -----------------------------------
+
+
+async def serve(address: str, mib: int, work: Path, gossip: int) -> None:
+    """Add ``mib`` MiB and print our address and its CID; publish ``gossip`` timestamped messages."""
+    from agent.content.service import open_content
+    from agent.net.host import NetConfig
+    from agent.net.stack import open_network
+    from protocol.identity import Identity
+    from protocol.messages import TOPIC_JOBS, Heartbeat
+
+    identity = Identity.generate()  # noqa: F841 - the network signs with it
+    async with open_network(identity, NetConfig(listen=(address,))) as net, \
+            open_content(net.host, net.discovery, work / "serve") as content:
+        path = work / "data.bin"
+        path.write_bytes(os.urandom(mib * MiB))
+        cid = await content.add_file(path, provide=False)
+        print(json.dumps({"addr": net.host.addrs()[0], "cid": str(cid)}), flush=True)
+        await net.gossip.subscribe(TOPIC_JOBS)
+        await trio.to_thread.run_sync(sys.stdin.readline)  # the fetcher is subscribed
+        sent = {}
+        for seq in range(1, gossip + 1):
+            sent[seq] = time.time()
+            await net.gossip.publish(Heartbeat(seq=seq, active_shards=0, coordinating=()))
+            await trio.sleep(0.2)
+        print(json.dumps({"sent": sent}), flush=True)
+        await trio.to_thread.run_sync(sys.stdin.readline)  # done
+
+
+async def fetch(address: str, peer: str, cid: str, work: Path, gossip: int) -> None:
+    from agent.content.service import open_content
+    from agent.net.host import NetConfig
+    from agent.net.stack import open_network
+    from protocol.identity import Identity
+    from protocol.messages import TOPIC_JOBS
+
+    async with open_network(Identity.generate(), NetConfig(listen=(address,), bootstrap=(peer,))) as net, \
+            open_content(net.host, net.discovery, work / "fetch", idle_timeout=120) as content:
+        started = time.perf_counter()
+        await content.fetch(cid, work / "out.bin", providers=[peer], timeout=600)
+        seconds = time.perf_counter() - started
+        sub = await net.gossip.subscribe(TOPIC_JOBS)
+        await trio.sleep(3)  # the mesh forms
+        print(json.dumps({"seconds": seconds, "subscribed": True}), flush=True)
+        arrived: dict[int, float] = {}
+        with trio.move_on_after(gossip * 0.2 + 30):
+            async for received in sub:
+                arrived.setdefault(received.message.seq, time.time())
+                if len(arrived) >= gossip:
+                    break
+        print(json.dumps({"arrived": arrived}), flush=True)
+
+
+# -- the driver -------------------------------------------------------------------------------------
+
+
+def link_figures(args: argparse.Namespace) -> None:
+    delay = args.delay if netem_available() else 0.0
+    if not netem_available():
+        skipped("gossip_p50_vs_rtt", "the kernel has no sch_netem (delay); gossip is measured on rate-shaped links only")
+    hosts = Hosts({"src": HostSpec("src", link=Link(delay_ms=delay, rate_mbit=args.rate)),
+                   "dst": HostSpec("dst", link=Link(delay_ms=delay))}).create()
+    work = Path(tempfile.mkdtemp(prefix="bench-wan-"))
+    me = [sys.executable, str(Path(__file__).resolve())]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    server = client = None
+    try:
+        server = subprocess.Popen(hosts.exec_prefix("src") + me + [
+            "--role", "serve", "--address", f"/ip4/{hosts.ip('src')}/tcp/{PORT}", "--mib", str(args.mib),
+            "--work", str(work), "--gossip", str(args.messages)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, env=env)
+        hello = json.loads(server.stdout.readline())
+        client = subprocess.Popen(hosts.exec_prefix("dst") + me + [
+            "--role", "fetch", "--address", f"/ip4/{hosts.ip('dst')}/tcp/{PORT}", "--peer", hello["addr"],
+            "--cid", hello["cid"], "--work", str(work), "--gossip", str(args.messages)],
+            stdout=subprocess.PIPE, text=True, env=env)
+        fetched = json.loads(client.stdout.readline())
+        mbit = args.mib * MiB * 8 / 1e6 / fetched["seconds"]
+        emit("transfer_over_link", mbit, "Mbit/s", args.rate, 0.8, mib=args.mib)
+        server.stdin.write("go\n")
+        server.stdin.flush()
+        arrived = json.loads(client.stdout.readline())["arrived"]
+        sent = json.loads(server.stdout.readline())["sent"]
+        server.stdin.write("done\n")
+        server.stdin.flush()
+        delays = [(arrived[seq] - sent[seq]) * 1000 for seq in arrived if seq in sent]
+        if delays and delay:
+            one_way = delay  # each link adds delay/2 each way; two links
+            emit("gossip_p50_vs_rtt", percentile(delays, 0.5), "ms", one_way, None, lower_is_better=True,
+                 received=len(delays))
+            emit("gossip_p95_vs_rtt", percentile(delays, 0.95), "ms", one_way, None, lower_is_better=True,
+                 received=len(delays))
+        elif delays:
+            print(f"gossip one hop over rate-shaped, undelayed links: p50 {percentile(delays, 0.5):.1f} ms, "
+                  f"p95 {percentile(delays, 0.95):.1f} ms ({len(delays)} messages)", file=sys.stderr)
+    finally:
+        for process in (client, server):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+        hosts.close()
+        subprocess.run(["rm", "-rf", str(work)])
+
+
+def job_figure(args: argparse.Namespace) -> None:
+    if not netem_available():
+        skipped("job_wall_time_wan", "the kernel has no sch_netem (delay)")
+        return
+    from agent.harness.scenario import parse_scenario, run_scenario
+    from agent.train.tiny import tiny_model
+
+    model = tiny_model()
+
+    def scenario(delay: float) -> object:
+        link = f", link: {{delay: {delay:g}ms}}" if delay else ""
+        return parse_scenario(f"""name: bench-wan\ntimeout: 600\nagents: {{workers: 2}}\nhosts:
+  a: {{agents: [submitter]{link}}}\n  b: {{agents: [w0]{link}}}\n  c: {{agents: [w1]{link}}}
+job: {{shards: 2, rounds: 1}}\n""", "bench-wan")
+
+    times = {}
+    for delay in (0.0, args.delay):
+        with tempfile.TemporaryDirectory() as out:
+            result = trio.run(lambda: run_scenario(scenario(delay), Path(out), model_dir=model))
+            if not result.ok:
+                print(result.summary, file=sys.stderr)
+                return
+            times[delay] = result.seconds
+    emit("job_wall_time_wan", times[args.delay], "s", times[0.0], round(1 / 1.3, 3), lower_is_better=True,
+         delay_ms=args.delay)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", type=float, default=20.0, help="the serving host's link, Mbit/s")
+    parser.add_argument("--delay", type=float, default=80.0, help="ms each link adds to a round trip")
+    parser.add_argument("--mib", type=int, default=50)
+    parser.add_argument("--messages", type=int, default=50)
+    parser.add_argument("--skip-job", action="store_true")
+    parser.add_argument("--role", choices=("serve", "fetch"), help=argparse.SUPPRESS)
+    parser.add_argument("--address", help=argparse.SUPPRESS)
+    parser.add_argument("--peer", help=argparse.SUPPRESS)
+    parser.add_argument("--cid", help=argparse.SUPPRESS)
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--gossip", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role == "serve":
+        trio.run(serve, args.address, args.mib, args.work, args.gossip)
+        return
+    if args.role == "fetch":
+        trio.run(fetch, args.address, args.peer, args.cid, args.work, args.gossip)
+        return
+    reason = unavailable_reason()
+    if reason:
+        skipped("all", reason)
+        sys.exit(0)
+    link_figures(args)
+    if not args.skip_job:
+        job_figure(args)
+
+
+if __name__ == "__main__":
+    main()
