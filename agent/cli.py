@@ -301,7 +301,8 @@ def _emit(args: argparse.Namespace, result: Any, text: str) -> None:
 
 def cmd_agent_init(args: argparse.Namespace) -> int:
     from agent.config import CONFIG_FILE, IDENTITY_FILE, write_config
-    from protocol.identity import Identity, load_identity, save_identity
+    from agent.keyfile import load_identity, save_identity
+    from protocol.identity import Identity
 
     home = _home(args)
     key = home / IDENTITY_FILE
@@ -326,7 +327,7 @@ def cmd_agent_init(args: argparse.Namespace) -> int:
 def cmd_agent_run(args: argparse.Namespace) -> int:
     from agent.config import IDENTITY_FILE, load_config
     from agent.daemon import default_log_stream, run_daemon, setup_logging
-    from protocol.identity import load_identity
+    from agent.keyfile import load_identity
 
     home = _home(args)
     identity = load_identity(home / IDENTITY_FILE)
@@ -516,7 +517,8 @@ def _yn(value: Any) -> str:
 def _spec_and_dataset(args: argparse.Namespace) -> tuple[Path, Any, Path | None]:
     """The spec and its local dataset file; None when the spec names its dataset by CID and no
     --dataset is given (the agent fetches it)."""
-    from protocol.jobspec import dataset_cid, load_spec
+    from agent.specfile import load_spec
+    from protocol.jobspec import dataset_cid
 
     spec_path = args.spec.expanduser().resolve()
     spec = load_spec(spec_path)  # a bad spec is reported here, before the agent is asked
@@ -704,7 +706,7 @@ def cmd_train_init(args: argparse.Namespace) -> int:
 def cmd_train_run(args: argparse.Namespace) -> int:
     from agent.train import split_dataset
     from agent.train.data import check_dataset
-    from protocol.jobspec import load_spec
+    from agent.specfile import load_spec
 
     if args.resume is not None:
         if args.config is not None or args.dataset is not None or args.model is not None or args.preset:

@@ -150,7 +150,7 @@ def load_config(home: Path, **overrides: Any) -> "AgentConfig":
             values = tomllib.loads(text)
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"{path}: not a readable TOML config: {exc}") from None
-    known = {f.name for f in fields(AgentConfig)} - {"home", "misbehave"}
+    known = {f.name for f in fields(AgentConfig)} - {"home"}
     if "search" in values:  # [search]: API keys of `infernet train data` (agent/data/search.py), not the agent's
         if not isinstance(values.pop("search"), dict):
             raise ConfigError(f"{path}:{_line_of(text, 'search')}: search: expected a table")

@@ -222,7 +222,8 @@ def _hardware_fields(cap: Any) -> dict:
 async def _spec_inputs(agent: "Agent", spec: str, dataset: str | None) -> tuple[Any, Path, str, str | None]:
     """The job spec, its dataset file (fetched and checked when the spec names a CID), our local copy
     of its base model and the dataset's CID (None for a local file); ControlError naming what is missing."""
-    from protocol.jobspec import dataset_cid, load_spec
+    from agent.specfile import load_spec
+    from protocol.jobspec import dataset_cid
 
     job_spec = load_spec(spec)
     cid = None if dataset else dataset_cid(job_spec.input.dataset)

@@ -32,7 +32,8 @@ from rich.console import Console
 
 from agent.config import CONFIG_FILE, IDENTITY_FILE
 from agent.control import ControlError, request
-from protocol.identity import Identity, save_identity
+from agent.keyfile import save_identity
+from protocol.identity import Identity
 
 MODEL_NAME = "infernet-tiny"
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -110,7 +110,7 @@ def burst_tokens_per_s(model_path: str, sha256: str, threads: int) -> float:
 
 async def measure_speeds(agent: "Agent") -> None:
     """Measure each held model not measured yet on this device (one burst each), then re-advertise."""
-    from agent.roles.job import run_torch
+    from agent.train.runner import run_torch
 
     device, cached = device_name(agent), load_speeds(agent.config.home)
     measured = False
@@ -352,7 +352,7 @@ def count_tokens(spec: Any, dataset: Path, model_path: str) -> dict:
 
 async def estimate(agent: "Agent", spec: Any, dataset: Path, model_path: str, *, max_nodes: int = 0,
                    providers_only: tuple[str, ...] = ()) -> dict:
-    from agent.roles.job import run_torch
+    from agent.train.runner import run_torch
     from agent.train import base_model_sha256
 
     counted = await trio.to_thread.run_sync(run_torch, count_tokens, spec, dataset, model_path)

@@ -5,6 +5,13 @@ Rules of this file:
   which every task of the agent lives (gossip readers, heartbeats, ticks, the worker's claims and
   shard trainings, the coordinator's verifications and aggregations). Leaving ``run`` (``stop()``,
   cancellation or an error) ends them all.
+- The roles see the agent through one port (agent/roles/port.py ``RolePort``), which ``Agent``
+  satisfies. Each followed job has its own nursery (``job_tasks``, owned by ``_own_job_tasks`` in the
+  agent's nursery): the roles' tasks of a job (claim grants, verifications, aggregations, shard
+  trainings, re-announcing, the budget watch) are started in it with ``spawn_in_job``; once the job
+  ends they have ``job_end_grace`` seconds to finish, then are cancelled. Waits on peers or a job
+  (``wait_until``) wake on job changes, heartbeats and ended job tasks, each with a deadline.
+- The test harness injects its hooks at construction (``hooks``: agent/hooks.py), never via the config.
 - Peers are known by their signed ``cap`` and ``heartbeat`` messages. A peer is *live* while its
   heartbeats arrive (protocol/election.live_peers); a job's coordinator is elected among live peers
   whose capability can coordinate *that job* (protocol/election.eligible_for_job: it holds the base
@@ -47,7 +54,8 @@ from agent.content.service import ContentService, open_content
 from agent.net.errors import NetError
 from agent.net.gossip import GossipConfig
 from agent.net.host import NetConfig
-from agent.net.network import Network, open_network
+from agent.net.stack import Network, open_network
+from agent.hooks import AgentHooks
 from agent.ledger_sync import LedgerService
 from agent.ledger_sync import sync_loop as ledger_sync_loop
 from agent.roles.coordinator import CoordinatorRole
@@ -93,7 +101,6 @@ class AgentConfig:
     ipfs_api: str | None = None
     gossip_max_rate: float = 200.0  # messages per second accepted from one peer (its signed messages) ...
     gossip_max_burst: float = 400.0  # ... with this much burst; beyond it they are dropped at the first hop
-    misbehave: str | None = None  # test harness only: see agent/roles/worker.py MISBEHAVIOURS
     measure_speed: bool = False  # measure tokens/s per held model once (agent/market.py); `agent run` turns it on
 
 
@@ -107,9 +114,10 @@ class PeerInfo:
 
 class Agent:
     ledger_sync_interval = 10.0  # seconds between pulls of a job's ledger chains from its peers
+    job_end_grace = 30.0  # seconds a job's tasks have to finish once it ended, before they are cancelled
 
     def __init__(self, identity: Identity, config: AgentConfig, *, clock: Callable[[], float] = time.time,
-                 machine: Any = None) -> None:
+                 machine: Any = None, hooks: AgentHooks | None = None) -> None:
         self.identity = identity
         self.config = config
         self.clock = clock
@@ -124,22 +132,22 @@ class Agent:
         self.hearing_peers_since: float | None = None  # other peers' heartbeats arrive without a break since
         self.store_full: str | None = None  # why we refuse new work: our store cannot be written (disk full)
         self._store_full_logged = 0.0
-        self.worker = WorkerRole(self) if config.accept_training else None
+        # the test harness's injections (agent/hooks.py): an observer tap, a Byzantine worker; never in production
+        self.hooks = hooks or AgentHooks()
+        self.worker = WorkerRole(self, self.hooks.training) if config.accept_training else None
         self.coordinator = CoordinatorRole(self)
         self.submitter = SubmitterRole(self)
         self.sync = SyncService(self)
         self.ledger_service = LedgerService(self)  # copies of the job's other chains (agent/ledger_sync.py)
         self.job_events = trio.Event()  # set (and replaced) whenever a job's state changes
+        self._changes = trio.Event()  # set (and replaced) when a job changes, a peer is heard or a job task ends
+        self.job_tasks: dict[bytes, trio.Nursery] = {}  # each followed job's own nursery (spawn_in_job)
         self._stopping = trio.Event()
         self._heartbeat_seq = 0
         self.counters: Counter[str] = Counter()  # shards_trained, verdicts_accepted, ... (metrics, status)
         self._coordinating: set[bytes] = set()  # jobs whose pending work we took over as coordinator
         self._resyncing: set[bytes] = set()  # jobs whose mirror is being rebuilt (agent/roles/sync.py)
         self._last_resync: dict[bytes, float] = {}
-        # the test harness's tap (agent/harness/trace.py): called with ("recv", Received) for every
-        # verified message we receive and ("state", JobView, actions) for every state change; never
-        # set in production, and it must not raise
-        self.observer: Callable[..., None] | None = None
         # agent/hardware.Machine: measured in run(), unless declared here (the harness declares GPUs this
         # machine lacks, so that GPU jobs' decisions run on real agents; training itself runs on what torch has)
         self.machine: Any = machine
@@ -343,8 +351,8 @@ class Agent:
     async def _read_jobs_topic(self, subscription: Any) -> None:
         async for received in subscription:
             msg, signer, now = received.message, received.signer, self.clock()
-            if self.observer is not None:
-                self.observer("recv", received)
+            if self.hooks.observer is not None:
+                self.hooks.observer("recv", received)
             if isinstance(msg, m.Heartbeat):
                 if signer != self.peer_id and not self.live_peers():
                     self.hearing_peers_since = now  # the first peer heard since we (re)started or were alone
@@ -353,6 +361,7 @@ class Agent:
                     info.live_since = now  # back after a silence (it restarted, or a partition healed)
                 info.last_heartbeat = now
                 info.active_shards = msg.active_shards
+                self._notify()  # wait_until: someone may wait for a peer to be heard
                 for entry in msg.coordinating:
                     view = self.jobs.get(entry.job_id)
                     if view is not None and signer != self.peer_id:
@@ -362,9 +371,10 @@ class Agent:
                             actions = view.retry_pending(now, self.eligible_coordinators(view.terms))
                             await self.keep_evidence(view)
                             self.apply_actions(view, actions)
-                            self._react(view, view.take_applied())
+                            self.react(view, view.take_applied())
             elif isinstance(msg, m.Capability):
                 self.peers.setdefault(signer, PeerInfo(now, live_since=now)).capability = msg
+                self._notify()
             elif isinstance(msg, m.JobAnnouncement):
                 await self.follow_job(msg.terms, signer, received.envelope.to_bytes())
             elif isinstance(msg, m.JobCancel):
@@ -386,6 +396,7 @@ class Agent:
                 continue
             view = self.rebuild_view(record)
             self.jobs[record.job_id] = view
+            await self.nursery.start(self._own_job_tasks, record.job_id)
             log.info("job %s: resumed from the store: %s, round %d, term %d", record.job_id.hex()[:8],
                      view.state.phase.value, view.state.round, view.coordination.term)
             if view.state.phase.value != record.state:
@@ -393,10 +404,10 @@ class Agent:
             subscription = await self.net.gossip.subscribe(m.job_topic(record.job_id))
             self.nursery.start_soon(partial(self._read_job_topic, view, subscription, True, resumed=True))
             if record.terms.submitter == self.peer_id:
-                self.nursery.start_soon(self.submitter.resume, view)
+                self.spawn_in_job(view.job_id, self.submitter.resume, view)
             if self.worker is not None:
                 self.worker.consider(view)
-                self.nursery.start_soon(self.worker.release_stale, view)
+                self.spawn_in_job(view.job_id, self.worker.release_stale, view)
             self.nursery.start_soon(self._provide_again, view)
 
     async def _provide_again(self, view: JobView) -> None:
@@ -455,6 +466,7 @@ class Agent:
             self.stored(self.store.record, envelope, now)
         view = JobView(terms, now, self.peer_id)
         self.jobs[job_id] = view
+        await self.nursery.start(self._own_job_tasks, job_id)
         subscription = await self.net.gossip.subscribe(m.job_topic(job_id))
         # the job may have a history we missed (we joined late, or were down): ask its submitter
         self.nursery.start_soon(self._read_job_topic, view, subscription, True)
@@ -478,8 +490,8 @@ class Agent:
         if synced:
             self.apply_actions(view, ())
         async for received in subscription:
-            if self.observer is not None:
-                self.observer("recv", received)
+            if self.hooks.observer is not None:
+                self.hooks.observer("recv", received)
             if received.envelope.message_id in synced:
                 continue  # already applied from the history
             await self.on_job_message(view, received)
@@ -502,7 +514,7 @@ class Agent:
         if actions is None:
             return
         self.apply_actions(view, actions)
-        self._react(view, view.take_applied())  # this message and any held one it unblocked
+        self.react(view, view.take_applied())  # this message and any held one it unblocked
 
     async def keep_evidence(self, view: JobView) -> bool:
         """Store the envelopes of the messages our mirror applied since the last call, in that order,
@@ -525,7 +537,7 @@ class Agent:
             return False
         return True
 
-    def _react(self, view: JobView, applied: list[tuple[Any, str]]) -> None:
+    def react(self, view: JobView, applied: list[tuple[Any, str]]) -> None:
         """Our roles' reactions to messages the mirror applied: a lease for us, verdicts, aggregates."""
         for msg, by in applied:
             if self.worker is not None and isinstance(msg, m.ShardLease) and msg.worker == self.peer_id:
@@ -543,8 +555,8 @@ class Agent:
         self.coordinator.on_actions(view, actions)
         if self.worker is not None:  # any change may free a shard for us (a verdict often returns no action)
             self.worker.wake()
-        if self.observer is not None and actions:
-            self.observer("state", view, actions)
+        if self.hooks.observer is not None and actions:
+            self.hooks.observer("state", view, actions)
         for action in actions:
             kind = _LEDGER_KIND.get(type(action).__name__)
             if kind is not None:
@@ -552,6 +564,7 @@ class Agent:
                 self.ledger(view.job_id, kind, _action_data(action))
         self.job_events.set()
         self.job_events = trio.Event()
+        self._notify()
 
     def save_job_row(self, view: JobView) -> None:
         """Write the job's summary (state, round, term) to the store when it changed since we last did:
@@ -613,6 +626,60 @@ class Agent:
 
         self.nursery.start_soon(provide)
 
+    # -- tasks (agent/roles/port.py) ------------------------------------------------------------------
+
+    def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Start a task of the agent's own (it ends when the agent does)."""
+        self.nursery.start_soon(fn, *args)
+
+    def spawn_in_job(self, job_id: bytes, fn: Callable[..., Any], *args: Any) -> bool:
+        """Start a task owned by job ``job_id``: it is cancelled when the job ends (``_own_job_tasks``).
+        False (nothing started) if the job has no running tasks' owner: it ended, or we do not follow it."""
+        nursery = self.job_tasks.get(job_id)
+        if nursery is None:
+            log.debug("job %s: ended; %s not started", job_id.hex()[:8], getattr(fn, "__name__", fn))
+            return False
+
+        async def task() -> None:
+            try:
+                await fn(*args)
+            finally:
+                self._notify()  # _own_job_tasks may be waiting for the last one
+
+        nursery.start_soon(task)
+        return True
+
+    async def _own_job_tasks(self, job_id: bytes, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """The owner of a job's tasks: once the job ends (a terminal state) they have ``job_end_grace``
+        seconds to finish what they were doing (the publication of the decision that ended it), then
+        whatever still runs is cancelled. Leaving the agent cancels them all."""
+        async with trio.open_nursery() as nursery:
+            self.job_tasks[job_id] = nursery
+            task_status.started()
+            try:
+                await self.wait_until(lambda: self._job_ended(job_id), math.inf)
+                await self.wait_until(lambda: not nursery.child_tasks, self.job_end_grace)
+            finally:
+                if self.job_tasks.get(job_id) is nursery:
+                    del self.job_tasks[job_id]
+                nursery.cancel_scope.cancel()
+
+    def _job_ended(self, job_id: bytes) -> bool:
+        view = self.jobs.get(job_id)
+        return view is None or view.state.terminal
+
+    def _notify(self) -> None:
+        self._changes.set()
+        self._changes = trio.Event()
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) until ``predicate()`` holds, re-checked whenever a job
+        changes, a peer's heartbeat or capability arrives, or a job's task ends; returns ``predicate()``."""
+        with trio.move_on_after(timeout):
+            while not predicate():
+                await self._changes.wait()
+        return predicate()
+
     def ledger(self, job_id: bytes, kind: str, data: dict) -> None:
         try:
             self.store.append_event(job_id, kind, data, self.clock())
@@ -657,7 +724,7 @@ class Agent:
         applied = await resync(self, view)
         if applied is not None:
             self.apply_actions(view, ())
-            self._react(view, applied)  # held live messages that apply on the rebuilt mirror
+            self.react(view, applied)  # held live messages that apply on the rebuilt mirror
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> None:
         """Wait until ``predicate()`` holds, re-checked whenever a job changes; TooSlowError after ``timeout``."""

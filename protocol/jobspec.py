@@ -24,7 +24,7 @@ Rules of this file (the document is ipips/0007-job-spec.md, the vectors ipips/ve
   capitals is lowered. Upper bounds are the terms' own, so a valid spec can always be announced.
 - Rules tying keys together live in ``_check_across_fields`` and nowhere else.
 
-This module knows nothing of files beyond ``load_spec`` reading one, and nothing of the network.
+This module knows nothing of files (agent/specfile.py reads them: ``load_spec``) nor of the network.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import difflib
 import math
 import re
 from dataclasses import MISSING, dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -785,19 +784,9 @@ def read_job(data: Any, where: _Where) -> JobSpec:
     return _read_job(data, where)
 
 
-def load_spec(path: str | Path) -> JobSpec:
-    """Read and validate a job spec file; every failure, including I/O, is a SpecError."""
-    return parse_spec(read_text(path), str(path))
-
-
-def read_text(path: str | Path) -> str:
-    """The UTF-8 text of a settings file (at most MAX_SPEC_BYTES); every failure is a SpecError."""
-    source = str(path)
-    try:
-        with open(path, "rb") as file:
-            data = file.read(MAX_SPEC_BYTES + 1)
-    except OSError as error:
-        raise SpecError("", f"cannot read: {error.strerror or error}", source) from None
+def decode_text(data: bytes, source: str = "<bytes>") -> str:
+    """The UTF-8 text of a settings file's bytes (at most MAX_SPEC_BYTES; ``source`` names the file in
+    errors); every failure is a SpecError. Reading the file is agent/specfile.py's."""
     if len(data) > MAX_SPEC_BYTES:
         raise SpecError("", f"larger than {MAX_SPEC_BYTES} bytes", source)
     try:
@@ -807,3 +796,8 @@ def read_text(path: str | Path) -> str:
         raise SpecError("", f"not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start})",
                         f"{source}:{line}") from None
     return text
+
+
+def parse_spec_bytes(data: bytes, source: str = "<bytes>") -> JobSpec:
+    """Parse and validate a job spec file's bytes; ``source`` names it in error messages."""
+    return parse_spec(decode_text(data, source), source)

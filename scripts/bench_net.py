@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent.content.service import VIA_BITSWAP, VIA_BLOCKS, open_content  # noqa: E402
 from agent.net.host import NetConfig  # noqa: E402
-from agent.net.network import open_network  # noqa: E402
+from agent.net.stack import open_network  # noqa: E402
 from agent.net.streams import FrameReader, frame  # noqa: E402
 from protocol.identity import Identity  # noqa: E402
 from protocol.messages import TOPIC_JOBS, Heartbeat  # noqa: E402

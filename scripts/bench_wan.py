@@ -61,7 +61,7 @@ async def serve(address: str, mib: int, work: Path, gossip: int) -> None:
     """Add ``mib`` MiB and print our address and its CID; publish ``gossip`` timestamped messages."""
     from agent.content.service import open_content
     from agent.net.host import NetConfig
-    from agent.net.network import open_network
+    from agent.net.stack import open_network
     from protocol.identity import Identity
     from protocol.messages import TOPIC_JOBS, Heartbeat
 
@@ -86,7 +86,7 @@ async def serve(address: str, mib: int, work: Path, gossip: int) -> None:
 async def fetch(address: str, peer: str, cid: str, work: Path, gossip: int) -> None:
     from agent.content.service import open_content
     from agent.net.host import NetConfig
-    from agent.net.network import open_network
+    from agent.net.stack import open_network
     from protocol.identity import Identity
     from protocol.messages import TOPIC_JOBS
 

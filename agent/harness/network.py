@@ -31,6 +31,8 @@ from typing import Any, Callable
 
 import trio
 
+from agent.harness.byzantine import byzantine
+from agent.hooks import AgentHooks
 from agent.net.gossip import GossipFaults
 from agent.node import Agent, AgentConfig
 from protocol.identity import Identity
@@ -59,6 +61,7 @@ class LoopbackNet:
     processes: dict[str, Any] = field(default_factory=dict)  # name -> subprocess.Popen (agents run as processes)
     process_names: set[str] = field(default_factory=set)  # agents that run as processes
     machines: dict[str, Any] = field(default_factory=dict)  # name -> declared agent/hardware.Machine (tests)
+    misbehave: dict[str, str] = field(default_factory=dict)  # name -> agent/harness/byzantine.py mode
     hosts: Any = None  # agent.harness.hosts.Hosts: agents on separate hosts (None: all on loopback)
     placement: dict[str, str] = field(default_factory=dict)  # name -> host, when ``hosts``
 
@@ -103,15 +106,22 @@ class LoopbackNet:
         if name in self.process_names:
             await self._start_process(name, config)
             return None
-        agent = Agent(identity_for(self.seed, name), config, machine=self.machines.get(name))
-        if self.observer is not None:
-            agent.observer = lambda kind, *args, _n=name, _a=agent: self.observer(_n, _a, kind, args)
+        agent = Agent(identity_for(self.seed, name), config, machine=self.machines.get(name),
+                      hooks=self._hooks(name))
         scope = trio.CancelScope()
         self.scopes[name] = scope
         self.agents[name] = agent
         await self.nursery.start(_run, agent, scope)
         self._apply_faults(name)
         return agent
+
+    def _hooks(self, name: str) -> AgentHooks:
+        """What the harness injects into agent ``name``: the observer's tap, its misbehaviour."""
+        observer = None
+        if self.observer is not None:  # called only while the agent runs: it is self.agents[name] by then
+            def observer(kind: str, *args: Any, _n: str = name) -> None:
+                self.observer(_n, self.agents[_n], kind, args)
+        return AgentHooks(observer=observer, training=byzantine(self.misbehave.get(name)))
 
     def _named(self, who: "str | Agent") -> str:
         return who if isinstance(who, str) else self.name_of(who.peer_id)
@@ -184,7 +194,7 @@ class LoopbackNet:
         import sys
 
         from agent.config import IDENTITY_FILE
-        from protocol.identity import save_identity
+        from agent.keyfile import save_identity
 
         home = config.home
         home.mkdir(parents=True, exist_ok=True)
@@ -284,7 +294,7 @@ def _config_toml(config: AgentConfig) -> str:
     lines, models = [], []
     for f in fields(AgentConfig):
         value = getattr(config, f.name)
-        if f.name in ("home", "misbehave") or value is None:
+        if f.name == "home" or value is None:
             continue
         if f.name == "models":
             models = [f"{json.dumps(k)} = {json.dumps(v)}" for k, v in value]
@@ -344,9 +354,10 @@ async def network(home: Path, model_dir: Path, workers: int = 3, *, seed: int = 
         net.process_names = {f"w{i}" for i in processes}
         net.machines = {f"w{i}": machine for i, machine in (machines or {}).items()}
         net.hosts, net.placement = hosts, dict(placement or {})
+        net.misbehave = {f"w{i}": mode for i, mode in misbehave.items() if mode is not None}
 
         def settings_of(i: int) -> dict:
-            settings = {"misbehave": misbehave.get(i), "can_coordinate": misbehave.get(i) in (None, "crash"),
+            settings = {"can_coordinate": misbehave.get(i) in (None, "crash"),
                         **(overrides or {}).get(i, {})}
             listen = net.listen_for(f"w{i}")
             return {**settings, "listen": listen} if listen else settings

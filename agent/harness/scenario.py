@@ -33,8 +33,9 @@ from typing import Any
 
 import trio
 
+from agent.specfile import read_text
 from protocol.errors import SpecError
-from protocol.jobspec import _Where, read_job, read_text, read_yaml
+from protocol.jobspec import _Where, read_job, read_yaml
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
     workers = r.integer(agents.get("workers", 3), ("agents", "workers"), 1, 16)
     names = [f"w{i}" for i in range(workers)]
     known = ["submitter", *names] + (["mallory"] if agents.get("mallory") else [])
-    from agent.roles.worker import MISBEHAVIOURS
+    from agent.harness.byzantine import MISBEHAVIOURS
 
     byzantine = {}
     for key, mode in r.mapping(agents.get("byzantine", {}), ("agents", "byzantine")).items():

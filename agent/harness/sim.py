@@ -33,7 +33,7 @@ Rules of this file:
       with a mirror that missed the history. Submitters stay: they serve the shards by CID.
     * work: a shard takes ``shard_minutes`` x the worker's speed factor (log-normal), after a
       fetch; ``checkpoints`` evenly spaced commitments extend the lease. Training, replays and
-      aggregation take one per-agent lock (agent/roles/job.py TORCH_LOCK), so a coordinator's
+      aggregation take one per-agent lock (agent/train/runner.py TORCH_LOCK), so a coordinator's
       verifications wait for its own training. A replay costs ``verify_segments / checkpoints`` of
       a shard; aggregation ``aggregate_seconds``.
     * Byzantine workers fake ``fake_fraction`` of their segments (a random set fixed before the

@@ -54,7 +54,7 @@ class Trace:
     # -- the agents' tap ----------------------------------------------------------------------------
 
     def observe(self, name: str, agent: Any, kind: str, args: tuple) -> None:
-        """``Agent.observer`` for the agent called ``name`` (see agent/node.py)."""
+        """The observer (agent/hooks.py ``AgentHooks.observer``) of the agent called ``name``."""
         try:
             if kind == "recv":
                 received = args[0]

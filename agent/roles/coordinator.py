@@ -61,7 +61,8 @@ from agent.bundle import (
     AGGREGATE_FILES, CHECKPOINT_FILES, REPORT_FILES, BundleError, bundle_size_bound, pack_dir, unpack,
 )
 from agent.content.errors import FetchError
-from agent.roles.job import JobView, run_torch, train_config
+from agent.roles.job import JobView
+from agent.train.runner import run_torch, train_config
 from agent.sealing import must_seal, seal_dir
 from protocol import messages as m
 from protocol import state as st
@@ -69,7 +70,7 @@ from protocol.election import judge_of
 from protocol.fit import lease_refusals
 
 if TYPE_CHECKING:
-    from agent.node import Agent
+    from agent.roles.port import RolePort
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class CoordinatorRole:
     # claims arriving within this many seconds of the first are granted together, best reputation first
     claim_window: float = 0.25
 
-    def __init__(self, agent: "Agent") -> None:
+    def __init__(self, agent: "RolePort") -> None:
         self.agent = agent
         self._running: set[tuple] = set()
         self._banned: dict[bytes, set[str]] = {}
@@ -110,8 +111,8 @@ class CoordinatorRole:
         if any(w == worker for w, _, _ in queue):
             return
         queue.append((worker, claim.round, claim.shard))
-        if len(queue) == 1:
-            self.agent.nursery.start_soon(self._grant_claims, view)
+        if len(queue) == 1 and not self.agent.spawn_in_job(view.job_id, self._grant_claims, view):
+            self._claims.pop(view.job_id, None)  # the job ended
 
     def _may_lease(self, view: JobView, rnd: int, worker: str, *, count: bool = True) -> bool:
         from agent.market import lease_refusal as market_lease_refusal
@@ -246,7 +247,8 @@ class CoordinatorRole:
             finally:
                 self._running.discard(key)
 
-        self.agent.nursery.start_soon(run)
+        if not self.agent.spawn_in_job(args[0].job_id, run):
+            self._running.discard(key)  # the job ended
 
     # -- verification -------------------------------------------------------------------------------
 
@@ -550,7 +552,7 @@ class CoordinatorRole:
         return losses[0], losses[1] if with_base else None
 
 
-async def _fetch_worker_content(agent: "Agent", cid: str, out: Path, worker: str, providers: list[str], *,
+async def _fetch_worker_content(agent: "RolePort", cid: str, out: Path, worker: str, providers: list[str], *,
                                 named_by_worker: bool = True, **bounds: int) -> None:
     """Fetch for a verification, within ``bounds`` (max_size / exact_size, IPIP-0003 §3); Rejection if
     the failure is the worker's: it sent blocks that do not verify, or (content it named) the CID names

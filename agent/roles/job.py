@@ -31,12 +31,10 @@ Rules of this file:
 from __future__ import annotations
 
 import logging
-import threading
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.train.config import TrainConfig
 from protocol import messages as m
 from protocol import state as st
 from protocol.election import Coordination, may_apply_past_verdict, may_judge
@@ -49,25 +47,6 @@ PENDING_MAX = 256
 PENDING_PER_SIGNER = 32  # held messages of one signer; its oldest goes first
 PENDING_SECONDS = 300.0  # an envelope's acceptance window (IPIP-0001)
 
-TORCH_LOCK = threading.Lock()
-"""Held while a thread trains or replays. Loading models through transformers is not thread-safe,
-so agents sharing one process (tests, the harness) take turns; an agent in its own process never waits."""
-
-
-def run_torch(fn, *args):
-    """Run ``fn(*args)`` under TORCH_LOCK (meant for trio.to_thread.run_sync).
-
-    The first imports of transformers/peft (and accelerate, bitsandbytes behind them) happen under
-    the lock too: two threads importing them at once hit their circular imports half-initialised
-    ("cannot import name 'dispatch_model' from partially initialized module"), most readily on a
-    fresh install whose bytecode is not compiled yet.
-    """
-    with TORCH_LOCK:
-        import peft  # noqa: F401
-        import transformers  # noqa: F401
-
-        return fn(*args)
-
 
 def job_config(terms: m.JobTerms) -> st.JobConfig:
     """The state machine's settings, read off the announced terms (deadline 0 = none)."""
@@ -75,26 +54,6 @@ def job_config(terms: m.JobTerms) -> st.JobConfig:
         shards=len(terms.shards), rounds=terms.rounds, lease_seconds=float(terms.lease_seconds),
         max_retries=terms.max_retries, min_accepted_fraction=terms.min_accepted_fraction,
         deadline=float(terms.deadline) if terms.deadline else None, stop_early=terms.stop is not None,
-    )
-
-
-def train_config(terms: m.JobTerms, base_model_path: str, *, round: int = 1, **local: Any) -> TrainConfig:
-    """What agent/train needs from the terms to train (or replay) round ``round``; ``base_model_path``
-    is this peer's local copy. The round's learning rate follows the job's schedule."""
-    from protocol.schedule import round_learning_rate
-
-    t, lora, proof = terms.training, terms.lora, terms.proof
-    learning_rate = round_learning_rate(t.learning_rate, round, terms.rounds, schedule=t.schedule,
-                                        warmup_rounds=t.warmup_rounds)
-    return TrainConfig(
-        base_model=base_model_path, base_model_sha256=terms.base_model_sha256.hex(), method=terms.method,
-        runtime=terms.runtime, seed=terms.seed, epochs=t.epochs, learning_rate=learning_rate, round=round,
-        carry_optimizer=t.optimizer_state == "carried",
-        batch_size=t.batch_size, gradient_accumulation_steps=t.gradient_accumulation_steps,
-        max_seq_len=t.max_seq_len, max_steps=t.max_steps, rank=lora.rank, alpha=lora.alpha,
-        dropout=lora.dropout, target_modules=lora.target_modules, freeze_a=lora.freeze_a,
-        checkpoint_every=proof.checkpoint_every, verify_segments=proof.verify_segments,
-        tolerance=proof.tolerance, **local,
     )
 
 

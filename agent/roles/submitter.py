@@ -36,7 +36,7 @@ from protocol import messages as m
 from protocol.cid import parse_cid
 
 if TYPE_CHECKING:
-    from agent.node import Agent
+    from agent.roles.port import RolePort
     from agent.roles.job import JobView
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class SubmitterRole:
     reannounce_seconds = 60.0
     keep_retry_delays: tuple[float, ...] = (2.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
-    def __init__(self, agent: "Agent") -> None:
+    def __init__(self, agent: "RolePort") -> None:
         self.agent = agent
         self._keeping: set[tuple[bytes, str]] = set()  # (job, cid) copies under way
 
@@ -121,40 +121,38 @@ class SubmitterRole:
         view = await agent.follow_job(terms, agent.peer_id)
         agent.ledger(view.job_id, "announced", announced_data(terms))
         await agent.publish(m.JobAnnouncement.for_terms(terms))
-        agent.nursery.start_soon(self._reannounce, view)
-        agent.nursery.start_soon(watch_budget, agent, view)  # a paid job ends when its budget is spent
+        agent.spawn_in_job(view.job_id, self._reannounce, view)
+        agent.spawn_in_job(view.job_id, watch_budget, agent, view)  # a paid job ends when its budget is spent
         log.info("job %s announced: %s, %d shards x %d rounds", view.job_id.hex()[:8], terms.name,
                  len(terms.shards), terms.rounds)
         return view
 
     async def resume(self, view: "JobView") -> None:
         """After a restart: announce our unfinished job again at once, then keep re-announcing it."""
-        with trio.move_on_after(10):
-            while not self.agent.peers.keys() - {self.agent.peer_id}:
-                await trio.sleep(0.2)
-        await self.agent.publish(m.JobAnnouncement.for_terms(view.terms))
-        for item in self.not_held(view):  # copies a restart interrupted
-            self.agent.nursery.start_soon(self._keep, view, item["cid"], item["provider"])
-        self.agent.nursery.start_soon(watch_budget, self.agent, view)
+        agent = self.agent
+        await agent.wait_until(lambda: bool(agent.peers.keys() - {agent.peer_id}), 10)
+        await agent.publish(m.JobAnnouncement.for_terms(view.terms))
+        for item in self.not_held(view):  # copies a restart interrupted (the agent's: kept after the job ends)
+            agent.spawn(self._keep, view, item["cid"], item["provider"])
+        agent.spawn_in_job(view.job_id, watch_budget, agent, view)
         await self._reannounce(view)
 
     async def _reannounce(self, view: "JobView") -> None:
         while not view.state.terminal:
-            await trio.sleep(self.reannounce_seconds)
-            if not view.state.terminal:
+            if not await self.agent.wait_until(lambda: view.state.terminal, self.reannounce_seconds):
                 await self.agent.publish(m.JobAnnouncement.for_terms(view.terms))
 
     def on_aggregate(self, view: "JobView", published: m.AggregatePublished, coordinator: str) -> None:
         """Keep a copy of every aggregate of our job: the next round starts from it, whoever coordinates."""
         if view.terms.submitter == self.agent.peer_id:
-            self.agent.nursery.start_soon(self._keep, view, published.adapter_cid, coordinator)
+            self.agent.spawn(self._keep, view, published.adapter_cid, coordinator)  # outlives the job
 
     def on_verdict(self, view: "JobView", verdict: m.Verdict) -> None:
         """Keep a copy of every accepted adapter of our job, so no accepted work is lost with its worker."""
         if verdict.accepted and view.terms.submitter == self.agent.peer_id:
             report, worker = view.reports.get((verdict.round, verdict.shard, verdict.attempt), (None, None))
             if report is not None:
-                self.agent.nursery.start_soon(self._keep, view, report.adapter_cid, worker)
+                self.agent.spawn(self._keep, view, report.adapter_cid, worker)
 
     def kept_path(self, view: "JobView", cid: str) -> Path:
         """Where our copy of accepted work ``cid`` of the job lies once we hold it."""

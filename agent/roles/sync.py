@@ -26,7 +26,7 @@ lying submitter can only confuse mirrors of its own job.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -35,6 +35,9 @@ from agent.net.streams import FrameReader, frame, remote_peer
 from protocol import messages as m
 from protocol.cid import varint_encode
 from protocol.envelope import MAX_ENVELOPE_BYTES
+
+if TYPE_CHECKING:
+    from agent.roles.port import RolePort
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,7 @@ def history_for(store: Any, job_id: bytes, max_count: int = MAX_HISTORY,
 class SyncService:
     """Serves our stored history of any job (installed on every agent)."""
 
-    def __init__(self, agent: Any) -> None:
+    def __init__(self, agent: RolePort) -> None:
         self.agent = agent
         self.served = 0
 
@@ -135,7 +138,7 @@ def _verified(history: list[bytes], job_id: bytes) -> tuple[list[Any], int]:
     return out, refused
 
 
-async def _fetch_verified(agent: Any, view: Any, timeout: float, what: str,
+async def _fetch_verified(agent: RolePort, view: Any, timeout: float, what: str,
                           peer: str | None = None) -> list[Any] | None:
     """The history of the job held by ``peer`` (by default its submitter), each envelope verified;
     None (logged) if that is us or it could not be had."""
@@ -156,7 +159,7 @@ async def _fetch_verified(agent: Any, view: Any, timeout: float, what: str,
 PEERS_ASKED = 3  # a restarted submitter asks at most this many live peers for what it missed
 
 
-async def submitter_catch_up(agent: Any, view: Any, timeout: float = TIMEOUT) -> set[bytes]:
+async def submitter_catch_up(agent: RolePort, view: Any, timeout: float = TIMEOUT) -> set[bytes]:
     """We are the job's submitter, back after being down (or our mirror holds decisions it cannot
     apply): the job went on without us. Once we hear peers, ask up to PEERS_ASKED live ones that follow
     the job, its coordinator first, for the envelopes we did not store, and apply them as live
@@ -164,12 +167,10 @@ async def submitter_catch_up(agent: Any, view: Any, timeout: float = TIMEOUT) ->
     ones (nobody's stored junk can move our term), the rest is applied as anyone's. Returns the
     message IDs applied (the live reader skips them). IPIP-0004 §11, IPIP-0006 §1.3 rule 5."""
     window = agent.config.heartbeat_seconds * agent.config.missed_heartbeats
-    with trio.move_on_after(2 * timeout):  # until we hear someone (our view waits as long: election.py)
-        while not agent.live_peers():
-            await trio.sleep(0.2)
-    with trio.move_on_after(min(window, 2.0)):  # a moment for the others' heartbeats and capabilities
-        while len(agent.live_peers()) < 2:
-            await trio.sleep(0.2)
+    # until we hear someone (our view waits as long: election.py)
+    await agent.wait_until(lambda: bool(agent.live_peers()), 2 * timeout)
+    # a moment for the others' heartbeats and capabilities
+    await agent.wait_until(lambda: len(agent.live_peers()) >= 2, min(window, 2.0))
     live = agent.live_peers()
     coordinator = view.coordination.coordinator
     peers = sorted(live, key=lambda p: (p != coordinator, p))[:PEERS_ASKED]
@@ -183,7 +184,7 @@ async def submitter_catch_up(agent: Any, view: Any, timeout: float = TIMEOUT) ->
             view.apply(opened.message, signer, at, agent.eligible_coordinators(view.terms), data)
             applied.add(opened.envelope.message_id)
         await _keep(agent, view)  # what applied, in the order it did
-    agent._react(view, view.take_applied())  # keep our copies of the accepted work and aggregates we missed
+    agent.react(view, view.take_applied())  # keep our copies of the accepted work and aggregates we missed
     if applied:
         log.info("job %s: caught up on %d messages from %d peers after a restart: %s, round %d, term %d",
                  view.job_id.hex()[:8], len(applied), len(peers), view.state.phase.value, view.state.round,
@@ -196,7 +197,7 @@ def _replay(view: Any, opened: Any, data: bytes | None = None) -> None:
     view.replay(opened.message, opened.envelope.signer, opened.envelope.timestamp_ms / 1000.0, data)
 
 
-async def _keep(agent: Any, view: Any) -> None:
+async def _keep(agent: RolePort, view: Any) -> None:
     """Store what applied to ``view`` since the last call (agent.keep_evidence); a full disk raises
     StoreFullError to the caller, as a direct store write would."""
     from agent.store import StoreFullError
@@ -205,7 +206,7 @@ async def _keep(agent: Any, view: Any) -> None:
         raise StoreFullError(agent.store_full or "the store cannot be written")
 
 
-async def catch_up(agent: Any, view: Any, timeout: float = TIMEOUT) -> set[bytes]:
+async def catch_up(agent: RolePort, view: Any, timeout: float = TIMEOUT) -> set[bytes]:
     """Replay into ``view`` the job's history held by its submitter that is not in our store yet.
     Returns the message IDs applied (the live reader skips them); failures are logged, not raised."""
     verified = await _fetch_verified(agent, view, timeout, "catch up")
@@ -238,7 +239,7 @@ def needs_resync(view: Any, eligible: frozenset[str], now: float) -> bool:
                for seen, msg, signer, *_ in view.pending)
 
 
-async def resync(agent: Any, view: Any, timeout: float = TIMEOUT) -> list[tuple[Any, str]] | None:
+async def resync(agent: RolePort, view: Any, timeout: float = TIMEOUT) -> list[tuple[Any, str]] | None:
     """Our mirror has diverged (it holds messages it cannot apply: we missed some, or we were cut off
     and decided things the rest never saw): rebuild it from the submitter's whole history, in place.
     The submitter's record wins, its coordinator term included. Returns the held live messages that

@@ -23,7 +23,8 @@ Rules of this file:
   is packed, added to the content store and gossiped as a ``ckpt`` commitment as it happens, which
   also extends our lease. The final adapter and the proof bundle go into the content store and
   the ``report`` names their CIDs.
-- ``misbehave`` makes this worker Byzantine on purpose, for the test harness only.
+- ``training`` (agent/hooks.py) is where the test harness makes a worker Byzantine on purpose
+  (agent/harness/byzantine.py); the default trains honestly.
 """
 
 from __future__ import annotations
@@ -37,26 +38,28 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from agent.hooks import HonestTraining
 from agent.bundle import AGGREGATE_FILES, DEFAULT_MAX_BYTES, bundle_size_bound, pack_dir, unpack
-from agent.roles.job import JobView, run_torch, train_config
+from agent.roles.job import JobView
+from agent.train.runner import run_torch, train_config
 from protocol import messages as m
 from protocol import state as st
 from protocol.cid import parse_cid
 from protocol.fit import training_refusals
 
 if TYPE_CHECKING:
-    from agent.node import Agent
+    from agent.roles.port import RolePort
 
 log = logging.getLogger(__name__)
 
-MISBEHAVIOURS = ("random_adapter", "forged_chain", "wrong_base", "stale_start", "crash")  # crash: faulty, not Byzantine
 PROOF_FILE = "proof.json"
 CHECKPOINTS_FILE = "checkpoints.json"
 
 
 class WorkerRole:
-    def __init__(self, agent: "Agent") -> None:
+    def __init__(self, agent: "RolePort", training: HonestTraining | None = None) -> None:
         self.agent = agent
+        self.training = training or HonestTraining()  # the harness's faults (agent/hooks.py), if any
         self.candidates: dict[bytes, JobView] = {}
         self.active: dict[tuple[bytes, int, int, int], m.ShardLease] = {}
         # job -> (when, round, whether we held a shard since) of our last claim
@@ -160,15 +163,14 @@ class WorkerRole:
         if key in self.active or len(self.active) >= self.agent.config.max_concurrent_shards:
             return
         self.active[key] = lease
-        self.agent.nursery.start_soon(self._run_shard, view, lease, key)
+        if not self.agent.spawn_in_job(view.job_id, self._run_shard, view, lease, key):
+            self.active.pop(key, None)  # the job ended
 
     async def release_stale(self, view: JobView) -> None:
         """After a restart: give back the shards our mirror says we hold but no longer train, so
         they are reassigned now rather than when the lease runs out. Waits (bounded) for a peer to hear it."""
         agent = self.agent
-        with trio.move_on_after(10):
-            while not agent.peers.keys() - {agent.peer_id}:
-                await trio.sleep(0.2)
+        await agent.wait_until(lambda: bool(agent.peers.keys() - {agent.peer_id}), 10)
         for shard in view.held_by(agent.peer_id):
             if shard.phase is st.ShardPhase.LEASED and \
                     (view.job_id, view.state.round, shard.index, shard.attempt) not in self.active:
@@ -274,20 +276,18 @@ class WorkerRole:
         log.info("job %s shard %d attempt %d: fetching %s", view.job_id.hex()[:8], lease.shard, lease.attempt, ref.cid)
         await self._fetch(view, lease, ref.cid, shard_path, [terms.submitter], exact_size=ref.size)
         agent.provide_soon(parse_cid(ref.cid))  # every block was checked on arrival: serve it too (IPIP-0003 §4.1)
-        if agent.config.misbehave == "crash":
-            raise RuntimeError("training crashed (harness: this worker's training always fails)")
+        self.training.before_training()
         model_path = self.agent.local_model(terms)
-        if agent.config.misbehave == "wrong_base":
-            from agent.train.tiny import tiny_model
-
-            model_path = str(await trio.to_thread.run_sync(run_torch, tiny_model, agent.config.home / "models", 7))
+        substitute = await self.training.base_model(agent.config.home)
+        if substitute is not None:
+            model_path = substitute
         else:
             have = await agent.base_model_hash(model_path)
             if have != terms.base_model_sha256.hex():
                 raise RuntimeError(f"base model hash mismatch: local {terms.base_model!r} is {have[:16]}…, "
                                    f"the job names {terms.base_model_sha256.hex()[:16]}…")
         initial = None
-        if lease.initial_adapter_cid and agent.config.misbehave != "stale_start":  # Byzantine: ignores the aggregate
+        if lease.initial_adapter_cid and self.training.use_initial_adapter():
             bundle = run_dir / "initial.tar"
             providers = [p for p in (view.coordination.coordinator, terms.submitter) if p and p != agent.peer_id]
             await self._fetch(view, lease, lease.initial_adapter_cid, bundle, providers,
@@ -297,8 +297,7 @@ class WorkerRole:
         processes = self.train_processes(terms)
         config = await trio.to_thread.run_sync(self._fit_to_device, config, model_path, processes)
         backend = select_backend(terms.runtime, processes)  # TrainError (one line) if this machine cannot run it
-        if agent.config.misbehave == "wrong_base":
-            config = config.with_(base_model_sha256=None)
+        config = self.training.adjust_config(config)
         request = TrainRequest(config, shard_path, run_dir / "run", initial_adapter=initial, job_id=view.job_id,
                                round=lease.round, shard_index=lease.shard, attempt=lease.attempt,
                                worker=agent.peer_id)
@@ -322,11 +321,7 @@ class WorkerRole:
         genesis = request.run_dir / "checkpoints" / "step-000000"
         checkpoint_cids[0] = str(await agent.content.add_file(pack_dir(genesis, genesis.with_suffix(".tar")),
                                                               provide=False))
-        head = result.head
-        if agent.config.misbehave == "random_adapter":
-            _randomise_adapter(result.adapter_dir)
-        if agent.config.misbehave == "forged_chain":
-            head = _forge_chain(request.run_dir / PROOF_FILE)
+        head = self.training.after_training(result.adapter_dir, request.run_dir / PROOF_FILE, result.head)
         # provided in the background: the report names us, and a slow DHT peer must not delay it (issue 17)
         adapter_cid = await agent.content.add_file(pack_dir(result.adapter_dir, run_dir / "adapter.tar"), provide=False)
         agent.provide_soon(adapter_cid)
@@ -361,26 +356,3 @@ def _device_vram_gb(machine: Any, device: str) -> float:
         return 0.0
     named = [d for d in machine.cuda if d.name == device[5:]]
     return max((d.vram_total_gb for d in named or machine.cuda), default=0.0)
-
-
-def _randomise_adapter(adapter_dir: Path) -> None:
-    """Byzantine: replace the trained adapter with noise of the same shapes."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    path = adapter_dir / "adapter_model.safetensors"
-    tensors = {k: torch.randn_like(v) for k, v in load_file(str(path)).items()}
-    save_file(tensors, str(path), metadata={"format": "pt"})
-
-
-def _forge_chain(proof_path: Path) -> bytes:
-    """Byzantine: claim different batches than were trained on, with a self-consistent chain."""
-    from dataclasses import replace
-
-    from protocol.proof import Commitment
-
-    commitment = Commitment.from_json(json.loads(proof_path.read_text()))
-    forged = tuple(replace(link, batches_digest=bytes(32)) for link in commitment.links)
-    commitment = Commitment(commitment.header, forged)
-    proof_path.write_text(json.dumps(commitment.to_json()))
-    return commitment.head

@@ -101,7 +101,7 @@ def _weighted_means(checked: _Checked, keys: list[str]) -> dict[str, torch.Tenso
     torch's intra-op threads spends much of its time waking them, so whole tensors go to separate
     threads instead. ``torch.set_num_threads`` is process-wide: it is lowered to 1 for the duration
     and restored after, which is safe only when nothing else runs torch meanwhile — in the agent,
-    aggregation runs under the one torch lock (agent/roles/job.py TORCH_LOCK).
+    aggregation runs under the one torch lock (agent/train/runner.py TORCH_LOCK).
     """
     threads = torch.get_num_threads()
     first = checked.adapters[0]  # every adapter has its layout (checked)

@@ -95,7 +95,7 @@ def test_worker_killed_with_sigkill_restarts_from_its_home_and_the_job_completes
     log = (victim.home / "agent.log").read_text()
     assert "resumed from the store" in log  # the restarted worker rebuilt the job from its SQLite store
     from agent.store import Store
-    from protocol.identity import load_identity
+    from agent.keyfile import load_identity
 
     store = Store.in_data_dir(submitter.home, load_identity(submitter.home / "identity.key"))
     verdicts = [v.message for v in store.verdicts(bytes.fromhex(job["id"]))]

@@ -9,7 +9,7 @@ import tomllib
 import pytest
 
 from agent.config import ConfigError, load_config
-from protocol.identity import load_identity
+from agent.keyfile import load_identity
 from protocol.unixfs import compute_cid
 from tests.cli.conftest import assert_one_line_error, cli, cli_json
 
@@ -127,7 +127,8 @@ def test_data_add_and_verify_refuse_devices_and_fifos_at_once(tmp_path):
 
 
 def test_train_init_writes_the_template_once(tmp_path):
-    from protocol.jobspec import TEMPLATE, load_spec
+    from agent.specfile import load_spec
+    from protocol.jobspec import TEMPLATE
 
     done = cli("train", "init", "--output", str(tmp_path), check=True)
     path = tmp_path / "infernet.train.yml"

@@ -11,7 +11,7 @@ import trio
 from agent.content.exchange import first_error
 from agent.net.gossip import GossipConfig
 from agent.net.host import NetConfig
-from agent.net.network import Network, open_network
+from agent.net.stack import Network, open_network
 from protocol.identity import Identity
 
 pytestmark = pytest.mark.network

@@ -14,7 +14,7 @@ from agent.content.exchange import PROTOCOL, BlockServer
 from agent.content import bitswap
 from agent.content.service import VIA_BITSWAP, open_content
 from agent.net.host import NetConfig
-from agent.net.network import open_network
+from agent.net.stack import open_network
 from protocol.cid import varint_encode
 from protocol.identity import Identity
 from protocol.unixfs import MAX_BLOCK_SIZE, compute_cid, import_bytes

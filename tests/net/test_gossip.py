@@ -193,7 +193,7 @@ async def test_expired_replays_from_a_peers_cache_never_blacklist_it():
     refused as ``expired`` but are not misbehaviour: the neighbour is not blamed, not blacklisted,
     and its next fresh message arrives. (The old network is a clock 400 s behind: the same rule.)"""
     from agent.net.host import NetConfig
-    from agent.net.network import open_network
+    from agent.net.stack import open_network
 
     offset = [-400.0]  # the old peer's messages were signed 400 s ago (the window is 300 s)
     async with open_network(Identity.generate(), clock=lambda: time.time() + offset[0]) as old:
@@ -218,7 +218,7 @@ async def test_expired_replays_from_a_peers_cache_never_blacklist_it():
 FROZEN_PEER = """
 import sys, trio
 from agent.net.host import NetConfig
-from agent.net.network import open_network
+from agent.net.stack import open_network
 from protocol.identity import Identity
 from protocol.messages import TOPIC_JOBS
 

@@ -11,7 +11,7 @@ from libp2p.peer.peerinfo import PeerInfo
 
 from agent.content.exchange import first_error
 from agent.net.host import NetConfig, to_libp2p_id
-from agent.net.network import open_network
+from agent.net.stack import open_network
 from agent.net.reach import _dial_back, is_circuit
 from protocol.identity import Identity
 from tests.net.conftest import wait_until

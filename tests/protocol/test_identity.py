@@ -5,13 +5,12 @@ import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
+from agent.keyfile import load_identity, save_identity
 from protocol.errors import KeyFileError
 from protocol.identity import (
     Identity,
-    load_identity,
     peer_id_from_public_key,
     public_key_from_peer_id,
-    save_identity,
     verify_signature,
 )
 

@@ -17,7 +17,8 @@ from protocol.cid import RAW, CID
 from protocol.codec import canonical_encode
 from protocol.errors import SpecError
 from protocol.identity import Identity
-from protocol.jobspec import TEMPLATE, JobSpec, load_spec, parse_spec
+from agent.specfile import load_spec
+from protocol.jobspec import TEMPLATE, JobSpec, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 VALID = json.loads((ROOT / "ipips/vectors/jobspec-valid.json").read_text())

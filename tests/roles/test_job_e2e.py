@@ -48,7 +48,7 @@ def _losses(model_dir, bundle, tmp_path, terms):
     from transformers import AutoModelForCausalLM
 
     from agent.bundle import AGGREGATE_FILES, unpack
-    from agent.roles.job import train_config
+    from agent.train.runner import train_config
     from agent.train.run import load_shard
     from agent.train.model import load_tokenizer
 

@@ -141,9 +141,10 @@ async def test_a_private_job_on_a_cid_dataset_completes_sealed_and_its_ledger_is
         assert [(c["kind"], c["author"], c["server"]) for c in cutter.store.conflicts(job_id)] == \
             [("truncated", cutter.peer_id, submitter.peer_id)]
         # a peer whose copy of someone else's chain was changed serves it: the receiver names the bad copy
-        victim = next(w for w in workers if w is not cutter and w.peer_id in took_part)
-        submitter.store._db.execute("UPDATE ledger_copies SET signature = ? WHERE job_id = ? AND author = ? AND seq = 0",
-                                    (bytes(64), job_id, victim.identity.public_key))
+        victim = next(w for w in workers if w is not cutter and w.peer_id in took_part)  # a chain the submitter keeps
+        changed = submitter.store._db.execute("UPDATE ledger_copies SET signature = ? WHERE job_id = ? AND author = ? AND seq = 0",
+                                    (bytes(64), job_id, victim.identity.public_key)).rowcount
+        assert changed == 1
         other = next(w for w in workers if w is not victim)
         await sync_job(other, other.jobs[job_id], [submitter.peer_id])
         invalid = [c for c in other.store.conflicts(job_id) if c["kind"] == "invalid"]

@@ -1,0 +1,80 @@
+"""Workers that misbehave on purpose, for the harness only: an agent gets one through
+``Agent(..., hooks=AgentHooks(training=byzantine(mode)))`` (agent/hooks.py), never from its config.
+
+Modes: ``random_adapter`` (noise instead of the trained adapter), ``forged_chain`` (a self-consistent
+proof chain over batches it did not train on), ``wrong_base`` (trains another base model and claims
+none), ``stale_start`` (ignores the round's aggregate), ``crash`` (faulty, not Byzantine: its
+training always fails).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from agent.hooks import HonestTraining
+from agent.train.runner import run_torch
+
+MISBEHAVIOURS = ("random_adapter", "forged_chain", "wrong_base", "stale_start", "crash")  # crash: faulty, not Byzantine
+
+
+class Byzantine(HonestTraining):
+    def __init__(self, mode: str) -> None:
+        if mode not in MISBEHAVIOURS:
+            raise ValueError(f"unknown misbehaviour {mode!r}; expected one of {', '.join(MISBEHAVIOURS)}")
+        self.mode = mode
+
+    def before_training(self) -> None:
+        if self.mode == "crash":
+            raise RuntimeError("training crashed (harness: this worker's training always fails)")
+
+    async def base_model(self, home: Path) -> str | None:
+        if self.mode != "wrong_base":
+            return None
+        from agent.train.tiny import tiny_model
+
+        return str(await trio.to_thread.run_sync(run_torch, tiny_model, home / "models", 7))
+
+    def use_initial_adapter(self) -> bool:
+        return self.mode != "stale_start"
+
+    def adjust_config(self, config: Any) -> Any:
+        return config.with_(base_model_sha256=None) if self.mode == "wrong_base" else config
+
+    def after_training(self, adapter_dir: Path, proof_path: Path, head: bytes) -> bytes:
+        if self.mode == "random_adapter":
+            _randomise_adapter(adapter_dir)
+        if self.mode == "forged_chain":
+            head = _forge_chain(proof_path)
+        return head
+
+
+def byzantine(mode: str | None) -> HonestTraining:
+    """The training hooks of a worker in ``mode`` (None: honest)."""
+    return HonestTraining() if mode is None else Byzantine(mode)
+
+
+def _randomise_adapter(adapter_dir: Path) -> None:
+    """Byzantine: replace the trained adapter with noise of the same shapes."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = adapter_dir / "adapter_model.safetensors"
+    tensors = {k: torch.randn_like(v) for k, v in load_file(str(path)).items()}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _forge_chain(proof_path: Path) -> bytes:
+    """Byzantine: claim different batches than were trained on, with a self-consistent chain."""
+    from dataclasses import replace
+
+    from protocol.proof import Commitment
+
+    commitment = Commitment.from_json(json.loads(proof_path.read_text()))
+    forged = tuple(replace(link, batches_digest=bytes(32)) for link in commitment.links)
+    commitment = Commitment(commitment.header, forged)
+    proof_path.write_text(json.dumps(commitment.to_json()))
+    return commitment.head
