@@ -56,7 +56,7 @@ BASE_JOB: dict[str, Any] = {
 
 PINNED_CREATED = 1_700_000_000  # seconds since the epoch (+ the seed): the jobs' 'created'
 PINNED_DEADLINE = 4_000_000_000  # far away: a scenario's job ends by its own faults or its timeout
-TRIGGERS = ("training", "checkpoint", "report", "accepted", "aggregate", "round-2", "round-3")
+TRIGGERS = ("training", "all-training", "checkpoint", "report", "accepted", "aggregate", "round-2", "round-3")
 ACTIONS = ("kill", "restart", "start", "partition", "heal", "gossip", "attack", "tamper")
 ATTACKS = ("replay", "spoof", "stale", "malformed", "oversize", "claim_flood", "flood")
 SELECTORS = ("coordinator", "trainer", "workers", "killed")
@@ -640,6 +640,10 @@ class _Run:
         view = self.view
         if when == "training":
             return bool(self._trainers())
+        if when == "all-training":  # every running worker but the coordinator holds a lease
+            coordinator = self.name_of(view.coordination.coordinator)
+            idle = {n for n in self.net.worker_names() if self.net.running(n)} - {coordinator}
+            return bool(idle) and idle <= set(self._trainers())
         if when == "checkpoint":
             return self.checkpoints > 0
         if when == "report":
