@@ -39,7 +39,9 @@ import trio
 from libp2p.host.autonat.autonat import AUTONAT_PROTOCOL_ID, AutoNATService, AutoNATStatus
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.rcmgr import Direction
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol, _local_tcp_listen_addrs
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.resources import RelayLimits
@@ -58,6 +60,7 @@ RESERVE_TIMEOUT = 10.0
 RELAY_LIMITS = RelayLimits(duration=600, data=64 << 20, max_circuit_conns=32, max_reservations=64,
                            reservation_ttl=600)
 MULTISTREAM = b"/multistream/1.0.0\n"
+PUNCH_DIAL_TIMEOUT = 6.0  # one hole-punch dial: covers the kernel's SYN retransmits at 1 s and 3 s
 
 STATUS_TEXT = {AutoNATStatus.UNKNOWN: "unknown", AutoNATStatus.PUBLIC: "public", AutoNATStatus.PRIVATE: "private"}
 
@@ -134,6 +137,109 @@ class _AutoNAT(AutoNATService):
         return None
 
 
+class _DCUtR(DCUtRProtocol):
+    """py-libp2p's DCUtR with one simultaneous-open dial per side and session, and one driver per pair.
+
+    What py-libp2p 0.8.1 does and what we change (everything else is its code):
+    * Its auto-drive loop starts a session on every relayed connection, on both ends at once; two
+      sessions dial the same 4-tuple twice from the same listen port, and the second socket fails
+      with EADDRNOTAVAIL. Here only the end that received the relayed connection drives (the spec's
+      "B"; by peer ID when the direction is unknown); the other end answers.
+    * Its hole punch runs up to three rounds of 5 s, each with fresh sockets from the same port to
+      the same address (and the responder's dial goes through the swarm's retrying dial on top):
+      a retry while the first socket still holds the 4-tuple fails with EADDRNOTAVAIL. Here each
+      side makes ONE dial per address and session, bound to its listen port (SO_REUSEADDR and
+      SO_REUSEPORT, as py-libp2p's TCP listener), and waits ``PUNCH_DIAL_TIMEOUT`` for it. The SYN
+      that reaches the other NAT first is dropped (it opened no mapping there yet) but opens ours;
+      the peer's SYN then passes and meets our socket in SYN_SENT (TCP simultaneous open), or the
+      kernel's retransmit of the first SYN passes through the mapping the peer's SYN opened.
+      A new attempt is a new DCUtR session (py-libp2p's budget: 3 per peer), with a new SYNC.
+    """
+
+    upgrades = 0  # relayed connections this agent upgraded to direct ones by hole punching
+
+    async def _auto_drive_loop(self) -> None:
+        while True:
+            await trio.sleep(2.0)
+            try:
+                for peer in list(self.host.get_network().connections.keys()):
+                    if peer == self.host.get_id() or peer in self._in_progress or peer in self._direct_connections:
+                        continue
+                    if self._hole_punch_attempts.get(peer, 0) >= 3:
+                        continue
+                    relayed = [c for c in _conns(self.host, peer) if _is_relayed_conn(c)]
+                    if not relayed or len(relayed) < len(_conns(self.host, peer)):
+                        continue  # nothing relayed, or already a direct connection too
+                    if not self._drives(peer, relayed[0]):
+                        continue
+                    await self.initiate_hole_punch(peer)
+            except trio.Cancelled:
+                raise
+            except Exception as exc:  # noqa: BLE001 - py-libp2p's code raises freely; next round
+                log.debug("dcutr drive: %s", exc)
+
+    def _drives(self, peer: ID, conn: Any) -> bool:
+        direction = getattr(conn, "direction", None)
+        if direction == Direction.INBOUND:
+            return True
+        if direction == Direction.OUTBOUND:
+            return False
+        return self.host.get_id().to_bytes() < peer.to_bytes()
+
+    async def _perform_hole_punch(self, peer_id: ID, addrs: list[multiaddr.Multiaddr],
+                                  as_responder: bool = False) -> bool:
+        relay_addrs: set[str] = set()
+        for conn in _conns(self.host, peer_id):
+            for addr in _transport_addrs(conn):
+                text = str(addr)
+                # <relay addr>/p2p/<relay>/p2p-circuit[/p2p/<peer>]: the relay's own addresses are not the
+                # peer's (py-libp2p takes the ID after /p2p-circuit for the relay's: the peer's own)
+                before = text.split("/p2p-circuit")[0]
+                if is_circuit(text) and "/p2p/" in before:
+                    relay = ID.from_base58(before.split("/p2p/")[-1].split("/")[0])
+                    relay_addrs |= {str(a) for a in self.host.get_peerstore().addrs(relay)}
+        targets: list[multiaddr.Multiaddr] = []
+        for addr in list(addrs) + list(self.host.get_peerstore().addrs(peer_id)):
+            text = str(addr)
+            if is_circuit(addr) or text in relay_addrs or "/tcp/" not in text or any(str(t) == text for t in targets):
+                continue
+            if not _routable(addr):
+                continue  # 0.0.0.0 (a listen address), loopback: that is us
+            targets.append(addr)
+        if not targets:
+            return False
+        source = next(((ip, port) for _family, ip, port in _local_tcp_listen_addrs(self.host)), None)
+        log.debug("dcutr: punching %s at %s from %s (%s)", peer_id, [str(t) for t in targets], source,
+                  "initiator" if as_responder else "responder")
+        with trio.move_on_after(PUNCH_DIAL_TIMEOUT + 2):
+            async with trio.open_nursery() as nursery:
+                for addr in targets:
+                    nursery.start_soon(self._punch, peer_id, addr, source, as_responder)
+                while not await self._verify_direct_connection(peer_id):
+                    await trio.sleep(0.1)
+                nursery.cancel_scope.cancel()
+        if not await self._verify_direct_connection(peer_id):
+            return False
+        self._direct_connections.add(peer_id)
+        self.upgrades += 1
+        self._schedule_relay_close(peer_id)
+        log.info("dcutr: direct connection to %s by hole punching", peer_id)
+        return True
+
+    async def _punch(self, peer_id: ID, addr: multiaddr.Multiaddr, source: tuple[str, int] | None,
+                     as_responder: bool) -> None:
+        """One dial, no retry: a retry from the same port to the same address needs the 4-tuple free."""
+        network = self.host.get_network()
+        try:
+            with trio.fail_after(PUNCH_DIAL_TIMEOUT):
+                if as_responder:
+                    await network.dial_addr_as_responder(addr, peer_id, source)
+                else:
+                    await network._dial_addr_single_attempt(addr, peer_id, source)
+        except Exception as exc:  # noqa: BLE001 - the other address, or the peer's dial, may still win
+            log.debug("dcutr: dial %s: %s: %s", addr, type(exc).__name__, exc)
+
+
 @dataclass
 class ReachReport:
     status: str
@@ -143,6 +249,7 @@ class ReachReport:
     direct: list[str] = field(default_factory=list)  # peers connected directly
     relayed: list[str] = field(default_factory=list)  # peers connected over a relay
     circuits_served: int = 0  # circuits relayed for others (relay = true)
+    hole_punched: int = 0  # relayed connections upgraded to direct ones by DCUtR
 
 
 class Reachability:
@@ -158,6 +265,8 @@ class Reachability:
         self.autonat = _AutoNAT(libp2p, serve=False, confirmations=CONFIRMATIONS)
         host.set_handler(AUTONAT_PROTOCOL_ID, self.autonat.handle_stream, timeout=30)
         host.add_service(self.protocol)
+        self.dcutr = _DCUtR(libp2p)
+        host.add_service(self.dcutr)
         self.reservations: dict[ID, float] = {}
         self.relay_addrs: dict[ID, list[multiaddr.Multiaddr]] = {}
         self.checked = 0
@@ -190,7 +299,7 @@ class Reachability:
         return ReachReport(self.status, self.relay_service,
                            {r.to_base58(): e for r, e in self.reservations.items() if e > now},
                            [f"{a}/p2p/{self.host.peer_id}" for a in self.advertised([])], direct, relayed,
-                           self.protocol.circuits)
+                           self.protocol.circuits, self.dcutr.upgrades)
 
     # -- the loop -----------------------------------------------------------------------------------
 
@@ -333,11 +442,30 @@ def _conns(libp2p: Any, peer: ID) -> list[Any]:
     return conns if isinstance(conns, list) else [conns]
 
 
-def _is_relayed_conn(conn: Any) -> bool:
+def _routable(addr: multiaddr.Multiaddr) -> bool:
+    """Not an unspecified (0.0.0.0, ::) or loopback address: dialing those reaches ourselves."""
+    import ipaddress
+
+    for proto in ("ip4", "ip6"):
+        try:
+            value = addr.value_for_protocol(proto)
+        except Exception:  # noqa: BLE001 - not this protocol
+            continue
+        if value:
+            ip = ipaddress.ip_address(value)
+            return not (ip.is_unspecified or ip.is_loopback)
+    return True
+
+
+def _transport_addrs(conn: Any) -> list[Any]:
     try:
-        return any(is_circuit(a) for a in conn.get_transport_addresses())
+        return list(conn.get_transport_addresses())
     except Exception:  # noqa: BLE001
-        return False
+        return []
+
+
+def _is_relayed_conn(conn: Any) -> bool:
+    return any(is_circuit(a) for a in _transport_addrs(conn))
 
 
 def _without_p2p(addr: multiaddr.Multiaddr) -> multiaddr.Multiaddr:
