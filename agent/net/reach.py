@@ -60,6 +60,7 @@ RESERVE_TIMEOUT = 10.0
 RELAY_LIMITS = RelayLimits(duration=600, data=64 << 20, max_circuit_conns=32, max_reservations=64,
                            reservation_ttl=600)
 MULTISTREAM = b"/multistream/1.0.0\n"
+UNILATERAL_TIMEOUT = 3.0  # DCUtR's first step: a plain dial to the peer's own addresses
 PUNCH_DIAL_TIMEOUT = 6.0  # one hole-punch dial: covers the kernel's SYN retransmits at 1 s and 3 s
 
 STATUS_TEXT = {AutoNATStatus.UNKNOWN: "unknown", AutoNATStatus.PUBLIC: "public", AutoNATStatus.PRIVATE: "private"}
@@ -177,6 +178,22 @@ class _DCUtR(DCUtRProtocol):
                 raise
             except Exception as exc:  # noqa: BLE001 - py-libp2p's code raises freely; next round
                 log.debug("dcutr drive: %s", exc)
+
+    async def _try_unilateral_upgrade(self, peer_id: ID) -> bool:
+        """The spec's step 0 (dial the peer's own addresses first), within ``UNILATERAL_TIMEOUT``.
+
+        py-libp2p waits its whole dial timeout (10 s) on addresses that cannot answer (a NATed
+        peer's private listen address is routed nowhere), and dials 0.0.0.0 and loopback addresses,
+        which reach ourselves.
+        """
+        addrs = [a for a in self.host.get_peerstore().addrs(peer_id) if not is_circuit(a) and _routable(a)]
+        if not addrs:
+            return False
+        with trio.move_on_after(UNILATERAL_TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                for addr in addrs:
+                    nursery.start_soon(self._punch, peer_id, addr, None, False)
+        return await self._verify_direct_connection(peer_id)
 
     def _drives(self, peer: ID, conn: Any) -> bool:
         direction = getattr(conn, "direction", None)

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import queue
 import threading
-from contextlib import AsyncExitStack
+from dataclasses import asdict
 
 import multiaddr
 import pytest
 import trio
+from libp2p.host.ping import ID as PING
 from libp2p.peer.peerinfo import PeerInfo
 
+from agent.cli import _reach_lines
 from agent.content.exchange import first_error
 from agent.harness.hosts import Entered, Hosts, HostSpec, unavailable_reason
 from agent.net.host import NetConfig, to_libp2p_id
 from agent.net.network import open_network
-from agent.net.reach import is_circuit
+from agent.net.reach import _conns, _is_relayed_conn, is_circuit
 from protocol.identity import Identity
 
 needs_hosts = pytest.mark.skipif(unavailable_reason() is not None,
@@ -72,7 +74,7 @@ def test_two_nated_agents_upgrade_their_relayed_connection_to_a_direct_one():
 
         async def a_main():
             boot = await _get(relay_addr, 10)
-            config = NetConfig(listen=("/ip4/0.0.0.0/tcp/4001",), bootstrap=(boot,))
+            config = NetConfig(listen=(f"/ip4/{hosts.ip('home1')}/tcp/4001",), bootstrap=(boot,))
             async with open_network(Identity.generate(), config) as a:
                 with trio.fail_after(20):
                     while not a.host.reach.reservations:
@@ -81,22 +83,36 @@ def test_two_nated_agents_upgrade_their_relayed_connection_to_a_direct_one():
                 with trio.fail_after(60):
                     while not done.is_set():
                         await trio.sleep(0.1)
+                with trio.move_on_after(10):  # its side of the punch ends when it sees the direct connection
+                    while not a.host.reach.report().hole_punched:
+                        await trio.sleep(0.1)
                 return a.host.reach.report()
 
         async def b_main():
             boot = await _get(relay_addr, 10)
-            config = NetConfig(listen=("/ip4/0.0.0.0/tcp/4001",), bootstrap=(boot,))
+            config = NetConfig(listen=(f"/ip4/{hosts.ip('home2')}/tcp/4001",), bootstrap=(boot,))
             async with open_network(Identity.generate(), config) as b:
                 circuit = await _get(a_addr, 30)
                 a_id = to_libp2p_id(circuit.split("/p2p/")[-1])
                 with trio.fail_after(15):
                     await b.host.reach.dial_relayed(PeerInfo(a_id, [multiaddr.Multiaddr(circuit)]))
                 first = b.host.reach.report()
-                with trio.move_on_after(20):
-                    while circuit.split("/p2p/")[-1] not in b.host.reach.report().direct:
-                        await trio.sleep(0.2)
+                a_peer = a_id.to_base58()
+                with trio.move_on_after(20):  # a drives DCUtR (it received the relayed connection) within ~2 s
+                    while a_peer not in b.host.reach.report().direct:
+                        await trio.sleep(0.1)
+                direct = [c for c in _conns(b.host.libp2p, a_id) if not _is_relayed_conn(c)]
+                remote = [str(addr) for c in direct for addr in c.get_transport_addresses()]
+                with trio.fail_after(10):  # the direct connection carries streams
+                    stream = await b.host.libp2p.new_stream(a_id, [PING])
+                    await stream.write(b"p" * 32)
+                    echoed = await stream.read(32)
+                    await stream.close()
                 done.set()
-                return first, b.host.reach.report()
+                with trio.move_on_after(10):  # its side of the punch ends when it sees the direct connection
+                    while not b.host.reach.report().hole_punched:
+                        await trio.sleep(0.1)
+                return first, b.host.reach.report(), remote, echoed
 
         threads = [_in_namespace(hosts.ns(n), m, results, n)
                    for n, m in (("hub", relay_main), ("home1", a_main), ("home2", b_main))]
@@ -105,9 +121,15 @@ def test_two_nated_agents_upgrade_their_relayed_connection_to_a_direct_one():
         for name, value in results.items():
             if isinstance(value, BaseException):
                 raise value
-        first, last = results["home2"]
+        first, last, remote, echoed = results["home2"]
         a_peer = results["home1"].relayed_addrs[0].split("/p2p/")[-1]
-        assert a_peer in first.relayed, first  # the relay carried the first connection
-        assert a_peer in last.direct, last
+        assert a_peer in first.relayed and a_peer not in first.direct, first  # the relay carried it first
+        assert a_peer in last.direct, last  # then a direct connection
+        # through both NATs: b reached a at a's router (its predicted address: NAT IP, a's listen port)
+        assert f"/ip4/{hosts.public['home1']}/tcp/4001" in remote, remote
+        assert echoed == b"p" * 32
+        assert last.hole_punched == 1 and results["home1"].hole_punched == 1, (last, results["home1"])
+        assert results["hub"].circuits_served == 1
+        assert "1 upgraded to direct by hole punching" in "\n".join(_reach_lines(asdict(last)))
     finally:
         hosts.close()
