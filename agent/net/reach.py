@@ -19,12 +19,25 @@ Rules of this file:
 - A relay serves circuits within ``RELAY_LIMITS`` (duration and bytes per circuit, circuits and
   reservations at once): enough for gossip, reports and small adapters, not for datasets; bulk
   content reaches other peers by re-providing (IPIP-0003 §4.1).
-- Hole punching (DCUtR) is not enabled. py-libp2p 0.8.1's ``DCUtRProtocol`` does the right things
-  (predicts <NAT address>:<listen port>, dials from the listen port), but between two harness NATs
-  it never succeeded: with the router answering unasked SYNs with a reset, the first crossing SYN
-  was refused; with the router dropping them, the retried dials from the same port failed with
-  EADDRNOTAVAIL (the 4-tuple still held by the first attempt). Not solved yet; agents stay on the
-  relay until a direct dial succeeds (a peer with a public address, or an operator's ``announce``).
+- Hole punching: py-libp2p 0.8.1's DCUtR (``libp2p.relay.circuit_v2.dcutr``), patched in ``_DCUtR``.
+  Once two agents are connected through a relay, the one that received the relayed connection
+  runs a DCUtR session over it (every 2 s while the peer is relay-only; 3 sessions per peer):
+  a plain dial to the peer's own addresses (3 s), then CONNECT/SYNC. Each side advertises
+  <its NAT's IP, as the relay observed it>:<its listen port>, and at the SYNC time (the initiator
+  RTT/2 after sending it, the other side on receiving it) each makes ONE dial to the other's
+  address from its listen port (SO_REUSEADDR/SO_REUSEPORT, as py-libp2p's listener) and waits up
+  to ``PUNCH_DIAL_TIMEOUT`` (6 s) for it. The first SYN to cross is dropped by the far NAT but
+  opens the near one; the other side's SYN then passes and meets a socket in SYN_SENT (TCP
+  simultaneous open; the DCUtR initiator upgrades as the security responder, as the spec says).
+  The relayed connection is closed 60 s after the direct one verifies (py-libp2p's grace period).
+  What we patched, and why the earlier attempt failed: py-libp2p drove sessions from both ends at
+  once and retried dials from the same port to the same address while the first socket still held
+  the 4-tuple (EADDRNOTAVAIL); it took the peer's own ID for the relay's and filtered out the
+  very address it had just been told; it dialed 0.0.0.0 (ourselves) and waited 10 s on private
+  addresses. And the harness NAT routers answered an unasked SYN to themselves with a reset,
+  which kills a simultaneous open; they drop it now, as home routers do (agent/harness/hosts.py).
+  Needs NATs that keep the source port (endpoint-independent mapping, most home routers, Linux
+  MASQUERADE while the port is free); symmetric NATs stay relayed. TCP only (no QUIC here).
 """
 
 from __future__ import annotations
