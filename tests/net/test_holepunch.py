@@ -133,3 +133,13 @@ def test_two_nated_agents_upgrade_their_relayed_connection_to_a_direct_one():
         assert "1 upgraded to direct by hole punching" in "\n".join(_reach_lines(asdict(last)))
     finally:
         hosts.close()
+
+
+def test_hole_punch_dials_skip_addresses_that_reach_ourselves():
+    from agent.net.reach import _routable
+
+    assert not _routable(multiaddr.Multiaddr("/ip4/0.0.0.0/tcp/4001"))  # a listen address, advertised as is
+    assert not _routable(multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/4001"))
+    assert not _routable(multiaddr.Multiaddr("/ip6/::/tcp/4001"))
+    assert _routable(multiaddr.Multiaddr("/ip4/10.1.0.102/tcp/4001"))  # a NAT's address
+    assert _routable(multiaddr.Multiaddr("/ip4/192.168.1.2/tcp/4001"))  # a LAN peer may answer there
