@@ -16,7 +16,7 @@ from agent.cli import _reach_lines
 from agent.content.exchange import first_error
 from agent.harness.hosts import Entered, Hosts, HostSpec, unavailable_reason
 from agent.net.host import NetConfig, to_libp2p_id
-from agent.net.network import open_network
+from agent.net.stack import open_network
 from agent.net.reach import _conns, _is_relayed_conn, is_circuit
 from protocol.identity import Identity
 
