@@ -422,7 +422,8 @@ def _reach_lines(reach: dict | None) -> list[str]:
     lines = [f"  reach:     {reach['status']}" + ("; serving as a relay" if reach["relay_service"] else "") +
              (f"; relay slots: {relays}" if reach["status"] == "private" or reach["reservations"] else ""),
              f"  links:     {len(reach['direct'])} direct, {len(reach['relayed'])} relayed" +
-             (f"; {reach['circuits_served']} circuit(s) relayed for others" if reach["relay_service"] else "")]
+             (f"; {reach['circuits_served']} circuit(s) relayed for others" if reach["relay_service"] else "") +
+             (f"; {reach['hole_punched']} upgraded to direct by hole punching" if reach.get("hole_punched") else "")]
     lines += [f"  relayed:   {a}" for a in reach["relayed_addrs"][:3]]
     return lines
 

@@ -13,7 +13,7 @@ Rules of this file:
       inet (bridge br0, 10.1.0.0/16 "the internet")
        ├── veth ── host A          10.1.0.11   public: anyone can connect to it
        ├── veth ── host B          10.1.0.12   public, its link shaped (tc on both ends)
-       └── veth ── router nat-C    10.1.0.101  MASQUERADE; nothing forwards inbound connections
+       └── veth ── router nat-C    10.1.0.101  MASQUERADE; unasked inbound packets are dropped
                      └── veth ── host C  192.168.3.2 (default via 192.168.3.1): outbound only
 
 - A link's shape applies in both directions of the host's access link: a host's link adds
@@ -390,6 +390,12 @@ class Hosts:
         _run(iptables + ["-A", "FORWARD", "-i", "eth0", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
                          "-j", "ACCEPT"])
         _run(iptables + ["-A", "FORWARD", "-i", "eth0", "-j", "DROP"])
+        # and it drops (not resets) what comes in unasked for the router itself: a SYN to a port no
+        # mapping holds yet is silently lost, as home routers do. A reset here would kill the first
+        # SYN of a TCP simultaneous open (hole punching, agent/net/reach.py ``_DCUtR``) for good.
+        _run(iptables + ["-A", "INPUT", "-i", "eth0", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
+                         "-j", "ACCEPT"])
+        _run(iptables + ["-A", "INPUT", "-i", "eth0", "-j", "DROP"])
         self.addresses[spec.name] = address
         self.public[spec.name] = router_ip
         self._shape(router, "eth0", inet, outside, spec.link)

@@ -64,7 +64,7 @@ AGENT_KEYS = {"claim_interval": float, "max_concurrent_shards": int, "can_coordi
               "price_per_hour": float, "min_price_per_hour": float, "fetch_timeout": float,
               "gossip_max_rate": float, "gossip_max_burst": float, "relay": bool}
 EXPECT_KEYS = ("phase", "reason", "min_term", "reassigned", "rejected", "released", "gossip_rejected",
-               "rate_limited", "trained", "not_trained", "coordinator_judged", "relayed", "max_term")
+               "rate_limited", "trained", "not_trained", "coordinator_judged", "relayed", "direct", "max_term")
 
 
 @dataclass(frozen=True)
@@ -386,7 +386,7 @@ class _Reader:
         for key in ("min_term", "max_term"):
             if key in data:
                 out[key] = self.integer(data[key], path + (key,), 1, 1000)
-        for key in ("reassigned", "rate_limited", "coordinator_judged", "relayed"):
+        for key in ("reassigned", "rate_limited", "coordinator_judged", "relayed", "direct"):
             if key in data:
                 out[key] = self.typed(data[key], path + (key,), bool)
         if "released" in data:
@@ -878,6 +878,13 @@ class _Run:
             add(Check("a relay carried connections" if expect["relayed"] else "no relay carried a connection",
                       (served > 0) == expect["relayed"],
                       ", ".join(f"{n} relayed {c}" for n, c in sorted(circuits.items()) if c) or "no circuits"))
+        if "direct" in expect:  # relayed connections upgraded by hole punching (DCUtR), both ends counted
+            punched = _hole_punched(net)
+            self.facts["hole_punched"] = punched
+            total = sum(punched.values())
+            add(Check("hole punching made direct connections" if expect["direct"] else "no hole punching",
+                      (total > 0) == expect["direct"],
+                      ", ".join(f"{n} {c}" for n, c in sorted(punched.items()) if c) or "none"))
         trained = {self.name_of(v.worker) for _, v in accepted}
         for name in expect.get("trained", []):
             add(Check(f"{name} trained accepted work", name in trained, f"accepted from: {sorted(trained)}"))
@@ -955,3 +962,17 @@ def find_scenario(name: str) -> Path:
         return candidate
     names = ", ".join(p.stem for p in shipped())
     raise SpecError("", f"no scenario file {name!r} and no shipped scenario of that name (shipped: {names})", name)
+
+
+def _hole_punched(net: Any) -> dict[str, int]:
+    """Per agent, relayed connections it upgraded by hole punching: in-process agents from their
+    reachability counters, process agents from their log (agent/net/reach.py ``PUNCHED_LOG``)."""
+    from agent.net.reach import PUNCHED_LOG
+
+    out = {n: a.net.host.reach.dcutr.upgrades for n, a in net.agents.items() if a.net is not None}
+    for name in net.process_names:
+        config = net.configs.get(name)
+        log_file = config.home / "agent.log" if config is not None else None
+        if log_file is not None and log_file.exists():
+            out[name] = log_file.read_text(errors="replace").count(PUNCHED_LOG)
+    return out

@@ -19,12 +19,25 @@ Rules of this file:
 - A relay serves circuits within ``RELAY_LIMITS`` (duration and bytes per circuit, circuits and
   reservations at once): enough for gossip, reports and small adapters, not for datasets; bulk
   content reaches other peers by re-providing (IPIP-0003 §4.1).
-- Hole punching (DCUtR) is not enabled. py-libp2p 0.8.1's ``DCUtRProtocol`` does the right things
-  (predicts <NAT address>:<listen port>, dials from the listen port), but between two harness NATs
-  it never succeeded: with the router answering unasked SYNs with a reset, the first crossing SYN
-  was refused; with the router dropping them, the retried dials from the same port failed with
-  EADDRNOTAVAIL (the 4-tuple still held by the first attempt). Not solved yet; agents stay on the
-  relay until a direct dial succeeds (a peer with a public address, or an operator's ``announce``).
+- Hole punching: py-libp2p 0.8.1's DCUtR (``libp2p.relay.circuit_v2.dcutr``), patched in ``_DCUtR``.
+  Once two agents are connected through a relay, the one that received the relayed connection
+  runs a DCUtR session over it (every 2 s while the peer is relay-only; 3 sessions per peer):
+  a plain dial to the peer's own addresses (3 s), then CONNECT/SYNC. Each side advertises
+  <its NAT's IP, as the relay observed it>:<its listen port>, and at the SYNC time (the initiator
+  RTT/2 after sending it, the other side on receiving it) each makes ONE dial to the other's
+  address from its listen port (SO_REUSEADDR/SO_REUSEPORT, as py-libp2p's listener) and waits up
+  to ``PUNCH_DIAL_TIMEOUT`` (6 s) for it. The first SYN to cross is dropped by the far NAT but
+  opens the near one; the other side's SYN then passes and meets a socket in SYN_SENT (TCP
+  simultaneous open; the DCUtR initiator upgrades as the security responder, as the spec says).
+  The relayed connection is closed 60 s after the direct one verifies (py-libp2p's grace period).
+  What we patched, and why the earlier attempt failed: py-libp2p drove sessions from both ends at
+  once and retried dials from the same port to the same address while the first socket still held
+  the 4-tuple (EADDRNOTAVAIL); it took the peer's own ID for the relay's and filtered out the
+  very address it had just been told; it dialed 0.0.0.0 (ourselves) and waited 10 s on private
+  addresses. And the harness NAT routers answered an unasked SYN to themselves with a reset,
+  which kills a simultaneous open; they drop it now, as home routers do (agent/harness/hosts.py).
+  Needs NATs that keep the source port (endpoint-independent mapping, most home routers, Linux
+  MASQUERADE while the port is free); symmetric NATs stay relayed. TCP only (no QUIC here).
 """
 
 from __future__ import annotations
@@ -39,7 +52,9 @@ import trio
 from libp2p.host.autonat.autonat import AUTONAT_PROTOCOL_ID, AutoNATService, AutoNATStatus
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.rcmgr import Direction
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol, _local_tcp_listen_addrs
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.resources import RelayLimits
@@ -58,6 +73,9 @@ RESERVE_TIMEOUT = 10.0
 RELAY_LIMITS = RelayLimits(duration=600, data=64 << 20, max_circuit_conns=32, max_reservations=64,
                            reservation_ttl=600)
 MULTISTREAM = b"/multistream/1.0.0\n"
+UNILATERAL_TIMEOUT = 3.0  # DCUtR's first step: a plain dial to the peer's own addresses
+PUNCHED_LOG = "by hole punching"  # ends the info line of each upgrade; the harness counts it in agents' logs
+PUNCH_DIAL_TIMEOUT = 6.0  # one hole-punch dial: covers the kernel's SYN retransmits at 1 s and 3 s
 
 STATUS_TEXT = {AutoNATStatus.UNKNOWN: "unknown", AutoNATStatus.PUBLIC: "public", AutoNATStatus.PRIVATE: "private"}
 
@@ -134,6 +152,133 @@ class _AutoNAT(AutoNATService):
         return None
 
 
+class _DCUtR(DCUtRProtocol):
+    """py-libp2p's DCUtR with one simultaneous-open dial per side and session, and one driver per pair.
+
+    What py-libp2p 0.8.1 does and what we change (everything else is its code):
+    * Its auto-drive loop starts a session on every relayed connection, on both ends at once; two
+      sessions dial the same 4-tuple twice from the same listen port, and the second socket fails
+      with EADDRNOTAVAIL. Here only the end that received the relayed connection drives (the spec's
+      "B"; by peer ID when the direction is unknown); the other end answers.
+    * Its hole punch runs up to three rounds of 5 s, each with fresh sockets from the same port to
+      the same address (and the responder's dial goes through the swarm's retrying dial on top):
+      a retry while the first socket still holds the 4-tuple fails with EADDRNOTAVAIL. Here each
+      side makes ONE dial per address and session, bound to its listen port (SO_REUSEADDR and
+      SO_REUSEPORT, as py-libp2p's TCP listener), and waits ``PUNCH_DIAL_TIMEOUT`` for it. The SYN
+      that reaches the other NAT first is dropped (it opened no mapping there yet) but opens ours;
+      the peer's SYN then passes and meets our socket in SYN_SENT (TCP simultaneous open), or the
+      kernel's retransmit of the first SYN passes through the mapping the peer's SYN opened.
+      A new attempt is a new DCUtR session (py-libp2p's budget: 3 per peer), with a new SYNC.
+    """
+
+    upgrades = 0  # relayed connections this agent upgraded to direct ones by hole punching
+
+    async def _handle_dcutr_stream(self, stream: Any) -> None:
+        """py-libp2p registers this raw (not through our HandlerGuard): give it a deadline and a net."""
+        try:
+            with trio.move_on_after(2 * self.read_timeout + PUNCH_DIAL_TIMEOUT + 5):
+                await super()._handle_dcutr_stream(stream)
+        except Exception as exc:  # noqa: BLE001 - an exception escaping a handler would kill the host
+            log.debug("dcutr handler: %s: %s", type(exc).__name__, exc)
+
+    async def _auto_drive_loop(self) -> None:
+        while True:
+            await trio.sleep(2.0)
+            try:
+                for peer in list(self.host.get_network().connections.keys()):
+                    if peer == self.host.get_id() or peer in self._in_progress or peer in self._direct_connections:
+                        continue
+                    if self._hole_punch_attempts.get(peer, 0) >= 3:
+                        continue
+                    relayed = [c for c in _conns(self.host, peer) if _is_relayed_conn(c)]
+                    if not relayed or len(relayed) < len(_conns(self.host, peer)):
+                        continue  # nothing relayed, or already a direct connection too
+                    if not self._drives(peer, relayed[0]):
+                        continue
+                    await self.initiate_hole_punch(peer)
+            except trio.Cancelled:
+                raise
+            except Exception as exc:  # noqa: BLE001 - py-libp2p's code raises freely; next round
+                log.debug("dcutr drive: %s", exc)
+
+    async def _try_unilateral_upgrade(self, peer_id: ID) -> bool:
+        """The spec's step 0 (dial the peer's own addresses first), within ``UNILATERAL_TIMEOUT``.
+
+        py-libp2p waits its whole dial timeout (10 s) on addresses that cannot answer (a NATed
+        peer's private listen address is routed nowhere), and dials 0.0.0.0 and loopback addresses,
+        which reach ourselves.
+        """
+        addrs = [a for a in self.host.get_peerstore().addrs(peer_id) if not is_circuit(a) and _routable(a)]
+        if not addrs:
+            return False
+        with trio.move_on_after(UNILATERAL_TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                for addr in addrs:
+                    nursery.start_soon(self._punch, peer_id, addr, None, False)
+        return await self._verify_direct_connection(peer_id)
+
+    def _drives(self, peer: ID, conn: Any) -> bool:
+        direction = getattr(conn, "direction", None)
+        if direction == Direction.INBOUND:
+            return True
+        if direction == Direction.OUTBOUND:
+            return False
+        return self.host.get_id().to_bytes() < peer.to_bytes()
+
+    async def _perform_hole_punch(self, peer_id: ID, addrs: list[multiaddr.Multiaddr],
+                                  as_responder: bool = False) -> bool:
+        relay_addrs: set[str] = set()
+        for conn in _conns(self.host, peer_id):
+            for addr in _transport_addrs(conn):
+                text = str(addr)
+                # <relay addr>/p2p/<relay>/p2p-circuit[/p2p/<peer>]: the relay's own addresses are not the
+                # peer's (py-libp2p takes the ID after /p2p-circuit for the relay's: the peer's own)
+                before = text.split("/p2p-circuit")[0]
+                if is_circuit(text) and "/p2p/" in before:
+                    relay = ID.from_base58(before.split("/p2p/")[-1].split("/")[0])
+                    relay_addrs |= {str(a) for a in self.host.get_peerstore().addrs(relay)}
+        targets: list[multiaddr.Multiaddr] = []
+        for addr in list(addrs) + list(self.host.get_peerstore().addrs(peer_id)):
+            text = str(addr)
+            if is_circuit(addr) or text in relay_addrs or "/tcp/" not in text or any(str(t) == text for t in targets):
+                continue
+            if not _routable(addr):
+                continue  # 0.0.0.0 (a listen address), loopback: that is us
+            targets.append(addr)
+        if not targets:
+            return False
+        source = next(((ip, port) for _family, ip, port in _local_tcp_listen_addrs(self.host)), None)
+        log.debug("dcutr: punching %s at %s from %s (%s)", peer_id, [str(t) for t in targets], source,
+                  "initiator" if as_responder else "responder")
+        with trio.move_on_after(PUNCH_DIAL_TIMEOUT + 2):
+            async with trio.open_nursery() as nursery:
+                for addr in targets:
+                    nursery.start_soon(self._punch, peer_id, addr, source, as_responder)
+                while not await self._verify_direct_connection(peer_id):
+                    await trio.sleep(0.1)
+                nursery.cancel_scope.cancel()
+        if not await self._verify_direct_connection(peer_id):
+            return False
+        self._direct_connections.add(peer_id)
+        self.upgrades += 1
+        self._schedule_relay_close(peer_id)
+        log.info("dcutr: direct connection to %s %s", peer_id, PUNCHED_LOG)
+        return True
+
+    async def _punch(self, peer_id: ID, addr: multiaddr.Multiaddr, source: tuple[str, int] | None,
+                     as_responder: bool) -> None:
+        """One dial, no retry: a retry from the same port to the same address needs the 4-tuple free."""
+        network = self.host.get_network()
+        try:
+            with trio.fail_after(PUNCH_DIAL_TIMEOUT):
+                if as_responder:
+                    await network.dial_addr_as_responder(addr, peer_id, source)
+                else:
+                    await network._dial_addr_single_attempt(addr, peer_id, source)
+        except Exception as exc:  # noqa: BLE001 - the other address, or the peer's dial, may still win
+            log.debug("dcutr: dial %s: %s: %s", addr, type(exc).__name__, exc)
+
+
 @dataclass
 class ReachReport:
     status: str
@@ -143,6 +288,7 @@ class ReachReport:
     direct: list[str] = field(default_factory=list)  # peers connected directly
     relayed: list[str] = field(default_factory=list)  # peers connected over a relay
     circuits_served: int = 0  # circuits relayed for others (relay = true)
+    hole_punched: int = 0  # relayed connections upgraded to direct ones by DCUtR
 
 
 class Reachability:
@@ -158,6 +304,8 @@ class Reachability:
         self.autonat = _AutoNAT(libp2p, serve=False, confirmations=CONFIRMATIONS)
         host.set_handler(AUTONAT_PROTOCOL_ID, self.autonat.handle_stream, timeout=30)
         host.add_service(self.protocol)
+        self.dcutr = _DCUtR(libp2p)
+        host.add_service(self.dcutr)
         self.reservations: dict[ID, float] = {}
         self.relay_addrs: dict[ID, list[multiaddr.Multiaddr]] = {}
         self.checked = 0
@@ -190,7 +338,7 @@ class Reachability:
         return ReachReport(self.status, self.relay_service,
                            {r.to_base58(): e for r, e in self.reservations.items() if e > now},
                            [f"{a}/p2p/{self.host.peer_id}" for a in self.advertised([])], direct, relayed,
-                           self.protocol.circuits)
+                           self.protocol.circuits, self.dcutr.upgrades)
 
     # -- the loop -----------------------------------------------------------------------------------
 
@@ -333,11 +481,30 @@ def _conns(libp2p: Any, peer: ID) -> list[Any]:
     return conns if isinstance(conns, list) else [conns]
 
 
-def _is_relayed_conn(conn: Any) -> bool:
+def _routable(addr: multiaddr.Multiaddr) -> bool:
+    """Not an unspecified (0.0.0.0, ::) or loopback address: dialing those reaches ourselves."""
+    import ipaddress
+
+    for proto in ("ip4", "ip6"):
+        try:
+            value = addr.value_for_protocol(proto)
+        except Exception:  # noqa: BLE001 - not this protocol
+            continue
+        if value:
+            ip = ipaddress.ip_address(value)
+            return not (ip.is_unspecified or ip.is_loopback)
+    return True
+
+
+def _transport_addrs(conn: Any) -> list[Any]:
     try:
-        return any(is_circuit(a) for a in conn.get_transport_addresses())
+        return list(conn.get_transport_addresses())
     except Exception:  # noqa: BLE001
-        return False
+        return []
+
+
+def _is_relayed_conn(conn: Any) -> bool:
+    return any(is_circuit(a) for a in _transport_addrs(conn))
 
 
 def _without_p2p(addr: multiaddr.Multiaddr) -> multiaddr.Multiaddr:
