@@ -49,6 +49,12 @@ class JsonLines(logging.Formatter):
 
 
 def setup_logging(stream: TextIO, verbose: bool = False) -> None:
+    # py-libp2p's package __init__ resets the "libp2p" logger (no handlers, no propagation) when it
+    # is first imported: imported after this setup, its records would go to Python's last-resort
+    # stderr handler (plain "Failed to read DHT message from stream" lines on `harness run`'s
+    # terminal). Both callers (agent run, harness run) load it anyway, so load it first.
+    import libp2p  # noqa: F401
+
     from agent.net.lognoise import DemoteLibp2pNoise
 
     handler = logging.StreamHandler(stream)
