@@ -47,7 +47,7 @@ def job_facts(agent: "Agent", view: Any) -> dict:
     from agent.market import spent
 
     terms = view.terms
-    chains, _ = readable_chains(agent.store, view.job_id)
+    held = agent.store.chain_rows(view.job_id)  # counted, not verified: `job watch` asks every second
     return {
         "created": terms.created,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(terms.created)),
@@ -64,7 +64,7 @@ def job_facts(agent: "Agent", view: Any) -> dict:
         "price_per_hour": terms.price_per_hour,
         "budget_total": terms.budget,
         "cost_so_far": round(spent(view), 9),  # accepted work at the job's price: what the bill charges
-        "ledger": {"chains": len(chains), "entries": sum(len(c) for c in chains.values()),
+        "ledger": {"chains": len(held), "entries": sum(len(rows) for rows in held.values()),
                    "conflicts": len(agent.store.conflicts(view.job_id))},
     }
 

@@ -38,7 +38,7 @@ from typing import Any
 import trio
 
 from agent.net.errors import NetError, PeerProtocolError
-from agent.net.streams import FrameReader, close_quietly, frame, remote_peer, reset_quietly
+from agent.net.streams import FrameReader, frame, remote_peer, request_frames
 from agent.store import StoreFullError
 from protocol.cid import varint_encode
 from protocol.codec import canonical_encode, decode_canonical
@@ -92,33 +92,17 @@ class LedgerService:
 async def fetch_chains(host: Any, peer: str, job_id: bytes, timeout: float = TIMEOUT) -> list[tuple[bytes, bytes]]:
     """The (entry, signature) pairs ``peer`` holds for ``job_id``, unverified. NetError or
     PeerProtocolError naming the peer on failure; TooSlowError after ``timeout``."""
-    stream = await host.open_stream(peer, [PROTOCOL], timeout=min(10.0, timeout))
-    ok = False
-    try:
-        with trio.fail_after(timeout):
-            await stream.write(job_id)
-            await stream.close()
-            reader = FrameReader(stream)
-            out: list[tuple[bytes, bytes]] = []
-            total = 0
-            while True:
-                data = await reader.read_frame(MAX_FRAME, f"{PROTOCOL} entry")
-                if not data:
-                    break
-                total += len(data)
-                if len(out) >= MAX_ENTRIES or total > MAX_BYTES:
-                    raise PeerProtocolError(f"{PROTOCOL}: {peer} sent more than {MAX_ENTRIES} entries or {MAX_BYTES} bytes")
-                try:
-                    pair = decode_canonical(data, max_bytes=MAX_FRAME)
-                except CodecError as exc:
-                    raise PeerProtocolError(f"{PROTOCOL}: {peer} sent a bad frame: {exc}") from None
-                if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, bytes) for x in pair)):
-                    raise PeerProtocolError(f"{PROTOCOL}: {peer} sent a frame that is not [entry, signature]")
-                out.append((pair[0], pair[1]))
-        ok = True
-        return out
-    finally:
-        await (close_quietly(stream) if ok else reset_quietly(stream))
+    out: list[tuple[bytes, bytes]] = []
+    for data in await request_frames(host, peer, PROTOCOL, job_id, max_frame=MAX_FRAME, max_frames=MAX_ENTRIES,
+                                     max_bytes=MAX_BYTES, what="entry", timeout=timeout):
+        try:
+            pair = decode_canonical(data, max_bytes=MAX_FRAME)
+        except CodecError as exc:
+            raise PeerProtocolError(f"{PROTOCOL}: {peer} sent a bad frame: {exc}") from None
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, bytes) for x in pair)):
+            raise PeerProtocolError(f"{PROTOCOL}: {peer} sent a frame that is not [entry, signature]")
+        out.append((pair[0], pair[1]))
+    return out
 
 
 def served_chains(pairs: list[tuple[bytes, bytes]], job_id: bytes,

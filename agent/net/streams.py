@@ -166,3 +166,33 @@ class FrameReader:
 def frame(payload: bytes) -> bytes:
     """uvarint length prefix + payload."""
     return varint_encode(len(payload)) + payload
+
+
+async def request_frames(host: Any, peer: str, protocol: str, request: bytes, *, max_frame: int, max_frames: int,
+                         max_bytes: int, what: str, timeout: float) -> list[bytes]:
+    """Ask ``peer`` over ``protocol``: write ``request``, close our side, read frames until the empty
+    end frame. At most ``max_frames`` frames of ``max_frame`` bytes and ``max_bytes`` in all, within
+    ``timeout``. NetError or PeerProtocolError naming the peer on failure; TooSlowError after ``timeout``.
+    The stream is closed when all went well, reset otherwise."""
+    stream = await host.open_stream(peer, [protocol], timeout=min(10.0, timeout))
+    ok = False
+    try:
+        with trio.fail_after(timeout):
+            await stream.write(request)
+            await stream.close()
+            reader = FrameReader(stream)
+            out: list[bytes] = []
+            total = 0
+            while True:
+                data = await reader.read_frame(max_frame, f"{protocol} {what}")
+                if not data:
+                    break
+                out.append(data)
+                total += len(data)
+                if len(out) > max_frames or total > max_bytes:
+                    raise PeerProtocolError(f"{protocol}: {peer} sent more than {max_frames} {what}s or "
+                                            f"{max_bytes} bytes")
+        ok = True
+        return out
+    finally:
+        await (close_quietly(stream) if ok else reset_quietly(stream))

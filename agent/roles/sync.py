@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from agent.net.errors import NetError, PeerProtocolError
-from agent.net.streams import FrameReader, frame, remote_peer
+from agent.net.streams import FrameReader, frame, remote_peer, request_frames
 from protocol import messages as m
 from protocol.cid import varint_encode
 from protocol.envelope import MAX_ENVELOPE_BYTES
@@ -92,30 +92,8 @@ class SyncService:
 async def fetch_history(host: Any, peer: str, job_id: bytes, timeout: float = TIMEOUT) -> list[bytes]:
     """The envelopes ``peer`` holds for ``job_id`` (unverified: the caller checks each one).
     NetError or PeerProtocolError naming the peer on any failure; TooSlowError after ``timeout``."""
-    from agent.net.streams import close_quietly, reset_quietly
-
-    stream = await host.open_stream(peer, [PROTOCOL], timeout=min(10.0, timeout))
-    ok = False
-    try:
-        with trio.fail_after(timeout):
-            await stream.write(job_id)
-            await stream.close()
-            reader = FrameReader(stream)
-            out: list[bytes] = []
-            total = 0
-            while True:
-                data = await reader.read_frame(MAX_ENVELOPE_BYTES, f"{PROTOCOL} envelope")
-                if not data:
-                    break
-                out.append(data)
-                total += len(data)
-                if len(out) > MAX_HISTORY or total > MAX_HISTORY_BYTES:
-                    raise PeerProtocolError(f"{PROTOCOL}: {peer} sent more than {MAX_HISTORY} envelopes "
-                                            f"or {MAX_HISTORY_BYTES} bytes")
-        ok = True
-        return out
-    finally:
-        await (close_quietly(stream) if ok else reset_quietly(stream))
+    return await request_frames(host, peer, PROTOCOL, job_id, max_frame=MAX_ENVELOPE_BYTES, max_frames=MAX_HISTORY,
+                                max_bytes=MAX_HISTORY_BYTES, what="envelope", timeout=timeout)
 
 
 def _verified(history: list[bytes], job_id: bytes) -> tuple[list[Any], int]:
