@@ -183,6 +183,7 @@ class Host:
         limit = timeout or self.config.connect_timeout
         direct = PeerInfo(peer.peer_id, [a for a in peer.addrs if not is_circuit(a)])
         relayed = [a for a in peer.addrs if is_circuit(a)]
+        direct_failed = ""  # why the direct addresses failed, named if the relay fails too
         try:
             with trio.fail_after(limit):
                 relays = relayed or self.reach.relays() or [
@@ -192,15 +193,17 @@ class Host:
                     try:
                         await self.libp2p.connect(direct)
                         return
-                    except Exception:
+                    except Exception as exc:
                         if not relays:
                             raise
+                        direct_failed = f" (direct: {type(exc).__name__}: {exc})"
                 # every direct address failed: through a relay the peer may hold a slot on
                 await self.reach.dial_relayed(peer)
         except trio.TooSlowError:
-            raise NetError(f"connect to {peer.peer_id.to_base58()}: no connection within {limit:.0f} s") from None
+            raise NetError(f"connect to {peer.peer_id.to_base58()}: no connection within {limit:.0f} s"
+                           f"{direct_failed}") from None
         except Exception as exc:
-            raise NetError(f"connect to {peer.peer_id.to_base58()}: {type(exc).__name__}: {exc}") from None
+            raise NetError(f"connect to {peer.peer_id.to_base58()}: {type(exc).__name__}: {exc}{direct_failed}") from None
 
     async def open_stream(self, peer: ID | str, protocols: Sequence[str], *, timeout: float = 10.0) -> Any:
         """Open a stream to a connected or known peer; NetError naming the peer and protocol on failure."""
