@@ -75,12 +75,25 @@ def emit(bench: str, value: float, unit: str, reference: float, ratio: float, go
                       "ratio": round(ratio, 4), "goal": goal, **extra}), flush=True)
 
 
-def run_case(name: str, config, shard: Path, work: Path, backend_name: str, device: str) -> None:
-    from agent.train.backends import PeftBackend, UnslothBackend
+def replay_last_segment(result, shard: Path, config):
+    """Replay ``result``'s last proof segment as a verifier would: (verdict, tolerance, replay drift, segment)."""
     from agent.train.recorder import checkpoint_name
     from agent.train.replay import verify_segment
-    from agent.train.run import TrainRequest
     from protocol.proof import FP32_TOLERANCE, HALF_TOLERANCE, Commitment
+
+    commitment = Commitment.from_json(json.loads((result.run_dir / "proof.json").read_text()))
+    index = len(commitment.links) - 1
+    start = result.run_dir / "checkpoints" / checkpoint_name(commitment.segment_start(index)[0])
+    end = result.run_dir / "checkpoints" / checkpoint_name(commitment.links[index].step)
+    verdict = verify_segment(commitment, index, start=start, end=end, shard=shard, config=config)
+    dtype = result.environment.get("dtype", "float32")
+    tolerance = config.tolerance or (FP32_TOLERANCE if dtype == "float32" else HALF_TOLERANCE)
+    return verdict, tolerance, 0.0 if verdict.exact else verdict.max_distance, index
+
+
+def run_case(name: str, config, shard: Path, work: Path, backend_name: str, device: str) -> None:
+    from agent.train.backends import PeftBackend, UnslothBackend
+    from agent.train.run import TrainRequest
     from scripts.bench_train import bare_loop
 
     backend = UnslothBackend() if backend_name == "unsloth" else PeftBackend()
@@ -89,14 +102,7 @@ def run_case(name: str, config, shard: Path, work: Path, backend_name: str, devi
         request = TrainRequest(config, shard, work / name / worker, worker=f"worker-{worker}")
         results.append(backend.train(request))
     a, b = results
-    commitment = Commitment.from_json(json.loads((a.run_dir / "proof.json").read_text()))
-    index = len(commitment.links) - 1
-    start = a.run_dir / "checkpoints" / checkpoint_name(commitment.segment_start(index)[0])
-    end = a.run_dir / "checkpoints" / checkpoint_name(commitment.links[index].step)
-    verdict = verify_segment(commitment, index, start=start, end=end, shard=shard, config=config)
-    dtype = a.environment.get("dtype", "float32")
-    tolerance = config.tolerance or (FP32_TOLERANCE if dtype == "float32" else HALF_TOLERANCE)
-    replay = 0.0 if verdict.exact else verdict.max_distance
+    verdict, tolerance, replay, index = replay_last_segment(a, shard, config)
     run_to_run = max_drift(a.adapter_dir, b.adapter_dir)
     tokens, seconds = bare_loop(config.with_(device=device), shard)
     bare = tokens / seconds
@@ -114,23 +120,13 @@ def run_parallel_case(config, shard: Path, work: Path, processes: int) -> None:
     with the same micro-batch split, a one-process replay of its last segment, and its scaling."""
     from agent.train.backends import PeftBackend
     from agent.train.parallel import DataParallelBackend, split_for
-    from agent.train.recorder import checkpoint_name
-    from agent.train.replay import verify_segment
     from agent.train.run import TrainRequest
-    from protocol.proof import FP32_TOLERANCE, HALF_TOLERANCE, Commitment
 
     config = split_for(config, processes)
     name = f"ddp{processes}"
     single = PeftBackend().train(TrainRequest(config, shard, work / name / "single", worker="worker-1"))
     ddp = DataParallelBackend(processes).train(TrainRequest(config, shard, work / name / "ddp", worker="worker-N"))
-    commitment = Commitment.from_json(json.loads((ddp.run_dir / "proof.json").read_text()))
-    index = len(commitment.links) - 1
-    start = ddp.run_dir / "checkpoints" / checkpoint_name(commitment.segment_start(index)[0])
-    end = ddp.run_dir / "checkpoints" / checkpoint_name(commitment.links[index].step)
-    verdict = verify_segment(commitment, index, start=start, end=end, shard=shard, config=config)
-    dtype = ddp.environment.get("dtype", "float32")
-    tolerance = config.tolerance or (FP32_TOLERANCE if dtype == "float32" else HALF_TOLERANCE)
-    replay = 0.0 if verdict.exact else verdict.max_distance
+    verdict, tolerance, replay, index = replay_last_segment(ddp, shard, config)
     drift = max_drift(single.adapter_dir, ddp.adapter_dir)
     env = {k: ddp.environment.get(k) for k in ("device", "device_class", "dtype", "micro_batch", "data_parallel")}
     # scaling: tokens/s of N processes against N times one process (goal 0.8)
