@@ -213,8 +213,7 @@ class JobView:
             progress = False
             keep = []
             for held in self.pending:
-                seen, msg, signer = held[:3]
-                envelope = held[3] if len(held) > 3 else None
+                seen, msg, signer, envelope = held
                 if now - seen > PENDING_SECONDS:
                     continue
                 actions = self._apply_one(msg, signer, now, eligible, count=False)

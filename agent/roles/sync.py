@@ -214,7 +214,7 @@ def needs_resync(view: Any, eligible: frozenset[str], now: float) -> bool:
     others did not). Messages of anyone else, an attacker's included, never trigger a rebuild."""
     return any(isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)) and signer in eligible
                and signer != view.me and now - seen > RESYNC_HELD_SECONDS
-               for seen, msg, signer, *_ in view.pending)
+               for seen, msg, signer, _ in view.pending)
 
 
 async def resync(agent: RolePort, view: Any, timeout: float = TIMEOUT) -> list[tuple[Any, str]] | None:

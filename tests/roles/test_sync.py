@@ -69,10 +69,10 @@ def test_a_held_decision_of_an_eligible_coordinator_triggers_a_rebuild_an_attack
     view = JobView(TERMS, NOW, WORKER.peer_id)
     mallory = Identity(bytes([7]) * 32)
     spoofed = m.ShardLease(JOB, 2, 0, 1, mallory.peer_id, 9, NOW + 600, None)
-    view.pending.append((NOW, spoofed, mallory.peer_id))
+    view.pending.append((NOW, spoofed, mallory.peer_id, None))
     eligible = frozenset({COORD.peer_id})
     assert not needs_resync(view, eligible, NOW + 60)
-    view.pending.append((NOW, m.ShardLease(JOB, 2, 0, 1, WORKER.peer_id, 2, NOW + 600, None), COORD.peer_id))
+    view.pending.append((NOW, m.ShardLease(JOB, 2, 0, 1, WORKER.peer_id, 2, NOW + 600, None), COORD.peer_id, None))
     assert not needs_resync(view, eligible, NOW + 1)  # held briefly: gossip reorders
     assert needs_resync(view, eligible, NOW + 6)
     view.coordination = view.coordination.check_message(COORD.peer_id, 3, eligible)  # our view: term 3
