@@ -40,6 +40,11 @@ DOMAIN_BATCHES = b"infernet/proof/batches/v1\0"
 DOMAIN_GENESIS = b"infernet/proof/genesis/v1\0"
 DOMAIN_LINK = b"infernet/proof/link/v1\0"
 DOMAIN_SEGMENTS = b"infernet/proof/segments/v1\0"
+# the training's randomness (IPIP-0005 §6, §6.1); named before the proof/ prefix convention, kept as is
+DOMAIN_EPOCH = b"infernet/epoch/v1\0"
+DOMAIN_STEP_RNG = b"infernet/step-rng/v1\0"
+DOMAIN_MICRO_RNG = b"infernet/micro-rng/v1\0"
+DOMAIN_LORA_A = b"infernet/lora-a/v1\0"
 
 DTYPE_SIZES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -319,6 +324,43 @@ class Commitment:
             raise ProofError(f"commitment: bad or missing field ({exc})") from None
         commitment.check(claimed)
         return commitment
+
+
+# --- the training's randomness (IPIP-0005 §6) -----------------------------------------------------
+# A replay lands on the worker's bits only if both sides draw the same samples, dropout masks and
+# initial LoRA A; these rules fix them from the header's seed alone. ipips/vectors/proof-randomness.json.
+
+
+def epoch_order(n_examples: int, seed: int, epoch: int) -> tuple[int, ...]:
+    """The permutation of a shard's ``n_examples`` examples for one epoch: indices sorted by
+    SHA-256(domain || u64 seed || u64 epoch || u64 index)."""
+    if not 0 <= n_examples <= 1 << 32:
+        raise ProofError(f"epoch order of {n_examples} examples: need 0 to 2^32")
+    prefix = DOMAIN_EPOCH + _u64(seed) + _u64(epoch)
+    return tuple(sorted(range(n_examples), key=lambda i: hashlib.sha256(prefix + _u64(i)).digest()))
+
+
+def _seed63(digest: bytes) -> int:
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """``torch.manual_seed`` before optimizer step ``step`` (0-based, counted over the whole job)."""
+    return _seed63(hashlib.sha256(DOMAIN_STEP_RNG + _u64(seed) + _u64(step)).digest())
+
+
+def micro_seed(seed: int, step: int, micro: int) -> int:
+    """``torch.manual_seed`` before micro-batch ``micro`` of step ``step`` in a data-parallel header (§6.1)."""
+    return _seed63(hashlib.sha256(DOMAIN_MICRO_RNG + _u64(seed) + _u64(step) + _u64(micro)).digest())
+
+
+def lora_a_seed(seed: int, module_name: str) -> int:
+    """Seed of the CPU generator that draws LoRA A of module ``module_name`` (peft name without the
+    adapter name): the first 8 digest bytes little-endian, all 64 bits."""
+    name = module_name.encode("utf-8")
+    if not name or len(name) > MAX_NAME_BYTES:
+        raise ProofError(f"module name must be 1 to {MAX_NAME_BYTES} UTF-8 bytes")
+    return int.from_bytes(hashlib.sha256(DOMAIN_LORA_A + _u64(seed) + name).digest()[:8], "little")
 
 
 # --- which segments to replay -------------------------------------------------------------------

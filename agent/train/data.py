@@ -29,6 +29,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
 
+from protocol import proof
 from protocol.errors import ProtocolError
 
 ROLES = ("system", "user", "assistant")
@@ -253,8 +254,8 @@ def _lines(data: ChatmlFile, indices: Sequence[int], most: int = 5) -> str:
 
 @lru_cache(maxsize=8)
 def epoch_order(n_examples: int, seed: int, epoch: int) -> tuple[int, ...]:
-    """The permutation of a shard's examples for one epoch."""
-    return tuple(_keyed_order(b"infernet/epoch/v1\0", seed, epoch, n_examples))
+    """The permutation of a shard's examples for one epoch (IPIP-0005 §6, protocol.proof)."""
+    return proof.epoch_order(n_examples, seed, epoch)
 
 
 def step_samples(n_examples: int, samples_per_step: int, seed: int, step: int) -> list[int]:

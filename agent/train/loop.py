@@ -2,7 +2,7 @@
 
 Rules of this file:
 - ``LoraSession.step(s)`` is a pure function of (adapter, optimizer state, shard, config, s): it
-  reseeds torch from SHA-256("infernet/step-rng/v1", seed, s) first (so dropout never depends on
+  reseeds torch from protocol.proof.step_seed(seed, s) first (so dropout never depends on
   what ran before), takes the examples ``data.step_samples`` names (at stream position
   ``offset + s``, where ``offset`` = (config.round - 1) x the shard's steps per round), runs
   ``gradient_accumulation_steps`` micro-batches of ``batch_size`` (or the worker's
@@ -21,14 +21,12 @@ Rules of this file:
   single process's within float summation order. So that dropout masks do not depend on which rank
   runs a micro-batch, a data-parallel step (or one with ``config.micro_batch_rng``, which a verifier
   sets to replay a data-parallel proof in one process) also reseeds before each micro-batch j from
-  SHA-256("infernet/micro-rng/v1", seed, offset + s, j) (IPIP-0005 §6.1).
+  protocol.proof.micro_seed(seed, offset + s, j) (IPIP-0005 §6.1).
 - No I/O here: the recorder (recorder.py) and the run (run.py) decide what to save and when.
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -38,6 +36,7 @@ import torch.nn.functional as F
 from agent.train.config import TrainConfig
 from agent.train.data import IGNORE_INDEX, Example, step_samples
 from agent.train.model import adapter_state, peft_name
+from protocol.proof import micro_seed, step_seed
 
 
 def data_parallel() -> tuple[int, int]:
@@ -62,16 +61,6 @@ def same_on_every_rank(digest: bytes, device: str = "cpu") -> bool:
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
     return bool(torch.equal(low, high))
-
-
-def micro_seed(seed: int, step: int, micro: int) -> int:
-    digest = hashlib.sha256(b"infernet/micro-rng/v1\0" + struct.pack("<QQQ", seed, step, micro)).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def step_seed(seed: int, step: int) -> int:
-    digest = hashlib.sha256(b"infernet/step-rng/v1\0" + struct.pack("<QQ", seed, step)).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def collate(examples: Sequence[Example], pad_id: int, device: str) -> dict[str, torch.Tensor]:

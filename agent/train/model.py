@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-import struct
 import threading
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
-from protocol.proof import TensorRecord, tensor_set_hash
+from protocol.proof import TensorRecord, lora_a_seed, tensor_set_hash
 
 ADAPTER_NAME = "default"
 SAFETENSORS_DTYPES = {
@@ -170,11 +169,6 @@ def load_base_model(path_or_name: str, *, device: str, dtype: torch.dtype, quant
                 module.support_avx512bf16_for_cpu = False
     model.requires_grad_(False)
     return model
-
-
-def lora_a_seed(seed: int, module_name: str) -> int:
-    digest = hashlib.sha256(b"infernet/lora-a/v1\0" + struct.pack("<Q", seed) + module_name.encode()).digest()
-    return int.from_bytes(digest[:8], "little")
 
 
 def add_lora(model: Any, *, rank: int, alpha: float, dropout: float, target_modules: tuple[str, ...],

@@ -16,7 +16,7 @@ Rules of this file:
   job carries it across rounds) is saved too, so segment 0 can be replayed.
   It is written to a temporary directory and renamed into place: never half-written.
 - The RNG state at a step boundary is fully given by (seed, step) because the loop reseeds at
-  every step (loop.step_seed); state.json records that rule and the seed rather than opaque
+  every step (protocol.proof.step_seed); state.json records that rule and the seed rather than opaque
   generator bytes.
 - Everything is safetensors or JSON. Loading checks the tensors against the caller's expected
   hashes; nothing from a peer is unpickled.

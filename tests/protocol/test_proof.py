@@ -178,3 +178,42 @@ def test_judge_replay():
     assert "batch" in judge_replay(1, committed, other_batches, 1e-4, {"a": 0.0}).reason
     wrong_loss = replace(committed, loss=committed.loss * 1.01)
     assert not judge_replay(1, committed, wrong_loss, 1e-4, {"a": 0.0}).accepted
+
+
+# --- the training's randomness (IPIP-0005 §6) -----------------------------------------------------
+
+RANDOMNESS = load("proof-randomness.json")
+
+
+def test_training_randomness_vectors():
+    from protocol import proof
+    for c in RANDOMNESS["epoch_order"]:
+        assert list(proof.epoch_order(c["n"], c["seed"], c["epoch"])) == c["order"]
+    for c in RANDOMNESS["step_seed"]:
+        assert proof.step_seed(c["seed"], c["step"]) == c["value"] < 2**63
+    for c in RANDOMNESS["micro_seed"]:
+        assert proof.micro_seed(c["seed"], c["step"], c["micro"]) == c["value"] < 2**63
+    for c in RANDOMNESS["lora_a_seed"]:
+        assert proof.lora_a_seed(c["seed"], c["module"]) == c["value"] < 2**64
+    for c in RANDOMNESS["errors"]:
+        with pytest.raises(ProofError, match=c["error"].replace("^", r"\^")):
+            getattr(proof, c["rule"])(*c["args"])
+
+
+def test_training_randomness_separates_what_it_seeds():
+    """Each rule has its own domain: a step seed never equals a micro-batch seed of the same (seed, step),
+    epochs give different orders, and every order is a permutation."""
+    from protocol import proof
+    assert len({proof.step_seed(7, 3), *(proof.micro_seed(7, 3, j) for j in range(8))}) == 9
+    orders = {proof.epoch_order(50, 7, e) for e in range(4)}
+    assert len(orders) == 4 and all(sorted(o) == list(range(50)) for o in orders)
+    assert proof.lora_a_seed(7, "a.q_proj") != proof.lora_a_seed(8, "a.q_proj") != proof.lora_a_seed(8, "a.v_proj")
+
+
+def test_the_trainer_uses_the_protocol_rules():
+    """agent/train draws with protocol.proof's rules, not copies of them (a copy could drift)."""
+    from agent.train import data, loop, model
+    from protocol import proof
+    assert loop.step_seed is proof.step_seed and loop.micro_seed is proof.micro_seed
+    assert model.lora_a_seed is proof.lora_a_seed
+    assert data.epoch_order(10, 3, 1) == proof.epoch_order(10, 3, 1)

@@ -122,7 +122,7 @@ def test_the_micro_batch_seed_is_the_documented_hash():
     import hashlib
     import struct
 
-    from agent.train.loop import micro_seed, step_seed
+    from protocol.proof import micro_seed, step_seed
 
     digest = hashlib.sha256(b"infernet/micro-rng/v1\0" + struct.pack("<QQQ", 7, 3, 1)).digest()
     assert micro_seed(7, 3, 1) == int.from_bytes(digest[:8], "little") & (2**63 - 1)
