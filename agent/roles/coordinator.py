@@ -17,6 +17,11 @@ Rules of this file:
   each hold a copy). The market's rules come on top (protocol/market.lease_refusal): no lease once a
   paid job's accepted work has spent its budget, only to its named providers, at most ``max_nodes``
   distinct workers. Claims are queued for ``claim_window`` and granted best reputation first.
+  A claim heard while we are not (yet) the job's coordinator -- our election tick has not named us
+  yet, or a failover is under way -- is remembered (its latest per worker, at most
+  ``early_claims_max`` per job) and queued when we take the job over, if it is at most
+  ``early_claim_seconds`` old and of the current round: a worker whose grace period ended a tick
+  before ours does not wait for its next claim while a faster one takes every shard.
 - A report is accepted only if: the adapter and proof bundles fetch and hash-check by CID; the proof
   is about this job, round, shard, attempt, worker, base model and seed; its chain ends in the
   reported head and passes through every head the worker gossiped; its step-0 checkpoint is the
@@ -87,6 +92,9 @@ class CoordinatorRole:
     retry_delays: tuple[float, ...] = (2.0, 5.0, 15.0, 30.0, 60.0)
     # claims arriving within this many seconds of the first are granted together, best reputation first
     claim_window: float = 0.25
+    # claims heard before we coordinate a job: kept this long, this many workers per job at most
+    early_claim_seconds: float = 5.0
+    early_claims_max: int = 256
 
     def __init__(self, agent: "RolePort") -> None:
         self.agent = agent
@@ -99,20 +107,43 @@ class CoordinatorRole:
         self._claims: dict[bytes, list[tuple[str, int, int]]] = {}  # job -> (worker, round, shard) in arrival order
         self.hash_limiter = trio.CapacityLimiter(2)  # tensor hashing off the event loop, at most two at once
         self._refused: dict[tuple[bytes, str], str] = {}  # (job, worker) -> why its claims get no lease
+        # job -> worker -> (when, round, shard): claims heard while we did not coordinate the job
+        self._early: dict[bytes, dict[str, tuple[float, int, int]]] = {}
 
     # -- leases -----------------------------------------------------------------------------------
 
     async def on_claim(self, view: JobView, claim: m.ShardClaim, worker: str) -> None:
         """Queue a claim that may be granted; the claims of one ``claim_window`` are granted in order
         of the claimants' reputation (protocol/market.order_claims, IPIP-0004 §12)."""
-        if not self._may_lease(view, claim.round, worker):
+        if not self.agent.is_coordinator(view):
+            self._remember_early(view, claim, worker)
+            return
+        self._queue(view, worker, claim.round, claim.shard)
+
+    def _queue(self, view: JobView, worker: str, rnd: int, shard: int) -> None:
+        if not self._may_lease(view, rnd, worker):
             return
         queue = self._claims.setdefault(view.job_id, [])
         if any(w == worker for w, _, _ in queue):
             return
-        queue.append((worker, claim.round, claim.shard))
+        queue.append((worker, rnd, shard))
         if len(queue) == 1 and not self.agent.spawn_in_job(view.job_id, self._grant_claims, view):
             self._claims.pop(view.job_id, None)  # the job ended
+
+    def _remember_early(self, view: JobView, claim: m.ShardClaim, worker: str) -> None:
+        """A claim we cannot grant because we do not coordinate the job (yet): kept for ``take_over``."""
+        if claim.round != view.state.round or view.state.terminal or worker == self.agent.peer_id:
+            return
+        if view.job_id not in self._early and len(self._early) >= 64:
+            del self._early[next(iter(self._early))]  # the job we heard of longest ago
+        early = self._early.setdefault(view.job_id, {})
+        now = self.agent.clock()
+        if worker not in early and len(early) >= self.early_claims_max:
+            for w in [w for w, (when, _, _) in early.items() if now - when > self.early_claim_seconds]:
+                del early[w]
+            if len(early) >= self.early_claims_max:
+                return
+        early[worker] = (now, claim.round, claim.shard)
 
     def _may_lease(self, view: JobView, rnd: int, worker: str, *, count: bool = True) -> bool:
         from agent.market import lease_refusal as market_lease_refusal
@@ -154,7 +185,6 @@ class CoordinatorRole:
     async def _grant(self, view: JobView, worker: str, rnd: int, wanted: int) -> None:
         agent = self.agent
         if not self._may_lease(view, rnd, worker):
-            return
             return
         open_shards = view.open_shards()
         if not open_shards:
@@ -200,6 +230,10 @@ class CoordinatorRole:
         """We just became this job's coordinator: resume what is pending."""
         state = view.state
         log.info("job %s: coordinating (term %d)", view.job_id.hex()[:8], view.coordination.term)
+        now = self.agent.clock()
+        for worker, (when, rnd, shard) in sorted(self._early.pop(view.job_id, {}).items(), key=lambda kv: kv[1][0]):
+            if now - when <= self.early_claim_seconds and rnd == state.round:
+                self._queue(view, worker, rnd, shard)  # claims heard just before we were elected
         for shard in state.shards:
             if shard.phase is st.ShardPhase.REPORTED and shard.worker != self.agent.peer_id:
                 self._start(("verify", view.job_id, state.round, shard.index, shard.attempt),
