@@ -16,7 +16,9 @@ Rules of this file:
   protocol/election.judge_of), and accepted work must outlive the coordinator (the worker, the submitter and the verifier
   each hold a copy). The market's rules come on top (protocol/market.lease_refusal): no lease once a
   paid job's accepted work has spent its budget, only to its named providers, at most ``max_nodes``
-  distinct workers. Claims are queued for ``claim_window`` and granted best reputation first.
+  distinct workers. Claims are queued for ``claim_window`` and granted best reputation first --
+  when open shards are scarce; while there are at least as many open shards as live peers that could
+  claim one, a claim is granted at once (no order to keep, and the wait was a sixth of a demo round).
   A claim heard while we are not (yet) the job's coordinator -- our election tick has not named us
   yet, or a failover is under way -- is remembered (its latest per worker, at most
   ``early_claims_max`` per job) and queued when we take the job over, if it is at most
@@ -172,7 +174,8 @@ class CoordinatorRole:
     async def _grant_claims(self, view: JobView) -> None:
         from protocol.market import order_claims
 
-        await trio.sleep(self.claim_window)
+        if self._shards_scarce(view):
+            await trio.sleep(self.claim_window)
         claims = self._claims.pop(view.job_id, [])
         reputations = self.agent.reputations.get()
         ordered = order_claims([(w, i) for i, (w, _, _) in enumerate(claims)], reputations)
@@ -181,6 +184,30 @@ class CoordinatorRole:
                 await self._grant(view, worker, claims[i][1], claims[i][2])
             except Exception as exc:  # noqa: BLE001 - one failed grant must not stop the agent
                 log.warning("job %s: lease for %s failed: %s", view.job_id.hex()[:8], worker[-8:], exc)
+
+    def _shards_scarce(self, view: JobView) -> bool:
+        """Could a claim granted now take the last open shard from a better-reputed claimant that is
+        still to come? Only then is there a ``claim_window`` to wait: when the open shards are at least
+        as many as the live peers that could claim one (they train, fit the job, hold no live lease of it,
+        are not banned), every claimant gets a lease whatever the order, and waiting only slows a round."""
+        open_shards = len(view.open_shards())
+        live = self.agent.live_peers()
+        if open_shards >= len(live):
+            return False
+        if len(live) > 256:  # too many to check one by one on every claim: assume they compete
+            return True
+        banned = self._banned.get(view.job_id, set())
+        could_claim = 0
+        for peer in live:
+            if peer in banned or peer == self.agent.peer_id or view.training_by(peer):
+                continue
+            info = self.agent.peers.get(peer)
+            if info is None or lease_refusals(info.capability, view.terms):
+                continue
+            could_claim += 1
+            if could_claim > open_shards:
+                return True
+        return False
 
     async def _grant(self, view: JobView, worker: str, rnd: int, wanted: int) -> None:
         agent = self.agent
