@@ -21,8 +21,9 @@ Reference, measured in the same run: a plain numpy sample-weighted mean over the
                        mark through /proc/self/clear_refs (rss_source says so), or as the
                        ru_maxrss delta where that reset is refused (which then only sees growth
                        above the earlier peak).
---threads defaults to 2 (the two cores of the dev machine); on a machine shared with other jobs
-use --threads 1: two intra-op threads stall at every op whenever the other core is taken.
+--threads defaults to 1, like the single-threaded numpy reference (like with like); --threads 2
+uses both cores of the dev machine, but two intra-op threads stall at every op whenever the other
+core is taken, so only on a quiet machine.
 --only fedavg (a comma-separated list of methods) times just those, with the reference and the
 floors, for quick iterations.
 """
