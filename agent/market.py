@@ -14,8 +14,8 @@ Rules of this file (the rules themselves are protocol/market.py and IPIP-0004 §
   job's counts are kept once computed; recomputed at most every ``REPUTATION_TTL`` seconds.
 - **Budget.** Every mirror computes the same committed cost (accepted + reported awaiting a
   verdict) from the same signed reports and verdicts, so the coordinator stops leasing, workers stop claiming and ``job show`` says why at
-  the same point. The submitter then cancels the job once nothing it leased is still in flight
-  (``watch_budget``), with the budget's reason.
+  the same point. The submitter role then cancels the job once nothing it leased is still in flight
+  (agent/roles/submitter.py ``_watch_budget``), with the budget's reason.
 - **Bills** are the submitter's settlement record: made from the accepted attempts' signed reports,
   signed by the submitter's identity (domain ``infernet/bill/v1``), appended to the job's ledger
   as a ``bill`` entry (its hash and totals), and checked against the ledger's ``report`` and
@@ -203,23 +203,6 @@ def budget_json(view: "JobView") -> dict:
             "total": terms.budget, "spent": round(spent(view), 6), "committed": round(committed(view), 6),
             "max_nodes": terms.max_nodes,
             "providers": list(terms.providers), "leasing_stopped": budget_reason(view)}
-
-
-async def watch_budget(agent: "Agent", view: "JobView") -> None:
-    """Our job's budget is spent: once none of its leases is in flight, cancel it with that reason."""
-    if not mk.is_paid(view.terms.price_per_hour):
-        return
-    while not view.state.terminal:
-        with trio.move_on_after(1.0):
-            await agent.job_events.wait()
-        reason = budget_reason(view)
-        if reason is None or view.state.terminal or view.state.phase is st.JobPhase.AGGREGATING:
-            continue
-        busy = [s for s in view.state.shards if s.phase in (st.ShardPhase.LEASED, st.ShardPhase.REPORTED)]
-        if not busy and view.open_shards():
-            log.info("job %s: %s; cancelling it", view.job_id.hex()[:8], reason)
-            await agent.submitter.cancel(view, reason)
-            return
 
 
 # -- reputation ---------------------------------------------------------------------------------------
