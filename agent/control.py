@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 MAX_REQUEST = 64 * 1024
 MAX_RESPONSE = 16 << 20
 REQUEST_READ_TIMEOUT = 10.0
+BILL_SYNC_SECONDS = 15.0  # `job bill` pulls the job's ledger chains for at most this long (the CLI waits 30 s)
 MAX_SOCKET_PATH = 100  # sun_path is 108 bytes on Linux, 104 on macOS
 
 
@@ -281,6 +282,12 @@ async def _job_bill(agent: "Agent", job: str) -> dict:
     if view.terms.submitter != agent.peer_id:
         raise ControlError(f"job {view.job_id.hex()[:16]} was submitted by {view.terms.submitter}, not this agent; "
                            "only its submitter bills it")
+    from agent.ledger_sync import sync_job
+
+    # the reports and verdicts the bill is checked against are in the workers' and coordinators' chains:
+    # pull our copies up to date first (best effort, bounded: the check names what is still missing)
+    with trio.move_on_after(BILL_SYNC_SECONDS):
+        await sync_job(agent, view, timeout=BILL_SYNC_SECONDS / 2)
     return bill(agent, view)
 
 

@@ -14,12 +14,13 @@ Rules of this file (the rules themselves are protocol/market.py and IPIP-0004 §
   job's counts are kept once computed; recomputed at most every ``REPUTATION_TTL`` seconds.
 - **Budget.** Every mirror computes the same committed cost (accepted + reported awaiting a
   verdict) from the same signed reports and verdicts, so the coordinator stops leasing, workers stop claiming and ``job show`` says why at
-  the same point. The submitter then cancels the job once nothing it leased is still in flight
-  (``watch_budget``), with the budget's reason.
+  the same point. The submitter role then cancels the job once nothing it leased is still in flight
+  (agent/roles/submitter.py ``_watch_budget``), with the budget's reason.
 - **Bills** are the submitter's settlement record: made from the accepted attempts' signed reports,
   signed by the submitter's identity (domain ``infernet/bill/v1``), appended to the job's ledger
-  as a ``bill`` entry (its hash and totals), and checked against the ledger's ``report`` and
-  ``verdict`` entries the agent holds (``ledger_check``). No chain, no token.
+  as a ``bill`` entry (its hash and totals), and checked against the ``report`` and ``verdict``
+  entries of every ledger chain of the job the agent holds, its own and its copies of the others'
+  (``ledger_check``; ``job bill`` pulls the participants' chains first). No chain, no token.
 """
 
 from __future__ import annotations
@@ -203,23 +204,6 @@ def budget_json(view: "JobView") -> dict:
             "total": terms.budget, "spent": round(spent(view), 6), "committed": round(committed(view), 6),
             "max_nodes": terms.max_nodes,
             "providers": list(terms.providers), "leasing_stopped": budget_reason(view)}
-
-
-async def watch_budget(agent: "Agent", view: "JobView") -> None:
-    """Our job's budget is spent: once none of its leases is in flight, cancel it with that reason."""
-    if not mk.is_paid(view.terms.price_per_hour):
-        return
-    while not view.state.terminal:
-        with trio.move_on_after(1.0):
-            await agent.job_events.wait()
-        reason = budget_reason(view)
-        if reason is None or view.state.terminal or view.state.phase is st.JobPhase.AGGREGATING:
-            continue
-        busy = [s for s in view.state.shards if s.phase in (st.ShardPhase.LEASED, st.ShardPhase.REPORTED)]
-        if not busy and view.open_shards():
-            log.info("job %s: %s; cancelling it", view.job_id.hex()[:8], reason)
-            await agent.submitter.cancel(view, reason)
-            return
 
 
 # -- reputation ---------------------------------------------------------------------------------------
@@ -417,29 +401,77 @@ def bill(agent: "Agent", view: "JobView") -> dict:
 
 
 def ledger_check(agent: "Agent", view: "JobView", doc: dict) -> dict:
-    """Compare the bill with the ledger's ``report``/``verdict`` entries this agent holds: for each
-    accepted attempt the ledger records, its duration and the bill's hours must agree."""
-    reports, verdicts = {}, {}
-    for e in agent.store.ledger(view.job_id):
-        key = (e.data.get("round"), e.data.get("shard"), e.data.get("attempt"))
-        if e.kind == "report":
-            reports[key] = e.data
-        elif e.kind == "verdict":
-            verdicts[key] = e.data
-    billed = {(a["round"], a["shard"], a["attempt"]): (row["worker"], a) for row in doc["workers"]
-              for a in row["attempts"]}
-    problems, checked = [], 0
-    for key, verdict in verdicts.items():
-        if key not in billed:
-            problems.append(f"round {key[0]} shard {key[1]} attempt {key[2]}: in the ledger, not billed")
-            continue
-        worker, item = billed[key]
-        checked += 1
-        if verdict.get("accepted") != item["accepted"] or verdict.get("worker") != worker:
-            problems.append(f"round {key[0]} shard {key[1]} attempt {key[2]}: verdict differs from the ledger")
-        if key in reports and abs(mk.attempt_hours(reports[key].get("duration", 0.0)) * (item["accepted"])
-                                  - item["hours"]) > 1e-9:
-            problems.append(f"round {key[0]} shard {key[1]} attempt {key[2]}: hours differ from the ledger")
+    """Compare the bill with the ``report`` and ``verdict`` entries of every ledger chain of the job this
+    agent holds: its own and its copies of the others' (IPIP-0008 §5; the workers write the reports,
+    the coordinators the verdicts, so a submitter that does not coordinate holds them only as copies:
+    ``job bill`` pulls them first). See ``compare_bill_with_ledger`` for what is checked."""
+    from agent.jobdata import readable_chains
+
+    chains, bad = readable_chains(agent.store, view.job_id)
+    out = compare_bill_with_ledger(doc, [e for chain in chains.values() for e in chain])
+    out["chains"] = len(chains)
+    out["problems"] += [f"a ledger chain we hold does not verify, not used: {problem}" for problem in bad.values()]
+    out["consistent"] = not out["problems"]
+    return out
+
+
+def compare_bill_with_ledger(doc: dict, entries: list) -> dict:
+    """Check each billed attempt against the ledger's signed entries (IPIP-0008 §2):
+
+    - a ``verdict`` entry for it (written by whoever judged it; one by the judged worker itself does
+      not count) names the same worker and outcome, and every such entry agrees;
+    - an accepted attempt has the worker's own ``report`` entry (signed by the worker it names), and
+      its hours are that entry's ``duration`` / 3600, its amount those hours x the bill's price;
+      a rejected one is billed 0;
+    - every verdict entry in the ledger is billed.
+
+    A billed attempt the ledger lacks (no verdict, or no report) or contradicts is a problem.
+    ``entries_checked``: the billed attempts whose verdict entries were found and compared."""
+    reports: dict[tuple, list] = {}
+    verdicts: dict[tuple, list] = {}
+    for e in entries:
+        data = e.data
+        key = (data.get("round"), data.get("shard"), data.get("attempt"))
+        if e.kind == "report" and data.get("worker") == e.signer_peer_id:
+            reports.setdefault(key, []).append(data)
+        elif e.kind == "verdict" and data.get("worker") != e.signer_peer_id:
+            verdicts.setdefault(key, []).append(data)
+    price = doc["price_per_hour"]
+    problems, checked, billed = [], 0, set()
+    for row in doc["workers"]:
+        worker = row["worker"]
+        for item in row["attempts"]:
+            key = (item["round"], item["shard"], item["attempt"])
+            where = f"round {key[0]} shard {key[1]} attempt {key[2]} ({worker[-8:]})"
+            billed.add(key)
+            judged = verdicts.get(key)
+            if not judged:
+                problems.append(f"{where}: billed, but no verdict entry for it in the ledger chains held")
+                continue
+            checked += 1
+            outcomes = {(v.get("worker"), v.get("accepted")) for v in judged}
+            if outcomes != {(worker, item["accepted"])}:
+                said = ", ".join(f"{'accepted' if a else 'rejected'} for {str(w)[-8:]}" for w, a in sorted(
+                    outcomes, key=str))
+                problems.append(f"{where}: billed {'accepted' if item['accepted'] else 'rejected'}, "
+                                f"the ledger's verdict says {said}")
+                continue
+            if not item["accepted"]:
+                if item["hours"] != 0 or item["amount"] != 0:
+                    problems.append(f"{where}: a rejected attempt billed {item['hours']:.6f} h")
+                continue
+            stated = reports.get(key)
+            if not stated or any(r.get("worker") != worker for r in stated):
+                problems.append(f"{where}: billed, but the ledger holds no report entry of it by its worker")
+                continue
+            hours = {mk.attempt_hours(r.get("duration", 0.0)) for r in stated}
+            if len(hours) != 1 or abs(next(iter(hours)) - item["hours"]) > 1e-9:
+                problems.append(f"{where}: billed {item['hours']:.6f} h, the ledger's report says "
+                                + " or ".join(f"{h:.6f} h" for h in sorted(hours)))
+            elif abs(item["hours"] * price - item["amount"]) > 1e-9 * max(1.0, abs(item["amount"])):
+                problems.append(f"{where}: billed {item['amount']:.6f}, not its hours x {price:g}/h")
+    for key in sorted(verdicts.keys() - billed, key=str):
+        problems.append(f"round {key[0]} shard {key[1]} attempt {key[2]}: a verdict in the ledger, not billed")
     return {"entries_checked": checked, "consistent": not problems, "problems": problems}
 
 
@@ -452,6 +484,7 @@ def bill_text(b: dict) -> str:
     lines.append(f"{'total':<20} {'':>8} {'':>8} {b['hours']:>10.6f} {b['total']:>12.6f}")
     ledger = b["ledger"]
     lines.append(f"signed by {b['signer']} (bill sha256 {b['bill_sha256'][:16]}…); ledger: "
-                 + (f"consistent ({ledger['entries_checked']} verdict entries checked)" if ledger["consistent"]
+                 + (f"consistent ({ledger['entries_checked']} billed attempts checked against "
+                    f"{ledger.get('chains', 0)} chains)" if ledger["consistent"]
                     else "INCONSISTENT: " + "; ".join(ledger["problems"][:3])))
     return "\n".join(lines)

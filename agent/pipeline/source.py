@@ -192,7 +192,8 @@ def _from_job(job: str, home: Path | None) -> Source:
     provenance = Provenance(kind="job", name=detail.get("name") or job_id[:16], job_id=job_id,
                             round=latest["round"], aggregate_cid=latest_cid,
                             validation_loss=latest.get("validation_loss"),
-                            base_validation_loss=_first_base_loss(detail), base_model_name=detail.get("base_model"))
+                            base_validation_loss=_first_base_loss(detail), base_model_name=detail.get("base_model"),
+                            spec_text=job_spec_text(detail))
     if detail.get("base_model_sha256") and set(detail["base_model_sha256"]) != {"0"}:
         provenance.base_model_sha256 = detail["base_model_sha256"]
     provenance.dataset_cids.update(detail.get("dataset_cids") or {})
@@ -205,6 +206,32 @@ def _from_job(job: str, home: Path | None) -> Source:
         pass
     config = _agent_models(home)
     return Source(target, _base_dir(detail.get("base_model"), config), provenance)
+
+
+def job_spec_text(detail: dict) -> str:
+    """The job's spec as its signed terms state it (``job show``'s detail), as YAML in the spec's own
+    keys (IPIP-0007): model, description, method and parameters, shards and rounds, the dataset's CID,
+    price and budget. The job ID is the hash of those terms."""
+    import yaml
+
+    params = detail.get("parameters") or {}
+    spec: dict[str, Any] = {"name": detail.get("name"), "description": detail.get("description") or None,
+                            "base_model": detail.get("base_model"),
+                            "base_model_sha256": detail.get("model_sha256") or detail.get("base_model_sha256")}
+    for key in ("method", "runtime", "seed"):
+        spec[key] = params.get(key)
+    if detail.get("dataset_cid"):
+        spec["input"] = {"dataset": f"ipfs://{detail['dataset_cid']}"}
+    for key in ("training", "lora", "proof"):
+        spec[key] = params.get(key)
+    spec["shards"] = detail.get("shards")
+    spec["rounds"] = params.get("rounds", detail.get("rounds"))
+    spec["aggregation"] = params.get("aggregation")
+    spec["lease_seconds"] = params.get("lease_seconds")
+    spec["budget"] = {"price_per_hour": detail.get("price_per_hour"), "total": detail.get("budget_total")}
+    spec["private"] = detail.get("private")
+    text = yaml.safe_dump({k: v for k, v in spec.items() if v is not None}, sort_keys=False, allow_unicode=True)
+    return f"# the terms of job {detail.get('id', '?')} as announced (its ID is their hash)\n{text}"
 
 
 def _first_base_loss(detail: dict) -> float | None:

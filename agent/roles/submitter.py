@@ -19,7 +19,8 @@ Rules of this file:
   ``keep_retry_delays`` (given up early only if the job fails or is cancelled; again after a
   restart), and ``job show`` lists what is accepted but not held here yet (``not_held``).
 - A paid job whose accepted work has spent its budget gets no more leases; once none of its leases
-  is in flight we cancel it with the budget's reason (agent/market.watch_budget).
+  is in flight we cancel it with the budget's reason (``_watch_budget``, a task of the job: it waits on
+  the job's changes through ``wait_until``, re-checking at least every ``budget_check_seconds``).
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from agent.bundle import AGGREGATE_FILES, bundle_size_bound
-from agent.market import watch_budget
+from agent.market import budget_reason
+from protocol import market as mk
 from protocol import messages as m
+from protocol import state as st
 from protocol.cid import parse_cid
 
 if TYPE_CHECKING:
@@ -45,6 +48,8 @@ log = logging.getLogger(__name__)
 class SubmitterRole:
     reannounce_seconds = 60.0
     keep_retry_delays: tuple[float, ...] = (2.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+    # the budget watch re-checks at least this often (job changes wake it at once; this is the deadline)
+    budget_check_seconds = 30.0
 
     def __init__(self, agent: "RolePort") -> None:
         self.agent = agent
@@ -122,7 +127,7 @@ class SubmitterRole:
         agent.ledger(view.job_id, "announced", announced_data(terms))
         await agent.publish(m.JobAnnouncement.for_terms(terms))
         agent.spawn_in_job(view.job_id, self._reannounce, view)
-        agent.spawn_in_job(view.job_id, watch_budget, agent, view)  # a paid job ends when its budget is spent
+        agent.spawn_in_job(view.job_id, self._watch_budget, view)  # a paid job ends when its budget is spent
         log.info("job %s announced: %s, %d shards x %d rounds", view.job_id.hex()[:8], terms.name,
                  len(terms.shards), terms.rounds)
         return view
@@ -134,13 +139,38 @@ class SubmitterRole:
         await agent.publish(m.JobAnnouncement.for_terms(view.terms))
         for item in self.not_held(view):  # copies a restart interrupted (the agent's: kept after the job ends)
             agent.spawn(self._keep, view, item["cid"], item["provider"])
-        agent.spawn_in_job(view.job_id, watch_budget, agent, view)
+        agent.spawn_in_job(view.job_id, self._watch_budget, view)
         await self._reannounce(view)
 
     async def _reannounce(self, view: "JobView") -> None:
         while not view.state.terminal:
             if not await self.agent.wait_until(lambda: view.state.terminal, self.reannounce_seconds):
                 await self.agent.publish(m.JobAnnouncement.for_terms(view.terms))
+
+    async def _watch_budget(self, view: "JobView") -> None:
+        """Our paid job's budget is spent: once none of its leases is in flight, cancel it with that reason."""
+        if not mk.is_paid(view.terms.price_per_hour):
+            return
+        while not view.state.terminal:
+            await self.agent.wait_until(lambda: view.state.terminal or self.budget_cancel_reason(view) is not None,
+                                        self.budget_check_seconds)
+            reason = None if view.state.terminal else self.budget_cancel_reason(view)
+            if reason is not None:
+                log.info("job %s: %s; cancelling it", view.job_id.hex()[:8], reason)
+                await self.cancel(view, reason)
+                return
+
+    @staticmethod
+    def budget_cancel_reason(view: "JobView") -> str | None:
+        """Why we cancel our job now: its budget is spent (IPIP-0004 §12), none of its shards is LEASED
+        or REPORTED, and an OPEN one remains (not while it aggregates); else None."""
+        if view.state.terminal or view.state.phase is st.JobPhase.AGGREGATING:
+            return None
+        reason = budget_reason(view)
+        if reason is None:
+            return None
+        busy = [s for s in view.state.shards if s.phase in (st.ShardPhase.LEASED, st.ShardPhase.REPORTED)]
+        return reason if not busy and view.open_shards() else None
 
     def on_aggregate(self, view: "JobView", published: m.AggregatePublished, coordinator: str) -> None:
         """Keep a copy of every aggregate of our job: the next round starts from it, whoever coordinates."""

@@ -3,13 +3,16 @@ estimate built on it, a budget that runs out mid-round, named providers, and a b
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import trio
 
-from agent import market
+from agent import control, market
 from agent.control import job_detail
+from agent.ledger_sync import sync_job
+from protocol import market as mk
 from protocol import state as st
 from tests.roles.conftest import fast_spec, network, write_dataset
 
@@ -75,9 +78,16 @@ async def test_budget_runs_out_mid_round_and_the_bill_equals_the_ledger(tmp_path
         first_accept = min(e.seq for e in entries if e.kind == "verdict" and e.data["accepted"])
         assert not [e for e in entries if e.kind == "lease" and e.seq > first_accept]
 
-        # the bill: signed by the submitter, and equal to the ledgers (workers' reports x coordinator's verdicts)
-        bill = market.bill(submitter, view)
-        assert bill["signer"] == submitter.peer_id and bill["ledger"]["consistent"]
+        # the bill: signed by the submitter, and equal to the ledgers (workers' reports x coordinator's verdicts).
+        # `job bill` pulls the participants' chains, then checks every billed attempt against the report
+        # and verdict entries of every chain held (the submitter's own chain has none of them)
+        assert not [e for e in submitter.store.ledger(view.job_id) if e.kind in ("report", "verdict")]
+        bill = await control._job_bill(submitter, view.job_id.hex())
+        assert bill["signer"] == submitter.peer_id
+        assert bill["ledger"]["consistent"], bill["ledger"]["problems"]
+        assert bill["ledger"]["entries_checked"] == len(accepted) == len(view.verdicts) > 0
+        assert bill["ledger"]["chains"] >= 3  # the submitter's, the coordinator's, the trained worker's
+        assert "consistent (%d billed attempts" % len(accepted) in market.bill_text(bill)
         from protocol.identity import verify_signature
         from protocol.market import bill_bytes
 
@@ -117,3 +127,40 @@ async def test_budget_runs_out_mid_round_and_the_bill_equals_the_ledger(tmp_path
             assert counted[trained].accepted == len(accepted) and stranger not in counted
         assert order_claims([(stranger, 0), (trained, 1)], coordinator.reputations.get()) == [(trained, 1), (stranger, 0)]
         assert {p["peer_id"]: p for p in market.providers(submitter)}[trained]["reputation"]["accepted"] == len(accepted)
+
+        # a tampered bill disagrees with the ledger, each way named: hours, worker, an attempt the ledger
+        # lacks, one it holds that is not billed
+        doc = mk.make_bill(view.job_id, submitter.peer_id, PRICE, view.terms.budget,
+                           market.accepted_attempts(view), submitter.clock())
+        assert market.ledger_check(submitter, view, doc)["consistent"]
+        first = doc["workers"][0]["attempts"][0]
+        key = (first["round"], first["shard"], first["attempt"])
+        where = f"round {key[0]} shard {key[1]} attempt {key[2]}"
+
+        def problems_of(change) -> list[str]:
+            tampered = copy.deepcopy(doc)
+            change(tampered)
+            checked = market.ledger_check(submitter, view, tampered)
+            assert not checked["consistent"]
+            return checked["problems"]
+
+        assert any(where in p and "the ledger's report says" in p for p in problems_of(
+            lambda d: d["workers"][0]["attempts"][0].update(hours=first["hours"] * 2)))
+        assert any(where in p and "the ledger's verdict says accepted" in p for p in problems_of(
+            lambda d: d["workers"][0].update(worker=stranger)))
+        assert any("round 1 shard 7 attempt 9" in p and "no verdict entry" in p for p in problems_of(
+            lambda d: d["workers"][0]["attempts"].append(dict(first, shard=7, attempt=9))))
+        assert any(where in p and "not billed" in p for p in problems_of(
+            lambda d: d["workers"][0]["attempts"].pop(0)))
+
+        # a ledger that contradicts the bill: the coordinator's chain also records a rejection of that
+        # attempt (a second, signed verdict entry); the submitter's next sync copies it and the bill
+        # is no longer consistent with the ledger
+        coordinator.store.append_event(view.job_id, "verdict", {
+            "round": key[0], "shard": key[1], "attempt": key[2], "worker": trained, "accepted": False,
+            "reason": "changed its mind"}, coordinator.clock())
+        await sync_job(submitter, view, peers=[coordinator.peer_id])
+        checked = market.bill(submitter, view)["ledger"]
+        assert not checked["consistent"] and checked["entries_checked"] == len(accepted)
+        assert any(where in p and "rejected for" in p for p in checked["problems"]), checked["problems"]
+        assert "INCONSISTENT" in market.bill_text(market.bill(submitter, view))
