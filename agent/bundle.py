@@ -16,6 +16,9 @@ uncompressed POSIX tar first. Rules of this file:
   refused, never followed or removed. Anything wrong raises BundleError naming the bundle (and
   the entry).
 - Tensors inside are safetensors; nothing is unpickled.
+- A bundle is up to a few GiB: the agent packs and unpacks from its event loop only through
+  ``pack_dir_off_loop``/``unpack_off_loop``, in a worker thread (at most ``BUNDLE_THREADS`` at once
+  per trio run), so heartbeats and gossip never wait on the disk.
 """
 
 from __future__ import annotations
@@ -23,7 +26,11 @@ from __future__ import annotations
 import os
 import shutil
 import tarfile
+from functools import partial
 from pathlib import Path
+from typing import Any
+
+import trio
 
 ADAPTER_FILES = frozenset({"adapter_config.json", "adapter_model.safetensors"})
 CHECKPOINT_FILES = ADAPTER_FILES | {"optimizer.safetensors", "state.json"}
@@ -155,3 +162,29 @@ def _check_end_of_archive(tar: tarfile.TarFile, bundle: Path) -> None:
             zeros += len(chunk)
     if zeros < 2 * tarfile.BLOCKSIZE:
         raise BundleError(f"{bundle.name}: truncated (no end-of-archive marker after offset {tar.offset})")
+
+
+# -- off the event loop ------------------------------------------------------------------------------
+
+BUNDLE_THREADS = 2
+_LIMITER: trio.lowlevel.RunVar = trio.lowlevel.RunVar("infernet_bundle_limiter")
+
+
+def bundle_limiter() -> trio.CapacityLimiter:
+    """The worker threads packing and unpacking bundles in this trio run (``BUNDLE_THREADS`` at once)."""
+    try:
+        return _LIMITER.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(BUNDLE_THREADS)
+        _LIMITER.set(limiter)
+        return limiter
+
+
+async def pack_dir_off_loop(directory: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """``pack_dir`` in a worker thread: the event loop runs on while the bundle is written."""
+    return await trio.to_thread.run_sync(pack_dir, directory, out, limiter=bundle_limiter())
+
+
+async def unpack_off_loop(bundle: str | os.PathLike[str], out_dir: str | os.PathLike[str], **limits: Any) -> Path:
+    """``unpack`` in a worker thread (same checks, same errors): the event loop runs on meanwhile."""
+    return await trio.to_thread.run_sync(partial(unpack, bundle, out_dir, **limits), limiter=bundle_limiter())

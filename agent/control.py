@@ -354,7 +354,10 @@ async def _job_fetch(agent: "Agent", job: str, out: str, round: int | None = Non
                               max_size=bundle_size_bound(4 << 30, AGGREGATE_FILES))
     from agent.sealing import open_bundle  # a private job's final aggregate is sealed to us (ipips/0010)
 
-    _, sealed = open_bundle(bundle, target, agent.identity, max_bytes=4 << 30)
+    from agent.bundle import bundle_limiter
+
+    _, sealed = await trio.to_thread.run_sync(  # up to 4 GiB: off the event loop
+        lambda: open_bundle(bundle, target, agent.identity, max_bytes=4 << 30), limiter=bundle_limiter())
     return {"id": view.job_id.hex(), "round": rnd, "final": published.final, "cid": published.adapter_cid,
             "sealed": sealed,
             "path": str(target), "method": published.method, "shards": list(published.shards),

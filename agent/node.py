@@ -30,7 +30,11 @@ Rules of this file:
   our mirror refuses (a flood of well-signed junk from many identities, say) is never written to disk
   and is held in memory within per-signer bounds (agent/roles/job.py). Our own messages are recorded
   when they come back to us. The writes (one fsync each) run in a worker thread, one at a time, so
-  heartbeats and gossip never wait on the disk. Every decision we make is gossiped and applied to our
+  heartbeats and gossip never wait on the disk. So do the other writes made from the event loop:
+  ledger entries, job rows and file hashes are queued (``write_soon``, agent/store.py ``later``) and
+  made in order by the store writer task in that thread; the store probe before a claim
+  (``can_take_work``) runs there too. Queued writes are made before any read of the store and when
+  the agent stops; a full disk found by one makes us refuse new work, as for any write. Every decision we make is gossiped and applied to our
   mirror at once (agent/roles/job.py). With a full disk the mirror may run ahead of the store (we
   then refuse new work); catch-up brings the rest back after a restart.
 """
@@ -159,6 +163,7 @@ class Agent:
         self.published_capability: m.Capability | None = None
         self._hashes_saved = 0  # position in FILE_HASHES already saved to the store
         self.store_limiter = trio.CapacityLimiter(1)  # store writes in a worker thread, one at a time, in order
+        self._writes_queued = trio.Event()  # set when write_soon queued a write for _store_writer
         self._job_rows: dict[bytes, tuple[str, int, int]] = {}  # (state, round, term) last written per job
 
     # -- life cycle -----------------------------------------------------------------------------
@@ -194,26 +199,33 @@ class Agent:
             self.ledger_service.install(self.net.host)
             await self._measure()
             self.started_at = self.clock()
-            async with trio.open_nursery() as nursery:
-                self.nursery = nursery
-                await self._resume_jobs()
-                jobs_topic = await self.net.gossip.subscribe(m.TOPIC_JOBS)
-                nursery.start_soon(self._read_jobs_topic, jobs_topic)
-                nursery.start_soon(self._heartbeats)
-                nursery.start_soon(self._ticks)
-                nursery.start_soon(ledger_sync_loop, self, self.ledger_sync_interval)
-                nursery.start_soon(partial(self.net.discovery.maintain, advertise=self.worker is not None, interval=10.0))
-                if self.worker is not None:
-                    nursery.start_soon(self.worker.claim_loop)
-                    if self.config.measure_speed:
-                        from agent.market import measure_speeds
+            try:
+                await self._run_tasks(task_status)
+            finally:
+                self._flush_writes()  # the writes still queued, before the store closes
 
-                        nursery.start_soon(measure_speeds, self)
-                task_status.started(self)
-                await self._stopping.wait()
-                if self.worker is not None:
-                    await self.worker.release_all("the agent is shutting down")
-                nursery.cancel_scope.cancel()
+    async def _run_tasks(self, task_status: Any) -> None:
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery
+            nursery.start_soon(self._store_writer)
+            await self._resume_jobs()
+            jobs_topic = await self.net.gossip.subscribe(m.TOPIC_JOBS)
+            nursery.start_soon(self._read_jobs_topic, jobs_topic)
+            nursery.start_soon(self._heartbeats)
+            nursery.start_soon(self._ticks)
+            nursery.start_soon(ledger_sync_loop, self, self.ledger_sync_interval)
+            nursery.start_soon(partial(self.net.discovery.maintain, advertise=self.worker is not None, interval=10.0))
+            if self.worker is not None:
+                nursery.start_soon(self.worker.claim_loop)
+                if self.config.measure_speed:
+                    from agent.market import measure_speeds
+
+                    nursery.start_soon(measure_speeds, self)
+            task_status.started(self)
+            await self._stopping.wait()
+            if self.worker is not None:
+                await self.worker.release_all("the agent is shutting down")
+            nursery.cancel_scope.cancel()
 
     # -- peers and election ----------------------------------------------------------------------
 
@@ -252,8 +264,8 @@ class Agent:
         from agent.train.model import FILE_HASHES
 
         entries, self._hashes_saved = FILE_HASHES.since(self._hashes_saved)
-        if entries and self.store is not None:
-            self.store.save_file_hashes(entries)
+        if entries and self.store is not None:  # a cache: on a full disk they are hashed again after a restart
+            self.write_soon(self.store.save_file_hashes, entries)
 
     def capability(self) -> m.Capability:
         """Our capability now: measured devices (free memory as last measured), runtimes, models held."""
@@ -399,8 +411,9 @@ class Agent:
             await self.nursery.start(self._own_job_tasks, record.job_id)
             log.info("job %s: resumed from the store: %s, round %d, term %d", record.job_id.hex()[:8],
                      view.state.phase.value, view.state.round, view.coordination.term)
-            if view.state.phase.value != record.state:
-                self.store.update_job(record.job_id, self.clock(), state=view.state.phase.value, round=view.state.round)
+            if view.state.phase.value != record.state:  # queued: a full disk makes us refuse work, not stop
+                self.write_soon(self.store.update_job, record.job_id, self.clock(), state=view.state.phase.value,
+                                round=view.state.round)
             subscription = await self.net.gossip.subscribe(m.job_topic(record.job_id))
             self.nursery.start_soon(partial(self._read_job_topic, view, subscription, True, resumed=True))
             if record.terms.submitter == self.peer_id:
@@ -569,11 +582,50 @@ class Agent:
     def save_job_row(self, view: JobView) -> None:
         """Write the job's summary (state, round, term) to the store when it changed since we last did:
         one commit per change, not one per applied message (the envelopes are the evidence)."""
-        row = (view.state.phase.value, view.state.round, view.coordination.term)
-        if self._job_rows.get(view.job_id) != row and \
-                self.stored(self.store.update_job, view.job_id, self.clock(), state=row[0], round=row[1],
-                            coordinator_term=row[2]):
-            self._job_rows[view.job_id] = row
+        row, job_id, store = (view.state.phase.value, view.state.round, view.coordination.term), view.job_id, self.store
+        if self._job_rows.get(job_id) == row:
+            return
+        self._job_rows[job_id] = row
+
+        def write() -> None:  # in the store writer's thread
+            try:
+                store.update_job(job_id, self.clock(), state=row[0], round=row[1], coordinator_term=row[2])
+            except Exception:
+                if self._job_rows.get(job_id) == row:
+                    self._job_rows.pop(job_id, None)  # not written: written again at the next change
+                raise
+
+        self.write_soon(write)
+
+    def write_soon(self, write: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Queue a store write whose result we do not wait for; the store writer task makes it in a
+        worker thread, in order after those queued before (agent/store.py ``later``/``flush``)."""
+        self.store.later(write, *args, **kwargs)
+        self._writes_queued.set()
+
+    async def _store_writer(self) -> None:
+        """Make the queued store writes in a worker thread (``store_limiter``: one store thread at a
+        time, evidence commits included); a full disk makes us refuse new work, other errors are logged."""
+        while True:
+            self._writes_queued = trio.Event()
+            if self.store.pending():
+                errors = await trio.to_thread.run_sync(self.store.flush, limiter=self.store_limiter)
+                self._writes_failed(errors)
+            await self._writes_queued.wait()
+
+    def _writes_failed(self, errors: list[Exception]) -> None:
+        for exc in errors:
+            if isinstance(exc, StoreFullError):
+                self.refuse_work(exc)
+            else:
+                log.warning("store: %s", exc)
+
+    def _flush_writes(self) -> None:
+        """The agent stops: make the writes still queued here and now."""
+        if self.store is None:
+            return
+        for exc in self.store.flush():
+            log.warning("store: %s", exc)
 
     def stored(self, write: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
         """Run a store write; if the disk is full, refuse new work (``refuse_work``) and return False
@@ -597,11 +649,12 @@ class Agent:
             self._store_full_logged = now
             log.error("refusing new work: %s", exc)
 
-    def can_take_work(self) -> bool:
-        """Is there room to keep the evidence of new work? A small test write (one page), made before
-        each claim and, while we refuse work, every claim interval; clears ``store_full`` when it passes."""
+    async def can_take_work(self) -> bool:
+        """Is there room to keep the evidence of new work? A small test write (one page, one fsync, in
+        the store's worker thread), made before each claim and, while we refuse work, every claim
+        interval; clears ``store_full`` when it passes."""
         try:
-            self.store.probe_write()
+            await trio.to_thread.run_sync(self.store.probe_write, limiter=self.store_limiter)
         except StoreFullError as exc:
             self.refuse_work(exc)
             return False
@@ -681,10 +734,9 @@ class Agent:
         return predicate()
 
     def ledger(self, job_id: bytes, kind: str, data: dict) -> None:
-        try:
-            self.store.append_event(job_id, kind, data, self.clock())
-        except Exception as exc:  # noqa: BLE001 - the ledger must never stop the agent
-            log.warning("ledger %s: %s", kind, exc)
+        """Append an entry to our chain of the job's ledger: queued, made in the store writer's thread
+        (a failure is logged, or on a full disk makes us refuse work: the ledger never stops the agent)."""
+        self.write_soon(self.store.append_event, job_id, kind, data, self.clock())
 
     async def _ticks(self) -> None:
         from protocol.state import Tick

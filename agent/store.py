@@ -5,7 +5,12 @@ Rules of this file:
 - One ``Store`` = one SQLite connection. Calls are plain and blocking; each is a small transaction
   whose cost is one fsync (a few ms). The agent makes the frequent ones (recording the evidence of
   every applied gossip message) in a worker thread (``trio.to_thread.run_sync``, one at a time), so
-  its event loop keeps running while the disk syncs; the rare ones it makes directly. A lock makes
+  its event loop keeps running while the disk syncs. Writes the agent makes from its event loop
+  whose result it does not wait for (ledger entries, job rows, file hashes) are queued with
+  ``later(...)`` and made in order by ``flush()``, which the agent calls in that same worker thread;
+  a read (any query outside a transaction) first makes the queued writes, so what was queued is
+  always seen. ``flush`` returns the errors of the queued writes (StoreFullError among them) instead
+  of raising them: the caller decides (the agent refuses new work on a full disk). A lock makes
   each call (and each ``transaction()`` block) whole with respect to the other threads.
   ``close()`` when done (or use the Store as a context manager).
 - Durability. The database is in WAL mode with ``synchronous=FULL`` on every commit: when a
@@ -56,9 +61,10 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from protocol.codec import canonical_encode, decode_canonical
 from protocol.envelope import MAX_ENVELOPE_BYTES, Opened, open_envelope
@@ -216,6 +222,9 @@ class Store:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         existed = self.path.exists()
         self._lock = threading.RLock()  # one thread at a time inside a call or a transaction block
+        self._later: deque[tuple[Callable[..., Any], tuple, dict]] = deque()  # queued writes (later/flush)
+        self._later_errors: list[Exception] = []  # errors of queued writes made by a read, for flush()
+        self._flushing = False
         self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
         try:
             self._open(existed)
@@ -282,7 +291,41 @@ class Store:
             self._db.execute("INSERT INTO probe_write VALUES (zeroblob(4096))")
             self._db.execute("DROP TABLE probe_write")
 
+    def later(self, write: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Queue ``write(*args, **kwargs)`` (a method of this store) for ``flush()``, after the writes
+        queued before it. No I/O here: safe to call from an event loop."""
+        self._later.append((write, args, kwargs))
+
+    def pending(self) -> int:
+        """How many queued writes ``flush()`` has still to make or report on (a read may have made them)."""
+        return len(self._later) + len(self._later_errors)
+
+    def flush(self) -> list[Exception]:
+        """Make the queued writes in order, each its own commit; return their errors (a StoreFullError
+        when the disk is full: that write is lost, the next ones are still tried), including those of
+        queued writes a read made since the last flush."""
+        with self._lock:
+            self._flush_locked()
+            errors, self._later_errors = self._later_errors, []
+        return errors
+
+    def _flush_locked(self) -> None:
+        if self._flushing:
+            return
+        self._flushing = True
+        try:
+            while self._later:
+                write, args, kwargs = self._later.popleft()
+                try:
+                    write(*args, **kwargs)
+                except Exception as exc:  # noqa: BLE001 - returned by flush(); the caller decides
+                    self._later_errors.append(exc)
+        finally:
+            self._flushing = False
+
     def close(self) -> None:
+        with self._lock:
+            self._flush_locked()  # what was queued is written (its errors, unclaimed, are dropped)
         self._db.close()
 
     def __enter__(self) -> "Store":
@@ -348,6 +391,8 @@ class Store:
         """Run a query to the end. A half-read cursor (kept alive by an exception's traceback, say) would
         hold an old read snapshot: later reads would not see new commits and WAL checkpoints would stall."""
         with self._lock:
+            if self._later and self._depth == 0:  # what was queued is seen (not inside a transaction)
+                self._flush_locked()
             return self._db.execute(sql, params).fetchall()
 
     def _one(self, sql: str, params: tuple) -> Optional[tuple]:

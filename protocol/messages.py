@@ -402,6 +402,12 @@ class JobTerms(Wire):
     def job_id(self) -> bytes:
         return hashlib.sha256(JOB_ID_DOMAIN + canonical_encode(self.to_wire())).digest()
 
+    def validation_size_bound(self) -> int:
+        """The most bytes the file ``validation_cid`` names may hold (IPIP-0003 §3 "Size bounds"): the
+        training shards' bytes together (``ShardRef.size``). The held-out split is under half the
+        records, and the submitter refuses a dataset whose split is larger than its shards."""
+        return sum(s.size for s in self.shards)
+
 
 # -- messages ----------------------------------------------------------------------------------------
 

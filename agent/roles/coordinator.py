@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from agent.bundle import (
-    AGGREGATE_FILES, CHECKPOINT_FILES, REPORT_FILES, BundleError, bundle_size_bound, pack_dir, unpack,
+    AGGREGATE_FILES, CHECKPOINT_FILES, REPORT_FILES, BundleError, bundle_size_bound, pack_dir_off_loop, unpack_off_loop,
 )
 from agent.content.errors import FetchError
 from agent.roles.job import JobView
@@ -388,7 +388,7 @@ class CoordinatorRole:
         # every worker-chosen CID is bounded by what we would unpack of it (IPIP-0003 "Size bounds")
         await _fetch_worker_content(agent, report.proof_cid, work / "proof.tar", worker, providers,
                                     max_size=bundle_size_bound(16 << 20, PROOF_FILES))
-        proof_dir = _unpack_worker_bundle(work / "proof.tar", work / "proof", allowed=PROOF_FILES, max_bytes=16 << 20)
+        proof_dir = await _unpack_worker_bundle(work / "proof.tar", work / "proof", allowed=PROOF_FILES, max_bytes=16 << 20)
         try:
             commitment = Commitment.from_json(json.loads((proof_dir / "proof.json").read_text()))
             commitment.check(report.chain_head)
@@ -416,7 +416,7 @@ class CoordinatorRole:
 
         await _fetch_worker_content(agent, report.adapter_cid, work / "adapter.tar", worker, providers,
                                     max_size=bundle_size_bound(1 << 30, REPORT_FILES))
-        adapter_dir = _unpack_worker_bundle(work / "adapter.tar", work / "adapter", allowed=REPORT_FILES,
+        adapter_dir = await _unpack_worker_bundle(work / "adapter.tar", work / "adapter", allowed=REPORT_FILES,
                                             max_bytes=1 << 30)
         adapter = await trio.to_thread.run_sync(run_torch, _check_adapter, adapter_dir, terms)
         if await tensors_hash_off_loop(adapter, self.hash_limiter) != commitment.links[-1].adapter_hash:
@@ -473,7 +473,7 @@ class CoordinatorRole:
                 providers = [p for p in (view.terms.submitter,) if p != self.agent.peer_id]
                 await self.agent.content.fetch(previous.adapter_cid, bundle, timeout=self.agent.config.fetch_timeout,
                                                providers=providers, max_size=bundle_size_bound(1 << 30, AGGREGATE_FILES))
-                directory = unpack(bundle, work / f"initial-r{rnd}", allowed=AGGREGATE_FILES, max_bytes=1 << 30)
+                directory = await unpack_off_loop(bundle, work / f"initial-r{rnd}", allowed=AGGREGATE_FILES, max_bytes=1 << 30)
             if len(self._initial) > 64:
                 self._initial.clear()
             tensors = await trio.to_thread.run_sync(run_torch, expected_initial_adapter, config, directory)
@@ -495,7 +495,7 @@ class CoordinatorRole:
             bundle = work / f"ckpt-{step}.tar"
             await _fetch_worker_content(self.agent, checkpoints[step], bundle, providers[0], providers,
                                         max_size=bundle_size_bound(1 << 30, CHECKPOINT_FILES))
-            _unpack_worker_bundle(bundle, target, allowed=CHECKPOINT_FILES, max_bytes=1 << 30)
+            await _unpack_worker_bundle(bundle, target, allowed=CHECKPOINT_FILES, max_bytes=1 << 30)
         return target
 
     # -- aggregation ------------------------------------------------------------------------------
@@ -540,7 +540,7 @@ class CoordinatorRole:
                 await agent.content.fetch(report.adapter_cid, bundle, timeout=agent.config.fetch_timeout,
                                           providers=[terms.submitter, worker],
                                           max_size=bundle_size_bound(1 << 30, REPORT_FILES))
-                entry = (unpack(bundle, work / f"adapter-{shard}", allowed=REPORT_FILES, max_bytes=1 << 30),
+                entry = (await unpack_off_loop(bundle, work / f"adapter-{shard}", allowed=REPORT_FILES, max_bytes=1 << 30),
                          report.samples)
             inputs.append(entry)
         out = work / "adapter"
@@ -564,7 +564,7 @@ class CoordinatorRole:
         sealed = must_seal(terms, final)
         if sealed:  # a private job's final aggregate: only its submitter can open it (ipips/0010)
             out = await trio.to_thread.run_sync(seal_dir, out, work / "sealed", terms.submitter)
-        cid = await agent.content.add_file(pack_dir(out, work / "adapter.tar"), provide=False)
+        cid = await agent.content.add_file(await pack_dir_off_loop(out, work / "adapter.tar"), provide=False)
         agent.provide_soon(cid)  # in the background: a slow DHT peer must not delay the aggregate
         if not agent.is_coordinator(view):
             return
@@ -603,8 +603,9 @@ class CoordinatorRole:
         if path is None or not path.exists():
             path = work.parent / "validation.jsonl"
             providers = [p for p in (view.terms.submitter,) if p != self.agent.peer_id]
+            # bounded by the training shards' bytes (IPIP-0003 §3): the submitter chose this CID
             await self.agent.content.fetch(view.terms.validation_cid, path, timeout=self.agent.config.fetch_timeout,
-                                           providers=providers)
+                                           providers=providers, max_size=view.terms.validation_size_bound())
             self._validation[view.job_id] = path
         adapters = [adapter_dir / "adapter_model.safetensors"]
         if with_base:
@@ -626,10 +627,11 @@ async def _fetch_worker_content(agent: "RolePort", cid: str, out: Path, worker: 
         raise
 
 
-def _unpack_worker_bundle(bundle: Path, out: Path, **limits: Any) -> Path:
-    """``unpack`` of a bundle the worker made (its bytes verified by CID): one that does not unpack is its fault."""
+async def _unpack_worker_bundle(bundle: Path, out: Path, **limits: Any) -> Path:
+    """``unpack`` (in a worker thread) of a bundle the worker made (its bytes verified by CID): one that
+    does not unpack is its fault."""
     try:
-        return unpack(bundle, out, **limits)
+        return await unpack_off_loop(bundle, out, **limits)
     except BundleError as exc:
         raise Rejection(f"bundle: {exc}") from None
 

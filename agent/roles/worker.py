@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from agent.hooks import HonestTraining
-from agent.bundle import AGGREGATE_FILES, DEFAULT_MAX_BYTES, bundle_size_bound, pack_dir, unpack
+from agent.bundle import AGGREGATE_FILES, DEFAULT_MAX_BYTES, bundle_size_bound, pack_dir_off_loop, unpack_off_loop
 from agent.roles.job import JobView
 from agent.train.runner import run_torch, train_config
 from protocol import messages as m
@@ -116,7 +116,7 @@ class WorkerRole:
             self._wake = trio.Event()
             if len(self.active) >= agent.config.max_concurrent_shards:
                 continue
-            if agent.store_full is not None and not agent.can_take_work():
+            if agent.store_full is not None and not await agent.can_take_work():
                 continue  # the disk is full: we could not keep the evidence of new work (agent.refuse_work)
             now = agent.clock()
             for view in list(self.candidates.values()):
@@ -143,7 +143,7 @@ class WorkerRole:
                                        now - last_time < 2 * agent.config.claim_interval):
                     continue
                 self._last_claim[view.job_id] = (now, view.state.round, False)
-                if not agent.can_take_work():
+                if not await agent.can_take_work():
                     break
                 await agent.publish(m.ShardClaim(view.job_id, view.state.round, random.choice(open_shards)))
                 break
@@ -292,7 +292,7 @@ class WorkerRole:
             providers = [p for p in (view.coordination.coordinator, terms.submitter) if p and p != agent.peer_id]
             await self._fetch(view, lease, lease.initial_adapter_cid, bundle, providers,
                               max_size=bundle_size_bound(DEFAULT_MAX_BYTES, AGGREGATE_FILES))
-            initial = unpack(bundle, run_dir / "initial", allowed=AGGREGATE_FILES)
+            initial = await unpack_off_loop(bundle, run_dir / "initial", allowed=AGGREGATE_FILES)
         config = train_config(terms, model_path, round=lease.round, threads=agent.config.threads, log_every=5)
         processes = self.train_processes(terms)
         config = await trio.to_thread.run_sync(self._fit_to_device, config, model_path, processes)
@@ -304,7 +304,8 @@ class WorkerRole:
         checkpoint_cids: dict[int, str] = {}
 
         async def commit(event: Any) -> None:
-            cid = await agent.content.add_file(pack_dir(event.path, event.path.with_suffix(".tar")), provide=False)
+            cid = await agent.content.add_file(await pack_dir_off_loop(event.path, event.path.with_suffix(".tar")),
+                                                provide=False)
             checkpoint_cids[event.step] = str(cid)
             await agent.publish(m.CheckpointCommit(
                 view.job_id, lease.round, lease.shard, lease.attempt, event.step, event.index, event.head,
@@ -319,17 +320,19 @@ class WorkerRole:
         log.info("job %s shard %d attempt %d: training", view.job_id.hex()[:8], lease.shard, lease.attempt)
         result = await trio.to_thread.run_sync(run_torch, backend.train, request, on_checkpoint)
         genesis = request.run_dir / "checkpoints" / "step-000000"
-        checkpoint_cids[0] = str(await agent.content.add_file(pack_dir(genesis, genesis.with_suffix(".tar")),
+        checkpoint_cids[0] = str(await agent.content.add_file(await pack_dir_off_loop(genesis, genesis.with_suffix(".tar")),
                                                               provide=False))
         head = self.training.after_training(result.adapter_dir, request.run_dir / PROOF_FILE, result.head)
         # provided in the background: the report names us, and a slow DHT peer must not delay it (issue 17)
-        adapter_cid = await agent.content.add_file(pack_dir(result.adapter_dir, run_dir / "adapter.tar"), provide=False)
+        adapter_cid = await agent.content.add_file(
+            await pack_dir_off_loop(result.adapter_dir, run_dir / "adapter.tar"), provide=False)
         agent.provide_soon(adapter_cid)
         proof_dir = run_dir / "proof"
         proof_dir.mkdir()
         shutil.copy(request.run_dir / PROOF_FILE, proof_dir / PROOF_FILE)
         (proof_dir / CHECKPOINTS_FILE).write_text(json.dumps({str(k): v for k, v in sorted(checkpoint_cids.items())}))
-        proof_cid = await agent.content.add_file(pack_dir(proof_dir, run_dir / "proof.tar"), provide=False)
+        proof_cid = await agent.content.add_file(await pack_dir_off_loop(proof_dir, run_dir / "proof.tar"),
+                                               provide=False)
         agent.provide_soon(proof_cid)
         metrics = {"train_seconds": float(result.train_seconds), "tokens_per_s": float(result.tokens_per_second)}
         if result.validation_loss is not None:

@@ -122,9 +122,13 @@ def write_chatml(path: str | Path, records: Sequence[Record | dict]) -> None:
     """Write records as ChatML JSONL (one compact JSON object per line)."""
     with open(path, "w", encoding="utf-8") as handle:
         for record in records:
-            if isinstance(record, Record):
-                record = {"messages": list(record.messages), "meta": record.meta}
-            handle.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
+            handle.write(_chatml_line(record))
+
+
+def _chatml_line(record: Record | dict) -> str:
+    if isinstance(record, Record):
+        record = {"messages": list(record.messages), "meta": record.meta}
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
 
 
 # --- tokenization -------------------------------------------------------------------------------
@@ -244,6 +248,15 @@ def check_dataset(path: str | Path, n_shards: int, validation_fraction: float, s
             which = f"shard {index} (lines {_lines(data, shard)})" if n_shards > 1 else "the training split"
             raise DataError(str(path), f"{which} has no assistant text to learn from: every assistant "
                                        "message is empty")
+    if split.validation:  # a coordinator fetches at most the shards' bytes of it (JobTerms.validation_size_bound)
+        def size(indices: Sequence[int]) -> int:
+            return sum(len(_chatml_line(data.records[i]).encode()) for i in indices)
+
+        held, trained = size(split.validation), sum(size(shard) for shard in split.shards)
+        if held > trained:
+            raise DataError(str(path), f"the validation split ({len(split.validation)} records, {held} bytes) is "
+                                       f"larger than the {training} training records ({trained} bytes), the most a "
+                                       "coordinator fetches of it; lower input.validation_split")
     return data
 
 

@@ -54,3 +54,65 @@ def fill_up(db) -> None:
 
 def full_name(net, agent) -> str:
     return next(name for name, a in net.agents.items() if a is agent)
+
+
+async def test_an_agent_restarted_on_a_full_disk_says_why_and_stays_up_refusing_work(tmp_path, tiny_model_dir,
+                                                                                    monkeypatch, caplog):
+    """Issue 17 item 5: restarted over a store on a full disk, an agent used to say "ready" then die (a
+    job row corrected on resume, a file hash saved by its ticks: writes made outside the full-disk
+    guard). Now it resumes its jobs, says why it refuses work, stays up and in the network, and takes
+    no work until there is room again. (SQLite's max_page_count fails only the writes that need a new
+    page, as a long file-hash entry does; an in-place row update still fits.)"""
+    import logging
+    import sqlite3
+    from pathlib import Path
+
+    from agent.store import STORE_FILENAME, Store
+
+    async with network(tmp_path, tiny_model_dir, workers=2, reannounce_seconds=1.0) as net:
+        spec = fast_spec(shards=2, rounds=1)
+        terms = await net.submitter.submitter.prepare_terms(spec, write_dataset(tmp_path / "d.jsonl"),
+                                                            str(tiny_model_dir))
+        coordinator = elect(terms.job_id(), [w.peer_id for w in net.workers])
+        victim = next(w for w in net.workers if w.peer_id != coordinator)  # the one worker that can train
+        name, home = full_name(net, victim), victim.config.home
+        view = await net.submitter.submitter.announce(terms)
+        with trio.fail_after(30):
+            while view.job_id not in victim.jobs or victim.store.job(view.job_id) is None:
+                await trio.sleep(0.05)
+        await net.kill(name)
+        # killed between a message that applied and its job row: on resume the row is corrected
+        with sqlite3.connect(home / STORE_FILENAME) as db:
+            db.execute("UPDATE jobs SET state = 'AGGREGATING' WHERE job_id = ?", (view.job_id,))
+        db.close()
+
+        opened = Store.in_data_dir.__func__
+
+        def full_disk(cls, data_dir, identity):  # the store opens on a disk that is (or soon is) full
+            store = opened(cls, data_dir, identity)
+            if Path(data_dir) == home:
+                fill_up(store._db)
+            return store
+
+        monkeypatch.setattr(Store, "in_data_dir", classmethod(full_disk))
+        leases_before = sum(lease.worker == victim.peer_id for lease in view.leases.values())
+        caplog.set_level(logging.ERROR, logger="agent.node")
+        restarted = await net.restart(name)
+        # a file hashed meanwhile (by a training or replay thread): the agent's ticks save it to the store
+        from agent.train.model import FILE_HASHES
+
+        FILE_HASHES.put((f"{tmp_path}/{'m' * 200}" * 25 + "/model.safetensors", 1, 1), "ab" * 32)
+        with trio.fail_after(30):
+            while restarted.store_full is None:
+                await trio.sleep(0.05)
+        assert "cannot write: the disk is full" in restarted.store_full
+        assert any("refusing new work" in r.getMessage() and "disk is full" in r.getMessage() for r in caplog.records)
+        assert view.job_id in restarted.jobs  # its job resumed
+        await trio.sleep(3 * restarted.config.heartbeat_seconds)  # its ticks and heartbeats run on
+        assert net.running(name) and restarted.peer_id in net.submitter.live_peers()  # still up, still heard
+        assert (await _status(restarted))["refusing_work"] == restarted.store_full
+        assert sum(lease.worker == victim.peer_id for lease in view.leases.values()) == leases_before  # no work
+        restarted.store._db.execute(f"PRAGMA max_page_count = {UNLIMITED}")  # room again: it takes work again
+        with trio.fail_after(30):
+            while restarted.store_full is not None:
+                await trio.sleep(0.1)

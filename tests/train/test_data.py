@@ -156,3 +156,20 @@ def test_prepare_examples_reports_what_was_left_out(tmp_path, tokenizer):
         {"messages": [{"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "ok"}]})])
     shard = prepare_examples(path, tokenizer, max_seq_len=64, skip_bad=True)
     assert (len(shard.examples), shard.records, shard.skipped_lines, shard.dropped_examples) == (1, 2, 1, 1)
+
+
+def test_a_validation_split_larger_than_the_shards_is_refused_naming_the_file(tmp_path):
+    """The coordinator fetches at most the shards' bytes of the validation split (IPIP-0003 §3), so the
+    submitter refuses a dataset whose held-out records outweigh its training records."""
+    from agent.train.data import check_dataset
+
+    def record(i: int, text: str) -> str:
+        return json.dumps({"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": text}]})
+
+    # split_dataset(10, 2, 0.2, seed=0) holds out records 7 and 8
+    lines = [record(i, "x" * 20_000 if i in (7, 8) else "short answer") for i in range(10)]
+    path = write_lines(tmp_path / "skewed.jsonl", lines)
+    with pytest.raises(DataError, match=r"skewed.jsonl: the validation split \(2 records, \d+ bytes\) is larger"):
+        check_dataset(path, 2, 0.2, 0)
+    small = write_lines(tmp_path / "even.jsonl", [record(i, "short answer") for i in range(10)])
+    assert len(check_dataset(small, 2, 0.2, 0).records) == 10
