@@ -56,7 +56,7 @@ DTYPE_SIZES = {
 FP32_TOLERANCE = 1e-4
 """Default max relative L2 distance per tensor for float32 replays in differing environments."""
 HALF_TOLERANCE = 1e-2
-"""Default for bf16/fp16 training, which no environment reproduces bit for bit."""
+"""Default for bf16 training, which no environment reproduces bit for bit (fp16 is not a training dtype)."""
 
 DETERMINISM_FIELDS = (
     "torch", "peft", "transformers", "device", "dtype", "threads",
@@ -442,7 +442,7 @@ def acceptance_tolerance(
 
     Exact when both sides ran float32 on CPU in the same recorded environment (that replays bit
     for bit). Otherwise the job's ``proof.tolerance`` if set, else FP32_TOLERANCE for float32
-    and HALF_TOLERANCE for bf16/fp16.
+    and HALF_TOLERANCE for bf16.
     """
     dtype = worker.get("dtype")
     if environments_match(worker, verifier) and dtype == "float32" and worker.get("device") == "cpu":

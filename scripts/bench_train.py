@@ -7,16 +7,24 @@ Prints one JSON object per figure:
   replay_segment_seconds  verify_segment of one segment (load, hash checks, re-run, compare) against
                           the time the worker spent training that segment; ratio = train / replay
                           (higher is better, as everywhere), goal 0.8 (a replay within 1.25x).
-Both sides run in this process, alternately, best of ``--repeats``: the machine is shared and
-the first run pays for lazy imports. ``--device cuda`` runs both sides on the GPU (bf16 where it
-is supported; ``--model DIR`` for a larger model than the tiny one).
-Usage: python scripts/bench_train.py [--steps 60] [--threads 1] [--device cpu|cuda] [--model DIR]
+  unsloth_vs_peft_tokens_per_s  (``--runtime unsloth``) the worker's unsloth backend (its child process,
+                          agent/train/unsloth_runner.py) against the worker's peft backend above, same
+                          model, shard, config and device; ratio = unsloth / peft, goal 1.5. Without a
+                          CUDA GPU or without unsloth the row says ``skipped`` with the reason, in one line.
+Both sides run in this process, alternately, best of ``--repeats`` (unsloth: best of at most 2, each in
+a fresh child): the machine is shared and the first run pays for lazy imports. ``--device cuda`` runs
+both sides on the GPU (bf16 where it is supported). The model: the tiny one, ``--model DIR``, or
+``--shape qwen2.5-0.5b``: a random-weight model of Qwen2.5-0.5B's shape built in code from its config
+(no hub access; the tiny model's tokenizer, whose ids stay below its vocabulary).
+Usage: python scripts/bench_train.py [--steps 60] [--threads 1] [--device cpu|cuda]
+       [--model DIR | --shape qwen2.5-0.5b] [--runtime peft|unsloth]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -37,6 +45,60 @@ from agent.train.tiny import demo_records, tiny_model  # noqa: E402
 from protocol.proof import Commitment  # noqa: E402
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+QWEN25_05B = dict(  # Qwen/Qwen2.5-0.5B config.json, the fields that shape the weights
+    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+    num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    tie_word_embeddings=True, hidden_act="silu",
+)
+SHAPES = {"qwen2.5-0.5b": QWEN25_05B}
+
+
+def build_shape_model(out: Path, shape: str = "qwen2.5-0.5b") -> Path:
+    """A random-weight model directory of ``shape`` (seeded; bf16 safetensors) with the tiny model's tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if (out / "model.safetensors").exists():
+        return out
+    tiny = tiny_model()
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**SHAPES[shape])).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny / name).exists():
+            shutil.copy(tiny / name, out / name)
+    return out
+
+
+def unsloth_unavailable(device: str) -> str | None:
+    """Why the unsloth backend cannot run here (one line), or None."""
+    from agent.hardware import unsloth_installed
+
+    if device != "cuda" or not torch.cuda.is_available():
+        return "runtime unsloth needs a CUDA GPU: run with --device cuda on a machine that has one"
+    if not unsloth_installed():
+        return "unsloth is not installed in this Python (nor named by INFERNET_UNSLOTH_PYTHON)"
+    return None
+
+
+def unsloth_row(config: TrainConfig, shard: Path, work: Path, peft_rate: float, repeats: int) -> dict:
+    """The unsloth_vs_peft_tokens_per_s row: the worker's unsloth backend against its peft backend's tokens/s."""
+    from agent.train.backends import UnslothBackend
+
+    row = {"bench": "unsloth_vs_peft_tokens_per_s", "unit": "tokens/s", "goal": 1.5, "device": config.device}
+    reason = unsloth_unavailable(config.device)
+    if reason is not None:
+        return {**row, "skipped": reason}
+    rates = []
+    try:
+        for repeat in range(max(1, min(repeats, 2))):
+            request = TrainRequest(config.with_(runtime="unsloth"), shard, work / f"unsloth{repeat}")
+            rates.append(UnslothBackend().train(request).tokens_per_second)
+    except Exception as exc:  # noqa: BLE001 - one line: the other figures stand
+        return {**row, "error": f"{type(exc).__name__}: {exc}"[:500]}
+    return {**row, "value": round(max(rates), 1), "reference": round(peft_rate, 1),
+            "ratio": round(max(rates) / peft_rate, 3)}
 
 
 def bare_loop(config: TrainConfig, shard: Path) -> tuple[int, float]:
@@ -83,12 +145,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--model", type=Path, default=None, help="base model directory (default: the tiny model)")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--model", type=Path, default=None, help="base model directory (default: the tiny model)")
+    model.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                       help="a random-weight model of this shape, built in code (no hub access)")
+    parser.add_argument("--runtime", choices=("peft", "unsloth"), default="peft",
+                        help="unsloth: also the unsloth_vs_peft_tokens_per_s row (needs CUDA and unsloth)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_train: --device cuda but no CUDA GPU is available")
+    if args.model is not None and not args.model.is_dir():
+        raise SystemExit(f"bench_train: --model {args.model}: not a directory")
 
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))
+    if args.shape:
+        args.model = build_shape_model(work / args.shape, args.shape)
     records = demo_records(400, seed=0)
     shard = work / "shard.jsonl"
     write_chatml(shard, [records[i] for i in split_dataset(len(records), 2, 0.0, seed=0).shards[0]])
@@ -124,11 +195,14 @@ def main() -> None:
     worker, bare = max(worker_rates), max(bare_rates)
     print(json.dumps({"bench": "train_tokens_per_s", "value": round(worker, 1), "unit": "tokens/s",
                       "reference": round(bare, 1), "ratio": round(worker / bare, 3), "goal": 0.95,
-                      "threads": args.threads, "device": args.device}))
+                      "threads": args.threads, "device": args.device,
+                      "model": args.shape or ("tiny" if args.model is None else str(args.model))}), flush=True)
     replay, train = min(replays, key=lambda pair: pair[0] / pair[1])
     print(json.dumps({"bench": "replay_segment_seconds", "value": round(replay, 3), "unit": "s",
                       "reference": round(train, 3), "ratio": round(train / replay, 3), "goal": 0.8,
                       "threads": args.threads, "segment_steps": args.checkpoint_every}))
+    if args.runtime == "unsloth":
+        print(json.dumps(unsloth_row(config, shard, work, worker, args.repeats)), flush=True)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ On a machine with a CUDA GPU and torch/transformers/peft installed (no hub acces
      importable) -- trains the same shard as two workers (A and B, separate runs), replays one
      segment of A as a verifier would (verify_segment), and measures A against B;
   3. prints JSON lines ``{"bench", "value", "unit", "reference", "ratio", "goal"}`` (ratio higher =
-     better): tokens/s against a bare torch + peft loop (goal 0.95); replay and run-to-run drift
+     better): tokens/s against a bare torch + peft loop (goal 0.95; for unsloth, ``gpu_unsloth_vs_peft``:
+     against the worker's peft backend on the same device, goal 1.5); replay and run-to-run drift
      (max relative L2 over adapter tensors) against the dtype's tolerance (ratio = tolerance /
      drift, goal 1.0: the tolerance holds with room to spare when the ratio is far above 1).
   4. with two or more CUDA devices, the ``ddp`` case: one worker training data-parallel over all of them
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -31,33 +31,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-QWEN25_05B = dict(  # Qwen/Qwen2.5-0.5B config.json, the fields that shape the weights
-    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-    num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-    tie_word_embeddings=True, hidden_act="silu",
-)
-
-
 def build_model(out: Path, *, smoke: bool) -> Path:
     """A random-weight model directory: Qwen2.5-0.5B's shape (or the tiny model for --cpu-smoke)."""
     from agent.train.tiny import tiny_model
+    from scripts.bench_train import build_shape_model
 
-    tiny = tiny_model()
-    if smoke:
-        return tiny
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    if (out / "model.safetensors").exists():
-        return out
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B)).to(torch.bfloat16)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (tiny / name).exists():
-            shutil.copy(tiny / name, out / name)
-    return out
+    return tiny_model() if smoke else build_shape_model(out, "qwen2.5-0.5b")
 
 
 def max_drift(a_dir: Path, b_dir: Path) -> float:
@@ -91,7 +70,12 @@ def replay_last_segment(result, shard: Path, config):
     return verdict, tolerance, 0.0 if verdict.exact else verdict.max_distance, index
 
 
-def run_case(name: str, config, shard: Path, work: Path, backend_name: str, device: str) -> None:
+def run_case(name: str, config, shard: Path, work: Path, backend_name: str, device: str,
+             peft_rates: dict[str, float]) -> None:
+    """Two workers' runs of one case, a replay of A's last segment, and the case's speed: a peft case against
+    a bare torch + peft loop (goal 0.95: the worker's recording costs little); unsloth against the worker's
+    peft backend on the same model, config and device (goal 1.5), the peft case's rate from ``peft_rates``
+    (keyed by method), else measured here."""
     from agent.train.backends import PeftBackend, UnslothBackend
     from agent.train.run import TrainRequest
     from scripts.bench_train import bare_loop
@@ -104,11 +88,20 @@ def run_case(name: str, config, shard: Path, work: Path, backend_name: str, devi
     a, b = results
     verdict, tolerance, replay, index = replay_last_segment(a, shard, config)
     run_to_run = max_drift(a.adapter_dir, b.adapter_dir)
-    tokens, seconds = bare_loop(config.with_(device=device), shard)
-    bare = tokens / seconds
     env = {k: a.environment.get(k) for k in ("device", "device_class", "dtype", "quantization", "backend")}
-    emit(f"gpu_{name}_tokens_per_s", round(a.tokens_per_second, 1), "tokens/s", round(bare, 1),
-         a.tokens_per_second / bare, 0.95, env=env)
+    rate = max(a.tokens_per_second, b.tokens_per_second)
+    if backend_name == "unsloth":
+        peft = peft_rates.get(config.method)
+        if peft is None:
+            peft_config = config.with_(runtime="peft")
+            peft = PeftBackend().train(TrainRequest(peft_config, shard, work / name / "peft")).tokens_per_second
+        emit(f"gpu_{name}_vs_peft_tokens_per_s", round(rate, 1), "tokens/s", round(peft, 1), rate / peft, 1.5,
+             env=env)
+    else:
+        peft_rates.setdefault(config.method, rate)
+        tokens, seconds = bare_loop(config.with_(device=device), shard)
+        bare = tokens / seconds
+        emit(f"gpu_{name}_tokens_per_s", round(rate, 1), "tokens/s", round(bare, 1), rate / bare, 0.95, env=env)
     emit(f"gpu_{name}_replay_drift", replay, "rel_l2", tolerance, tolerance / max(replay, 1e-8), 1.0,
          accepted=verdict.accepted, exact=verdict.exact, segment=index, env=env)
     emit(f"gpu_{name}_run_to_run_drift", run_to_run, "rel_l2", tolerance, tolerance / max(run_to_run, 1e-8), 1.0,
@@ -175,14 +168,23 @@ def main(argv: list[str] | None = None) -> int:
     cases = [("peft_bf16" if not smoke else "peft_fp32", config, "peft")]
     if importlib.util.find_spec("bitsandbytes") is not None:
         cases.append(("qlora", config.with_(method="qlora"), "peft"))
-    if not smoke and importlib.util.find_spec("unsloth") is not None:
+    from agent.hardware import unsloth_installed
+
+    if not smoke and unsloth_installed():
         cases.append(("unsloth", config.with_(runtime="unsloth"), "unsloth"))
+    elif not smoke and (not args.only or "unsloth" in args.only):
+        print(json.dumps({"bench": "gpu_unsloth", "skipped": "unsloth is not installed in this Python "
+                          "(scripts/gpu_wheels.sh unsloth carries it)"}), flush=True)
+    if importlib.util.find_spec("bitsandbytes") is None and not smoke and (not args.only or "qlora" in args.only):
+        print(json.dumps({"bench": "gpu_qlora", "skipped": "bitsandbytes is not installed in this Python "
+                          "(scripts/gpu_wheels.sh qlora carries it)"}), flush=True)
     started = time.time()
+    peft_rates: dict[str, float] = {}  # the peft worker's tokens/s per method, the reference of the unsloth case
     for name, case_config, backend in cases:
         if args.only and name not in args.only and name.replace("fp32", "bf16") not in args.only:
             continue
         try:
-            run_case(name, case_config, shard, work, backend, device)
+            run_case(name, case_config, shard, work, backend, device, peft_rates)
         except Exception as exc:  # noqa: BLE001 - one failing case must not hide the others' figures
             print(json.dumps({"bench": f"gpu_{name}", "error": f"{type(exc).__name__}: {exc}"[:500]}), flush=True)
     processes = args.processes or (2 if smoke else torch.cuda.device_count())

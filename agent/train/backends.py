@@ -9,7 +9,8 @@ Rules of this file:
   of its own environment (``INFERNET_UNSLOTH_PYTHON``, default this interpreter). The child
   writes checkpoint events and the result as ``EVENT_PREFIX``/``RESULT_PREFIX`` JSON lines on
   stdout; anything else it prints is passed through to our stderr.
-- Selecting unsloth without a GPU fails at once with one line, before any work.
+- Selecting unsloth without a GPU fails at once with one line, before any work (``cuda_available``,
+  the one place that asks torch; tests stand in for it to run the worker's unsloth path on a CPU).
 - ``select_backend(runtime, processes)`` with ``processes`` > 1 and peft: data parallel over that many
   processes (agent/train/parallel.py), which reads its rank 0 child with the same lines (``read_child``).
 - The request file also carries the base model's file hashes this process knows
@@ -101,6 +102,11 @@ def read_child(child: subprocess.Popen, on_checkpoint: OnCheckpoint | None) -> t
     return result, error
 
 
+def cuda_available() -> bool:
+    """Whether this process sees a CUDA GPU: what ``select_backend`` asks before it starts unsloth."""
+    return torch.cuda.is_available()
+
+
 def select_backend(runtime: str, processes: int = 1) -> Backend:
     """The backend for a job's ``runtime``; TrainError when this machine cannot run it. With
     ``processes`` > 1 the peft runtime trains data-parallel (agent/train/parallel.py); unsloth
@@ -112,7 +118,7 @@ def select_backend(runtime: str, processes: int = 1) -> Backend:
             return DataParallelBackend(processes)
         return PeftBackend()
     if runtime == "unsloth":
-        if not torch.cuda.is_available():
+        if not cuda_available():
             raise TrainError("runtime unsloth needs a CUDA GPU; none found — use runtime: peft")
         return UnslothBackend()
     raise TrainError(f"unknown runtime {runtime!r} (known: peft, unsloth)")

@@ -48,7 +48,9 @@ def test_presets(base_config, tiny_model_dir):
 
 
 def test_a_worker_chosen_micro_batch_keeps_the_proof_and_replays_exactly(tmp_path, base_config, demo_files):
-    config = base_config.with_(max_steps=6, checkpoint_every=3, dropout=0.0)
+    # on the CPU in float32 whatever the machine has: that is where a replay is exact (bf16 on a GPU is not,
+    # IPIP-0005 §8.1), and where micro-batches sum to the whole step within float32 noise
+    config = base_config.with_(max_steps=6, checkpoint_every=3, dropout=0.0, device="cpu", dtype="float32")
     whole = train_shard(TrainRequest(config, demo_files["shard0"], tmp_path / "whole"))
     split = train_shard(TrainRequest(config.with_(micro_batch_size=2), demo_files["shard0"], tmp_path / "split"))
     a = Commitment.from_json(json.loads((whole.run_dir / "proof.json").read_text()))
