@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--bootstrap", action="append", metavar="MULTIADDR", help="peer to join through (repeatable)")
     run.add_argument("--announce", action="append", metavar="MULTIADDR",
                      help="address peers should dial, e.g. a port your router forwards (repeatable)")
-    run.add_argument("--relay", action="store_true", default=None,
-                     help="serve circuit relay v2 to agents behind NAT (a public agent)")
+    run.add_argument("--relay", nargs="?", const="true", choices=("auto", "true", "false"), default=None,
+                     help="serve circuit relay v2 to agents behind NAT: auto (the default: while this agent "
+                          "is publicly reachable), true (--relay alone) or false")
     run.add_argument("--accept-training", action="store_true", default=None,
                      help="train other people's jobs here (also INFERNET_ACCEPT_TRAINING=1)")
     run.add_argument("--no-coordinate", action="store_true", help="never coordinate jobs")
@@ -343,7 +344,8 @@ def cmd_agent_run(args: argparse.Namespace) -> int:
     config = load_config(
         home, listen=tuple(args.listen) if args.listen else None,
         bootstrap=tuple(args.bootstrap) if args.bootstrap else None, accept_training=args.accept_training,
-        announce=tuple(args.announce) if args.announce else None, relay=args.relay,
+        announce=tuple(args.announce) if args.announce else None,
+        relay={"true": True, "false": False}.get(args.relay, args.relay),
         can_coordinate=False if args.no_coordinate else None, max_concurrent_shards=args.max_concurrent_shards,
         allowed_base_models=tuple(args.allowed_base_model) if args.allowed_base_model else None,
         min_price_per_hour=args.min_price, threads=args.threads)
@@ -419,7 +421,10 @@ def _reach_lines(reach: dict | None) -> list[str]:
     if not reach:
         return []
     relays = ", ".join(f"{r[-8:]}" for r in reach["reservations"]) or "none"
-    lines = [f"  reach:     {reach['status']}" + ("; serving as a relay" if reach["relay_service"] else "") +
+    mode = reach.get("relay_mode")
+    serving = ("; serving as a relay" + (" (relay = auto: while public)" if mode == "auto" else "")
+               if reach["relay_service"] else "; relay = auto: serves once public" if mode == "auto" else "")
+    lines = [f"  reach:     {reach['status']}" + serving +
              (f"; relay slots: {relays}" if reach["status"] == "private" or reach["reservations"] else ""),
              f"  links:     {len(reach['direct'])} direct, {len(reach['relayed'])} relayed" +
              (f"; {reach['circuits_served']} circuit(s) relayed for others" if reach["relay_service"] else "") +

@@ -52,9 +52,10 @@ bootstrap = []
 # forwards a public port here (e.g. ["/ip4/203.0.113.7/tcp/4001"]). Empty = the listen addresses.
 announce = []
 
-# Serve circuit relay v2 to agents behind a NAT (only useful on a publicly reachable agent): they
-# reserve a slot here and are dialled through it, within per-circuit limits of time and bytes.
-relay = false
+# Serve circuit relay v2 to agents behind a NAT: they reserve a slot here and are dialled through
+# it, within per-circuit limits of time and bytes (600 s, 64 MiB). "auto": serve while AutoNAT says
+# this agent is publicly reachable (peers dialled it back); true: always; false: never.
+relay = "auto"
 
 # Opt in to training other people's jobs on this machine (also: INFERNET_ACCEPT_TRAINING=1).
 accept_training = false
@@ -108,7 +109,7 @@ measure_speed = true
 """
 
 _TYPES: dict[str, type | tuple[type, ...]] = {
-    "listen": list, "bootstrap": list, "announce": list, "relay": bool, "accept_training": bool, "can_coordinate": bool,
+    "listen": list, "bootstrap": list, "announce": list, "relay": (bool, str), "accept_training": bool, "can_coordinate": bool,
     "max_concurrent_shards": int, "allowed_base_models": list, "min_price_per_hour": (int, float),
     "price_per_hour": (int, float), "threads": int, "train_processes": int, "ipfs_api": str, "fetch_timeout": (int, float),
     "heartbeat_seconds": (int, float), "missed_heartbeats": int, "grace_seconds": (int, float),
@@ -170,6 +171,7 @@ def load_config(home: Path, **overrides: Any) -> "AgentConfig":
             values[key] = tuple(values[key])
     values.update({k: v for k, v in overrides.items() if v is not None})
     values.setdefault("measure_speed", True)  # an operator's agent measures; tests build AgentConfig without it
+    values.setdefault("relay", "auto")  # an operator's agent relays while public; tests choose (AgentConfig: off)
     if os.environ.get("INFERNET_ACCEPT_TRAINING") == "1":
         values["accept_training"] = True
     return replace(AgentConfig(home=home), **values)
@@ -177,6 +179,10 @@ def load_config(home: Path, **overrides: Any) -> "AgentConfig":
 
 def _check_value(where: str, key: str, value: Any, *, flag: bool = False) -> None:
     name = "" if flag else f" {key}:"
+    if key == "relay":
+        if not (isinstance(value, bool) or value == "auto"):
+            raise ConfigError(f"{where}:{name} expected true, false or \"auto\", got {value!r}")
+        return
     expected = _TYPES.get(key)
     if expected and (not isinstance(value, expected) or isinstance(value, bool) and expected is not bool):
         raise ConfigError(f"{where}:{name} expected {_type_name(expected)}, got {type(value).__name__}")

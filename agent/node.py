@@ -87,7 +87,8 @@ class AgentConfig:
     listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
     bootstrap: tuple[str, ...] = ()
     announce: tuple[str, ...] = ()  # addresses peers should dial instead of the listen ones (a forwarded port)
-    relay: bool = False  # serve circuit relay v2 (within agent/net/reach.py RELAY_LIMITS) to unreachable peers
+    relay: bool | str = False  # serve circuit relay v2 (within agent/net/reach.py RELAY_LIMITS) to unreachable
+    # peers: true, false, or "auto" (while AutoNAT says we are public; an operator's config default)
     accept_training: bool = False
     can_coordinate: bool = True
     max_concurrent_shards: int = 1

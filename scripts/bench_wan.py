@@ -15,6 +15,11 @@ per line, ratio higher is better):
 - job_wall_time_wan: the wall time of a 1-round, 2-shard job with agents on separate hosts, every
   link adding ``--delay`` ms; reference: the same job on unshaped hosts; ratio = reference / value,
   goal 1 / 1.3 (at most 1.3 times slower). The median of ``--repeat`` runs each, alternated.
+- announce_to_all_leased_wan: in the same jobs, seconds from the job's announcement to the
+  submitter's mirror holding a lease of every shard (each shard's first lease), read from the run's
+  trace (``trace.jsonl``: the ``job`` line, then the ``recv`` lines of type ``lease`` at the
+  submitter). Reference: the same at 0 ms; ratio = reference / value; no goal (a lease waits on
+  gossip round trips and the claim window, so it is reported, not judged).
 """
 
 from __future__ import annotations
@@ -176,6 +181,7 @@ def job_figure(args: argparse.Namespace) -> None:
 job: {{shards: 2, rounds: 1}}\n""", "bench-wan")
 
     times: dict[float, list[float]] = {0.0: [], args.delay: []}
+    leased: dict[float, list[float]] = {0.0: [], args.delay: []}
     for _ in range(args.repeat):  # alternate, so a busy spell of the machine hits both alike
         for delay in (0.0, args.delay):
             with tempfile.TemporaryDirectory() as out:
@@ -184,10 +190,36 @@ job: {{shards: 2, rounds: 1}}\n""", "bench-wan")
                     print(result.summary, file=sys.stderr)
                     return
                 times[delay].append(result.seconds)
+                if result.trace_path is not None and (seconds := announce_to_all_leased(result.trace_path, 2)) is not None:
+                    leased[delay].append(seconds)
     print(f"job wall times (s): unshaped {[round(t, 1) for t in times[0.0]]}, "
           f"{args.delay:g} ms {[round(t, 1) for t in times[args.delay]]}", file=sys.stderr, flush=True)
     emit("job_wall_time_wan", percentile(times[args.delay], 0.5), "s", percentile(times[0.0], 0.5), round(1 / 1.3, 3),
          lower_is_better=True, delay_ms=args.delay, shaper=delay_method(), runs=args.repeat)
+    if leased[0.0] and leased[args.delay]:
+        print(f"announce to all leased (s): unshaped {[round(t, 2) for t in leased[0.0]]}, "
+              f"{args.delay:g} ms {[round(t, 2) for t in leased[args.delay]]}", file=sys.stderr, flush=True)
+        emit("announce_to_all_leased_wan", percentile(leased[args.delay], 0.5), "s", percentile(leased[0.0], 0.5),
+             None, lower_is_better=True, delay_ms=args.delay, shaper=delay_method(), runs=len(leased[args.delay]))
+    else:
+        skipped("announce_to_all_leased_wan", "a run's trace lacks the announcement or a shard's lease")
+
+
+def announce_to_all_leased(trace_path: Path, shards: int) -> float | None:
+    """Seconds from the job's announcement to the submitter's mirror holding a lease of every shard of
+    round 1 (each shard's first lease), from a harness trace; None if the trace lacks either."""
+    from agent.harness.trace import read_trace
+
+    lines = read_trace(trace_path)
+    announced = next((line["t"] for line in lines if line["kind"] == "job"), None)
+    first: dict[int, float] = {}
+    for line in lines:
+        if (line["kind"] == "recv" and line.get("agent") == "submitter" and line.get("type") == "lease"
+                and line.get("round") == 1):
+            first.setdefault(line["shard"], line["t"])
+    if announced is None or len(first) < shards:
+        return None
+    return max(first.values()) - announced
 
 
 def main() -> None:

@@ -7,8 +7,10 @@ Rules of this file:
 - ``fetch`` produces ``out_path`` only when the whole DAG has arrived and been verified; until then
   the bytes go to a temp file next to it, renamed into place at the end (never a half-written file).
   Order of sources: blocks already in the local store (so an interrupted fetch resumes where it was),
-  then each provider in turn (explicit ones first, then the DHT's), then the IPFS daemon if one is
-  configured. Every block passes one ``StreamVerifier`` whatever
+  then each provider in turn (explicit ones first, then the DHT's) over a direct connection, then
+  (IPIP-0003 §4.1) the providers reachable only through a relay, dialled through it last and skipped
+  when the file's known size exceeds a circuit's byte limit (``relay_data_limit``: the relay's
+  ``RELAY_LIMITS.data``), then the IPFS daemon if one is configured. Every block passes one ``StreamVerifier`` whatever
   its source; a provider that dies, stalls, or sends a bad block is left, and the next continues from
   the same position.
 - Every fetch is bounded (IPIP-0003 "Size bounds"): ``max_size`` (the most the caller's protocol
@@ -50,6 +52,7 @@ from agent.content.ipfs_daemon import IpfsDaemon
 from agent.net.discovery import Discovery
 from agent.net.errors import NetConfigError, NetError, ProtocolNotSupported
 from agent.net.host import Host, parse_peer_multiaddr, to_libp2p_id
+from agent.net.reach import RELAY_LIMITS
 from protocol.cid import CID, parse_cid
 from protocol.errors import CIDError, FileSizeError, KeyFileError
 from protocol.identity import public_key_from_peer_id
@@ -78,6 +81,8 @@ class FetchReport:
     attempts: list[str] = field(default_factory=list)
     refused: str = ""  # why the file itself is refused (its root states a size over the bound)
     corrupt: list[str] = field(default_factory=list)  # providers that sent a block failing verification
+    relay_skipped: list[str] = field(default_factory=list)  # reachable only through a relay; file too large
+    direct_failed: dict[str, str] = field(default_factory=dict)  # provider -> why its direct dial failed
 
 
 class ContentService:
@@ -96,6 +101,8 @@ class ContentService:
         self.server.install(host)
         self.bitswap = BitswapExchange(host, store)
         self._no_blocks: dict[str, float] = {}  # provider -> trio time it refused /infernet/blocks
+        # a circuit carries at most this many bytes (every agent's relay serves RELAY_LIMITS)
+        self.relay_data_limit = RELAY_LIMITS.data
 
     async def start(self) -> None:
         """Start serving over Bitswap (needs the running host's nursery)."""
@@ -183,6 +190,11 @@ class ContentService:
                 if not verifier.done:
                     reason = (f"not complete within {timeout:.0f} s" if deadline.cancelled_caught
                               else "no source could supply the rest")
+                    if report.relay_skipped and not report.fetched_blocks:
+                        size = verifier.exact_size if verifier.exact_size is not None else verifier.file_size
+                        reason = (f"{len(report.relay_skipped)} provider(s) reachable only through a relay, whose "
+                                  f"circuits carry at most {self.relay_data_limit} bytes; this file is {size}, "
+                                  f"and no provider could be reached directly")
                     raise FetchError(str(root), reason, missing=[str(c) for c in verifier.remaining()],
                                      attempts=report.attempts, corrupt=report.corrupt)
                 out.flush()
@@ -211,35 +223,26 @@ class ContentService:
 
     async def _fetch_remote(self, verifier: StreamVerifier, on_block: Any, report: FetchReport,
                             providers: list[tuple[str, PeerInfo | None]], via: str, use_dht: bool) -> None:
+        """Named providers, then the DHT's, each dialled directly; then, last, those reachable only
+        through a relay (IPIP-0003 §4.1), each skipped when the file is over a circuit's byte limit."""
         tried = {self.host.peer_id}
-        late: list[tuple[str, PeerInfo | None]] = []  # reached only through a relay: asked last (IPIP-0003 §4.1)
+        late: list[tuple[str, PeerInfo | None]] = []  # reached only through a relay: asked last
         for peer, info in providers:
             if verifier.done or report.refused:
                 return
-            if self._relayed_only(peer):
+            if not await self._try_provider(peer, info, verifier, on_block, report, via, tried, relay=False):
                 late.append((peer, info))
-                continue
-            await self._try_provider(peer, info, verifier, on_block, report, via, tried)
         if use_dht and not verifier.done and not report.refused:
             for info in await self.discovery.find_providers(verifier.root, timeout=self.idle_timeout):
                 if verifier.done or report.refused:
                     return
-                if self._relayed_only(info.peer_id.to_base58()):
-                    late.append((info.peer_id.to_base58(), info))
-                    continue
-                await self._try_provider(info.peer_id.to_base58(), info, verifier, on_block, report, via, tried)
-        from agent.net.reach import RELAY_LIMITS
-
+                peer = info.peer_id.to_base58()
+                if not await self._try_provider(peer, info, verifier, on_block, report, via, tried, relay=False):
+                    late.append((peer, info))
         for peer, info in late:
             if verifier.done or report.refused:
                 return
-            # a file whose size is known (a shard) and beyond what a circuit carries is not asked for
-            # through a relay; others are (a circuit cut at the relay's limit leaves the blocks we got)
-            if verifier.exact_size is not None and verifier.exact_size > RELAY_LIMITS.data:
-                report.attempts.append(f"{peer}: reached only through a relay, whose circuits carry at most "
-                                       f"{RELAY_LIMITS.data} bytes; this file is {verifier.exact_size}")
-                continue
-            await self._try_provider(peer, info, verifier, on_block, report, via, tried)
+            await self._try_provider(peer, info, verifier, on_block, report, via, tried, relay=True)
         if not verifier.done and not report.refused and self.ipfs is not None:
             try:
                 await self.ipfs.fetch_blocks(verifier, on_block)
@@ -250,15 +253,41 @@ class ContentService:
                 report.attempts.append(f"ipfs daemon: {exc}")
 
     async def _try_provider(self, peer: str, info: PeerInfo | None, verifier: StreamVerifier, on_block: Any,
-                            report: FetchReport, via: str, tried: set[str]) -> None:
-        """Take as many blocks from ``peer`` as it will give; record why it stopped if incomplete."""
+                            report: FetchReport, via: str, tried: set[str], *, relay: bool = True) -> bool:
+        """Take as many blocks from ``peer`` as it will give; record why it stopped if incomplete.
+
+        ``relay=False``: only over a direct connection; False (nothing tried, ask again with
+        ``relay=True`` last) when ``peer`` is connected only through a relay or cannot be dialled
+        directly. ``relay=True`` dials through a relay (the direct dial already failed) and skips a
+        relay-only provider when the file's known size exceeds what a circuit carries."""
         if peer in tried:
-            return
+            return True
+        if not relay and self._relayed_only(peer):
+            return False
+        try:
+            await self._reach(peer, info, direct=not relay or peer in self.host.connected_peers(),
+                              relay=relay)
+        except NetError as exc:
+            if not relay and not isinstance(exc, _NoAddress):
+                report.direct_failed[peer] = str(exc)
+                return False
+            tried.add(peer)
+            direct = report.direct_failed.get(peer, "")
+            report.attempts.append(f"{peer}: {exc}" + (f" (directly: {direct})" if direct else ""))
+            log.info("fetch %s: %s", verifier.root, report.attempts[-1])
+            return True
         tried.add(peer)
+        size = verifier.exact_size if verifier.exact_size is not None else verifier.file_size
+        if relay and size is not None and size > self.relay_data_limit and self._relayed_only(peer):
+            # the circuit would be cut before the file arrived: bulk content never goes through relays
+            report.relay_skipped.append(peer)
+            report.attempts.append(f"{peer}: reachable only through a relay, whose circuits carry at most "
+                                   f"{self.relay_data_limit} bytes; this file is {size}")
+            log.info("fetch %s: %s", verifier.root, report.attempts[-1])
+            return True
         before = report.fetched_blocks
         protocol = self._protocol_for(peer, via)
         try:
-            await self._reach(peer, info)
             if protocol == VIA_BLOCKS:
                 try:
                     await fetch_from_peer(self.host, peer, verifier, on_block, idle_timeout=self.idle_timeout)
@@ -284,6 +313,7 @@ class ContentService:
         if report.fetched_blocks > before:
             report.providers_used.append(peer)
             report.protocols[peer] = protocol
+        return True
 
     def _protocol_for(self, peer: str, via: str) -> str:
         """The protocol to ask ``peer`` first: ``via`` if forced, else ours unless it recently refused it."""
@@ -303,15 +333,20 @@ class ContentService:
         except Exception:  # noqa: BLE001 - not a peer ID we can parse: not connected either
             return False
 
-    async def _reach(self, peer: str, info: PeerInfo | None) -> None:
-        """Be connected to ``peer``, dialing its known or DHT-found addresses (one deadline each)."""
+    async def _reach(self, peer: str, info: PeerInfo | None, *, direct: bool = True, relay: bool = True) -> None:
+        """Be connected to ``peer``, dialing its known or DHT-found addresses (one deadline each):
+        ``direct`` its own addresses, ``relay`` through a relay (see ``Host.connect``)."""
         if peer in self.host.connected_peers():
             return
         if info is None or not info.addrs:
             info = await self.discovery.find_peer(peer)
             if info is None:
-                raise NetError(f"no address known for {peer}")
-        await self.host.connect(info, timeout=self.idle_timeout)
+                raise _NoAddress(f"no address known for {peer}")
+        await self.host.connect(info, timeout=self.idle_timeout, direct=direct, relay=relay)
+
+
+class _NoAddress(NetError):
+    """No address of the provider is known, nor found in the DHT: no relay can help either."""
 
 
 def _parse_providers(providers: Sequence[str]) -> list[tuple[str, PeerInfo | None]]:

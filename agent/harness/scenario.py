@@ -64,7 +64,8 @@ AGENT_KEYS = {"claim_interval": float, "max_concurrent_shards": int, "can_coordi
               "price_per_hour": float, "min_price_per_hour": float, "fetch_timeout": float,
               "gossip_max_rate": float, "gossip_max_burst": float, "relay": bool}
 EXPECT_KEYS = ("phase", "reason", "min_term", "reassigned", "rejected", "released", "gossip_rejected",
-               "rate_limited", "trained", "not_trained", "coordinator_judged", "relayed", "direct", "max_term")
+               "rate_limited", "trained", "not_trained", "coordinator_judged", "relayed", "direct", "max_term",
+               "recovered")
 
 
 @dataclass(frozen=True)
@@ -386,7 +387,7 @@ class _Reader:
         for key in ("min_term", "max_term"):
             if key in data:
                 out[key] = self.integer(data[key], path + (key,), 1, 1000)
-        for key in ("reassigned", "rate_limited", "coordinator_judged", "relayed", "direct"):
+        for key in ("reassigned", "rate_limited", "coordinator_judged", "relayed", "direct", "recovered"):
             if key in data:
                 out[key] = self.typed(data[key], path + (key,), bool)
         if "released" in data:
@@ -575,6 +576,8 @@ class _Run:
         self.releases: list[tuple[str, str]] = []  # (worker name, reason)
         self.checkpoints = 0
         self.verdict_signers: list[tuple[str, str, int]] = []  # (signer, worker, term) as the submitter heard them
+        self.accepted_at: list[tuple[float, str]] = []  # (trace time, worker name) of accepted verdicts heard
+        self.circuits_at_kill: int | None = None  # circuits in-process relays had served at the last kill
         self.self_judged: list[str] = []  # verdicts signed by the worker they judge (IPIP-0006 §1.3)
         self.captured: list[bytes] = []  # job-topic envelopes mallory saw (for replays)
         self.timed_out = False
@@ -601,6 +604,8 @@ class _Run:
                 self.checkpoints += 1
             elif msg.TYPE == "verdict":
                 self.verdict_signers.append((args[0].signer, msg.worker, msg.term))
+                if msg.accepted:
+                    self.accepted_at.append((self.trace.now(), self.name_of(msg.worker)))
                 if args[0].signer == msg.worker and self.name_of(msg.worker) != "mallory":  # an attacker's is refused
                     self.self_judged.append(f"r{msg.round} s{msg.shard} a{msg.attempt} by {self.name_of(msg.worker)}")
         if kind == "recv" and name == "mallory" and not args[0].topic.endswith("/jobs"):
@@ -670,6 +675,8 @@ class _Run:
             what = f"{fault.action} FAILED: {type(exc).__name__}: {exc}"
             self.fault_errors.append(f"line {fault.line}: {what}")
         self.fired.append((self.trace.now(), what))
+        if fault.action == "kill":
+            self.circuits_at_kill = self._circuits_served()
         self.trace.write("fault", fault=fault.action, what=what, line=fault.line)
         log.info("harness: %s", what)
 
@@ -872,6 +879,8 @@ class _Run:
                       f"{reasons.get(reason, 0)} at honest agents"))
         if expect.get("rate_limited"):
             add(Check("flood rate-limited", limited > 0, f"{limited} messages refused by honest agents"))
+        if "recovered" in expect:
+            add(self._recovered_check(expect["recovered"]))
         if "relayed" in expect:  # the relays the harness can see: agents in its own process
             circuits = {n: a.net.host.reach.protocol.circuits for n, a in net.agents.items() if a.net is not None}
             served = sum(circuits.values())
@@ -893,6 +902,28 @@ class _Run:
         for c in checks:
             self.trace.write("check", name=c.name, ok=c.ok, detail=c.detail)
         return checks
+
+    def _circuits_served(self) -> int:
+        """Circuits relayed so far by the relays the harness can see (agents in its own process)."""
+        return sum(a.net.host.reach.protocol.circuits for a in self.net.agents.values() if a.net is not None)
+
+    def _recovered_check(self, expected: bool) -> Check:
+        """``recovered``: after the last kill, work of an agent behind a NAT was accepted: its lease,
+        report and the coordinator's fetch of its adapter all went over connections that had to
+        outlive the dead agent (a relay, in relay-down). The detail also counts what the relays the
+        harness sees carried after the kill."""
+        kills = [t for t, what in self.fired if what.startswith("kill")]
+        nated = {n for n, h in self.scenario.placement.items() if self.scenario.hosts[h].nat}
+        if not kills:
+            return Check("connections recovered after the kill", not expected, "no kill fired")
+        after = sorted({name for t, name in self.accepted_at if t > kills[-1] and name in nated})
+        circuits = (self._circuits_served() - self.circuits_at_kill) if self.circuits_at_kill is not None else 0
+        ok = bool(after) == expected
+        return Check("connections recovered after the kill" if expected else "nothing recovered after the kill", ok,
+                     (f"work of {', '.join(after)} (behind NAT) accepted after the kill at {kills[-1]:.1f} s"
+                      if after else f"no work of an agent behind NAT ({', '.join(sorted(nated)) or 'none'}) "
+                      f"accepted after the kill at {kills[-1]:.1f} s") +
+                     f"; {circuits} circuit(s) relayed by in-process relays since")
 
     def summary(self, result: Result) -> str:
         view, net = self.view, self.net

@@ -60,7 +60,8 @@ class NetConfig:
     announce: tuple[str, ...] = ()
     bootstrap: tuple[str, ...] = ()
     connect_timeout: float = 10.0
-    relay: bool = False  # serve circuit relay v2 to peers that cannot be dialled (agent/net/reach.py)
+    relay: bool | str = False  # serve circuit relay v2 to peers that cannot be dialled: true, false or
+    # "auto" (while AutoNAT says this agent is public; agent/net/reach.py)
 
 
 def parse_multiaddr(text: str, where: str) -> multiaddr.Multiaddr:
@@ -174,24 +175,31 @@ class Host:
         """Register a handler for ``protocol``, guarded (see streams.py) and under ``timeout`` seconds."""
         self.libp2p.set_stream_handler(protocol, self.guard.wrap(handler, name=protocol, timeout=timeout))
 
-    async def connect(self, peer: PeerInfo, *, timeout: float | None = None) -> None:
-        """Dial ``peer`` (no-op when already connected); NetError naming the peer on failure."""
+    async def connect(self, peer: PeerInfo, *, timeout: float | None = None, direct: bool = True,
+                      relay: bool = True) -> None:
+        """Dial ``peer`` (no-op when already connected); NetError naming the peer on failure.
+
+        Its own addresses first, then (``relay``) through a relay it may hold a slot on;
+        ``direct=False`` goes to the relay at once, ``relay=False`` never does (IPIP-0003 §4.1)."""
         if peer.peer_id == self.libp2p.get_id() or peer.peer_id in self.libp2p.get_connected_peers():
             return
         from agent.net.reach import is_circuit
 
         limit = timeout or self.config.connect_timeout
-        direct = PeerInfo(peer.peer_id, [a for a in peer.addrs if not is_circuit(a)])
+        direct_info = PeerInfo(peer.peer_id, [a for a in peer.addrs if not is_circuit(a)])
         relayed = [a for a in peer.addrs if is_circuit(a)]
         direct_failed = ""  # why the direct addresses failed, named if the relay fails too
         try:
             with trio.fail_after(limit):
-                relays = relayed or self.reach.relays() or [
-                    a for a in self.reach._stored(peer.peer_id) if is_circuit(a)]
+                if not direct:
+                    await self.reach.dial_relayed(peer)
+                    return
+                relays = relay and (relayed or self.reach.relays() or [
+                    a for a in self.reach._stored(peer.peer_id) if is_circuit(a)])
                 # with a relay to fall back on, the direct addresses get half the time
                 with trio.move_on_after(limit / 2 if relays else limit + 1):
                     try:
-                        await self.libp2p.connect(direct)
+                        await self.libp2p.connect(direct_info)
                         return
                     except Exception as exc:
                         if not relays:

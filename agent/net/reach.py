@@ -15,7 +15,10 @@ Rules of this file:
     advertises through the host's ``addrs_factory`` (``advertised``).
 - Status: ``unknown`` until ``CONFIRMATIONS`` peers agree, then ``public`` or ``private``. A private
   agent reserves a slot on up to ``MAX_RELAYS`` connected peers that serve the hop protocol (agents
-  with ``relay = true``) and advertises ``<relay addr>/p2p/<relay>/p2p-circuit``.
+  with ``relay = true``, or ``"auto"`` and public) and advertises ``<relay addr>/p2p/<relay>/p2p-circuit``.
+- ``relay``: ``true`` serves the hop protocol from the start, ``false`` never, ``"auto"`` (an
+  operator's default, agent/config.py) from the moment AutoNAT says this agent is public, and no
+  longer once it says private; peers learn it at once (identify push) and reserve slots here.
 - A relay serves circuits within ``RELAY_LIMITS`` (duration and bytes per circuit, circuits and
   reservations at once): enough for gossip, reports and small adapters, not for datasets; bulk
   content reaches other peers by re-providing (IPIP-0003 §4.1).
@@ -76,6 +79,8 @@ MULTISTREAM = b"/multistream/1.0.0\n"
 UNILATERAL_TIMEOUT = 3.0  # DCUtR's first step: a plain dial to the peer's own addresses
 PUNCHED_LOG = "by hole punching"  # ends the info line of each upgrade; the harness counts it in agents' logs
 PUNCH_DIAL_TIMEOUT = 6.0  # one hole-punch dial: covers the kernel's SYN retransmits at 1 s and 3 s
+
+RELAY_AUTO = "auto"  # the relay setting that serves circuits while AutoNAT says public
 
 STATUS_TEXT = {AutoNATStatus.UNKNOWN: "unknown", AutoNATStatus.PUBLIC: "public", AutoNATStatus.PRIVATE: "private"}
 
@@ -282,21 +287,26 @@ class _DCUtR(DCUtRProtocol):
 @dataclass
 class ReachReport:
     status: str
-    relay_service: bool
+    relay_service: bool  # serving circuit relay v2 now
     reservations: dict[str, float] = field(default_factory=dict)  # relay peer ID -> expiry (unix time)
     relayed_addrs: list[str] = field(default_factory=list)
     direct: list[str] = field(default_factory=list)  # peers connected directly
     relayed: list[str] = field(default_factory=list)  # peers connected over a relay
     circuits_served: int = 0  # circuits relayed for others (relay = true)
     hole_punched: int = 0  # relayed connections upgraded to direct ones by DCUtR
+    relay_mode: str = "off"  # the ``relay`` setting: "on", "off" or "auto" (serves while public)
 
 
 class Reachability:
     """AutoNAT client and server, circuit relay v2 (always the stop side; the hop side with ``relay``)."""
 
-    def __init__(self, host: Any, *, relay: bool = False) -> None:
+    def __init__(self, host: Any, *, relay: bool | str = False) -> None:
+        if relay not in (True, False, RELAY_AUTO):
+            raise ValueError(f"relay must be true, false or {RELAY_AUTO!r}, got {relay!r}")
         self.host = host  # agent.net.host.Host
         libp2p = host.libp2p
+        self.relay_mode = RELAY_AUTO if relay == RELAY_AUTO else ("on" if relay else "off")
+        relay = relay is True
         self.relay_service = relay
         self.protocol = _CircuitV2(libp2p, limits=RELAY_LIMITS, allow_hop=relay)
         roles = RelayRole.STOP | RelayRole.CLIENT | (RelayRole.HOP if relay else RelayRole(0))
@@ -338,7 +348,30 @@ class Reachability:
         return ReachReport(self.status, self.relay_service,
                            {r.to_base58(): e for r, e in self.reservations.items() if e > now},
                            [f"{a}/p2p/{self.host.peer_id}" for a in self.advertised([])], direct, relayed,
-                           self.protocol.circuits, self.dcutr.upgrades)
+                           self.protocol.circuits, self.dcutr.upgrades, self.relay_mode)
+
+    async def follow_status(self) -> None:
+        """``relay = "auto"``: serve the hop protocol while AutoNAT says public, not otherwise."""
+        if self.relay_mode != RELAY_AUTO:
+            return
+        serve = self.status == "public"
+        if serve == self.relay_service:
+            return
+        libp2p = self.host.libp2p
+        if serve:
+            libp2p.set_stream_handler(HOP_PROTOCOL_ID, self.protocol._handle_hop_stream)
+        else:
+            libp2p.remove_stream_handler(HOP_PROTOCOL_ID)
+        self.protocol.allow_hop = self.relay_service = serve  # py-libp2p removes the handler at stop if set
+        log.info("reachability: %s; %s circuit relay v2 (relay = auto)", self.status,
+                 "serving" if serve else "no longer serving")
+        from libp2p.identity.identify_push.identify_push import push_identify_to_peers
+
+        with trio.move_on_after(RESERVE_TIMEOUT):  # peers learn the hop protocol now, not at their next identify
+            try:
+                await push_identify_to_peers(libp2p)
+            except Exception as exc:  # noqa: BLE001 - they learn it at their next identify
+                log.debug("identify push: %s", exc)
 
     # -- the loop -----------------------------------------------------------------------------------
 
@@ -348,6 +381,7 @@ class Reachability:
             try:
                 with trio.move_on_after(QUERY_TIMEOUT * MAX_SERVERS + 5):
                     await self.check()
+                await self.follow_status()
                 if self.status == "private":
                     with trio.move_on_after(RESERVE_TIMEOUT * MAX_RELAYS + 5):
                         await self.keep_reservations()

@@ -69,6 +69,7 @@ BAD = [
     ("name: t\nfaults:\n  - at: 1\n    start: w1\n", "only agents listed in agents.late are started by a fault"),
     ("name: t\nexpect: {phase: done}\n", "x.yml:2: expect.phase: expected one of DONE, FAILED, CANCELLED"),
     ("name: t\nexpect: {trained: [w5]}\n", "x.yml:2: expect.trained[0]: no agent called 'w5'"),
+    ("name: t\nexpect: {recovered: 1}\n", "x.yml:2: expect.recovered:"),
     ("name: t\nseed: &a 1\ntimeout: *a\n", "x.yml:3: YAML aliases (*name) are not allowed"),
     ("name: t\nname: u\n", "x.yml:2: name: duplicate key (first given at line 1)"),
     ("", "x.yml:1: expected a mapping of scenario settings at the top level"),
@@ -103,6 +104,23 @@ def test_cli_check_reports_a_bad_scenario_in_one_line_and_exits_1(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "agent.cli", "harness", "check", "happy-path"], capture_output=True,
                         text=True, cwd=REPO, timeout=60)
     assert ok.returncode == 0 and "ok (happy-path" in ok.stdout
+
+
+def test_recovered_needs_work_from_behind_a_nat_accepted_after_the_kill(tmp_path):
+    # relay-down's own expectation: a circuit served or a job DONE can both happen before the kill
+    from agent.harness.scenario import _Run
+
+    scenario = load_scenario(SHIPPED["relay-down"])
+    assert scenario.expect["recovered"] is True
+    run = _Run(scenario, 1, tmp_path)
+    assert not run._recovered_check(True).ok  # no kill fired
+    run.fired = [(4.0, "kill w0")]
+    run.accepted_at = [(3.0, "w1"), (6.0, "w0")]  # w1's before the kill; w0 is not behind a NAT
+    check = run._recovered_check(True)
+    assert not check.ok and "no work of an agent behind NAT (w1, w2) accepted after the kill" in check.detail
+    run.accepted_at.append((9.0, "w2"))
+    check = run._recovered_check(True)
+    assert check.ok and check.detail.startswith("work of w2 (behind NAT) accepted after the kill at 4.0 s")
 
 
 def test_identities_are_seeded():

@@ -79,3 +79,106 @@ def test_a_relay_carries_a_connection_that_outlives_its_handshake():
             assert a.host.reach.report().reservations.keys() == {relay.peer_id}
 
     _run(main)
+
+
+def test_relay_auto_serves_circuits_once_autonat_says_public_and_not_while_private():
+    from dataclasses import asdict
+
+    from agent.cli import _reach_lines
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            auto = await stack.enter_async_context(open_network(Identity.generate(), NetConfig(relay="auto")))
+            boot = (auto.host.addrs()[0],)
+            # "auto" behind a NAT: its own address cannot be dialled back (here: announced dead)
+            hidden = await stack.enter_async_context(open_network(
+                Identity.generate(), NetConfig(bootstrap=boot, relay="auto", announce=(str(_free_port_addr()),))))
+            a = await stack.enter_async_context(open_network(Identity.generate(), NetConfig(bootstrap=boot)))
+            b = await stack.enter_async_context(open_network(Identity.generate(), NetConfig(bootstrap=boot)))
+            auto_id, hidden_id = auto.host.libp2p.get_id(), hidden.host.libp2p.get_id()
+            report = auto.host.reach.report()
+            assert report.relay_mode == "auto" and not report.relay_service  # not before AutoNAT has spoken
+            assert "relay = auto: serves once public" in "\n".join(_reach_lines(asdict(report)))
+            # the maintain loop: peers dial it back -> public -> it serves the hop protocol, and says so
+            await wait_until(lambda: auto.host.reach.status == "public" and auto.host.reach.relay_service, timeout=20)
+            await wait_until(lambda: auto_id in a.host.reach.relays(), timeout=10)  # identify push told a
+            assert "serving as a relay" in "\n".join(_reach_lines(asdict(auto.host.reach.report())))
+            await wait_until(lambda: hidden.host.reach.status == "private", timeout=20)
+            assert not hidden.host.reach.report().relay_service
+            assert hidden_id not in a.host.reach.relays()
+            # a real circuit through the auto relay
+            assert await a.host.reach.reserve(auto_id)
+            circuit = [addr for addr in a.host.addrs() if is_circuit(addr)]
+            assert circuit
+            with trio.fail_after(15):
+                await b.host.reach.dial_relayed(PeerInfo(to_libp2p_id(a.peer_id), [multiaddr.Multiaddr(circuit[0])]))
+            assert b.host.reach.report().relayed == [a.peer_id]
+            assert auto.host.reach.report().circuits_served == 1
+            # a private "auto" agent refuses to relay (it serves no hop protocol)
+            await hidden.host.connect(PeerInfo(to_libp2p_id(a.peer_id), [multiaddr.Multiaddr(a.host.addrs()[0])]))
+            assert not await a.host.reach.reserve(hidden_id)
+
+    _run(main)
+
+
+async def _forward(listeners, target: list[int]) -> None:
+    """A port forward (a router's, in miniature): each connection to ``listeners`` is piped to target[0]."""
+    async def pipe(src, dst) -> None:
+        try:
+            while data := await src.receive_some(65536):
+                await dst.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            with trio.move_on_after(1):
+                await dst.aclose()
+
+    async def handle(inbound) -> None:
+        outbound = await trio.open_tcp_stream("127.0.0.1", target[0])
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pipe, inbound, outbound)
+            nursery.start_soon(pipe, outbound, inbound)
+
+    await trio.serve_listeners(handle, listeners)
+
+
+def test_peers_learn_and_dial_the_announced_address_not_the_listen_one():
+    async def main() -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        forwarded = multiaddr.Multiaddr(f"/ip4/127.0.0.1/tcp/{listeners[0].socket.getsockname()[1]}")
+        target: list[int] = []
+        async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
+            agent = await stack.enter_async_context(open_network(Identity.generate(),
+                                                                 NetConfig(announce=(str(forwarded),))))
+            listen = agent.host.libp2p.get_network().listeners
+            target.append(int(next(iter(listen.values())).get_addrs()[0].value_for_protocol("tcp")))
+            nursery.start_soon(_forward, listeners, target)
+            listen_addr = multiaddr.Multiaddr(f"/ip4/127.0.0.1/tcp/{target[0]}")
+            assert listen_addr != forwarded
+            # what the agent tells everyone: the announced address only
+            assert agent.host.addrs() == [f"{forwarded}/p2p/{agent.peer_id}"]
+            peer = await stack.enter_async_context(open_network(
+                Identity.generate(), NetConfig(bootstrap=(agent.host.addrs()[0],))))
+            agent_id = agent.host.libp2p.get_id()
+            assert agent_id in peer.host.libp2p.get_connected_peers()  # it dialled the forwarded port
+            # identify: the peer stores the announced address, never the listen one
+            def stored() -> set[str]:
+                return {str(a).split("/p2p/")[0] for a in peer.host.libp2p.get_peerstore().addrs(agent_id)}
+
+            await wait_until(lambda: str(forwarded) in stored(), timeout=10)
+            assert str(listen_addr) not in stored(), stored()
+            # the DHT hands it on: a third peer that knows only `peer` finds and dials the announced address
+            third = await stack.enter_async_context(open_network(
+                Identity.generate(), NetConfig(bootstrap=(peer.host.addrs()[0],))))
+            with trio.fail_after(15):
+                found = await third.discovery.find_peer(agent.peer_id)
+            assert found is not None
+            found_addrs = {str(a).split("/p2p/")[0] for a in found.addrs}
+            assert str(forwarded) in found_addrs and str(listen_addr) not in found_addrs, found_addrs
+            await third.host.connect(found, timeout=10)
+            # AutoNAT: the peers dial the announced address back through the forward: public
+            with trio.fail_after(20):
+                assert await agent.host.reach.check() == "public"
+            nursery.cancel_scope.cancel()
+
+    _run(main)
