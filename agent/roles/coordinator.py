@@ -21,9 +21,10 @@ Rules of this file:
   claim one, a claim is granted at once (no order to keep, and the wait was a sixth of a demo round).
   A claim heard while we are not (yet) the job's coordinator -- our election tick has not named us
   yet, or a failover is under way -- is remembered (its latest per worker, at most
-  ``early_claims_max`` per job) and queued when we take the job over, if it is at most
-  ``early_claim_seconds`` old and of the current round: a worker whose grace period ended a tick
-  before ours does not wait for its next claim while a faster one takes every shard.
+  ``early_claims_max`` per job) and queued when we take the job over, if the latest is at most
+  ``early_claim_seconds`` old and of the current round, in the order the workers first claimed (a
+  worker repeating its claim keeps its place): a worker whose grace period ended a tick before ours
+  does not wait for its next claim while a faster one takes every shard.
 - A report is accepted only if: the adapter and proof bundles fetch and hash-check by CID; the proof
   is about this job, round, shard, attempt, worker, base model and seed; its chain ends in the
   reported head and passes through every head the worker gossiped; its step-0 checkpoint is the
@@ -109,8 +110,10 @@ class CoordinatorRole:
         self._claims: dict[bytes, list[tuple[str, int, int]]] = {}  # job -> (worker, round, shard) in arrival order
         self.hash_limiter = trio.CapacityLimiter(2)  # tensor hashing off the event loop, at most two at once
         self._refused: dict[tuple[bytes, str], str] = {}  # (job, worker) -> why its claims get no lease
-        # job -> worker -> (when, round, shard): claims heard while we did not coordinate the job
-        self._early: dict[bytes, dict[str, tuple[float, int, int]]] = {}
+        # job -> worker -> (first heard, last heard, round, shard): claims heard while we did not
+        # coordinate the job; granted in order of first hearing (a worker repeating its claim keeps its
+        # place), if the last is fresh
+        self._early: dict[bytes, dict[str, tuple[float, float, int, int]]] = {}
 
     # -- leases -----------------------------------------------------------------------------------
 
@@ -141,11 +144,12 @@ class CoordinatorRole:
         early = self._early.setdefault(view.job_id, {})
         now = self.agent.clock()
         if worker not in early and len(early) >= self.early_claims_max:
-            for w in [w for w, (when, _, _) in early.items() if now - when > self.early_claim_seconds]:
+            for w in [w for w, (_, last, _, _) in early.items() if now - last > self.early_claim_seconds]:
                 del early[w]
             if len(early) >= self.early_claims_max:
                 return
-        early[worker] = (now, claim.round, claim.shard)
+        first = early[worker][0] if worker in early and early[worker][2] == claim.round else now
+        early[worker] = (first, now, claim.round, claim.shard)
 
     def _may_lease(self, view: JobView, rnd: int, worker: str, *, count: bool = True) -> bool:
         from agent.market import lease_refusal as market_lease_refusal
@@ -258,8 +262,8 @@ class CoordinatorRole:
         state = view.state
         log.info("job %s: coordinating (term %d)", view.job_id.hex()[:8], view.coordination.term)
         now = self.agent.clock()
-        for worker, (when, rnd, shard) in sorted(self._early.pop(view.job_id, {}).items(), key=lambda kv: kv[1][0]):
-            if now - when <= self.early_claim_seconds and rnd == state.round:
+        for worker, (_, last, rnd, shard) in sorted(self._early.pop(view.job_id, {}).items(), key=lambda kv: kv[1][0]):
+            if now - last <= self.early_claim_seconds and rnd == state.round:
                 self._queue(view, worker, rnd, shard)  # claims heard just before we were elected
         for shard in state.shards:
             if shard.phase is st.ShardPhase.REPORTED and shard.worker != self.agent.peer_id:

@@ -45,3 +45,26 @@ async def test_claims_heard_before_the_election_are_granted_on_take_over(tmp_pat
         assert not remembered._early.get(view.job_id)  # handed to take_over, not kept
         await net.submitter.wait_for(lambda: view.state.terminal, timeout=60)
         assert view.state.phase is st.JobPhase.DONE, view.state.reason
+
+
+def test_remembered_claims_are_queued_in_the_order_the_workers_first_claimed():
+    """A worker that repeats its claim before we take over keeps its place: the byzantine-adapter
+    scenario's quick claimers (claim_interval 0.3 s) repeated theirs and went behind the slower
+    workers' single claims when the latest claim set the order, so one of them never trained."""
+    from types import SimpleNamespace
+
+    from agent.roles.coordinator import CoordinatorRole
+
+    now = [0.0]
+    port = SimpleNamespace(clock=lambda: now[0], peer_id="me")
+    role = CoordinatorRole(port)  # type: ignore[arg-type]
+    state = SimpleNamespace(round=1, terminal=False, shards=(), phase=st.JobPhase.TRAINING)
+    view = SimpleNamespace(job_id=b"j" * 32, state=state, coordination=SimpleNamespace(term=1))
+    for t, worker in [(0.0, "w0"), (0.3, "w1"), (0.5, "w2"), (0.8, "w0"), (0.9, "w3"), (1.1, "w1")]:
+        now[0] = t
+        role._remember_early(view, SimpleNamespace(round=1, shard=0), worker)  # type: ignore[arg-type]
+    queued: list[str] = []
+    role._queue = lambda view, worker, rnd, shard: queued.append(worker)  # type: ignore[method-assign]
+    now[0] = 2.0
+    role.take_over(view)  # type: ignore[arg-type]
+    assert queued == ["w0", "w1", "w2", "w3"]
