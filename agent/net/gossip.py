@@ -315,11 +315,13 @@ class Gossip:
         return sub
 
     async def unsubscribe(self, topic: str) -> None:
+        """Leave ``topic``: its Subscription ends at once (its reader's loop finishes), then we tell
+        our peers; the validator goes last, so nothing on the topic is ever relayed unchecked."""
         sub = self._subscriptions.pop(topic, None)
         if sub is not None:
+            sub._send.close()
             await self.pubsub.unsubscribe(topic)
             self.pubsub.remove_topic_validator(topic)
-            sub._send.close()
 
     def peers_on(self, topic: str) -> set[str]:
         """Peers we know are subscribed to ``topic``."""
