@@ -16,6 +16,12 @@ Rules of this file:
   heartbeats arrive (protocol/election.live_peers); a job's coordinator is elected among live peers
   whose capability can coordinate *that job* (protocol/election.eligible_for_job: it holds the base
   model and, for GPU jobs, a GPU), ourselves judged by the capability we last published.
+- Following jobs (``follow_job``): an announcement by its submitter is followed once, within
+  ``MAX_JOBS_FOLLOWED`` jobs in all and ``MAX_LIVE_JOBS_PER_SUBMITTER`` unended jobs per announcing
+  peer (one identity cannot fill the room). An ended job is forgotten ``ended_job_retention`` seconds
+  after its tasks ended, or at once when a new job needs its room (the one that ended first goes
+  first): its mirror leaves ``jobs``, its topic is left and its reader ends. The store keeps it
+  (``job_view`` rebuilds it), and an announcement of a job our store holds as ended is not followed.
 - Hardware is measured at start (agent/hardware.py) and the base models we hold are hashed (once
   per file size and mtime, the hashes kept in the store); both go into the signed ``cap``.
 - A restarted submitter learns what it missed from its live peers (sync.submitter_catch_up) and
@@ -76,7 +82,8 @@ from protocol.identity import Identity
 
 log = logging.getLogger(__name__)
 
-MAX_JOBS_FOLLOWED = 256
+MAX_JOBS_FOLLOWED = 256  # jobs followed at once; an ended job makes room for a new one
+MAX_LIVE_JOBS_PER_SUBMITTER = 8  # jobs not yet ended followed per announcing peer (our own are not capped)
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,7 @@ class PeerInfo:
 class Agent:
     ledger_sync_interval = 10.0  # seconds between pulls of a job's ledger chains from its peers
     job_end_grace = 30.0  # seconds a job's tasks have to finish once it ended, before they are cancelled
+    ended_job_retention = 3600.0  # seconds an ended job is still followed (its topic read), then forgotten
 
     def __init__(self, identity: Identity, config: AgentConfig, *, clock: Callable[[], float] = time.time,
                  machine: Any = None, hooks: AgentHooks | None = None) -> None:
@@ -147,6 +155,7 @@ class Agent:
         self.job_events = trio.Event()  # set (and replaced) whenever a job's state changes
         self._changes = trio.Event()  # set (and replaced) when a job changes, a peer is heard or a job task ends
         self.job_tasks: dict[bytes, trio.Nursery] = {}  # each followed job's own nursery (spawn_in_job)
+        self._ended_at: dict[bytes, float] = {}  # followed jobs that ended: when their tasks were done
         self._stopping = trio.Event()
         self._heartbeat_seq = 0
         self.counters: Counter[str] = Counter()  # shards_trained, verdicts_accepted, ... (metrics, status)
@@ -468,7 +477,7 @@ class Agent:
         if signer != terms.submitter:
             log.warning("job %s announced by %s, not its submitter; ignored", job_id.hex()[:8], signer[-8:])
             return None
-        if len(self.jobs) >= MAX_JOBS_FOLLOWED:
+        if signer != self.peer_id and not self._room_to_follow(job_id, signer):
             return None
         now = self.clock()
         role = "submitter" if signer == self.peer_id else ("worker" if self.worker else "observer")
@@ -488,6 +497,57 @@ class Agent:
             self.worker.consider(view)
         return view
 
+    def _room_to_follow(self, job_id: bytes, signer: str) -> bool:
+        """May we follow a job ``signer`` (not us) announced? Not if our store holds it as ended (we
+        forgot it: an old announcement came again), nor past ``MAX_LIVE_JOBS_PER_SUBMITTER`` unended
+        jobs of that signer, nor past ``MAX_JOBS_FOLLOWED`` unended jobs; an ended job, the one that
+        ended first, is forgotten to make room."""
+        record = self.store.job(job_id)
+        if record is not None and record.state in _TERMINAL_STATES:
+            return False
+        live = [v for v in self.jobs.values() if not v.state.terminal]
+        if sum(1 for v in live if v.terms.submitter == signer) >= MAX_LIVE_JOBS_PER_SUBMITTER:
+            self.counters["jobs_not_followed"] += 1
+            log.debug("job %s: %s already has %d jobs we follow; not followed", job_id.hex()[:8], signer[-8:],
+                      MAX_LIVE_JOBS_PER_SUBMITTER)
+            return False
+        if len(self.jobs) < MAX_JOBS_FOLLOWED:
+            return True
+        if len(live) >= MAX_JOBS_FOLLOWED:
+            self.counters["jobs_not_followed"] += 1
+            log.debug("job %s: we follow %d jobs already; not followed", job_id.hex()[:8], len(live))
+            return False
+        now = self.clock()
+        ended = [j for j, v in self.jobs.items() if v.state.terminal]
+        self.forget_job(min(ended, key=lambda j: self._ended_at.get(j, now)))
+        return True
+
+    def forget_job(self, job_id: bytes) -> None:
+        """Stop following a job that ended: its mirror leaves ``jobs`` (it counts no more toward
+        MAX_JOBS_FOLLOWED), its tasks are cancelled, its topic is left (in the background, within 10 s)
+        and its reader ends. The store keeps the job and its evidence."""
+        view = self.jobs.get(job_id)
+        if view is None or not view.state.terminal:
+            return
+        del self.jobs[job_id]
+        self._ended_at.pop(job_id, None)
+        self._job_rows.pop(job_id, None)
+        self._last_resync.pop(job_id, None)
+        self._coordinating.discard(job_id)
+        nursery = self.job_tasks.pop(job_id, None)
+        if nursery is not None:
+            nursery.cancel_scope.cancel()
+        if self.worker is not None:
+            self.worker.candidates.pop(job_id, None)
+        log.info("job %s: ended (%s); no longer followed", job_id.hex()[:8], view.state.phase.value)
+
+        async def leave() -> None:
+            with trio.move_on_after(10):
+                await self.net.gossip.unsubscribe(m.job_topic(job_id))
+
+        self.nursery.start_soon(leave)
+        self._notify()
+
     async def _read_job_topic(self, view: JobView, subscription: Any, catch_up_first: bool = False, *,
                               resumed: bool = False) -> None:
         """Apply the job topic's messages to our mirror; first, if asked, catch up on the job's history
@@ -506,6 +566,8 @@ class Agent:
         async for received in subscription:
             if self.hooks.observer is not None:
                 self.hooks.observer("recv", received)
+            if self.jobs.get(view.job_id) is not view:
+                break  # the job was forgotten (forget_job): what is still buffered is not applied
             if received.envelope.message_id in synced:
                 continue  # already applied from the history
             await self.on_job_message(view, received)
@@ -706,7 +768,8 @@ class Agent:
     async def _own_job_tasks(self, job_id: bytes, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """The owner of a job's tasks: once the job ends (a terminal state) they have ``job_end_grace``
         seconds to finish what they were doing (the publication of the decision that ended it), then
-        whatever still runs is cancelled. Leaving the agent cancels them all."""
+        whatever still runs is cancelled. Leaving the agent cancels them all. The ended job is then
+        followed ``ended_job_retention`` seconds more before it is forgotten (``forget_job``)."""
         async with trio.open_nursery() as nursery:
             self.job_tasks[job_id] = nursery
             task_status.started()
@@ -717,6 +780,10 @@ class Agent:
                 if self.job_tasks.get(job_id) is nursery:
                     del self.job_tasks[job_id]
                 nursery.cancel_scope.cancel()
+        if job_id in self.jobs:  # ended: followed a while longer (late verdicts, peers' catch-up), then forgotten
+            self._ended_at[job_id] = self.clock()
+            await trio.sleep(self.ended_job_retention)
+            self.forget_job(job_id)
 
     def _job_ended(self, job_id: bytes) -> bool:
         view = self.jobs.get(job_id)

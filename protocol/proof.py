@@ -326,6 +326,27 @@ class Commitment:
         return commitment
 
 
+# --- how many checkpoints an attempt commits (IPIP-0004 §5.2) --------------------------------------
+
+CHECKPOINT_MARGIN = 2
+"""Checkpoint commits an attempt may make beyond what its steps need (a commit published twice)."""
+
+
+def shard_steps(max_steps: int, epochs: int, examples: int, samples_per_step: int) -> int:
+    """Optimizer steps one attempt on a shard of ``examples`` trains: ``max_steps`` when set (> 0),
+    else ``epochs`` passes over the examples, rounded up; at least 1."""
+    if max_steps > 0:
+        return max_steps
+    return max(1, -(-max(epochs, 1) * max(examples, 0) // max(samples_per_step, 1)))
+
+
+def checkpoint_cap(steps: int, checkpoint_every: int) -> int:
+    """Checkpoint commits one attempt of ``steps`` optimizer steps may make: one every
+    ``checkpoint_every`` steps and one after the last (``ceil(steps / checkpoint_every)`` in all),
+    plus ``CHECKPOINT_MARGIN``. More are refused: they could only keep a lease alive or fill stores."""
+    return -(-max(steps, 1) // max(checkpoint_every, 1)) + CHECKPOINT_MARGIN
+
+
 # --- the training's randomness (IPIP-0005 §6) -----------------------------------------------------
 # A replay lands on the worker's bits only if both sides draw the same samples, dropout masks and
 # initial LoRA A; these rules fix them from the header's seed alone. ipips/vectors/proof-randomness.json.

@@ -28,6 +28,9 @@ messages do, so a late message of an earlier attempt or round never passes for t
 attempt that ends badly (released, lease expired, report rejected, no verdict in time) is a
 *retry*: the shard reopens while attempts are left, else it is FAILED for the round. Every waiting
 state has a timer, so no shard can be held forever by a silent worker or a silent verifier.
+A checkpoint extends its attempt's lease, but an attempt takes at most ``max_checkpoints`` of them
+(the number its training needs, from the terms, plus a margin): past that a lease holder's commits
+are refused, so it can neither keep a lease alive forever nor make every mirror store a flood.
 
 Late verdicts. Each mirror runs the timers on its own clock, and messages take time to travel: a
 verdict the coordinator gave inside its verification window can reach another mirror just after
@@ -103,9 +106,12 @@ class JobConfig:
     min_accepted_fraction: float = 1.0
     deadline: float | None = None
     stop_early: bool = False  # the job has a stop rule: a final aggregate may come before the last round
+    # checkpoints one attempt may commit (0: no cap); from the terms, protocol/proof.checkpoint_cap
+    max_checkpoints: int = 0
 
     def __post_init__(self) -> None:
         _check_int("shards", self.shards, 1, MAX_SHARDS)
+        _check_int("max_checkpoints", self.max_checkpoints, 0, None)
         _check_int("rounds", self.rounds, 1, None)
         _check_int("max_retries", self.max_retries, 0, None)
         _check_number("lease_seconds", self.lease_seconds)
@@ -140,6 +146,7 @@ class ShardState:
     worker: str | None = None  # lease holder while LEASED/REPORTED; the accepted worker when ACCEPTED
     expires_at: float | None = None  # lease expiry (LEASED) or end of the verification window (REPORTED)
     late_verdict: str | None = None  # OPEN only: its verification window expired; that attempt's worker
+    checkpoints: int = 0  # checkpoints seen in the current attempt (at most config.max_checkpoints)
 
 
 @dataclass(frozen=True)
@@ -513,11 +520,16 @@ def _shard_step(
     if shard_input is ShardInput.LEASE:
         expires = now + config.lease_seconds
         leased = replace(shard, phase=target, attempt=shard.attempt + 1, worker=worker, expires_at=expires,
-                         late_verdict=None)
+                         late_verdict=None, checkpoints=0)
         return leased, (PublishLease(r, i, worker, leased.attempt, expires),)
     if shard_input is ShardInput.CHECKPOINT:
+        if config.max_checkpoints and shard.checkpoints >= config.max_checkpoints:
+            # past what the terms' steps need: a flood, not progress (it would extend the lease forever)
+            raise StateError(f"shard {i}: attempt {shard.attempt} already has {shard.checkpoints} checkpoints, "
+                             f"the most the job's terms allow")
         expires = max(shard.expires_at, now + config.lease_seconds)  # a clock step back never shortens a lease
-        return replace(shard, expires_at=expires), (ExtendLease(r, i, shard.worker, shard.attempt, expires),)
+        extended = replace(shard, expires_at=expires, checkpoints=shard.checkpoints + 1)
+        return extended, (ExtendLease(r, i, shard.worker, shard.attempt, expires),)
     if shard_input is ShardInput.REPORT:
         expires = now + config.lease_seconds
         verifying = replace(shard, phase=target, expires_at=expires)

@@ -158,3 +158,15 @@ make("no-stop-rule", "Without a stop rule a final aggregate before the last roun
     (12.0, AggregatePublished(1, "bafkround1", True)),
     (13.0, AggregatePublished(1, "bafkround1")),
 ])
+make("checkpoint-cap", "An attempt commits at most max_checkpoints checkpoints (read off the terms: ceil(steps / checkpoint_every) + 2, protocol/proof.checkpoint_cap). The third commit of attempt 1 is refused and extends nothing, so the lease expires 60 s after the second; attempt 2 starts with a fresh allowance.",
+     dict(shards=1, rounds=1, lease_seconds=60.0, max_retries=1, min_accepted_fraction=1.0, deadline=None, max_checkpoints=2), [
+    (0.0, LeaseGranted(1, 0, A)),
+    (10.0, CheckpointSeen(1, 0, A, 1)),
+    (20.0, CheckpointSeen(1, 0, A, 1)),
+    (30.0, CheckpointSeen(1, 0, A, 1)),
+    (79.0, Tick()),
+    (80.0, Tick()),
+    (81.0, LeaseGranted(1, 0, B)),
+    (90.0, CheckpointSeen(1, 0, B, 2)),
+    (91.0, ReportReceived(1, 0, B, 2)),
+])

@@ -10,7 +10,11 @@ Rules of this file:
   with ``blacklist_after`` invalid messages is blacklisted (py-libp2p drops its traffic). An
   ``expired`` envelope is counted in ``reasons`` only (protocol/envelope.NOT_MISBEHAVIOUR): on
   subscribing, a peer gets each neighbour's recent-message cache, old envelopes included, and a
-  late joiner that blamed them blacklisted the whole network.
+  late joiner that blamed them blacklisted the whole network. We never hand a peer an envelope our
+  clock says is past the window from what py-libp2p keeps for later: its recent-message cache
+  (``_FreshMessageCache``: the replay to a new subscriber, IHAVE gossip, IWANT answers) and its queue
+  of messages published while a new peer was being identified (``_FreshRouter``). What every
+  receiver would drop is not sent at all.
 - The validator is synchronous and never raises: py-libp2p checks "seen" and marks "seen" around it
   without a checkpoint in between only when it is synchronous, and an exception escaping it would
   cancel the whole pubsub service.
@@ -50,10 +54,12 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import PROTOCOL_ID as GOSSIPSUB_V10
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11 as GOSSIPSUB_V11
 from libp2p.pubsub.gossipsub import GossipSub
+from libp2p.pubsub.mcache import MessageCache, default_msg_id_fn
 from libp2p.pubsub.pubsub import Pubsub
 
 from agent.net.host import Host
-from protocol.envelope import NOT_MISBEHAVIOUR, Envelope, ReplayCache, open_envelope, seal
+from protocol.codec import decode_canonical
+from protocol.envelope import MAX_AGE_S, MAX_ENVELOPE_BYTES, NOT_MISBEHAVIOUR, Envelope, ReplayCache, open_envelope, seal
 from protocol.errors import CodecError
 from protocol.messages import topic_for
 
@@ -141,6 +147,72 @@ class _TokenBuckets:
             return False
         self._state[peer] = (tokens - 1.0, now)
         return True
+
+
+class _FreshMessageCache(MessageCache):
+    """py-libp2p's recent-message cache, which never offers an envelope past the acceptance window by
+    our clock (IPIP-0001 §4): the replay to a new subscriber (``send_recent_messages``), IHAVE gossip
+    and IWANT answers all read it through ``window`` and ``get``. Every receiver would drop such an
+    envelope as ``expired``; a cache holds one when the heartbeat that shifts it was held up, or when
+    our clock stepped forward."""
+
+    def __init__(self, window_size: int, history_size: int, clock: Callable[[], float]) -> None:
+        super().__init__(window_size, history_size)
+        self._clock = clock
+        self._expires: dict[bytes, float] = {}  # message ID -> when its envelope leaves the window
+
+    def put(self, msg: Any) -> None:
+        super().put(msg)
+        mid = default_msg_id_fn(msg)
+        if mid in self.msgs and mid not in self._expires:
+            self._expires[mid] = _envelope_expiry(msg.data)
+
+    def get(self, mid: bytes) -> Any:
+        msg = super().get(mid)
+        return None if msg is None or self._expired(mid) else msg
+
+    def window(self, topic: str) -> list[bytes]:
+        return [mid for mid in super().window(topic) if not self._expired(mid)]
+
+    def shift(self) -> None:
+        dropped = [entry.mid for entry in self.history[-1]]
+        super().shift()
+        for mid in dropped:
+            if mid not in self.msgs:
+                self._expires.pop(mid, None)
+
+    def _expired(self, mid: bytes) -> bool:
+        return self._clock() > self._expires.get(mid, float("inf"))
+
+
+def _envelope_expiry(data: bytes) -> float:
+    """When an envelope's timestamp leaves the acceptance window; never, for bytes that are no envelope
+    (they were validated before they reached the cache, so that does not happen)."""
+    try:
+        ts = decode_canonical(data, max_bytes=MAX_ENVELOPE_BYTES).get("ts")
+    except Exception:  # noqa: BLE001 - not ours to judge here: validation did
+        return float("inf")
+    if not isinstance(ts, int) or isinstance(ts, bool):
+        return float("inf")
+    return ts / 1000.0 + MAX_AGE_S
+
+
+class _FreshRouter(GossipSub):
+    """GossipSub whose queue of messages published while a new peer was being identified (flushed to
+    it once it subscribes, ``flush_pending_messages``) drops envelopes past the window by our clock.
+    (py-libp2p 0.8.1 prunes that queue, by its own 30 s TTL, in ``_prune_pending_messages`` before
+    every flush; we prune there too.)"""
+
+    clock: Callable[[], float] = time.time
+
+    def _prune_pending_messages(self, peer_id: ID) -> None:
+        super()._prune_pending_messages(peer_id)
+        queue = self._pending_messages.get(peer_id)
+        if queue:
+            now = self.clock()
+            queue[:] = [(at, rpc) for at, rpc in queue if any(now <= _envelope_expiry(p.data) for p in rpc.publish)]
+            if not queue:
+                self._pending_messages.pop(peer_id, None)
 
 
 class _GuardedPubsub(Pubsub):
@@ -237,7 +309,7 @@ class Gossip:
         self.host = host
         self.config = config
         self.clock = clock
-        self.router = GossipSub(
+        self.router = _FreshRouter(
             [GOSSIPSUB_V11, GOSSIPSUB_V10],
             degree=config.degree,
             degree_low=config.degree_low,
@@ -245,6 +317,9 @@ class Gossip:
             heartbeat_interval=config.heartbeat_interval,
             spam_protection_enabled=False,
         )
+        self.router.clock = clock
+        cache = self.router.mcache
+        self.router.mcache = _FreshMessageCache(cache.window_size, cache.history_size, clock)
         self.pubsub = _GuardedPubsub(host.libp2p, self.router)
         self.pubsub.deliver = self._deliver
         host.add_service(self.pubsub)
@@ -315,11 +390,13 @@ class Gossip:
         return sub
 
     async def unsubscribe(self, topic: str) -> None:
+        """Leave ``topic``: its Subscription ends at once (its reader's loop finishes), then we tell
+        our peers; the validator goes last, so nothing on the topic is ever relayed unchecked."""
         sub = self._subscriptions.pop(topic, None)
         if sub is not None:
+            sub._send.close()
             await self.pubsub.unsubscribe(topic)
             self.pubsub.remove_topic_validator(topic)
-            sub._send.close()
 
     def peers_on(self, topic: str) -> set[str]:
         """Peers we know are subscribed to ``topic``."""

@@ -10,6 +10,9 @@ Rules of this file:
   election view (protocol/election.py); echoes of our own decisions are skipped. A verdict signed
   by the worker it judges is never applied; one on the coordinator's own report is applied from
   another eligible peer in the coordinator's term (``election.may_judge``).
+- A lease holder commits at most ``JobConfig.max_checkpoints`` checkpoints per attempt (read off the
+  terms: ``max_checkpoints``; IPIP-0004 §5.2). The state machine refuses the ones past it; they are
+  counted (``refused["checkpoint-cap"]``), never held, never stored.
 - A message the state machine refuses (StateError) is never raised: it is untrusted input. It is
   held (at most ``PENDING_MAX``, for ``PENDING_SECONDS``) and tried again after every message that
   does apply, because gossip keeps no order: a lease for attempt 2 may arrive before the release
@@ -39,6 +42,7 @@ from protocol import messages as m
 from protocol import state as st
 from protocol.election import Coordination, may_apply_past_verdict, may_judge
 from protocol.errors import StateError
+from protocol.proof import checkpoint_cap, shard_steps
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +58,17 @@ def job_config(terms: m.JobTerms) -> st.JobConfig:
         shards=len(terms.shards), rounds=terms.rounds, lease_seconds=float(terms.lease_seconds),
         max_retries=terms.max_retries, min_accepted_fraction=terms.min_accepted_fraction,
         deadline=float(terms.deadline) if terms.deadline else None, stop_early=terms.stop is not None,
+        max_checkpoints=max_checkpoints(terms),
     )
+
+
+def max_checkpoints(terms: m.JobTerms) -> int:
+    """Checkpoint commits one attempt may make (IPIP-0004 §5.2): what the largest shard's steps
+    need at the terms' ``checkpoint_every``, plus a margin (protocol/proof.checkpoint_cap)."""
+    t = terms.training
+    return max(checkpoint_cap(shard_steps(t.max_steps, t.epochs, ref.records,
+                                          t.batch_size * t.gradient_accumulation_steps),
+                              terms.proof.checkpoint_every) for ref in terms.shards)
 
 
 @dataclass
@@ -142,6 +156,8 @@ class JobView:
         before = self.coordination
         actions = self._apply_one(msg, signer, now, eligible)
         if actions is None:
+            if isinstance(msg, m.CheckpointCommit) and self._checkpoints_spent(msg):
+                return None  # past the attempt's cap: it will never apply, so it is not held either
             if signer != self.me or not isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
                 self._hold(now, msg, signer, envelope, eligible)  # (echoes of our own decisions never are)
             if self.coordination != before:  # it moved our view to its term: what waited for it may apply
@@ -167,6 +183,14 @@ class JobView:
             strangers = [i for i, p in enumerate(self.pending) if p[2] not in known]
             del self.pending[strangers[0] if strangers else 0]
             self.refused["pending-overflow"] += 1
+
+    def _checkpoints_spent(self, msg: m.CheckpointCommit) -> bool:
+        """Has the attempt ``msg`` names (the current one) committed all the checkpoints its terms allow?"""
+        job = self.state
+        if msg.round != job.round or not 0 <= msg.shard < len(job.shards):
+            return False
+        shard = job.shards[msg.shard]
+        return shard.attempt == msg.attempt and 0 < job.config.max_checkpoints <= shard.checkpoints
 
     def take_evidence(self) -> list[bytes]:
         """The envelopes of the messages applied since the last call, in the order they applied."""
@@ -231,6 +255,10 @@ class JobView:
     def _apply_one(self, msg: Any, signer: str, now: float, eligible: frozenset[str], *,
                    count: bool = True) -> tuple[Any, ...] | None:
         if isinstance(msg, m.CheckpointCommit):
+            if self._checkpoints_spent(msg):
+                if count:
+                    self.refused["checkpoint-cap"] += 1
+                return None
             actions = self.step(st.CheckpointSeen(msg.round, msg.shard, signer, msg.attempt), now, count=count)
             if actions is not None:
                 self.commits[(msg.round, msg.shard, msg.attempt)].append(msg)

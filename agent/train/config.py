@@ -21,6 +21,8 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from protocol.proof import shard_steps  # one rule: the mirrors' checkpoint cap is read from it
+
 METHODS = ("lora", "qlora")
 RUNTIMES = ("peft", "unsloth")
 DTYPES = ("auto", "float32", "bfloat16")
@@ -104,9 +106,7 @@ class TrainConfig:
 
     def total_steps(self, n_examples: int) -> int:
         """Optimizer steps for one shard: ``max_steps`` if set, else ``epochs`` passes (rounded up)."""
-        if self.max_steps:
-            return self.max_steps
-        return max(1, -(-self.epochs * n_examples // self.samples_per_step))
+        return shard_steps(self.max_steps, self.epochs, n_examples, self.samples_per_step)
 
     @classmethod
     def from_spec(cls, spec: Any, **local: Any) -> "TrainConfig":

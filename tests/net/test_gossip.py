@@ -215,6 +215,33 @@ async def test_expired_replays_from_a_peers_cache_never_blacklist_it():
                     pass
 
 
+async def test_a_peer_never_replays_from_its_cache_what_its_own_clock_says_expired():
+    """Issue 17, "and don't ask for them": a peer's recent-message cache can hold envelopes already
+    past the window (its heartbeat, which shifts the cache, was held up; here its clock steps 400 s
+    forward right after it published). A new subscriber used to be handed all of them, only to drop
+    each as ``expired``; now the cache does not offer them (IPIP-0001 §4), and fresh messages flow."""
+    from agent.net.host import NetConfig
+    from agent.net.stack import open_network
+
+    offset = [-400.0]
+    async with open_network(Identity.generate(), clock=lambda: time.time() + offset[0]) as old:
+        config = NetConfig(bootstrap=(old.host.addrs()[0],))
+        async with open_network(Identity.generate(), config) as joiner:
+            await old.gossip.subscribe(TOPIC_JOBS)
+            await wait_until(lambda: old.peer_id in joiner.host.connected_peers(), timeout=10)
+            for seq in range(80):
+                await old.gossip.publish(heartbeat(seq))
+            offset[0] = 0.0  # 400 s later by the old peer's own clock: all 80 are past the window
+            assert len(old.gossip.router.mcache.msgs) >= 80 and not old.gossip.router.mcache.window(TOPIC_JOBS)
+            sub = await joiner.gossip.subscribe(TOPIC_JOBS)
+            await mesh_ready([old, joiner], TOPIC_JOBS)
+            await old.gossip.publish(heartbeat(1000))
+            with trio.fail_after(10):
+                assert (await sub.receive()).message.seq == 1000
+            await trio.sleep(0.5)  # anything replayed would have been judged by now
+            assert joiner.gossip.reasons["expired"] == 0 and joiner.gossip.invalid[old.peer_id] == 0, (joiner.gossip.reasons, joiner.gossip.invalid)
+
+
 FROZEN_PEER = """
 import sys, trio
 from agent.net.host import NetConfig

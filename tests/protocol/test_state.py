@@ -367,6 +367,7 @@ def test_malformed_time_raises_state_error(now):
         ("min_accepted_fraction", 0.0),
         ("min_accepted_fraction", 1.5),
         ("deadline", math.nan),
+        ("max_checkpoints", -1),
     ],
 )
 def test_config_errors_name_the_field(field, value):

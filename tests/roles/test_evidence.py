@@ -172,3 +172,49 @@ def test_store_writes_of_the_job_reader_run_in_a_worker_thread(tmp_path):
     assert threads and all(t != loop_thread for t in threads)
     assert len(agent.store.envelopes(JOB)) == 1
     agent.store.close()
+
+
+def test_a_lease_holder_cannot_flood_checkpoint_commits_past_what_its_terms_need(tmp_path):
+    """Issue #15 item 5: each checkpoint commit applied, extended the lease and was stored, so a lease
+    holder could keep its lease forever and make every follower store tens of thousands of rows. An
+    attempt takes at most ``max_checkpoints`` (IPIP-0004 §5.2); the rest are refused, counted, not
+    held, not stored, and extend nothing. A new attempt starts with a fresh allowance."""
+    from agent.roles.job import max_checkpoints
+
+    agent, view = observer_agent(tmp_path)
+    clock = [NOW + 1]
+    agent.clock = lambda: clock[0]
+    cap = max_checkpoints(TERMS)
+    assert view.state.config.max_checkpoints == cap and 2 < cap < 10  # 13 steps, every 10, + margin
+
+    def commit(worker: Identity, attempt: int, index: int) -> Received:
+        return received(worker, m.CheckpointCommit(JOB, 1, 0, attempt, 10 * index, index, bytes([index]) * 32,
+                                                   bytes(32), 1.5, None), clock[0])
+
+    flood = 40
+
+    async def main() -> None:
+        await agent.on_job_message(view, received(COORD, m.ShardLease(JOB, 1, 0, 1, W1.peer_id, 1, NOW + 120, None),
+                                                  clock[0]))
+        for index in range(1, cap + flood + 1):
+            clock[0] += 1  # all within the lease (120 s): refused for the cap, not for an expiry
+            await agent.on_job_message(view, commit(W1, 1, index))
+            if index == cap:
+                extended = view.shard(0).expires_at
+        assert (view.shard(0).phase, view.shard(0).worker) == (st.ShardPhase.LEASED, W1.peer_id)
+        assert view.shard(0).expires_at == extended, "commits past the cap do not extend the lease"
+        assert view.refused["checkpoint-cap"] == flood and not view.pending
+        # the attempt ends (its holder releases it); the next attempt may commit again
+        clock[0] += 1
+        await agent.on_job_message(view, received(W1, m.ShardRelease(JOB, 1, 0, 1, "bye"), clock[0]))
+        await agent.on_job_message(view, received(COORD, m.ShardLease(JOB, 1, 0, 2, W2.peer_id, 1, NOW + 900, None),
+                                                  clock[0]))
+        await agent.on_job_message(view, commit(W2, 2, 1))
+        assert view.shard(0).checkpoints == 1
+
+    trio.run(main)
+    stored = agent.store.envelopes(JOB, stored_order=True)
+    kinds = [type(s.message).__name__ for s in stored]
+    assert kinds.count("CheckpointCommit") == cap + 1, kinds
+    assert len(view.commits[(1, 0, 1)]) == cap
+    agent.store.close()
