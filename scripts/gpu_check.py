@@ -89,7 +89,7 @@ def run_case(name: str, config, shard: Path, work: Path, backend_name: str, devi
     verdict, tolerance, replay, index = replay_last_segment(a, shard, config)
     run_to_run = max_drift(a.adapter_dir, b.adapter_dir)
     env = {k: a.environment.get(k) for k in ("device", "device_class", "dtype", "quantization", "backend")}
-    rate = max(a.tokens_per_second, b.tokens_per_second)
+    rate = b.tokens_per_second  # one run against one run: B's, warm (CUDA context and kernels loaded by A's)
     if backend_name == "unsloth":
         peft = peft_rates.get(config.method)
         if peft is None:
