@@ -20,7 +20,9 @@ Rules of this file (the rules themselves are protocol/market.py and IPIP-0004 §
   signed by the submitter's identity (domain ``infernet/bill/v1``), appended to the job's ledger
   as a ``bill`` entry (its hash and totals), and checked against the ``report`` and ``verdict``
   entries of every ledger chain of the job the agent holds, its own and its copies of the others'
-  (``ledger_check``; ``job bill`` pulls the participants' chains first). No chain, no token.
+  (``ledger_check``; ``job bill`` pulls the participants' chains first). A verdict entry counts only
+  when written by the signer of the Verdict our mirror applied for that attempt (the store's
+  ``verdicts.coordinator``); anyone else's is listed in ``ignored``, never a problem. No chain, no token.
 """
 
 from __future__ import annotations
@@ -404,38 +406,66 @@ def ledger_check(agent: "Agent", view: "JobView", doc: dict) -> dict:
     """Compare the bill with the ``report`` and ``verdict`` entries of every ledger chain of the job this
     agent holds: its own and its copies of the others' (IPIP-0008 §5; the workers write the reports,
     the coordinators the verdicts, so a submitter that does not coordinate holds them only as copies:
-    ``job bill`` pulls them first). See ``compare_bill_with_ledger`` for what is checked."""
+    ``job bill`` pulls them first). A verdict entry counts only when its author signed the Verdict our
+    mirror applied for that attempt (``verdict_signers``). See ``compare_bill_with_ledger``."""
     from agent.jobdata import readable_chains
 
     chains, bad = readable_chains(agent.store, view.job_id)
-    out = compare_bill_with_ledger(doc, [e for chain in chains.values() for e in chain])
+    out = compare_bill_with_ledger(doc, [e for chain in chains.values() for e in chain], verdict_signers(agent, view))
     out["chains"] = len(chains)
     out["problems"] += [f"a ledger chain we hold does not verify, not used: {problem}" for problem in bad.values()]
     out["consistent"] = not out["problems"]
     return out
 
 
-def compare_bill_with_ledger(doc: dict, entries: list) -> dict:
-    """Check each billed attempt against the ledger's signed entries (IPIP-0008 §2):
+def verdict_signers(agent: "Agent", view: "JobView") -> dict[tuple, str]:
+    """(round, shard, attempt) -> the peer that signed the Verdict our mirror applied for it: the
+    stored verdict envelope (the store keeps the envelopes that changed the mirror) whose message is
+    the view's verdict for that attempt."""
+    out = {}
+    for stored in agent.store.verdicts(view.job_id):
+        msg = stored.message
+        key = (msg.round, msg.shard, msg.attempt)
+        if view.verdicts.get(key) == msg:
+            out[key] = stored.signer
+    return out
 
-    - a ``verdict`` entry for it (written by whoever judged it; one by the judged worker itself does
-      not count) names the same worker and outcome, and every such entry agrees;
+
+def compare_bill_with_ledger(doc: dict, entries: list, judges: dict[tuple, str]) -> dict:
+    """Check each billed attempt against the ledger's signed entries (IPIP-0008 §2). ``judges`` maps
+    (round, shard, attempt) to the signer of the Verdict our mirror applied for it (``verdict_signers``):
+
+    - a ``verdict`` entry for it written by that signer names the same worker and outcome, and every
+      such entry agrees;
     - an accepted attempt has the worker's own ``report`` entry (signed by the worker it names), and
       its hours are that entry's ``duration`` / 3600, its amount those hours x the bill's price;
       a rejected one is billed 0;
-    - every verdict entry in the ledger is billed.
+    - every verdict entry in the ledger written by its attempt's judge is billed.
 
-    A billed attempt the ledger lacks (no verdict, or no report) or contradicts is a problem.
-    ``entries_checked``: the billed attempts whose verdict entries were found and compared."""
+    A billed attempt the ledger lacks (no verdict, or no report) or contradicts is a problem. A verdict
+    entry by anyone else (another participant, a coordinator whose verdict our mirror did not apply,
+    one for an attempt our mirror holds no verdict of) is not evidence of this bill: listed in
+    ``ignored``, never a problem. ``entries_checked``: the billed attempts whose verdict entries were
+    found and compared."""
     reports: dict[tuple, list] = {}
     verdicts: dict[tuple, list] = {}
+    ignored = []
     for e in entries:
         data = e.data
         key = (data.get("round"), data.get("shard"), data.get("attempt"))
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in key):
+            continue  # an entry of another peer's chain that names no attempt: evidence of nothing billed
         if e.kind == "report" and data.get("worker") == e.signer_peer_id:
             reports.setdefault(key, []).append(data)
-        elif e.kind == "verdict" and data.get("worker") != e.signer_peer_id:
-            verdicts.setdefault(key, []).append(data)
+        elif e.kind == "verdict":
+            judge = judges.get(key)
+            if judge is not None and e.signer_peer_id == judge and data.get("worker") != judge:
+                verdicts.setdefault(key, []).append(data)
+            else:
+                ignored.append(f"round {key[0]} shard {key[1]} attempt {key[2]}: a verdict entry by "
+                               f"{e.signer_peer_id[-8:]}, " + (f"not by {judge[-8:]} whose verdict our mirror "
+                                                               "applied" if judge else "no verdict in our mirror")
+                               + ": not counted")
     price = doc["price_per_hour"]
     problems, checked, billed = [], 0, set()
     for row in doc["workers"]:
@@ -471,8 +501,9 @@ def compare_bill_with_ledger(doc: dict, entries: list) -> dict:
             elif abs(item["hours"] * price - item["amount"]) > 1e-9 * max(1.0, abs(item["amount"])):
                 problems.append(f"{where}: billed {item['amount']:.6f}, not its hours x {price:g}/h")
     for key in sorted(verdicts.keys() - billed, key=str):
-        problems.append(f"round {key[0]} shard {key[1]} attempt {key[2]}: a verdict in the ledger, not billed")
-    return {"entries_checked": checked, "consistent": not problems, "problems": problems}
+        problems.append(f"round {key[0]} shard {key[1]} attempt {key[2]}: its judge's verdict in the ledger, "
+                        "not billed")
+    return {"entries_checked": checked, "consistent": not problems, "problems": problems, "ignored": ignored}
 
 
 def bill_text(b: dict) -> str:
@@ -486,5 +517,7 @@ def bill_text(b: dict) -> str:
     lines.append(f"signed by {b['signer']} (bill sha256 {b['bill_sha256'][:16]}…); ledger: "
                  + (f"consistent ({ledger['entries_checked']} billed attempts checked against "
                     f"{ledger.get('chains', 0)} chains)" if ledger["consistent"]
-                    else "INCONSISTENT: " + "; ".join(ledger["problems"][:3])))
+                    else "INCONSISTENT: " + "; ".join(ledger["problems"][:3]))
+                 + (f"; {len(ledger['ignored'])} verdict entries by others than the judge not counted"
+                    if ledger.get("ignored") else ""))
     return "\n".join(lines)

@@ -137,6 +137,24 @@ async def test_budget_runs_out_mid_round_and_the_bill_equals_the_ledger(tmp_path
         key = (first["round"], first["shard"], first["attempt"])
         where = f"round {key[0]} shard {key[1]} attempt {key[2]}"
 
+        # only the verdict signer's entries count: our mirror's verdicts are the coordinator's, and a third
+        # peer's signed chain (w3's, copied into the submitter's store) that rejects the billed attempt and
+        # judges one that never existed leaves the honest bill consistent, its entries listed as not counted
+        signers = market.verdict_signers(submitter, view)
+        assert signers.keys() == view.verdicts.keys() and signers[key] == coordinator.peer_id
+        w3.store.append_event(view.job_id, "verdict", {
+            "round": key[0], "shard": key[1], "attempt": key[2], "worker": trained, "accepted": False,
+            "reason": "a third peer's say"}, w3.clock())
+        w3.store.append_event(view.job_id, "verdict", {
+            "round": 1, "shard": 6, "attempt": 7, "worker": trained, "accepted": True, "reason": "invented"},
+            w3.clock())
+        third = w3.store.ledger(view.job_id)
+        assert submitter.store.extend_copy(view.job_id, w3.identity.public_key, third) == len(third) >= 2
+        checked = market.ledger_check(submitter, view, doc)
+        assert checked["consistent"], checked["problems"]
+        assert checked["entries_checked"] == len(accepted) and len(checked["ignored"]) == 2
+        assert all(w3.peer_id[-8:] in line for line in checked["ignored"])
+
         def problems_of(change) -> list[str]:
             tampered = copy.deepcopy(doc)
             change(tampered)
