@@ -149,8 +149,9 @@ def request(home: Path, cmd: str, timeout: float = 30.0, **args: Any) -> Any:
 
 # -- handlers ------------------------------------------------------------------------------------------
 
-def _find_job(agent: "Agent", job: str) -> Any:
-    """The view of the job whose hex ID starts with ``job`` (live, or rebuilt from the store)."""
+async def _find_job(agent: "Agent", job: str) -> Any:
+    """The view of the job whose hex ID starts with ``job`` (live, or rebuilt from the store in a
+    worker thread: agent/node.py ``load_job_view``)."""
     text = str(job).lower()
     if len(text) < 4 or any(c not in "0123456789abcdef" for c in text):
         raise ControlError(f"{str(job)[:70]!r} is not a job ID (hex, at least 4 characters; see `infernet job list`)")
@@ -160,7 +161,7 @@ def _find_job(agent: "Agent", job: str) -> Any:
         raise ControlError(f"unknown job {text[:16]} (see `infernet job list`)")
     if len(matches) > 1:
         raise ControlError(f"job ID prefix {text} is ambiguous: {len(matches)} jobs match; give more characters")
-    return agent.job_view(matches[0])
+    return await agent.load_job_view(matches[0])
 
 
 async def _status(agent: "Agent") -> dict:
@@ -259,6 +260,7 @@ def _market_args(max_nodes: int | None, providers: list[str] | None) -> tuple[in
 async def _job_announce(agent: "Agent", spec: str, dataset: str | None = None, max_nodes: int | None = None,
                         providers: list[str] | None = None) -> dict:
     nodes, named = _market_args(max_nodes, providers)
+    agent.submitter.check_room()  # past the limit of live jobs: refused before the dataset is sharded
     job_spec, data, model, cid = await _spec_inputs(agent, spec, dataset)
     terms = await agent.submitter.prepare_terms(job_spec, data, model, dataset_cid=cid, max_nodes=nodes,
                                                 providers=named)
@@ -278,7 +280,7 @@ async def _job_estimate(agent: "Agent", spec: str, dataset: str | None = None, m
 async def _job_bill(agent: "Agent", job: str) -> dict:
     from agent.market import bill
 
-    view = _find_job(agent, job)
+    view = await _find_job(agent, job)
     if view.terms.submitter != agent.peer_id:
         raise ControlError(f"job {view.job_id.hex()[:16]} was submitted by {view.terms.submitter}, not this agent; "
                            "only its submitter bills it")
@@ -318,11 +320,11 @@ async def _job_list(agent: "Agent") -> list[dict]:
 
 
 async def _job_show(agent: "Agent", job: str) -> dict:
-    return job_detail(agent, _find_job(agent, job))
+    return job_detail(agent, await _find_job(agent, job))
 
 
 async def _job_cancel(agent: "Agent", job: str, reason: str = "cancelled by the submitter") -> dict:
-    view = _find_job(agent, job)
+    view = await _find_job(agent, job)
     if view.terms.submitter != agent.peer_id:
         raise ControlError(f"job {view.job_id.hex()[:16]} was submitted by {view.terms.submitter}, not this agent; "
                            "only its submitter can cancel it")
@@ -335,7 +337,7 @@ async def _job_cancel(agent: "Agent", job: str, reason: str = "cancelled by the 
 async def _job_fetch(agent: "Agent", job: str, out: str, round: int | None = None) -> dict:
     from agent.bundle import AGGREGATE_FILES, bundle_size_bound
 
-    view = _find_job(agent, job)
+    view = await _find_job(agent, job)
     if not view.aggregates:
         raise ControlError(f"job {view.job_id.hex()[:16]} has no published aggregate yet "
                            f"({view.state.phase.value}, round {view.state.round}); try again when it is DONE")

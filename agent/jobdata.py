@@ -79,7 +79,7 @@ async def _job_ledger(agent: "Agent", job: str, export: str | None = None, sync:
     from protocol.codec import canonical_encode
     from protocol.ledger import export_document
 
-    view = _find_job(agent, job)
+    view = await _find_job(agent, job)
     synced = await sync_job(agent, view) if sync else None
     entries = agent.store.ledger(view.job_id)
     problem = None

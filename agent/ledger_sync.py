@@ -76,6 +76,11 @@ class LedgerService:
 
     def __init__(self, agent: Any) -> None:
         self.agent = agent
+        self.ended: dict[bytes, float] = {}  # followed jobs seen ended by ``sync_loop``: since when
+
+    def forget(self, job_id: bytes) -> None:
+        """The agent stopped following the job (agent/node.py ``forget_job``)."""
+        self.ended.pop(job_id, None)
 
     def install(self, host: Any) -> None:
         host.set_handler(PROTOCOL, self.handle, timeout=TIMEOUT)
@@ -207,7 +212,7 @@ async def sync_job(agent: Any, view: Any, peers: list[str] | None = None, timeou
 
 async def sync_loop(agent: Any, interval: float = INTERVAL) -> None:
     """Keep our copies of every followed job's chains up to date (owned by the agent's nursery)."""
-    ended: dict[bytes, float] = {}
+    ended = agent.ledger_service.ended  # emptied of a job when the agent forgets it
     while True:
         await trio.sleep(interval)
         now = agent.clock()

@@ -18,10 +18,15 @@ Rules of this file:
   model and, for GPU jobs, a GPU), ourselves judged by the capability we last published.
 - Following jobs (``follow_job``): an announcement by its submitter is followed once, within
   ``MAX_JOBS_FOLLOWED`` jobs in all and ``MAX_LIVE_JOBS_PER_SUBMITTER`` unended jobs per announcing
-  peer (one identity cannot fill the room). An ended job is forgotten ``ended_job_retention`` seconds
-  after its tasks ended, or at once when a new job needs its room (the one that ended first goes
-  first): its mirror leaves ``jobs``, its topic is left and its reader ends. The store keeps it
-  (``job_view`` rebuilds it), and an announcement of a job our store holds as ended is not followed.
+  peer (one identity cannot fill the room; IPIP-0004 §13). Our own jobs are held to the same limit
+  when we announce them (agent/roles/submitter.py), so every follower can follow all of them. An
+  ended job is forgotten ``ended_job_retention`` seconds after its tasks ended, or at once when a new
+  job needs its room (the one that ended first goes first; never one whose tasks still run in their
+  end grace: then the new job is refused): its mirror leaves ``jobs``, the roles drop what they kept
+  for it (``forget``), its topic is left (``_leaving`` until done: it is not followed again before)
+  and its reader ends. The store keeps it: ``load_job_view`` rebuilds it in the store's worker
+  thread, the last ``REBUILT_VIEWS`` rebuilt ended jobs kept in memory, and an announcement of a job
+  our store holds as ended is not followed.
 - Hardware is measured at start (agent/hardware.py) and the base models we hold are hashed (once
   per file size and mtime, the hashes kept in the store); both go into the signed ``cap``.
 - A restarted submitter learns what it missed from its live peers (sync.submitter_catch_up) and
@@ -51,7 +56,7 @@ import logging
 import math
 import time
 from contextlib import AsyncExitStack
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -83,7 +88,9 @@ from protocol.identity import Identity
 log = logging.getLogger(__name__)
 
 MAX_JOBS_FOLLOWED = 256  # jobs followed at once; an ended job makes room for a new one
-MAX_LIVE_JOBS_PER_SUBMITTER = 8  # jobs not yet ended followed per announcing peer (our own are not capped)
+# jobs not yet ended followed per announcing peer; we announce no more of our own (IPIP-0004 §13)
+MAX_LIVE_JOBS_PER_SUBMITTER = st.MAX_LIVE_JOBS_PER_SUBMITTER
+REBUILT_VIEWS = 8  # ended jobs' mirrors rebuilt from the store (job show/watch/bill of a forgotten job), kept
 
 
 @dataclass(frozen=True)
@@ -156,6 +163,8 @@ class Agent:
         self._changes = trio.Event()  # set (and replaced) when a job changes, a peer is heard or a job task ends
         self.job_tasks: dict[bytes, trio.Nursery] = {}  # each followed job's own nursery (spawn_in_job)
         self._ended_at: dict[bytes, float] = {}  # followed jobs that ended: when their tasks were done
+        self._leaving: set[bytes] = set()  # forgotten jobs whose topic is being left (not followed again until done)
+        self._rebuilt: OrderedDict[bytes, JobView] = OrderedDict()  # ended jobs' rebuilt mirrors, least recent first
         self._stopping = trio.Event()
         self._heartbeat_seq = 0
         self.counters: Counter[str] = Counter()  # shards_trained, verdicts_accepted, ... (metrics, status)
@@ -455,13 +464,46 @@ class Agent:
         return view
 
     def job_view(self, job_id: bytes) -> JobView:
-        """The live mirror of a job we follow, or one rebuilt from the store (a job that ended before a restart)."""
+        """The live mirror of a job we follow, or one rebuilt from the store (a job that ended before a
+        restart, or was forgotten), here and now: ``load_job_view`` does it off the event loop."""
+        view = self._known_view(job_id)
+        return view if view is not None else self._keep_rebuilt(job_id, self._stored_view(job_id))
+
+    async def load_job_view(self, job_id: bytes) -> JobView:
+        """``job_view`` for the control commands (``job show``, ``watch``, ``bill``...): a job we do not
+        follow is rebuilt from the store in the store's worker thread (every stored envelope replayed,
+        each signature checked again), so the event loop runs on; the last ``REBUILT_VIEWS`` ended
+        ones are kept, so ``job watch`` polling a forgotten job rebuilds it once."""
+        view = self._known_view(job_id)
+        if view is not None:
+            return view
+        rebuilt = await trio.to_thread.run_sync(self._stored_view, job_id, limiter=self.store_limiter)
+        view = self._known_view(job_id)  # followed again meanwhile: the live mirror
+        return view if view is not None else self._keep_rebuilt(job_id, rebuilt)
+
+    def _known_view(self, job_id: bytes) -> JobView | None:
         view = self.jobs.get(job_id)
-        if view is None:
-            record = self.store.job(job_id)
-            view = self.rebuild_view(record)
-            if record.state in _TERMINAL_STATES and not view.state.terminal:  # a cancel is not a job-topic message
-                view.state = replace(view.state, phase=st.JobPhase(record.state))
+        if view is None and job_id in self._rebuilt:
+            self._rebuilt.move_to_end(job_id)
+            view = self._rebuilt[job_id]
+        return view
+
+    def _stored_view(self, job_id: bytes) -> JobView:
+        """A job's mirror rebuilt from the store, its state the stored one if that ended (any thread)."""
+        record = self.store.job(job_id)
+        if record is None:
+            raise LookupError(f"job {job_id.hex()[:16]} is not in the store")
+        view = self.rebuild_view(record)
+        if record.state in _TERMINAL_STATES and not view.state.terminal:  # a cancel is not a job-topic message
+            view.state = replace(view.state, phase=st.JobPhase(record.state))
+        return view
+
+    def _keep_rebuilt(self, job_id: bytes, view: JobView) -> JobView:
+        if view.state.terminal:  # an ended job's history no longer changes: kept, least recently used dropped
+            self._rebuilt[job_id] = view
+            self._rebuilt.move_to_end(job_id)
+            while len(self._rebuilt) > REBUILT_VIEWS:
+                self._rebuilt.popitem(last=False)
         return view
 
     def live_peers(self) -> frozenset[str]:
@@ -477,6 +519,13 @@ class Agent:
         if signer != terms.submitter:
             log.warning("job %s announced by %s, not its submitter; ignored", job_id.hex()[:8], signer[-8:])
             return None
+        if job_id in self._leaving:  # forgotten a moment ago: its topic is still being left (forget_job)
+            if signer != self.peer_id:  # the jobs topic's reader waits for nobody: its next announcement will do
+                log.debug("job %s: its topic is still being left; not followed again yet", job_id.hex()[:8])
+                return None
+            await self.wait_until(lambda: job_id not in self._leaving, 15)  # leave() gives up after 10 s
+            if job_id in self.jobs:
+                return self.jobs[job_id]
         if signer != self.peer_id and not self._room_to_follow(job_id, signer):
             return None
         now = self.clock()
@@ -489,6 +538,7 @@ class Agent:
             self.stored(self.store.record, envelope, now)
         view = JobView(terms, now, self.peer_id)
         self.jobs[job_id] = view
+        self._rebuilt.pop(job_id, None)
         await self.nursery.start(self._own_job_tasks, job_id)
         subscription = await self.net.gossip.subscribe(m.job_topic(job_id))
         # the job may have a history we missed (we joined late, or were down): ask its submitter
@@ -497,16 +547,20 @@ class Agent:
             self.worker.consider(view)
         return view
 
+    def unended_jobs(self, submitter: str) -> list[bytes]:
+        """The jobs of ``submitter`` we follow that have not ended (MAX_LIVE_JOBS_PER_SUBMITTER)."""
+        return [j for j, v in self.jobs.items() if v.terms.submitter == submitter and not v.state.terminal]
+
     def _room_to_follow(self, job_id: bytes, signer: str) -> bool:
         """May we follow a job ``signer`` (not us) announced? Not if our store holds it as ended (we
         forgot it: an old announcement came again), nor past ``MAX_LIVE_JOBS_PER_SUBMITTER`` unended
         jobs of that signer, nor past ``MAX_JOBS_FOLLOWED`` unended jobs; an ended job, the one that
-        ended first, is forgotten to make room."""
+        ended first, is forgotten to make room, never one whose tasks still run (its end grace)."""
         record = self.store.job(job_id)
         if record is not None and record.state in _TERMINAL_STATES:
             return False
         live = [v for v in self.jobs.values() if not v.state.terminal]
-        if sum(1 for v in live if v.terms.submitter == signer) >= MAX_LIVE_JOBS_PER_SUBMITTER:
+        if len(self.unended_jobs(signer)) >= MAX_LIVE_JOBS_PER_SUBMITTER:
             self.counters["jobs_not_followed"] += 1
             log.debug("job %s: %s already has %d jobs we follow; not followed", job_id.hex()[:8], signer[-8:],
                       MAX_LIVE_JOBS_PER_SUBMITTER)
@@ -517,8 +571,15 @@ class Agent:
             self.counters["jobs_not_followed"] += 1
             log.debug("job %s: we follow %d jobs already; not followed", job_id.hex()[:8], len(live))
             return False
+        # an ended job whose tasks still run (its end grace: the decision that ended it being published)
+        # is never forgotten: without any other, the new job is refused as when all are live
+        ended = [j for j, v in self.jobs.items() if v.state.terminal and j not in self.job_tasks]
+        if not ended:
+            self.counters["jobs_not_followed"] += 1
+            log.debug("job %s: we follow %d jobs already, none ended long enough to forget; not followed",
+                      job_id.hex()[:8], len(self.jobs))
+            return False
         now = self.clock()
-        ended = [j for j, v in self.jobs.items() if v.state.terminal]
         self.forget_job(min(ended, key=lambda j: self._ended_at.get(j, now)))
         return True
 
@@ -537,13 +598,20 @@ class Agent:
         nursery = self.job_tasks.pop(job_id, None)
         if nursery is not None:
             nursery.cancel_scope.cancel()
+        self.coordinator.forget(job_id)
         if self.worker is not None:
-            self.worker.candidates.pop(job_id, None)
+            self.worker.forget(job_id)
+        self.ledger_service.forget(job_id)
         log.info("job %s: ended (%s); no longer followed", job_id.hex()[:8], view.state.phase.value)
+        self._leaving.add(job_id)  # not followed again until its topic is left (a new subscription would be closed)
 
         async def leave() -> None:
-            with trio.move_on_after(10):
-                await self.net.gossip.unsubscribe(m.job_topic(job_id))
+            try:
+                with trio.move_on_after(10):
+                    await self.net.gossip.unsubscribe(m.job_topic(job_id))
+            finally:
+                self._leaving.discard(job_id)
+                self._notify()
 
         self.nursery.start_soon(leave)
         self._notify()

@@ -67,6 +67,10 @@ from protocol.errors import SpecError, StateError
 MAX_SHARDS = 1024
 """Most shards a job may have, as in protocol/jobspec.py: the machine holds one record per shard."""
 
+MAX_LIVE_JOBS_PER_SUBMITTER = 8
+"""Most jobs not yet ended (not DONE, FAILED or CANCELLED) one submitter may have (IPIP-0004 §13):
+a submitter announces no more, and a follower follows no more of one announcing peer's."""
+
 
 # ---------------------------------------------------------------------------------------------
 # States

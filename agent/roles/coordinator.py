@@ -257,6 +257,15 @@ class CoordinatorRole:
             elif isinstance(action, st.Aggregate):
                 self._start(("aggregate", view.job_id, action.round), self._aggregate_retrying, view, action)
 
+    def forget(self, job_id: bytes) -> None:
+        """The agent stopped following the job (agent/node.py ``forget_job``): drop what we kept for it
+        (its tasks were cancelled with the job's nursery)."""
+        for per_job in (self._banned, self._validation, self._claims, self._early):
+            per_job.pop(job_id, None)
+        for keyed in (self.accepted_adapters, self._initial, self._refused):
+            for key in [k for k in keyed if k[0] == job_id]:
+                del keyed[key]
+
     def take_over(self, view: JobView) -> None:
         """We just became this job's coordinator: resume what is pending."""
         state = view.state

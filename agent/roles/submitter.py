@@ -11,6 +11,9 @@ Rules of this file:
 - A dataset that cannot be trained (empty, fewer training records than shards, a shard without
   assistant text) is refused before anything is written or announced (train/data.check_dataset).
 - The base model's content hash is computed from our local copy; workers refuse a different one.
+- At most ``MAX_LIVE_JOBS_PER_SUBMITTER`` of our jobs are not ended at once (IPIP-0004 §13: peers
+  follow no more of one submitter's): a new one past it is refused (``SubmitRefused``, one line
+  naming the limit) before anything is sharded or announced (``check_room``).
 - The job ID is the hash of the terms (protocol/messages.py). The announcement is re-gossiped with
   a fresh envelope every ``reannounce_seconds`` until the job ends, so late joiners see it (an
   envelope is only accepted for 300 s, IPIP-0001). We keep serving the shards while the job runs.
@@ -43,6 +46,10 @@ if TYPE_CHECKING:
     from agent.roles.job import JobView
 
 log = logging.getLogger(__name__)
+
+
+class SubmitRefused(ValueError):
+    """A job we will not announce; ``str()`` is the one line to show."""
 
 
 class SubmitterRole:
@@ -118,11 +125,23 @@ class SubmitterRole:
             max_nodes=max_nodes, providers=tuple(providers),
         )
 
+    def check_room(self, job_id: bytes | None = None) -> None:
+        """SubmitRefused while ``MAX_LIVE_JOBS_PER_SUBMITTER`` of our jobs have not ended (IPIP-0004 §13:
+        followers follow no more of one submitter's, so a job past it would not run); ``job_id``, one of
+        them announced again, passes."""
+        unended = self.agent.unended_jobs(self.agent.peer_id)
+        if job_id not in unended and len(unended) >= st.MAX_LIVE_JOBS_PER_SUBMITTER:
+            raise SubmitRefused(f"{len(unended)} of this agent's jobs have not ended, the most a submitter may have "
+                                f"(MAX_LIVE_JOBS_PER_SUBMITTER = {st.MAX_LIVE_JOBS_PER_SUBMITTER}, IPIP-0004 §13); "
+                                "wait for one to end or cancel one (`infernet job list`)")
+
     async def announce(self, terms: m.JobTerms) -> "JobView":
-        """Gossip the job (and keep re-announcing it until it ends); return our view of it."""
+        """Gossip the job (and keep re-announcing it until it ends); return our view of it. SubmitRefused
+        (nothing announced) past ``MAX_LIVE_JOBS_PER_SUBMITTER`` jobs of ours not yet ended."""
         from agent.store import announced_data
 
         agent = self.agent
+        self.check_room(terms.job_id())
         view = await agent.follow_job(terms, agent.peer_id)
         agent.ledger(view.job_id, "announced", announced_data(terms))
         await agent.publish(m.JobAnnouncement.for_terms(terms))

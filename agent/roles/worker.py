@@ -99,6 +99,13 @@ class WorkerRole:
         else:
             log.info("job %s: not taking it: %s", view.job_id.hex()[:8], reason)
 
+    def forget(self, job_id: bytes) -> None:
+        """The agent stopped following the job (an ended job, agent/node.py ``forget_job``): drop what we
+        kept for it."""
+        self.candidates.pop(job_id, None)
+        self._last_claim.pop(job_id, None)
+        self._market_logged.pop(job_id, None)
+
     # -- claiming ---------------------------------------------------------------------------------
 
     def wake(self) -> None:

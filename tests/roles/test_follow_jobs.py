@@ -6,16 +6,26 @@ restarted, each with its topic reader and subscription forever. Now an ended job
 ``ended_job_retention`` (or at once when a new job needs its room), its topic left; and one announcer
 has at most ``MAX_LIVE_JOBS_PER_SUBMITTER`` unended jobs followed. Real agents on loopback, real
 signed announcements fed to the follow logic (``Agent.follow_job``), real store.
+
+The review of that change (findings 3, 4, 5, 8): a submitter announced more live jobs than any
+follower follows (now refused, IPIP-0004 §13); eviction could forget a job in its end grace,
+cancelling the publication of the decision that ended it; a forgotten job was rebuilt on the event
+loop at every ``job show`` and the roles kept its per-job state; re-following a job raced the
+background leave of its topic.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import trio
 
 import agent.node as node
+from agent import cli, control
+from agent.harness.network import MODEL_NAME
+from agent.roles.submitter import SubmitRefused
 from protocol import messages as m
 from protocol import state as st
 from protocol.envelope import seal
@@ -58,9 +68,9 @@ async def test_ended_jobs_make_room_are_forgotten_after_their_retention_and_leav
         assert all(view is not None for _, view in jobs) and len(w0.jobs) == 4
         assert (await announce_to(w0, Identity.generate(), "one too many"))[1] is None  # full of live jobs
 
-        # job 0 ends: the next announcement takes its room at once, and job 0's topic is left
+        # job 0 ends (its tasks done): the next announcement takes its room at once, and job 0's topic is left
         (terms0, view0) = jobs[0]
-        w0.apply_actions(view0, view0.step(st.Cancel("test: ended"), w0.clock()))
+        await end(w0, view0)
         assert (await announce_to(w0, Identity.generate(), "new"))[1] is not None
         assert view0.job_id not in w0.jobs and len(w0.jobs) == 4
         with trio.fail_after(10):
@@ -83,3 +93,194 @@ async def test_ended_jobs_make_room_are_forgotten_after_their_retention_and_leav
         # the live jobs are still followed, their topics read
         for _, view in jobs[2:]:
             assert w0.jobs[view.job_id] is view and m.job_topic(view.job_id) in gossip.pubsub.topic_ids
+
+
+async def wait_for(predicate, timeout: float = 10.0) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.05)
+
+
+async def end(agent, view) -> None:
+    """The job ends (cancelled); returns once its tasks are done (its end grace over)."""
+    agent.apply_actions(view, view.step(st.Cancel("test: ended"), agent.clock()))
+    await wait_for(lambda: view.job_id not in agent.job_tasks)
+
+
+SPEC = f"""
+name: one-too-many
+base_model: {MODEL_NAME}
+seed: 3
+input: {{dataset: demo.jsonl, validation_split: 0.1}}
+training: {{batch_size: 8, learning_rate: 0.01, max_steps: 8, max_seq_len: 96}}
+lora: {{rank: 4, alpha: 8, target_modules: [q_proj, v_proj]}}
+shards: 2
+rounds: 1
+proof: {{checkpoint_every: 4, verify_segments: 1, tolerance: 0.0001}}
+lease_seconds: 60
+"""
+
+
+async def test_a_submitter_announces_no_more_live_jobs_than_its_followers_follow(tmp_path, tiny_model_dir, capsys):
+    """Review finding 3: followers follow at most MAX_LIVE_JOBS_PER_SUBMITTER unended jobs of one
+    submitter, but the submitter announced a 9th that nobody would run, with no hint why. Now it is
+    refused with one line naming the limit (the CLI's `job announce` exits 1 with it), until one ends."""
+    from tests.roles.conftest import write_dataset
+
+    limit = node.MAX_LIVE_JOBS_PER_SUBMITTER
+    async with network(tmp_path, tiny_model_dir, workers=1) as net, trio.open_nursery() as served:
+        submitter, (w0,) = net.submitter, net.workers
+
+        def terms(name: str):
+            return dataclasses.replace(sample_terms(submitter.identity), name=name, deadline=0)
+
+        views = [await submitter.submitter.announce(terms(f"sweep-{i}")) for i in range(limit)]
+        await wait_for(lambda: all(v.job_id in w0.jobs for v in views))  # the follower follows every one
+        ninth = terms("sweep-ninth")
+        with pytest.raises(SubmitRefused) as refused:
+            await submitter.submitter.announce(ninth)
+        line = str(refused.value)
+        assert len(line.splitlines()) == 1 and f"MAX_LIVE_JOBS_PER_SUBMITTER = {limit}" in line
+        assert ninth.job_id() not in submitter.jobs and submitter.store.job(ninth.job_id()) is None
+
+        # the CLI: `infernet job announce` says it in one line, exit status 1, nothing sharded or announced
+        home = submitter.config.home
+        served.start_soon(control.serve_control, submitter, control.bind_control_socket(home / "control.sock"))
+        spec = tmp_path / "spec" / "infernet.train.yml"
+        spec.parent.mkdir()
+        spec.write_text(SPEC)
+        write_dataset(spec.parent / "demo.jsonl")
+        capsys.readouterr()
+        status = await trio.to_thread.run_sync(cli.main, ["job", "announce", str(spec), "--home", str(home), "--yes"])
+        err = capsys.readouterr().err
+        assert status == 1 and len(err.strip().splitlines()) == 1, err
+        assert err.startswith("infernet: ") and f"MAX_LIVE_JOBS_PER_SUBMITTER = {limit}" in err, err
+        assert len(submitter.jobs) == limit and not list(submitter.work_dir.glob("submit-*"))
+
+        # once one of them ended, the next is announced, and followed
+        await submitter.submitter.cancel(views[0], "test: make room")
+        view = await submitter.submitter.announce(ninth)
+        assert view.job_id == ninth.job_id()
+        await wait_for(lambda: ninth.job_id() in w0.jobs)
+        served.cancel_scope.cancel()
+
+
+async def test_a_job_in_its_end_grace_is_not_forgotten_to_make_room(tmp_path, tiny_model_dir, monkeypatch):
+    """Review finding 4: eviction forgot an ended job whose tasks still ran (the coordinator publishing
+    the decision that ended it), cancelling them. Such a job keeps its room: the new one is refused,
+    as when every followed job is live; once its tasks are done it makes room."""
+    monkeypatch.setattr(node, "MAX_JOBS_FOLLOWED", 2)
+    async with network(tmp_path, tiny_model_dir, workers=1) as net:
+        (w0,) = net.workers
+        (_, ended), (_, live) = [await announce_to(w0, Identity.generate(), f"job-{i}") for i in range(2)]
+        publishing, published = trio.Event(), trio.Event()
+
+        async def publish_the_decision() -> None:  # e.g. the final aggregate's publication after it applied
+            publishing.set()
+            await trio.sleep(1.0)
+            published.set()
+
+        assert w0.spawn_in_job(ended.job_id, publish_the_decision)
+        w0.apply_actions(ended, ended.step(st.Cancel("test: ended"), w0.clock()))
+        await publishing.wait()
+        assert ended.state.terminal and ended.job_id in w0.job_tasks
+        assert (await announce_to(w0, Identity.generate(), "new"))[1] is None  # nothing may go: refused
+        assert w0.jobs.get(ended.job_id) is ended and ended.job_id in w0.job_tasks
+        with trio.fail_after(10):
+            await published.wait()  # its task ran to its end: not cancelled
+        await wait_for(lambda: ended.job_id not in w0.job_tasks)
+        assert (await announce_to(w0, Identity.generate(), "newer"))[1] is not None  # now it makes room
+        assert ended.job_id not in w0.jobs and w0.jobs.get(live.job_id) is live
+
+
+async def test_a_forgotten_job_is_rebuilt_off_the_event_loop_and_kept(tmp_path, tiny_model_dir, monkeypatch):
+    """Review finding 5 (a): `job show` (and watch, bill, ledger) of a forgotten job replayed its whole
+    stored history on the event loop, every time. Now it is rebuilt in the store's worker thread, and
+    the last REBUILT_VIEWS rebuilt ended jobs are kept."""
+    monkeypatch.setattr(node, "REBUILT_VIEWS", 2)
+    async with network(tmp_path, tiny_model_dir, workers=1) as net:
+        (w0,) = net.workers
+        views = [(await announce_to(w0, Identity.generate(), f"job-{i}"))[1] for i in range(3)]
+        for view in views:
+            await end(w0, view)
+            w0.forget_job(view.job_id)
+        loop, threads = threading.current_thread(), []
+        rebuild = w0.rebuild_view
+
+        def rebuild_view(record):  # the real rebuild, noting the thread it runs in
+            threads.append(threading.current_thread())
+            return rebuild(record)
+
+        monkeypatch.setattr(w0, "rebuild_view", rebuild_view)
+        first = views[0].job_id.hex()[:12]
+        for _ in range(3):  # `job watch` polls
+            shown = await control.HANDLERS["job.show"](w0, first)
+            assert shown["id"] == views[0].job_id.hex() and shown["state"] == "CANCELLED"
+        assert len(threads) == 1 and threads[0] is not loop
+        for view in views[1:]:
+            assert (await control.HANDLERS["job.show"](w0, view.job_id.hex()[:12]))["state"] == "CANCELLED"
+        assert len(threads) == 3 and loop not in threads
+        assert list(w0._rebuilt) == [v.job_id for v in views[1:]]  # the least recently shown went
+        await control.HANDLERS["job.show"](w0, first)
+        assert len(threads) == 4
+
+
+async def test_a_forgotten_job_leaves_nothing_in_the_roles(tmp_path, tiny_model_dir):
+    """Review finding 5 (b): forgetting a job left the coordinator's, the worker's and the ledger
+    sync's per-job state behind, so memory was not bounded by the jobs followed."""
+    async with network(tmp_path, tiny_model_dir, workers=1) as net:
+        (w0,) = net.workers
+        (_, gone), (_, kept) = [await announce_to(w0, Identity.generate(), f"job-{i}") for i in range(2)]
+        claimant = Identity.generate().peer_id
+        for view in (gone, kept):
+            job = view.job_id
+            assert not w0.is_coordinator(view)  # within the grace period: the claim is kept for take_over
+            await w0.coordinator.on_claim(view, m.ShardClaim(job, 1, 0), claimant)
+            assert claimant in w0.coordinator._early[job]
+            coordinator, worker = w0.coordinator, w0.worker
+            coordinator._banned[job] = {claimant}
+            coordinator._validation[job] = tmp_path / "validation.jsonl"
+            coordinator._claims[job] = [(claimant, 1, 0)]
+            coordinator.accepted_adapters[(job, 1, 0)] = (tmp_path / "adapter", 10)
+            coordinator._refused[(job, claimant)] = "test"
+            coordinator._initial[(job, 1)] = ({}, {}, {})
+            worker._last_claim[job] = (w0.clock(), 1, False)
+            worker._market_logged[job] = "test"
+            w0.ledger_service.ended[job] = w0.clock()
+        await end(w0, gone)
+        w0.forget_job(gone.job_id)
+        job = gone.job_id
+        coordinator, worker = w0.coordinator, w0.worker
+        for per_job in (coordinator._early, coordinator._banned, coordinator._validation, coordinator._claims,
+                        worker._last_claim, worker._market_logged, worker.candidates, w0.ledger_service.ended):
+            assert job not in per_job
+        for keyed in (coordinator.accepted_adapters, coordinator._refused, coordinator._initial):
+            assert not [k for k in keyed if k[0] == job]
+        # the job still followed keeps its own
+        assert kept.job_id in coordinator._early and (kept.job_id, 1, 0) in coordinator.accepted_adapters
+        assert kept.job_id in worker._last_claim and kept.job_id in w0.ledger_service.ended
+
+
+async def test_a_job_forgotten_a_moment_ago_is_followed_again_once_its_topic_is_left(tmp_path, tiny_model_dir):
+    """Review finding 8: a job forgotten and announced again before the background leave() ran got
+    the old subscription back, closed under its new reader (or its new validator removed). Now it
+    is not followed again until its topic is left; then it is, with a subscription of its own."""
+    async with network(tmp_path, tiny_model_dir, workers=1) as net:
+        (w0,) = net.workers
+        gossip, announcer = w0.net.gossip, Identity.generate()
+        terms, view = await announce_to(w0, announcer, "again")
+        topic = m.job_topic(view.job_id)
+        await end(w0, view)
+        # its terminal job row was lost (a full disk, say): the store does not hold it as ended
+        await trio.to_thread.run_sync(w0.store.flush, limiter=w0.store_limiter)
+        w0.store.update_job(view.job_id, w0.clock(), state="TRAINING")
+        w0.forget_job(view.job_id)
+        assert (await announce_to(w0, announcer, "again"))[1] is None  # its topic is still being left
+        await wait_for(lambda: view.job_id not in w0._leaving and topic not in gossip._subscriptions)
+        again = (await announce_to(w0, announcer, "again"))[1]
+        assert again is not None and again is not view and w0.jobs[view.job_id] is again
+        await trio.sleep(0.5)  # anything left of the old subscription's leave would have run by now
+        subscription = gossip._subscriptions.get(topic)
+        assert subscription is not None and topic in gossip.pubsub.topic_ids
+        assert topic in gossip.pubsub.topic_validators
+        assert not subscription._send._closed  # open: its reader reads on
