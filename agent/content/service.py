@@ -9,8 +9,8 @@ Rules of this file:
   Order of sources: blocks already in the local store (so an interrupted fetch resumes where it was),
   then each provider in turn (explicit ones first, then the DHT's) over a direct connection, then
   (IPIP-0003 §4.1) the providers reachable only through a relay, dialled through it last and skipped
-  when the file's known size exceeds a circuit's byte limit (``relay_data_limit``: the relay's
-  ``RELAY_LIMITS.data``), then the IPFS daemon if one is configured. Every block passes one ``StreamVerifier`` whatever
+  (no circuit opened) when the file's known size exceeds a circuit's byte limit (``relay_data_limit``:
+  the relay's ``RELAY_LIMITS.data``), then the IPFS daemon if one is configured. Every block passes one ``StreamVerifier`` whatever
   its source; a provider that dies, stalls, or sends a bad block is left, and the next continues from
   the same position.
 - Every fetch is bounded (IPIP-0003 "Size bounds"): ``max_size`` (the most the caller's protocol
@@ -83,6 +83,7 @@ class FetchReport:
     corrupt: list[str] = field(default_factory=list)  # providers that sent a block failing verification
     relay_skipped: list[str] = field(default_factory=list)  # reachable only through a relay; file too large
     direct_failed: dict[str, str] = field(default_factory=dict)  # provider -> why its direct dial failed
+    unreached: list[str] = field(default_factory=list)  # providers no dial reached (directly nor relayed)
 
 
 class ContentService:
@@ -190,7 +191,10 @@ class ContentService:
                 if not verifier.done:
                     reason = (f"not complete within {timeout:.0f} s" if deadline.cancelled_caught
                               else "no source could supply the rest")
-                    if report.relay_skipped and not report.fetched_blocks:
+                    # the relay-only reason only when no provider was reached and asked: else the
+                    # attempts (lacking blocks, corrupt ones, ...) say why
+                    relay_only = len(report.relay_skipped) + len(report.unreached) == len(report.attempts)
+                    if report.relay_skipped and relay_only and not report.fetched_blocks:
                         size = verifier.exact_size if verifier.exact_size is not None else verifier.file_size
                         reason = (f"{len(report.relay_skipped)} provider(s) reachable only through a relay, whose "
                                   f"circuits carry at most {self.relay_data_limit} bytes; this file is {size}, "
@@ -258,12 +262,24 @@ class ContentService:
 
         ``relay=False``: only over a direct connection; False (nothing tried, ask again with
         ``relay=True`` last) when ``peer`` is connected only through a relay or cannot be dialled
-        directly. ``relay=True`` dials through a relay (the direct dial already failed) and skips a
-        relay-only provider when the file's known size exceeds what a circuit carries."""
+        directly. ``relay=True`` dials through a relay (the direct dial already failed), unless the
+        file's known size exceeds what a circuit carries: then a provider not connected directly is
+        skipped without a dial."""
         if peer in tried:
             return True
         if not relay and self._relayed_only(peer):
             return False
+        size = verifier.exact_size if verifier.exact_size is not None else verifier.file_size
+        direct = peer in self.host.connected_peers() and not self._relayed_only(peer)
+        if relay and size is not None and size > self.relay_data_limit and not direct:
+            # it would be reached (or is) only through a relay, and the circuit would be cut before the
+            # file arrived: bulk content never goes through relays, nor does a circuit open for it
+            tried.add(peer)
+            report.relay_skipped.append(peer)
+            report.attempts.append(f"{peer}: reachable only through a relay, whose circuits carry at most "
+                                   f"{self.relay_data_limit} bytes; this file is {size}")
+            log.info("fetch %s: %s", verifier.root, report.attempts[-1])
+            return True
         try:
             await self._reach(peer, info, direct=not relay or peer in self.host.connected_peers(),
                               relay=relay)
@@ -272,19 +288,12 @@ class ContentService:
                 report.direct_failed[peer] = str(exc)
                 return False
             tried.add(peer)
-            direct = report.direct_failed.get(peer, "")
-            report.attempts.append(f"{peer}: {exc}" + (f" (directly: {direct})" if direct else ""))
+            report.unreached.append(peer)
+            failed = report.direct_failed.get(peer, "")
+            report.attempts.append(f"{peer}: {exc}" + (f" (directly: {failed})" if failed else ""))
             log.info("fetch %s: %s", verifier.root, report.attempts[-1])
             return True
         tried.add(peer)
-        size = verifier.exact_size if verifier.exact_size is not None else verifier.file_size
-        if relay and size is not None and size > self.relay_data_limit and self._relayed_only(peer):
-            # the circuit would be cut before the file arrived: bulk content never goes through relays
-            report.relay_skipped.append(peer)
-            report.attempts.append(f"{peer}: reachable only through a relay, whose circuits carry at most "
-                                   f"{self.relay_data_limit} bytes; this file is {size}")
-            log.info("fetch %s: %s", verifier.root, report.attempts[-1])
-            return True
         before = report.fetched_blocks
         protocol = self._protocol_for(peer, via)
         try:

@@ -189,26 +189,31 @@ class Host:
         direct_info = PeerInfo(peer.peer_id, [a for a in peer.addrs if not is_circuit(a)])
         relayed = [a for a in peer.addrs if is_circuit(a)]
         direct_failed = ""  # why the direct addresses failed, named if the relay fails too
+        relays = False  # a relay to fall back on is known
         try:
             with trio.fail_after(limit):
                 if not direct:
                     await self.reach.dial_relayed(peer)
                     return
-                relays = relay and (relayed or self.reach.relays() or [
+                relays = bool(relayed or self.reach.relays() or [
                     a for a in self.reach._stored(peer.peer_id) if is_circuit(a)])
-                # with a relay to fall back on, the direct addresses get half the time
+                # with a relay to fall back on (now, or the caller's later try with ``relay``), the
+                # direct addresses get half the time: a NATed peer's own addresses may drop SYNs
                 with trio.move_on_after(limit / 2 if relays else limit + 1):
                     try:
                         await self.libp2p.connect(direct_info)
                         return
                     except Exception as exc:
-                        if not relays:
+                        if not (relay and relays):
                             raise
                         direct_failed = f" (direct: {type(exc).__name__}: {exc})"
+                if not relay:
+                    raise trio.TooSlowError  # the direct addresses' half of the time ran out
                 # every direct address failed: through a relay the peer may hold a slot on
                 await self.reach.dial_relayed(peer)
         except trio.TooSlowError:
-            raise NetError(f"connect to {peer.peer_id.to_base58()}: no connection within {limit:.0f} s"
+            within = limit / 2 if direct and not relay and relays else limit
+            raise NetError(f"connect to {peer.peer_id.to_base58()}: no connection within {within:g} s"
                            f"{direct_failed}") from None
         except Exception as exc:
             raise NetError(f"connect to {peer.peer_id.to_base58()}: {type(exc).__name__}: {exc}{direct_failed}") from None

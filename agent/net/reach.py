@@ -13,12 +13,14 @@ Rules of this file:
     goes through ``Reachability.dial_relayed`` (``Host.connect`` falls back to it when every direct
     address failed). The relayed addresses we hold a reservation for are added to what identify
     advertises through the host's ``addrs_factory`` (``advertised``).
-- Status: ``unknown`` until ``CONFIRMATIONS`` peers agree, then ``public`` or ``private``. A private
+- Status: ``unknown`` until ``CONFIRMATIONS`` peers agree, then ``public`` or ``private``; each check
+  counts only the verdicts of that round's servers (a round nobody answers changes nothing). A private
   agent reserves a slot on up to ``MAX_RELAYS`` connected peers that serve the hop protocol (agents
   with ``relay = true``, or ``"auto"`` and public) and advertises ``<relay addr>/p2p/<relay>/p2p-circuit``.
 - ``relay``: ``true`` serves the hop protocol from the start, ``false`` never, ``"auto"`` (an
   operator's default, agent/config.py) from the moment AutoNAT says this agent is public, and no
-  longer once it says private; peers learn it at once (identify push) and reserve slots here.
+  longer once it says private (the slots it granted are dropped then: clients' refreshes fail);
+  peers learn it at once (identify push) and reserve slots here.
 - A relay serves circuits within ``RELAY_LIMITS`` (duration and bytes per circuit, circuits and
   reservations at once): enough for gossip, reports and small adapters, not for datasets; bulk
   content reaches other peers by re-providing (IPIP-0003 §4.1).
@@ -53,6 +55,7 @@ from typing import Any
 import multiaddr
 import trio
 from libp2p.host.autonat.autonat import AUTONAT_PROTOCOL_ID, AutoNATService, AutoNATStatus
+from libp2p.host.autonat.pb.autonat_pb2 import Message as AutoNATMessage
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.rcmgr import Direction
@@ -82,6 +85,7 @@ PUNCH_DIAL_TIMEOUT = 6.0  # one hole-punch dial: covers the kernel's SYN retrans
 
 RELAY_AUTO = "auto"  # the relay setting that serves circuits while AutoNAT says public
 
+_DIAL_OK = int(AutoNATMessage.OK)  # an AutoNAT server's verdict: it dialled us back
 STATUS_TEXT = {AutoNATStatus.UNKNOWN: "unknown", AutoNATStatus.PUBLIC: "public", AutoNATStatus.PRIVATE: "private"}
 
 
@@ -362,6 +366,9 @@ class Reachability:
             libp2p.set_stream_handler(HOP_PROTOCOL_ID, self.protocol._handle_hop_stream)
         else:
             libp2p.remove_stream_handler(HOP_PROTOCOL_ID)
+            # the slots we granted go too: a client's next refresh fails, and it stops advertising
+            # /p2p-circuit addresses through a relay that no longer serves them
+            self.protocol.resource_manager._reservations.clear()
         self.protocol.allow_hop = self.relay_service = serve  # py-libp2p removes the handler at stop if set
         log.info("reachability: %s; %s circuit relay v2 (relay = auto)", self.status,
                  "serving" if serve else "no longer serving")
@@ -394,21 +401,27 @@ class Reachability:
         """Ask up to MAX_SERVERS directly connected peers to dial us back; update the status."""
         servers = [p for p in self.host.libp2p.get_connected_peers() if not self._only_relayed(p)]
         servers = [p for p in servers if self._supports(p, AUTONAT_PROTOCOL_ID)][:MAX_SERVERS]
+        verdicts: dict[ID, bool] = {}
         async with trio.open_nursery() as nursery:
             for server in servers:
-                nursery.start_soon(self._ask, server)
-        # a small network may have fewer peers than CONFIRMATIONS: then every peer that answered must agree
-        answered = len(self.autonat.dial_results)
-        self.autonat.confirmations = max(1, min(CONFIRMATIONS, answered))
-        if len(set(self.autonat.dial_results.values())) <= 1 or answered >= CONFIRMATIONS:
-            self.autonat.update_status()
+                nursery.start_soon(self._ask, server, verdicts)
+        if verdicts:  # else nobody answered: the last round's verdicts stand
+            # this round's verdicts only: py-libp2p keeps those of servers no longer asked (gone, or
+            # not answering), and their old successes would keep us "public" after a network change
+            self.autonat.dial_results = verdicts
+            # a small network may have fewer peers than CONFIRMATIONS: then every peer that answered must agree
+            answered = len(verdicts)
+            self.autonat.confirmations = max(1, min(CONFIRMATIONS, answered))
+            if len(set(verdicts.values())) <= 1 or answered >= CONFIRMATIONS:
+                self.autonat.update_status()
         self.checked += 1
         return self.status
 
-    async def _ask(self, server: ID) -> None:
+    async def _ask(self, server: ID, verdicts: dict[ID, bool]) -> None:
         try:
             with trio.fail_after(QUERY_TIMEOUT):
-                await self.autonat.query_server(server, addrs=self._own_addrs(), timeout=QUERY_TIMEOUT)
+                status, _ = await self.autonat.query_server(server, addrs=self._own_addrs(), timeout=QUERY_TIMEOUT)
+            verdicts[server] = status == _DIAL_OK
         except Exception as exc:  # noqa: BLE001 - a server that cannot answer says nothing about us
             log.debug("autonat query to %s: %s", server, exc)
 

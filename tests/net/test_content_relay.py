@@ -17,7 +17,8 @@ import trio
 
 from agent.content.errors import FetchError
 from agent.content.service import open_content
-from agent.net.host import NetConfig
+from agent.net.errors import NetError
+from agent.net.host import NetConfig, to_libp2p_id
 from agent.net.stack import open_network
 from protocol.identity import Identity
 from tests.net.conftest import wait_until
@@ -107,8 +108,48 @@ async def test_a_provider_not_yet_connected_is_not_asked_through_a_relay_for_a_f
         message = str(caught.value)
         assert str(root) in message and "100000" in message and "only through a relay" in message
         assert room.store.get(root) is None
-        # it was reached (through the relay, after its dead direct address failed), then not asked
-        assert fetcher.host.reach.report().relayed == [nated.peer_id]
+        # its dead direct address failed; no circuit was opened for a file the circuit could not carry
+        assert fetcher.host.reach.report().relayed == []
+        assert relay.host.reach.report().circuits_served == 0
+
+
+async def test_the_relay_only_reason_is_given_only_when_no_provider_was_reached(tmp_path):
+    # A direct provider that was reached but lacks the file is the real reason, not "no provider
+    # could be reached directly" (which used to replace it whenever a relay-only one was skipped).
+    async with AsyncExitStack() as stack:
+        _relay, _nated, direct, _fetcher, (nated_room, _, room), nated_addr = await _setup(stack, tmp_path)
+        room.relay_data_limit = 100_000
+        data = os.urandom(300_000)
+        root = await nated_room.add_bytes(data, provide=False)
+        with trio.fail_after(30), pytest.raises(FetchError) as caught:
+            await room.fetch(root, tmp_path / "out.bin", providers=[nated_addr, direct.host.addrs()[0]],
+                             use_dht=False, exact_size=len(data))
+        message = str(caught.value)
+        assert "\n" not in message and "could be reached directly" not in message, message
+        assert "no source could supply the rest" in message
+        assert f"{direct.peer_id}: lacks block" in message and "only through a relay" in message
+
+
+async def test_a_direct_only_dial_leaves_half_the_time_to_the_relay_when_one_is_known(tmp_path):
+    # Phase 1 of a fetch dials a provider's own addresses only (relay=False); a NATed provider's
+    # announced address may swallow the dial (here: a listener that never answers the handshake), and
+    # its relay dial comes after, so the direct dial gets half the deadline, not all of it.
+    import multiaddr
+    from libp2p.peer.peerinfo import PeerInfo
+
+    async with AsyncExitStack() as stack:
+        _relay, _nated, _direct, fetcher, _rooms, _ = await _setup(stack, tmp_path)
+        silent = stack.enter_context(socket.socket())
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # the kernel completes the TCP handshake; nobody ever speaks
+        addr = multiaddr.Multiaddr(f"/ip4/127.0.0.1/tcp/{silent.getsockname()[1]}")
+        start = trio.current_time()
+        with pytest.raises(NetError) as caught:
+            await fetcher.host.connect(PeerInfo(to_libp2p_id(Identity.generate().peer_id), [addr]), timeout=8,
+                                       relay=False)
+        assert "no connection within 4 s" in str(caught.value)
+        assert trio.current_time() - start < 6.5
+        assert fetcher.host.reach.report().relayed == []
 
 
 @pytest.fixture(scope="module")

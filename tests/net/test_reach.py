@@ -182,3 +182,59 @@ def test_peers_learn_and_dial_the_announced_address_not_the_listen_one():
             nursery.cancel_scope.cancel()
 
     _run(main)
+
+
+def test_relay_auto_stops_serving_when_it_becomes_private_and_drops_the_slots_it_granted(monkeypatch):
+    # py-libp2p keeps the verdicts of AutoNAT servers no longer asked: two old successes kept an
+    # "auto" relay public for ever after its address stopped being dialable. And the slots it granted
+    # outlived its serving, so clients went on advertising circuits through it.
+    from agent.net import reach
+
+    monkeypatch.setattr(reach, "FIRST_CHECKS", 0.5)
+    monkeypatch.setattr(reach, "CHECK_INTERVAL", 1.0)
+
+    async def main() -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        forwarded = multiaddr.Multiaddr(f"/ip4/127.0.0.1/tcp/{listeners[0].socket.getsockname()[1]}")
+        target: list[int] = []
+        async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
+            # "auto", public through a port forward (its announced address) while the forward lives
+            auto = await stack.enter_async_context(open_network(
+                Identity.generate(), NetConfig(relay="auto", announce=(str(forwarded),))))
+            listen = auto.host.libp2p.get_network().listeners
+            target.append(int(next(iter(listen.values())).get_addrs()[0].value_for_protocol("tcp")))
+            forward = trio.CancelScope()
+
+            async def run_forward() -> None:
+                with forward:
+                    await _forward(listeners, target)
+
+            nursery.start_soon(run_forward)
+            # the peers reach it at its listen address: the forward only carries AutoNAT's dial-backs
+            boot = (f"/ip4/127.0.0.1/tcp/{target[0]}/p2p/{auto.peer_id}",)
+            client = await stack.enter_async_context(open_network(Identity.generate(), NetConfig(bootstrap=boot)))
+            early = await stack.enter_async_context(AsyncExitStack())  # the last entered: closed first
+            early_ids = [(await early.enter_async_context(open_network(
+                Identity.generate(), NetConfig(bootstrap=boot)))).host.libp2p.get_id() for _ in range(2)]
+            auto_id, client_id = auto.host.libp2p.get_id(), client.host.libp2p.get_id()
+            # both peers that will leave have dialled it back (two successes: CONFIRMATIONS)
+            await wait_until(lambda: auto.host.reach.status == "public" and auto.host.reach.relay_service
+                             and all(auto.host.reach.autonat.dial_results.get(p) for p in early_ids), timeout=20)
+            await wait_until(lambda: auto_id in client.host.reach.relays(), timeout=10)
+            assert await client.host.reach.reserve(auto_id)
+            slots = auto.host.reach.protocol.resource_manager
+            assert slots.has_reservation(client_id)
+            # the network changes: the forward is gone, the peers that said "public" leave, a new one comes
+            forward.cancel()
+            for listener in listeners:
+                await listener.aclose()
+            await early.aclose()
+            await stack.enter_async_context(open_network(Identity.generate(), NetConfig(bootstrap=boot)))
+            await wait_until(lambda: auto.host.reach.status == "private" and not auto.host.reach.relay_service,
+                             timeout=20)
+            assert not auto.host.reach.report().relay_service
+            assert not slots.has_reservation(client_id) and client_id not in slots._reservations
+            assert not await client.host.reach.reserve(auto_id)  # refused: it serves no hop protocol now
+            nursery.cancel_scope.cancel()
+
+    _run(main)
