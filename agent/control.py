@@ -85,6 +85,8 @@ async def _handle(agent: "Agent", stream: trio.SocketStream) -> None:
             handler = HANDLERS.get(request["cmd"])
             if handler is None:
                 raise ControlError(f"unknown command {request['cmd'][:40]!r}")
+            if request["cmd"] != "stop":
+                await agent.flush_writes()  # what the agent queued (ledger entries, job rows) is seen
             result = await handler(agent, **args)
             answer = {"ok": True, "result": result}
         except Exception as exc:  # noqa: BLE001 - every failure is an answer, never the daemon's end
@@ -290,6 +292,7 @@ async def _job_bill(agent: "Agent", job: str) -> dict:
     # pull our copies up to date first (best effort, bounded: the check names what is still missing)
     with trio.move_on_after(BILL_SYNC_SECONDS):
         await sync_job(agent, view, timeout=BILL_SYNC_SECONDS / 2)
+    await agent.flush_writes()  # the bill reads our chain: its last bill, the verdicts we queued meanwhile
     return bill(agent, view)
 
 

@@ -44,8 +44,11 @@ Rules of this file:
   heartbeats and gossip never wait on the disk. So do the other writes made from the event loop:
   ledger entries, job rows and file hashes are queued (``write_soon``, agent/store.py ``later``) and
   made in order by the store writer task in that thread; the store probe before a claim
-  (``can_take_work``) runs there too. Queued writes are made before any read of the store and when
-  the agent stops; a full disk found by one makes us refuse new work, as for any write. Every decision we make is gossiped and applied to our
+  (``can_take_work``) runs there too. Queued writes are made when the agent stops, and before any
+  read of the store except on the event loop: there a read never waits for more than one commit
+  in flight and may lag the queue by a moment, so a read that must see what was just queued (the
+  bill's last entry, the row of a job just forgotten, a control command) awaits ``flush_writes``
+  first. A full disk found by one makes us refuse new work, as for any write. Every decision we make is gossiped and applied to our
   mirror at once (agent/roles/job.py). With a full disk the mirror may run ahead of the store (we
   then refuse new work); catch-up brings the rest back after a restart.
 """
@@ -54,6 +57,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from contextlib import AsyncExitStack
 from collections import Counter, OrderedDict
@@ -526,6 +530,10 @@ class Agent:
             await self.wait_until(lambda: job_id not in self._leaving, 15)  # leave() gives up after 10 s
             if job_id in self.jobs:
                 return self.jobs[job_id]
+        if signer != self.peer_id and self.store.pending():
+            await self.flush_writes()  # _room_to_follow reads the job's row: that of a job just forgotten is queued
+            if job_id in self.jobs:
+                return self.jobs[job_id]
         if signer != self.peer_id and not self._room_to_follow(job_id, signer):
             return None
         now = self.clock()
@@ -736,13 +744,28 @@ class Agent:
 
     async def _store_writer(self) -> None:
         """Make the queued store writes in a worker thread (``store_limiter``: one store thread at a
-        time, evidence commits included); a full disk makes us refuse new work, other errors are logged."""
-        while True:
-            self._writes_queued = trio.Event()
-            if self.store.pending():
-                errors = await trio.to_thread.run_sync(self.store.flush, limiter=self.store_limiter)
-                self._writes_failed(errors)
-            await self._writes_queued.wait()
+        time, evidence commits included); a full disk makes us refuse new work, other errors are logged.
+        While it runs, reads of the store on the event loop thread do not make the queued writes
+        (agent/store.py ``loop_thread``): they could lag them by a moment; ``flush_writes`` where that
+        matters. It wakes at least once a second, so errors of queued writes that another thread's
+        read made are acted on (a full disk: refuse work) promptly."""
+        self.store.loop_thread = threading.get_ident()
+        try:
+            while True:
+                self._writes_queued = trio.Event()
+                if self.store.pending():
+                    errors = await trio.to_thread.run_sync(self.store.flush, limiter=self.store_limiter)
+                    self._writes_failed(errors)
+                with trio.move_on_after(1):
+                    await self._writes_queued.wait()
+        finally:
+            self.store.loop_thread = None
+
+    async def flush_writes(self) -> None:
+        """Make the queued store writes now, in the store's worker thread: for a read on the event loop
+        that must see what was just queued (a ledger entry, a job row). A full disk makes us refuse
+        work, as for the store writer."""
+        self._writes_failed(await trio.to_thread.run_sync(self.store.flush, limiter=self.store_limiter))
 
     def _writes_failed(self, errors: list[Exception]) -> None:
         for exc in errors:

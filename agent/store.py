@@ -7,11 +7,16 @@ Rules of this file:
   every applied gossip message) in a worker thread (``trio.to_thread.run_sync``, one at a time), so
   its event loop keeps running while the disk syncs. Writes the agent makes from its event loop
   whose result it does not wait for (ledger entries, job rows, file hashes) are queued with
-  ``later(...)`` and made in order by ``flush()``, which the agent calls in that same worker thread;
-  a read (any query outside a transaction) first makes the queued writes, so what was queued is
-  always seen. ``flush`` returns the errors of the queued writes (StoreFullError among them) instead
-  of raising them: the caller decides (the agent refuses new work on a full disk). A lock makes
-  each call (and each ``transaction()`` block) whole with respect to the other threads.
+  ``later(...)`` and made in order by ``flush()``, which the agent calls in that same worker thread.
+  ``flush`` takes the lock for one queued write at a time, so a read from another thread waits for
+  at most one commit, never for the whole queue. A read (any query outside a transaction) first
+  makes the queued writes, so what was queued is seen, except on the ``loop_thread`` (set by the
+  agent while its store writer runs: its event loop thread): there a read never writes and may lag
+  the queued writes by a moment; a caller there that must see what it queued awaits
+  ``Agent.flush_writes()`` first. ``flush`` returns the errors of the queued writes (StoreFullError
+  among them) instead of raising them: the caller decides (the agent refuses new work on a full
+  disk). A lock makes each call (and each ``transaction()`` block) whole with respect to the other
+  threads.
   ``close()`` when done (or use the Store as a context manager).
 - Durability. The database is in WAL mode with ``synchronous=FULL`` on every commit: when a
   method returns, what it wrote is on disk and survives ``kill -9`` of the agent and a power loss.
@@ -61,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,7 +230,11 @@ class Store:
         self._lock = threading.RLock()  # one thread at a time inside a call or a transaction block
         self._later: deque[tuple[Callable[..., Any], tuple, dict]] = deque()  # queued writes (later/flush)
         self._later_errors: list[Exception] = []  # errors of queued writes made by a read, for flush()
-        self._flushing = False
+        self._flushing = False  # a queued write is being made (by the thread that holds the lock)
+        # the agent's event loop thread while its store writer runs: reads there do not make queued writes
+        self.loop_thread: Optional[int] = None
+        self._readers_waiting = 0  # reads waiting for the lock: flush() lets them in between two writes
+        self._count_lock = threading.Lock()
         self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
         try:
             self._open(existed)
@@ -297,36 +307,45 @@ class Store:
         self._later.append((write, args, kwargs))
 
     def pending(self) -> int:
-        """How many queued writes ``flush()`` has still to make or report on (a read may have made them)."""
-        return len(self._later) + len(self._later_errors)
+        """How many queued writes ``flush()`` has still to make (one being made included) or report on
+        (a read may have made them)."""
+        return len(self._later) + len(self._later_errors) + self._flushing
 
     def flush(self) -> list[Exception]:
         """Make the queued writes in order, each its own commit; return their errors (a StoreFullError
         when the disk is full: that write is lost, the next ones are still tried), including those of
-        queued writes a read made since the last flush."""
+        queued writes a read made since the last flush. The lock is held for one write at a time: a
+        read from another thread waits for at most one commit."""
+        self._flush_queue()
         with self._lock:
-            self._flush_locked()
             errors, self._later_errors = self._later_errors, []
         return errors
 
-    def _flush_locked(self) -> None:
-        if self._flushing:
-            return
-        self._flushing = True
-        try:
-            while self._later:
-                write, args, kwargs = self._later.popleft()
-                try:
-                    write(*args, **kwargs)
-                except Exception as exc:  # noqa: BLE001 - returned by flush(); the caller decides
-                    self._later_errors.append(exc)
-        finally:
-            self._flushing = False
+    def _flush_queue(self) -> None:
+        while self._flush_one():
+            while self._readers_waiting:  # a lock is not fair: let a waiting read in before the next write
+                time.sleep(0.0005)
+
+    def _flush_one(self) -> bool:
+        """Make the first queued write, under the lock; False when there is none to make here (the queue
+        is empty, or this thread is inside a transaction or already making a queued write)."""
+        with self._lock:
+            if self._flushing or self._depth or not self._later:
+                return False
+            write, args, kwargs = self._later.popleft()
+            self._flushing = True
+            try:
+                write(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - returned by flush(); the caller decides
+                self._later_errors.append(exc)
+            finally:
+                self._flushing = False
+            return True
 
     def close(self) -> None:
+        self._flush_queue()  # what was queued is written (its errors, unclaimed, are dropped)
         with self._lock:
-            self._flush_locked()  # what was queued is written (its errors, unclaimed, are dropped)
-        self._db.close()
+            self._db.close()
 
     def __enter__(self) -> "Store":
         return self
@@ -390,10 +409,19 @@ class Store:
     def _rows(self, sql: str, params: tuple = ()) -> list[tuple]:
         """Run a query to the end. A half-read cursor (kept alive by an exception's traceback, say) would
         hold an old read snapshot: later reads would not see new commits and WAL checkpoints would stall."""
-        with self._lock:
-            if self._later and self._depth == 0:  # what was queued is seen (not inside a transaction)
-                self._flush_locked()
+        if self._later and threading.get_ident() != self.loop_thread:
+            self._flush_queue()  # what was queued is seen (not inside a transaction: _flush_one)
+        with self._count_lock:
+            self._readers_waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._count_lock:
+                self._readers_waiting -= 1
+        try:
             return self._db.execute(sql, params).fetchall()
+        finally:
+            self._lock.release()
 
     def _one(self, sql: str, params: tuple) -> Optional[tuple]:
         rows = self._rows(sql, params)

@@ -91,6 +91,8 @@ async def test_a_private_job_on_a_cid_dataset_completes_sealed_and_its_ledger_is
         # the ledger: every peer holds every other peer's chain after a sync
         agents = [submitter, *workers]
         for a in agents:
+            await a.flush_writes()  # each agent's own chain whole in its store (loop reads may lag the queue)
+        for a in agents:
             await sync_job(a, a.jobs[job_id], [b.peer_id for b in agents if b is not a])
         # every participant's chain (a peer whose message applied to the job; an idle follower's lone
         # "done" entry is nobody's business) is held by every other agent

@@ -74,6 +74,7 @@ async def test_budget_runs_out_mid_round_and_the_bill_equals_the_ledger(tmp_path
 
         # no lease was granted after the first accepted verdict made the budget spent (the coordinator's ledger)
         coordinator = next(a for a in workers if a.peer_id == view.coordination.coordinator)
+        await coordinator.flush_writes()  # a read on the event loop may lag the queued ledger appends
         entries = coordinator.store.ledger(view.job_id)
         first_accept = min(e.seq for e in entries if e.kind == "verdict" and e.data["accepted"])
         assert not [e for e in entries if e.kind == "lease" and e.seq > first_accept]
@@ -96,6 +97,7 @@ async def test_budget_runs_out_mid_round_and_the_bill_equals_the_ledger(tmp_path
         assert verify_signature(submitter.identity.public_key, bill_bytes(doc), bytes.fromhex(bill["signature"]))
         reports = {}
         for w in workers:
+            await w.flush_writes()
             for e in w.store.ledger(view.job_id):
                 if e.kind == "report":
                     reports[(e.data["round"], e.data["shard"], e.data["attempt"])] = e.data
@@ -109,6 +111,7 @@ async def test_budget_runs_out_mid_round_and_the_bill_equals_the_ledger(tmp_path
         assert billed.keys() == owed.keys()
         assert all(math.isclose(billed[w], owed[w]) for w in owed), (billed, owed)
         assert math.isclose(bill["total"], sum(owed.values()))
+        await submitter.flush_writes()  # the bill entry `job bill` queued
         kinds = [e.kind for e in submitter.store.ledger(view.job_id)]
         assert kinds.count("bill") == 1
         market.bill(submitter, view)  # the same amounts again: no second ledger entry

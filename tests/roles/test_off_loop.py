@@ -13,8 +13,10 @@ import threading
 import time
 
 import trio
+import trio.testing
 
 from agent.bundle import ADAPTER_FILES, pack_dir_off_loop, unpack_off_loop
+from agent.store import StoreFullError
 from tests.roles.test_evidence import JOB, NOW, observer_agent
 
 HOLD = 1.5  # seconds a commit in another thread holds the store
@@ -111,6 +113,98 @@ def test_writes_queued_are_seen_by_reads_and_made_when_the_store_closes(tmp_path
     with Store.in_data_dir(tmp_path, agent.identity) as again:
         assert [e.kind for e in again.ledger(JOB)] == ["coordinator", "done"]
         assert again.verify_ledger(JOB) == 2
+
+
+async def _writer_running(agent, nursery) -> None:
+    """Start the agent's store writer task and let it reach its first wait."""
+    nursery.start_soon(agent._store_writer)
+    await trio.testing.wait_all_tasks_blocked()
+
+
+def test_a_read_on_the_event_loop_does_not_make_the_queued_writes_there(tmp_path):
+    agent, view = observer_agent(tmp_path)
+    store = agent.store
+    made_on: list[int] = []
+
+    def append(kind: str, data: dict) -> None:  # a queued ledger append that notes which thread made it
+        made_on.append(threading.get_ident())
+        store.append_event(JOB, kind, data, NOW)
+
+    async def main() -> tuple[int, list[str], list[str]]:
+        async with trio.open_nursery() as nursery:
+            await _writer_running(agent, nursery)
+            loop = threading.get_ident()
+            agent.write_soon(append, "coordinator", {"term": 1})
+            agent.write_soon(append, "done", {})
+            seen = [e.kind for e in store.ledger(JOB)]  # same tick: the writer has not run yet
+            await agent.flush_writes()  # a caller that must see what it queued
+            after = [e.kind for e in store.ledger(JOB)]
+            nursery.cancel_scope.cancel()
+        return loop, seen, after
+
+    loop, seen, after = trio.run(main)
+    assert made_on and loop not in made_on, "a read on the event loop made the queued writes (fsyncs) there"
+    assert seen == []  # the read on the loop lags the queue by a moment
+    assert after == ["coordinator", "done"]  # flush_writes: read-your-writes, in the order queued
+    store.close()
+
+
+def test_a_read_on_the_event_loop_waits_for_at_most_one_write_of_the_writer(tmp_path):
+    agent, view = observer_agent(tmp_path)
+    store = agent.store
+    slow, count = 0.3, 5
+    started = threading.Event()
+
+    def slow_append(seq: int) -> None:  # a queued write on a slow disk
+        started.set()
+        time.sleep(slow)
+        store.append_event(JOB, "coordinator", {"term": seq}, NOW)
+
+    async def main() -> tuple[float, float]:
+        async with trio.open_nursery() as nursery:
+            await _writer_running(agent, nursery)
+            for seq in range(count):
+                agent.write_soon(slow_append, seq)
+            await trio.to_thread.run_sync(started.wait)  # the writer is in its first write
+            t0 = time.perf_counter()
+            store.ledger(JOB)  # on the loop, as ledger sync, `job watch` and reputations read
+            waited = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            await agent.flush_writes()
+            flushed = time.perf_counter() - t0
+            nursery.cancel_scope.cancel()
+        return waited, flushed
+
+    waited, flushed = trio.run(main)
+    assert waited < slow * 2, f"a read on the loop waited {waited:.2f} s behind the writer's batch"
+    assert flushed > slow * 2  # the rest of the batch was still to be made then
+    assert [e.data["term"] for e in store.ledger(JOB)] == list(range(count))
+    store.close()
+
+
+def test_an_error_of_a_queued_write_made_by_another_threads_read_is_acted_on(tmp_path):
+    agent, view = observer_agent(tmp_path)
+    store = agent.store
+
+    def full() -> None:
+        raise StoreFullError(f"{store.path}: cannot write: the disk is full")
+
+    async def main() -> float:
+        async with trio.open_nursery() as nursery:
+            await _writer_running(agent, nursery)
+            store.later(full)  # queued without waking the writer; a read in a worker thread makes it
+            await trio.to_thread.run_sync(store.ledger, JOB)
+            assert agent.store_full is None
+            t0 = time.perf_counter()
+            with trio.fail_after(5):
+                while agent.store_full is None:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+        return time.perf_counter() - t0
+
+    waited = trio.run(main)
+    assert waited < 2.5 and "disk is full" in agent.store_full
+    store.close()
 
 
 def test_packing_and_unpacking_a_large_bundle_leaves_the_event_loop_running(tmp_path):
