@@ -111,9 +111,12 @@ def model_card(source: Source, name: str) -> str:
     if p.job_id:
         rows.append(("Job", f"`{p.job_id}`, round {p.round}"))
         rows.append(("Aggregate adapter CID", f"`{p.aggregate_cid}`"))
-    else:
+    elif p.kind == "run":
         rows.append(("Trained", f"locally (`infernet train run --local`), run `{p.name}`"
                      + (f", {p.steps} steps" if p.steps else "")))
+    else:  # an adapter directory alone: nothing beside it says how it was trained
+        rows.append(("Adapter", f"directory `{p.name}` (no run or job record with it: publish the run "
+                                "directory or the job ID for the training's provenance)"))
     for label, cid in sorted(p.dataset_cids.items()):
         rows.append((f"Dataset {label}", f"`{cid}`"))
     if p.proof_head:

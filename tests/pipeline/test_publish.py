@@ -181,3 +181,12 @@ def test_where_llama_cpp_is_looked_for_and_a_missing_quantizer(tmp_path, monkeyp
     (checkout / "build" / "bin").mkdir(parents=True)
     (checkout / "build" / "bin" / "llama-quantize").write_text("")
     assert callable(pub.quantizer(checkout))  # a llama.cpp build's program is used when the bindings are absent
+
+
+def test_a_card_for_a_bare_adapter_directory_claims_no_training_it_cannot_show(run_dir):
+    """An adapter directory alone (the demo's fetched aggregate, say) has no record of how it was trained:
+    its card must not say it was trained locally, and points to what carries the provenance."""
+    run_card = pub.model_card(resolve_source(str(run_dir)), "from-run")
+    assert "locally (`infernet train run --local`)" in run_card
+    card = pub.model_card(resolve_source(str(run_dir / "checkpoint-final")), "from-adapter")
+    assert "locally" not in card and "directory `checkpoint-final`" in card and "job ID" in card
