@@ -283,6 +283,7 @@ def run_demo(options: DemoOptions) -> int:
             raise DemoError(f"the job ended {detail['state']}: {detail['reason']}")
 
         fetched = request(submitter, "job.fetch", timeout=120, job=job["id"], out=str(root / "adapter"))
+        _keep_job_record(submitter, detail, fetched)
         with console.status("measuring validation loss with stock transformers + peft"):
             before, after = validation_losses(model, Path(fetched["path"]), root / "validation.jsonl",
                                               dataset=None if options.dataset is None else Path(dataset),
@@ -316,6 +317,19 @@ def run_demo(options: DemoOptions) -> int:
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+def _keep_job_record(submitter: Path, detail: dict, fetched: dict) -> None:
+    """Beside the fetched aggregate, the job it came from (terms, signed losses, ledger head), so that
+    `infernet publish` of that directory states the job's provenance once the agents are gone."""
+    from agent.pipeline.source import write_job_record
+
+    try:
+        ledger = request(submitter, "job.ledger", job=detail["id"])
+    except Exception:  # noqa: BLE001 - the ledger head is nice to have in a card, not needed
+        ledger = {}
+    rounds = [a["round"] for a in detail.get("aggregates", [])]
+    write_job_record(Path(fetched["path"]), detail, ledger, max(rounds) if rounds else 0, fetched["cid"])
 
 
 def validation_losses(model_dir: Path, adapter_dir: Path, out: Path, *, dataset: Path | None = None,

@@ -147,7 +147,16 @@ def _from_run(run_dir: Path) -> Source:
 
 def _from_adapter(adapter: Path) -> Source:
     name = _adapter_base_name(adapter)
-    provenance = Provenance(kind="adapter", name=adapter.name, base_model_name=name)
+    record = _read_json(adapter / JOB_RECORD) if (adapter / JOB_RECORD).is_file() else None
+    if isinstance(record, dict) and isinstance(record.get("detail"), dict) and "id" in record["detail"]:
+        try:
+            provenance = job_provenance(record["detail"], record.get("ledger") or {}, int(record["round"]),
+                                        str(record["cid"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PipelineError(f"{adapter / JOB_RECORD}: not a job record ({exc})") from None
+        provenance.base_model_name = provenance.base_model_name or name
+    else:
+        provenance = Provenance(kind="adapter", name=adapter.name, base_model_name=name)
     return Source(adapter, _base_dir(name, None), provenance)
 
 
@@ -189,23 +198,42 @@ def _from_job(job: str, home: Path | None) -> Source:
         latest_cid = fetched["cid"]
     else:
         latest_cid = latest["cid"]
+    try:
+        ledger = request(home, "job.ledger", job=job_id)
+    except Exception:  # noqa: BLE001 - the ledger is nice to have in the card, not needed to run
+        ledger = {}
+    provenance = job_provenance(detail, ledger, latest["round"], latest_cid)
+    config = _agent_models(home)
+    return Source(target, _base_dir(detail.get("base_model"), config), provenance)
+
+
+def job_provenance(detail: dict, ledger: dict, rnd: int, cid: str) -> Provenance:
+    """What a card states of a job's aggregate of round ``rnd`` (CID ``cid``): from its ``job show``
+    detail and its ``job ledger`` answer (``{}`` when not had)."""
+    job_id = detail["id"]
+    agg = next((a for a in detail.get("aggregates", []) if a.get("round") == rnd), {})
     provenance = Provenance(kind="job", name=detail.get("name") or job_id[:16], job_id=job_id,
-                            round=latest["round"], aggregate_cid=latest_cid,
-                            validation_loss=latest.get("validation_loss"),
+                            round=rnd, aggregate_cid=cid, validation_loss=agg.get("validation_loss"),
                             base_validation_loss=_first_base_loss(detail), base_model_name=detail.get("base_model"),
                             spec_text=job_spec_text(detail))
     if detail.get("base_model_sha256") and set(detail["base_model_sha256"]) != {"0"}:
         provenance.base_model_sha256 = detail["base_model_sha256"]
     provenance.dataset_cids.update(detail.get("dataset_cids") or {})
-    try:
-        ledger = request(home, "job.ledger", job=job_id)
-        if ledger.get("entries"):
-            provenance.ledger_head = ledger["entries"][-1]["hash"]
-            provenance.ledger_entries = ledger["length"]
-    except Exception:  # noqa: BLE001 - the ledger is nice to have in the card, not needed to run
-        pass
-    config = _agent_models(home)
-    return Source(target, _base_dir(detail.get("base_model"), config), provenance)
+    if ledger.get("entries"):
+        provenance.ledger_head = ledger["entries"][-1]["hash"]
+        provenance.ledger_entries = ledger["length"]
+    return provenance
+
+
+JOB_RECORD = "infernet-job.json"  # beside a fetched aggregate: the job it came from (written by `infernet demo`)
+
+
+def write_job_record(adapter: Path, detail: dict, ledger: dict, rnd: int, cid: str) -> None:
+    """Keep, in a fetched aggregate's directory, what ``job_provenance`` needs once the agents are gone."""
+    head = ledger["entries"][-1] if ledger.get("entries") else None
+    record = {"detail": detail, "round": rnd, "cid": cid,
+              "ledger": {"entries": [head], "length": ledger.get("length")} if head else {}}
+    (adapter / JOB_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
 def job_spec_text(detail: dict) -> str:

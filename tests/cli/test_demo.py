@@ -19,7 +19,17 @@ def test_demo_runs_a_job_through_agent_processes_and_the_adapter_lowers_the_loss
     assert f"{adapter}" in done.stdout
     # the adapter, and the averaged AdamW state the job carries (IPIP-0006 §2.3; peft ignores it)
     assert {p.name for p in adapter.iterdir()} == {"adapter_config.json", "adapter_model.safetensors",
-                                                   "optimizer.safetensors"}
+                                                   "optimizer.safetensors", "infernet-job.json"}
+    # and the job it came from, so that `infernet publish` of this directory states the job's provenance
+    from agent.pipeline.publish import model_card
+    from agent.pipeline.source import resolve_source
+
+    source = resolve_source(str(adapter))
+    p = source.provenance
+    assert p.kind == "job" and p.aggregate_cid == cid and p.round == 1 and p.validation_loss is not None
+    assert p.ledger_head and p.ledger_entries and p.dataset_cids and f"the terms of job {p.job_id}" in p.spec_text
+    card = model_card(source, "demo")
+    assert cid in card and p.ledger_head in card and "locally" not in card
     for home in ("submitter", "worker0", "worker1"):  # every agent stopped cleanly (SIGTERM removes the socket)
         assert (root / home / "identity.key").exists() and not (root / home / "control.sock").exists()
         assert '"stopped"' in (root / home / "agent.log").read_text()
