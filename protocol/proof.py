@@ -347,6 +347,16 @@ def checkpoint_cap(steps: int, checkpoint_every: int) -> int:
     return -(-max(steps, 1) // max(checkpoint_every, 1)) + CHECKPOINT_MARGIN
 
 
+def max_checkpoints(terms) -> int:
+    """Checkpoint commits one attempt of a job with ``terms`` (protocol/messages.JobTerms) may make
+    (IPIP-0004 §5.2): what the largest shard's steps need at the terms' ``checkpoint_every``, plus the
+    margin (``checkpoint_cap``). The same on every mirror: read off the signed terms alone."""
+    t = terms.training
+    return max(checkpoint_cap(shard_steps(t.max_steps, t.epochs, ref.records,
+                                          t.batch_size * t.gradient_accumulation_steps),
+                              terms.proof.checkpoint_every) for ref in terms.shards)
+
+
 # --- the training's randomness (IPIP-0005 §6) -----------------------------------------------------
 # A replay lands on the worker's bits only if both sides draw the same samples, dropout masks and
 # initial LoRA A; these rules fix them from the header's seed alone. ipips/vectors/proof-randomness.json.

@@ -496,6 +496,19 @@ def _shard_event(job: JobState, event: Event) -> tuple[ShardState, ShardInput, s
     return job.shards[event.shard], shard_input, worker, attempt, reason
 
 
+def checkpoints_spent(job: "JobState", rnd: int, index: int, attempt: int) -> bool:
+    """Has attempt ``attempt`` of shard ``index`` in round ``rnd`` (the current attempt) committed every
+    checkpoint ``config.max_checkpoints`` allows? Its next commit is then refused (IPIP-0004 §5.2)."""
+    if rnd != job.round or not 0 <= index < len(job.shards):
+        return False
+    shard = job.shards[index]
+    return shard.attempt == attempt and _allowance_spent(job.config, shard)
+
+
+def _allowance_spent(config: JobConfig, shard: ShardState) -> bool:
+    return 0 < config.max_checkpoints <= shard.checkpoints
+
+
 def _shard_step(
     job: JobState,
     shard: ShardState,
@@ -527,7 +540,7 @@ def _shard_step(
                          late_verdict=None, checkpoints=0)
         return leased, (PublishLease(r, i, worker, leased.attempt, expires),)
     if shard_input is ShardInput.CHECKPOINT:
-        if config.max_checkpoints and shard.checkpoints >= config.max_checkpoints:
+        if _allowance_spent(config, shard):
             # past what the terms' steps need: a flood, not progress (it would extend the lease forever)
             raise StateError(f"shard {i}: attempt {shard.attempt} already has {shard.checkpoints} checkpoints, "
                              f"the most the job's terms allow")

@@ -11,7 +11,7 @@ Rules of this file:
   by the worker it judges is never applied; one on the coordinator's own report is applied from
   another eligible peer in the coordinator's term (``election.may_judge``).
 - A lease holder commits at most ``JobConfig.max_checkpoints`` checkpoints per attempt (read off the
-  terms: ``max_checkpoints``; IPIP-0004 §5.2). The state machine refuses the ones past it; they are
+  terms: protocol/proof.max_checkpoints; IPIP-0004 §5.2). The state machine refuses the ones past it; they are
   counted (``refused["checkpoint-cap"]``), never held, never stored.
 - A message the state machine refuses (StateError) is never raised: it is untrusted input. It is
   held (at most ``PENDING_MAX``, for ``PENDING_SECONDS``) and tried again after every message that
@@ -42,7 +42,7 @@ from protocol import messages as m
 from protocol import state as st
 from protocol.election import Coordination, may_apply_past_verdict, may_judge
 from protocol.errors import StateError
-from protocol.proof import checkpoint_cap, shard_steps
+from protocol.proof import max_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +60,6 @@ def job_config(terms: m.JobTerms) -> st.JobConfig:
         deadline=float(terms.deadline) if terms.deadline else None, stop_early=terms.stop is not None,
         max_checkpoints=max_checkpoints(terms),
     )
-
-
-def max_checkpoints(terms: m.JobTerms) -> int:
-    """Checkpoint commits one attempt may make (IPIP-0004 §5.2): what the largest shard's steps
-    need at the terms' ``checkpoint_every``, plus a margin (protocol/proof.checkpoint_cap)."""
-    t = terms.training
-    return max(checkpoint_cap(shard_steps(t.max_steps, t.epochs, ref.records,
-                                          t.batch_size * t.gradient_accumulation_steps),
-                              terms.proof.checkpoint_every) for ref in terms.shards)
 
 
 @dataclass
@@ -185,12 +176,8 @@ class JobView:
             self.refused["pending-overflow"] += 1
 
     def _checkpoints_spent(self, msg: m.CheckpointCommit) -> bool:
-        """Has the attempt ``msg`` names (the current one) committed all the checkpoints its terms allow?"""
-        job = self.state
-        if msg.round != job.round or not 0 <= msg.shard < len(job.shards):
-            return False
-        shard = job.shards[msg.shard]
-        return shard.attempt == msg.attempt and 0 < job.config.max_checkpoints <= shard.checkpoints
+        """Has the attempt ``msg`` names committed all the checkpoints its terms allow (protocol/state.py)?"""
+        return st.checkpoints_spent(self.state, msg.round, msg.shard, msg.attempt)
 
     def take_evidence(self) -> list[bytes]:
         """The envelopes of the messages applied since the last call, in the order they applied."""

@@ -179,7 +179,7 @@ def test_a_lease_holder_cannot_flood_checkpoint_commits_past_what_its_terms_need
     holder could keep its lease forever and make every follower store tens of thousands of rows. An
     attempt takes at most ``max_checkpoints`` (IPIP-0004 §5.2); the rest are refused, counted, not
     held, not stored, and extend nothing. A new attempt starts with a fresh allowance."""
-    from agent.roles.job import max_checkpoints
+    from protocol.proof import max_checkpoints
 
     agent, view = observer_agent(tmp_path)
     clock = [NOW + 1]
