@@ -754,21 +754,17 @@ class Agent:
             while True:
                 self._writes_queued = trio.Event()
                 if self.store.pending():
-                    errors = await trio.to_thread.run_sync(self.store.flush, limiter=self.store_limiter)
-                    self._writes_failed(errors)
+                    await self.flush_writes()
                 with trio.move_on_after(1):
                     await self._writes_queued.wait()
         finally:
             self.store.loop_thread = None
 
     async def flush_writes(self) -> None:
-        """Make the queued store writes now, in the store's worker thread: for a read on the event loop
-        that must see what was just queued (a ledger entry, a job row). A full disk makes us refuse
-        work, as for the store writer."""
-        self._writes_failed(await trio.to_thread.run_sync(self.store.flush, limiter=self.store_limiter))
-
-    def _writes_failed(self, errors: list[Exception]) -> None:
-        for exc in errors:
+        """Make the queued store writes now, in the store's worker thread (the store writer's step; also
+        for a read on the event loop that must see what was just queued: a ledger entry, a job row).
+        A full disk makes us refuse new work; other errors are logged."""
+        for exc in await trio.to_thread.run_sync(self.store.flush, limiter=self.store_limiter):
             if isinstance(exc, StoreFullError):
                 self.refuse_work(exc)
             else:
