@@ -69,6 +69,11 @@ class Envelope:
     def message_id(self) -> bytes:
         return hashlib.sha256(self.signed_bytes()).digest()
 
+    @property
+    def expires_at(self) -> float:
+        """When this envelope leaves the acceptance window (rule 6): its timestamp + MAX_AGE_S."""
+        return self.timestamp_ms / 1000.0 + MAX_AGE_S
+
     def to_bytes(self) -> bytes:
         return canonical_encode({
             "v": self.version, "t": self.type, "k": self.public_key, "ts": self.timestamp_ms,
@@ -154,12 +159,22 @@ def open_envelope(
     ts = env.timestamp_ms / 1000.0
     if ts > now + MAX_SKEW_S:
         raise CodecError("future", f"timestamp {ts - now:.1f} s in the future (max skew {MAX_SKEW_S:.0f} s)")
-    if ts < now - MAX_AGE_S:
+    if env.expires_at < now:
         raise CodecError("expired", f"timestamp {now - ts:.1f} s old (max age {MAX_AGE_S:.0f} s)")
     message = decode_body(env.type, env.body)
-    if replay is not None and not replay.check_and_add(env.message_id, ts + MAX_AGE_S, now):
+    if replay is not None and not replay.check_and_add(env.message_id, env.expires_at, now):
         raise CodecError("replayed", f"{env.type} message {env.message_id.hex()[:16]} already seen")
     return Opened(env, message)
+
+
+def envelope_expiry(data: bytes, *, max_bytes: int = MAX_ENVELOPE_BYTES) -> float:
+    """When the envelope ``data`` leaves the acceptance window (``Envelope.expires_at``), read without
+    checking its signature: for bytes already checked once (a gossip cache). Never (inf) for bytes
+    that are no well-formed envelope."""
+    try:
+        return _parse(decode_canonical(data, max_bytes=max_bytes)).expires_at
+    except CodecError:
+        return float("inf")
 
 
 def _parse(raw: Any) -> Envelope:

@@ -58,8 +58,7 @@ from libp2p.pubsub.mcache import MessageCache, default_msg_id_fn
 from libp2p.pubsub.pubsub import Pubsub
 
 from agent.net.host import Host
-from protocol.codec import decode_canonical
-from protocol.envelope import MAX_AGE_S, MAX_ENVELOPE_BYTES, NOT_MISBEHAVIOUR, Envelope, ReplayCache, open_envelope, seal
+from protocol.envelope import NOT_MISBEHAVIOUR, Envelope, ReplayCache, envelope_expiry, open_envelope, seal
 from protocol.errors import CodecError
 from protocol.messages import topic_for
 
@@ -165,7 +164,7 @@ class _FreshMessageCache(MessageCache):
         super().put(msg)
         mid = default_msg_id_fn(msg)
         if mid in self.msgs and mid not in self._expires:
-            self._expires[mid] = _envelope_expiry(msg.data)
+            self._expires[mid] = envelope_expiry(msg.data)
 
     def get(self, mid: bytes) -> Any:
         msg = super().get(mid)
@@ -185,18 +184,6 @@ class _FreshMessageCache(MessageCache):
         return self._clock() > self._expires.get(mid, float("inf"))
 
 
-def _envelope_expiry(data: bytes) -> float:
-    """When an envelope's timestamp leaves the acceptance window; never, for bytes that are no envelope
-    (they were validated before they reached the cache, so that does not happen)."""
-    try:
-        ts = decode_canonical(data, max_bytes=MAX_ENVELOPE_BYTES).get("ts")
-    except Exception:  # noqa: BLE001 - not ours to judge here: validation did
-        return float("inf")
-    if not isinstance(ts, int) or isinstance(ts, bool):
-        return float("inf")
-    return ts / 1000.0 + MAX_AGE_S
-
-
 class _FreshRouter(GossipSub):
     """GossipSub whose queue of messages published while a new peer was being identified (flushed to
     it once it subscribes, ``flush_pending_messages``) drops envelopes past the window by our clock.
@@ -210,7 +197,7 @@ class _FreshRouter(GossipSub):
         queue = self._pending_messages.get(peer_id)
         if queue:
             now = self.clock()
-            queue[:] = [(at, rpc) for at, rpc in queue if any(now <= _envelope_expiry(p.data) for p in rpc.publish)]
+            queue[:] = [(at, rpc) for at, rpc in queue if any(now <= envelope_expiry(p.data) for p in rpc.publish)]
             if not queue:
                 self._pending_messages.pop(peer_id, None)
 
