@@ -407,11 +407,11 @@ def ledger_check(agent: "Agent", view: "JobView", doc: dict) -> dict:
     agent holds: its own and its copies of the others' (IPIP-0008 §5; the workers write the reports,
     the coordinators the verdicts, so a submitter that does not coordinate holds them only as copies:
     ``job bill`` pulls them first). A verdict entry counts only when its author signed the Verdict our
-    mirror applied for that attempt (``verdict_signers``). See ``compare_bill_with_ledger``."""
+    mirror applied for that attempt (``verdict_signers``). The rule: protocol/market.compare_bill_with_ledger."""
     from agent.jobdata import readable_chains
 
     chains, bad = readable_chains(agent.store, view.job_id)
-    out = compare_bill_with_ledger(doc, [e for chain in chains.values() for e in chain], verdict_signers(agent, view))
+    out = mk.compare_bill_with_ledger(doc, [e for chain in chains.values() for e in chain], verdict_signers(agent, view))
     out["chains"] = len(chains)
     out["problems"] += [f"a ledger chain we hold does not verify, not used: {problem}" for problem in bad.values()]
     out["consistent"] = not out["problems"]
@@ -429,81 +429,6 @@ def verdict_signers(agent: "Agent", view: "JobView") -> dict[tuple, str]:
         if view.verdicts.get(key) == msg:
             out[key] = stored.signer
     return out
-
-
-def compare_bill_with_ledger(doc: dict, entries: list, judges: dict[tuple, str]) -> dict:
-    """Check each billed attempt against the ledger's signed entries (IPIP-0008 §2). ``judges`` maps
-    (round, shard, attempt) to the signer of the Verdict our mirror applied for it (``verdict_signers``):
-
-    - a ``verdict`` entry for it written by that signer names the same worker and outcome, and every
-      such entry agrees;
-    - an accepted attempt has the worker's own ``report`` entry (signed by the worker it names), and
-      its hours are that entry's ``duration`` / 3600, its amount those hours x the bill's price;
-      a rejected one is billed 0;
-    - every verdict entry in the ledger written by its attempt's judge is billed.
-
-    A billed attempt the ledger lacks (no verdict, or no report) or contradicts is a problem. A verdict
-    entry by anyone else (another participant, a coordinator whose verdict our mirror did not apply,
-    one for an attempt our mirror holds no verdict of) is not evidence of this bill: listed in
-    ``ignored``, never a problem. ``entries_checked``: the billed attempts whose verdict entries were
-    found and compared."""
-    reports: dict[tuple, list] = {}
-    verdicts: dict[tuple, list] = {}
-    ignored = []
-    for e in entries:
-        data = e.data
-        key = (data.get("round"), data.get("shard"), data.get("attempt"))
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in key):
-            continue  # an entry of another peer's chain that names no attempt: evidence of nothing billed
-        if e.kind == "report" and data.get("worker") == e.signer_peer_id:
-            reports.setdefault(key, []).append(data)
-        elif e.kind == "verdict":
-            judge = judges.get(key)
-            if judge is not None and e.signer_peer_id == judge and data.get("worker") != judge:
-                verdicts.setdefault(key, []).append(data)
-            else:
-                ignored.append(f"round {key[0]} shard {key[1]} attempt {key[2]}: a verdict entry by "
-                               f"{e.signer_peer_id[-8:]}, " + (f"not by {judge[-8:]} whose verdict our mirror "
-                                                               "applied" if judge else "no verdict in our mirror")
-                               + ": not counted")
-    price = doc["price_per_hour"]
-    problems, checked, billed = [], 0, set()
-    for row in doc["workers"]:
-        worker = row["worker"]
-        for item in row["attempts"]:
-            key = (item["round"], item["shard"], item["attempt"])
-            where = f"round {key[0]} shard {key[1]} attempt {key[2]} ({worker[-8:]})"
-            billed.add(key)
-            judged = verdicts.get(key)
-            if not judged:
-                problems.append(f"{where}: billed, but no verdict entry for it in the ledger chains held")
-                continue
-            checked += 1
-            outcomes = {(v.get("worker"), v.get("accepted")) for v in judged}
-            if outcomes != {(worker, item["accepted"])}:
-                said = ", ".join(f"{'accepted' if a else 'rejected'} for {str(w)[-8:]}" for w, a in sorted(
-                    outcomes, key=str))
-                problems.append(f"{where}: billed {'accepted' if item['accepted'] else 'rejected'}, "
-                                f"the ledger's verdict says {said}")
-                continue
-            if not item["accepted"]:
-                if item["hours"] != 0 or item["amount"] != 0:
-                    problems.append(f"{where}: a rejected attempt billed {item['hours']:.6f} h")
-                continue
-            stated = reports.get(key)
-            if not stated or any(r.get("worker") != worker for r in stated):
-                problems.append(f"{where}: billed, but the ledger holds no report entry of it by its worker")
-                continue
-            hours = {mk.attempt_hours(r.get("duration", 0.0)) for r in stated}
-            if len(hours) != 1 or abs(next(iter(hours)) - item["hours"]) > 1e-9:
-                problems.append(f"{where}: billed {item['hours']:.6f} h, the ledger's report says "
-                                + " or ".join(f"{h:.6f} h" for h in sorted(hours)))
-            elif abs(item["hours"] * price - item["amount"]) > 1e-9 * max(1.0, abs(item["amount"])):
-                problems.append(f"{where}: billed {item['amount']:.6f}, not its hours x {price:g}/h")
-    for key in sorted(verdicts.keys() - billed, key=str):
-        problems.append(f"round {key[0]} shard {key[1]} attempt {key[2]}: its judge's verdict in the ledger, "
-                        "not billed")
-    return {"entries_checked": checked, "consistent": not problems, "problems": problems, "ignored": ignored}
 
 
 def bill_text(b: dict) -> str:

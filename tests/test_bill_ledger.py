@@ -1,11 +1,10 @@
 """IPIP-0008 §2: a bill against the ledger's signed chains. Only the verdict entries of the peer that
-signed the Verdict our mirror applied for an attempt count (agent/market.compare_bill_with_ledger):
+signed the Verdict our mirror applied for an attempt count (protocol/market.compare_bill_with_ledger):
 another participant's entries, an old coordinator's after a failover, or an invented attempt's never
 make an honest bill inconsistent; a contradiction by the judge itself still does."""
 
 from __future__ import annotations
 
-from agent import market
 from protocol import market as mk
 from protocol.identity import Identity
 from protocol.ledger import ZERO_HASH, LedgerEntry
@@ -51,7 +50,7 @@ def honest() -> tuple[dict, list[LedgerEntry], dict]:
 
 def test_an_honest_bill_is_consistent():
     doc, entries, judges = honest()
-    out = market.compare_bill_with_ledger(doc, entries, judges)
+    out = mk.compare_bill_with_ledger(doc, entries, judges)
     assert out["consistent"], out["problems"]
     assert out["entries_checked"] == 2 and out["ignored"] == []
 
@@ -63,7 +62,7 @@ def test_other_peers_verdict_entries_do_not_make_an_honest_bill_inconsistent():
                            verdict(invented, True),
                            ("verdict", {"round": [1], "shard": 0, "attempt": 1, "worker": WORKER.peer_id,
                                         "accepted": True, "reason": "names no attempt"})])
-    out = market.compare_bill_with_ledger(doc, entries + others, judges)
+    out = mk.compare_bill_with_ledger(doc, entries + others, judges)
     assert out["consistent"], out["problems"]
     assert out["entries_checked"] == 2
     assert len(out["ignored"]) == 3 and all(OTHER.peer_id[-8:] in line for line in out["ignored"])
@@ -71,7 +70,7 @@ def test_other_peers_verdict_entries_do_not_make_an_honest_bill_inconsistent():
     assert any("round 1 shard 0 attempt 1" in line and f"not by {JUDGE.peer_id[-8:]}" in line
                for line in out["ignored"])
     # the judge's own entry for an attempt our mirror judged with someone else's verdict is not counted either
-    out = market.compare_bill_with_ledger(doc, entries, {ACCEPTED: JUDGE.peer_id, REJECTED: OTHER.peer_id})
+    out = mk.compare_bill_with_ledger(doc, entries, {ACCEPTED: JUDGE.peer_id, REJECTED: OTHER.peer_id})
     assert not out["consistent"]
     assert any("round 1 shard 1 attempt 1" in p and "no verdict entry" in p for p in out["problems"]), out
 
@@ -80,17 +79,17 @@ def test_the_judges_own_entries_are_still_checked():
     doc, entries, judges = honest()
     # the judge's chain also says the accepted attempt was rejected
     contradicted = chain(JUDGE, [verdict(ACCEPTED, True), verdict(REJECTED, False), verdict(ACCEPTED, False)])
-    out = market.compare_bill_with_ledger(doc, contradicted + entries[2:], judges)
+    out = mk.compare_bill_with_ledger(doc, contradicted + entries[2:], judges)
     assert not out["consistent"]
     assert any("round 1 shard 0 attempt 1" in p and "rejected for" in p for p in out["problems"]), out["problems"]
     # a verdict of the judge's that the bill leaves out
     left_out = (2, 0, 1)
     extra = chain(JUDGE, [verdict(ACCEPTED, True), verdict(REJECTED, False), verdict(left_out, True)])
-    out = market.compare_bill_with_ledger(doc, extra + entries[2:], {**judges, left_out: JUDGE.peer_id})
+    out = mk.compare_bill_with_ledger(doc, extra + entries[2:], {**judges, left_out: JUDGE.peer_id})
     assert not out["consistent"]
     assert any("round 2 shard 0 attempt 1" in p and "not billed" in p for p in out["problems"]), out["problems"]
     # no entry by the judge at all: the billed attempts are unbacked, whatever the others wrote
     others = chain(OTHER, [verdict(ACCEPTED, True), verdict(REJECTED, False)])
-    out = market.compare_bill_with_ledger(doc, others + entries[2:], judges)
+    out = mk.compare_bill_with_ledger(doc, others + entries[2:], judges)
     assert not out["consistent"] and out["entries_checked"] == 0
     assert sum("no verdict entry" in p for p in out["problems"]) == 2
