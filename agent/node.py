@@ -402,11 +402,8 @@ class Agent:
                     if view is not None and signer != self.peer_id:
                         before = view.coordination
                         view.check_coordinator(signer, entry.term, self.eligible_coordinators(view.terms))
-                        if view.coordination != before and view.pending:  # e.g. verdicts held for this term
-                            actions = view.retry_pending(now, self.eligible_coordinators(view.terms))
-                            await self.keep_evidence(view)
-                            self.apply_actions(view, actions)
-                            self.react(view, view.take_applied())
+                        if view.coordination != before:
+                            await self._retry_held(view, now)
             elif isinstance(msg, m.Capability):
                 self.peers.setdefault(signer, PeerInfo(now, live_since=now)).capability = msg
                 self._notify()
@@ -894,27 +891,47 @@ class Agent:
         self.write_soon(self.store.append_event, job_id, kind, data, self.clock())
 
     async def _ticks(self) -> None:
-        from protocol.state import Tick
-
         while True:
             now = self.clock()
             for view in list(self.jobs.values()):
-                self.update_election(view, now)
-                self.apply_actions(view, view.step(Tick(), now))
-                if view.job_id not in self._resyncing and \
-                        now - self._last_resync.get(view.job_id, 0.0) > RESYNC_INTERVAL and \
-                        needs_resync(view, self.eligible_coordinators(view.terms), now):
-                    self._last_resync[view.job_id] = now
-                    self._resyncing.add(view.job_id)
-                    self.nursery.start_soon(self._resync, view)
-                if not self.is_coordinator(view):
-                    self._coordinating.discard(view.job_id)
-                elif view.job_id not in self._coordinating:  # newly elected, or resumed after a restart
-                    self._coordinating.add(view.job_id)
-                    self.coordinator.take_over(view)
-                self.coordinator.judge_reports(view)  # the coordinator's own reports, if we are their judge
+                await self._tick_job(view, now)
             self.save_file_hashes()  # hashes taken in training, replay or verification threads
             await trio.sleep(0.5)
+
+    async def _tick_job(self, view: JobView, now: float) -> None:
+        """One tick of a job: the election, the state machine's clock, a rebuild if the mirror diverged,
+        taking the job over when we were just elected, judging the coordinator's own reports."""
+        from protocol.state import Tick
+
+        before = view.coordination
+        self.update_election(view, now)
+        if view.coordination != before:
+            await self._retry_held(view, now)
+        self.apply_actions(view, view.step(Tick(), now))
+        if view.job_id not in self._resyncing and \
+                now - self._last_resync.get(view.job_id, 0.0) > RESYNC_INTERVAL and \
+                needs_resync(view, self.eligible_coordinators(view.terms), now):
+            self._last_resync[view.job_id] = now
+            self._resyncing.add(view.job_id)
+            self.nursery.start_soon(self._resync, view)
+        if not self.is_coordinator(view):
+            self._coordinating.discard(view.job_id)
+        elif view.job_id not in self._coordinating:  # newly elected, or resumed after a restart
+            self._coordinating.add(view.job_id)
+            self.coordinator.take_over(view)
+        self.coordinator.judge_reports(view)  # the coordinator's own reports, if we are their judge
+
+    async def _retry_held(self, view: JobView, now: float) -> None:
+        """Our view of the job's term moved (an election tick, a coordinator's heartbeat): the messages
+        held for that term may apply now -- e.g. the judge's verdict on our own report, which reached us
+        before our own tick made us the coordinator (IPIP-0006 §1.3 rule 6); held until another message
+        applied, it left our mirror a round behind the submitter's and the round never aggregated."""
+        if not view.pending:
+            return
+        actions = view.retry_pending(now, self.eligible_coordinators(view.terms))
+        await self.keep_evidence(view)
+        self.apply_actions(view, actions)
+        self.react(view, view.take_applied())
 
     async def _resync(self, view: JobView) -> None:
         try:
@@ -930,8 +947,10 @@ class Agent:
             return
         applied = await resync(self, view)
         if applied is not None:
-            self.apply_actions(view, ())
             self.react(view, applied)  # held live messages that apply on the rebuilt mirror
+            if self.is_coordinator(view) and view.job_id in self._coordinating:
+                # the rebuilt mirror's pending work (its replay's actions were nobody's): verify, aggregate
+                self.coordinator.resume(view)
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> None:
         """Wait until ``predicate()`` holds, re-checked whenever a job changes; TooSlowError after ``timeout``."""

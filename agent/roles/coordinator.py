@@ -274,6 +274,13 @@ class CoordinatorRole:
         for worker, (_, last, rnd, shard) in sorted(self._early.pop(view.job_id, {}).items(), key=lambda kv: kv[1][0]):
             if now - last <= self.early_claim_seconds and rnd == state.round:
                 self._queue(view, worker, rnd, shard)  # claims heard just before we were elected
+        self.resume(view)
+
+    def resume(self, view: JobView) -> None:
+        """Start what our mirror says is pending: the verification of each REPORTED shard (not ours) and
+        the aggregation of an AGGREGATING round (after a take-over, or a mirror rebuilt from the
+        submitter's history: agent/roles/sync.resync). Work already running is not started twice."""
+        state = view.state
         for shard in state.shards:
             if shard.phase is st.ShardPhase.REPORTED and shard.worker != self.agent.peer_id:
                 self._start(("verify", view.job_id, state.round, shard.index, shard.attempt),

@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from protocol import messages as m
 from protocol import state as st
-from protocol.election import Coordination, may_apply_past_verdict, may_judge
+from protocol.election import Coordination, may_apply_past_verdict, may_judge, rank_peers
 from protocol.errors import StateError
 from protocol.proof import max_checkpoints
 
@@ -82,6 +82,9 @@ class JobView:
 
     def __post_init__(self) -> None:
         self._replaying = False
+        # (term, signer, worker judged) while our view's term was taken from a replayed verdict: its signer
+        # may be the term's judge, not its coordinator (see check_coordinator)
+        self.term_from_verdict: tuple[int, str, str] | None = None
         self.job_id = self.terms.job_id()
         self.state = st.new_job(job_config(self.terms))
         self.coordination = Coordination(self.job_id)
@@ -128,16 +131,50 @@ class JobView:
 
     # -- applying messages -----------------------------------------------------------------------
 
-    def check_coordinator(self, signer: str, term: int, eligible: frozenset[str], *, adopt: bool = True) -> bool:
+    def check_coordinator(self, signer: str, term: int, eligible: frozenset[str], *, adopt: bool = True,
+                          judged: str | None = None) -> bool:
         """Does a coordinator message from ``signer`` in ``term`` pass our election view? (``adopt=False``
-        for verdicts: they never move the view to a higher term, IPIP-0006 §1.3 rule 6.)"""
+        for live verdicts: they never move the view to a higher term, IPIP-0006 §1.3 rule 6.) ``judged``:
+        the worker, when the message is a verdict (a term taken from one is provisional: ``_settle_term``)."""
+        before = self.coordination
         try:
-            self.coordination = self.coordination.check_message(signer, term, eligible, adopt=adopt)
-            return True
+            self.coordination = before.check_message(signer, term, eligible, adopt=adopt)
         except StateError as exc:
             self.refused["coordinator"] += 1
             log.debug("job %s: ignored coordinator message: %s", self.job_id.hex()[:8], exc)
             return False
+        if self.coordination.term != before.term:
+            self.term_from_verdict = (term, signer, judged) if judged is not None else None
+        return True
+
+    def _settle_term(self, msg: Any, signer: str, eligible: frozenset[str]) -> None:
+        """Replayed history believes a verdict's higher term and takes its signer for the term's
+        coordinator; but a verdict that opens its term in a history may be the term's *judge's* (its
+        coordinator held a report of its own, rule 6, and had decided nothing yet). So a term taken from
+        a verdict of J on W's report is provisional until one of the two decides again in that term: a
+        decision of J's that a judge could not make (a lease, an aggregate, a verdict on another worker)
+        confirms J; one of W's makes W the coordinator (a judge judges only the coordinator's own report),
+        except W's verdict on J's report, which either could have signed: the coordinator is then the one
+        that ranks first for the job (protocol/election.rank_peers), as the judge is the first *after*
+        the coordinator."""
+        provisional = self.term_from_verdict
+        if provisional is None or getattr(msg, "term", None) != provisional[0] or \
+                self.coordination.term != provisional[0] or self.coordination.coordinator != provisional[1]:
+            return
+        _, first, judged = provisional
+        worker = msg.worker if isinstance(msg, m.Verdict) else None
+        if signer == first:
+            if worker != judged:
+                self.term_from_verdict = None  # a decision no judge makes: ``first`` coordinates the term
+            return
+        if signer != judged or signer not in eligible:
+            return  # anyone else's decision of the term is refused by the usual rules
+        coordinator = rank_peers(self.job_id, {signer, first})[0] if worker == first else signer
+        self.term_from_verdict = None
+        if coordinator != first:
+            self.coordination = replace(self.coordination, coordinator=coordinator)
+            log.info("job %s: term %d is %s's; %s judged its own report (IPIP-0006 §1.3 rule 6)",
+                     self.job_id.hex()[:8], provisional[0], coordinator[-8:], first[-8:])
 
     def apply(self, msg: Any, signer: str, now: float, eligible: frozenset[str],
               envelope: bytes | None = None) -> tuple[Any, ...] | None:
@@ -191,11 +228,14 @@ class JobView:
         if isinstance(msg, m.ShardClaim):
             return  # a request to the coordinator, not a change of the job
         own = None
+        if isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
+            self._settle_term(msg, signer, frozenset({signer}))
         if isinstance(msg, m.Verdict) and signer == self.me and \
                 may_judge(self.coordination, signer, msg.worker, msg.term, frozenset({signer})):
             own = self.apply_decision(msg, at)  # we judged the coordinator's own work (IPIP-0006 §1.3)
         elif isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)) and signer == self.me:
-            if self.check_coordinator(signer, msg.term, frozenset({signer})):
+            if self.check_coordinator(signer, msg.term, frozenset({signer}),
+                                      judged=msg.worker if isinstance(msg, m.Verdict) else None):
                 own = self.apply_decision(msg, at)
         else:
             # history is believed as it was accepted: here a verdict's higher term is adopted (live, it
@@ -257,6 +297,8 @@ class JobView:
             return actions
         if isinstance(msg, m.ShardRelease):
             return self.step(st.Released(msg.round, msg.shard, signer, msg.attempt), now, count=count)
+        if isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
+            self._settle_term(msg, signer, eligible)
         if isinstance(msg, m.Verdict) and (signer == msg.worker or may_judge(self.coordination, signer, msg.worker,
                                                                             msg.term, eligible)):
             # a worker never judges itself; the coordinator's own work is judged by another peer
@@ -277,7 +319,8 @@ class JobView:
             return self.apply_decision(msg, now, count=count)
         if isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
             if signer == self.me or not self.check_coordinator(
-                    signer, msg.term, eligible, adopt=self._replaying or not isinstance(msg, m.Verdict)):
+                    signer, msg.term, eligible, adopt=self._replaying or not isinstance(msg, m.Verdict),
+                    judged=msg.worker if isinstance(msg, m.Verdict) else None):
                 return None
             return self.apply_decision(msg, now, count=count)
         return None

@@ -237,15 +237,17 @@ async def resync(agent: RolePort, view: Any, timeout: float = TIMEOUT) -> list[t
     evidence = fresh.take_evidence()  # stored below, after the swap (nothing may run on the old mirror between)
     before = (view.state.phase.value, view.state.round, len(view.pending))
     held = view.pending
-    for name in ("state", "coordination", "leases", "commits", "reports", "verdicts", "aggregates"):
+    for name in ("state", "coordination", "term_from_verdict", "leases", "commits", "reports", "verdicts",
+                 "aggregates"):
         setattr(view, name, getattr(fresh, name))
     term = view.coordination.term  # still-held live messages may apply now, except stale decisions
     view.pending = [p for p in held if p[2] != view.me and getattr(p[1], "term", term) >= term]
     view.take_applied()
     view.evidence = view.evidence + evidence
-    view.retry_pending(now, agent.eligible_coordinators(view.terms))
+    actions = view.retry_pending(now, agent.eligible_coordinators(view.terms))
     applied = view.take_applied()
     await _keep(agent, view)
+    agent.apply_actions(view, actions)  # e.g. a held verdict that completes the round: Aggregate
     log.warning("job %s: mirror rebuilt from the submitter's history (%d messages): was %s round %d with %d held, "
                 "now %s round %d, term %d", view.job_id.hex()[:8], len(verified), *before,
                 view.state.phase.value, view.state.round, view.coordination.term)

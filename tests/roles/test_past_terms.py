@@ -7,7 +7,7 @@ stale: its mirror kept the shard REPORTED (then reopened it) while every other m
 
 from protocol import messages as m
 from protocol import state as st
-from protocol.election import Coordination
+from protocol.election import Coordination, rank_peers
 from protocol.identity import Identity
 from agent.roles.job import JobView
 from scripts.make_envelope_vectors import sample_terms
@@ -116,3 +116,53 @@ def test_a_verdict_arriving_just_after_our_verification_window_closed_is_still_t
     assert actions is not None and any(isinstance(a, st.Aggregate) for a in actions)
     assert (v.shard(1).phase, v.shard(1).worker) == (st.ShardPhase.ACCEPTED, W1.peer_id)
     assert v.state.phase is st.JobPhase.AGGREGATING
+
+
+def _term2_history(coordinator, judge, other):
+    """Term 1 (W0, later dead) leased shard 0 to term 2's coordinator and shard 1 to ``other``; in term 2
+    the judge's verdict on the coordinator's own report comes first, then the coordinator's on shard 1."""
+    return [
+        (lease(0, 1, coordinator, 1), W0), (lease(1, 1, other, 1), W0),
+        (report(0, 1), coordinator), (report(1, 1), other),
+        (verdict(0, 1, coordinator, 2), judge),  # rule 6: the judge's verdict on the coordinator's report
+        (verdict(1, 1, other, 2), coordinator),
+    ]
+
+
+def test_a_replayed_history_whose_term_opens_with_its_judges_verdict_keeps_the_terms_coordinator():
+    # coordinator-crash on a loaded machine (CI): W0 coordinated term 1 and died; C took over in term 2
+    # holding a report of its own, which J judged (rule 6) before C had decided anything in term 2.
+    # Replayed history believes a verdict's higher term: J's verdict came first, so the replay took J
+    # for term 2's coordinator and refused C's decisions (or read C's verdict on J as a judge's) -- the
+    # rebuilt mirror (C's own, after its resync) no longer named C, nobody aggregated, the job failed.
+    C, J = (p for p in rank_peers(JOB, {W1.peer_id, W2.peer_id}))  # a judge ranks after the coordinator
+    C, J = (W1 if C == W1.peer_id else W2), (W1 if J == W1.peer_id else W2)
+    for other in (W3, J):  # C's verdict on a third worker; on the judge itself (either could sign both)
+        for me in (W3, C, J):
+            v = JobView(TERMS, NOW, me=me.peer_id)
+            for i, (msg, signer) in enumerate(_term2_history(C, J, other)):
+                v.replay(msg, signer.peer_id, NOW + i)
+            assert (v.coordination.term, v.coordination.coordinator) == (2, C.peer_id), (other, me)
+            assert [v.shard(i).phase for i in (0, 1)] == [st.ShardPhase.ACCEPTED] * 2, (v.state, v.pending)
+            assert not v.pending and v.term_from_verdict is None
+    # the usual order (the coordinator's verdict opens the term) is unchanged
+    history = _term2_history(C, J, W3)
+    v = JobView(TERMS, NOW, me=W3.peer_id)
+    for i, (msg, signer) in enumerate(history[:4] + [history[5], history[4]]):
+        v.replay(msg, signer.peer_id, NOW + i)
+    assert (v.coordination.term, v.coordination.coordinator) == (2, C.peer_id)
+    assert [v.shard(i).phase for i in (0, 1)] == [st.ShardPhase.ACCEPTED] * 2
+    # a provisional term moves only to the worker its verdict judged; a third peer's decision is refused
+    v = JobView(TERMS, NOW, me=W0.peer_id)
+    for i, (msg, signer) in enumerate(history[:5]):
+        v.replay(msg, signer.peer_id, NOW + i)
+    assert v.coordination.coordinator == J.peer_id and v.term_from_verdict == (2, J.peer_id, C.peer_id)
+    assert v.apply(verdict(1, 1, W3, 2), W0.peer_id, NOW + 9, ELIGIBLE) is None
+    assert v.coordination.coordinator == J.peer_id and v.shard(1).phase is st.ShardPhase.REPORTED
+    assert v.apply(verdict(1, 1, W3, 2), C.peer_id, NOW + 9, ELIGIBLE) is not None
+    assert v.coordination.coordinator == C.peer_id and v.shard(1).phase is st.ShardPhase.ACCEPTED
+    # a decision no judge makes confirms the verdict's signer
+    v = JobView(TERMS, NOW, me=W0.peer_id)
+    for i, (msg, signer) in enumerate(history[:5] + [(lease(1, 1, W3, 2), J)]):
+        v.replay(msg, signer.peer_id, NOW + i)
+    assert v.coordination.coordinator == J.peer_id and v.term_from_verdict is None
