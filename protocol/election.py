@@ -40,7 +40,9 @@ Rules of this file:
   takes only the first verdict of an attempt); a verdict signed by the worker it judges never is.
   So a verdict never moves a view to a higher term (``check_message(adopt=False)``): its signer
   may be the judge, not the coordinator; it waits until a lease, an aggregate or the coordinator's
-  heartbeat brings the view to its term.
+  heartbeat brings the view to its term. Replayed history (a restart, a resync) does adopt a verdict's
+  higher term, provisionally, as its signer's; the two peers of that verdict settle it by deciding
+  again in the term (``settle_replayed_term``).
 - Earlier terms (rule 7). A view remembers who coordinated each term it held (``past``). A verdict
   of an earlier term ``t`` is not stale when it judges an attempt leased in term ``t`` or before
   and comes from the peer that coordinated ``t`` in this view (or judged that coordinator's own
@@ -240,6 +242,25 @@ def may_judge(view: Coordination, signer: str, worker: str, term: int, eligible:
     from an eligible live peer that is not the worker. Never one signed by the worker it judges."""
     return (signer != worker and view.coordinator is not None and worker == view.coordinator
             and term == view.term and signer in set(eligible))
+
+
+def settle_replayed_term(job_id: bytes, first: str, judged: str, signer: str, worker: str | None) -> str | None:
+    """Who coordinates a term that a replayed history opened with a verdict of ``first`` on ``judged``'s
+    report (replay believes a verdict's higher term, but its signer may be the term's judge), once
+    ``signer`` decides in that term (``worker``: the worker its decision is a verdict on, None for a
+    lease or an aggregate)? None while the decision tells nothing (``first`` judging ``judged`` again,
+    or a third peer, whose decision the term rules then refuse).
+    - ``first`` decides what a judge does not (a lease, an aggregate, a verdict on another worker):
+      ``first`` coordinates the term;
+    - ``judged`` decides in the term: ``judged`` coordinates it (a judge judges only the coordinator's
+      own report), unless its decision is a verdict on ``first``'s report -- either could have signed
+      both verdicts: then the one that ranks first for the job does, as the judge is the first of the
+      ranking *after* the coordinator (``judge_of``)."""
+    if signer == first:
+        return None if worker == judged else first
+    if signer != judged:
+        return None
+    return rank_peers(job_id, {first, judged})[0] if worker == first else judged
 
 
 def may_apply_past_verdict(view: Coordination, signer: str, worker: str, term: int, lease_term: int | None,

@@ -144,6 +144,21 @@ for name, kind, signer, term in [
     except StateError:
         item.update(error=True, expect_term=view1.term, expect_coordinator=view1.coordinator)
     ahead.append(item)
+from protocol.election import settle_replayed_term
+
+replayed = []
+for name, first, judged, signer, worker in [
+    ("the verdict's signer leases: it coordinates the term", R[1], R[0], R[1], None),
+    ("the verdict's signer judges another worker: it coordinates the term", R[1], R[0], R[1], R[3]),
+    ("the verdict's signer judges the same worker again: nothing settled", R[1], R[0], R[1], R[0]),
+    ("the judged worker aggregates: it coordinates, the verdict was its judge's", R[1], R[0], R[0], None),
+    ("the judged worker judges a third worker: it coordinates", R[1], R[0], R[0], R[2]),
+    ("each judged the other: the first-ranked coordinates (the judged worker here)", R[1], R[0], R[0], R[1]),
+    ("each judged the other: the first-ranked coordinates (the verdict's signer here)", R[0], R[1], R[1], R[0]),
+    ("a third peer's decision settles nothing", R[1], R[0], R[2], None),
+]:
+    replayed.append({"name": name, "first": first, "judged": judged, "signer": signer, "worker": worker,
+                     "expect": settle_replayed_term(job, first, judged, signer, worker)})
 judge = {
     "description": "IPIP-0006 §1.3 rule 6 for the job of election-terms.json (same peers, ranking and outsider): 'judges' gives who judges a worker's report (judge_of: the coordinator, unless the report is its own; then the first of the ranking over the eligible live peers without it, null if none); 'accepts' gives whether a verdict on a worker's report signed by 'signer' in 'term' is accepted by a peer whose view is (term 2, ranking[1]) under this rule (may_judge); a verdict signed by the worker it judges is never applied; 'ahead' gives, from the view 'ahead_view' (term 1, ranking[0]), what a coordinator message of 'kind' in a higher term does: a verdict never moves the view (error: true, it is held), a lease or aggregate does (check_message with adopt false for verdicts).",
     "job_id_hex": job.hex(), "ranking": list(R), "outsider": outsider,
@@ -151,6 +166,8 @@ judge = {
     "judges": judge_cases, "accepts": accept_cases,
     "ahead_view": {"term": view1.term, "coordinator": view1.coordinator},
     "ahead": ahead,
+    "replayed_description": "A replayed history adopts a verdict's higher term with its signer as coordinator, provisionally: the verdict was 'first''s on 'judged''s report. 'replayed' gives who coordinates that term once 'signer' decides in it (worker: the worker of its verdict, null for a lease or aggregate); expect null: not settled (settle_replayed_term).",
+    "replayed": replayed,
 }
 Path("ipips/vectors/election-judge.json").write_text(json.dumps(judge, indent=1) + "\n")
 

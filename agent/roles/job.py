@@ -40,7 +40,7 @@ from typing import Any
 
 from protocol import messages as m
 from protocol import state as st
-from protocol.election import Coordination, may_apply_past_verdict, may_judge, rank_peers
+from protocol.election import Coordination, may_apply_past_verdict, may_judge, settle_replayed_term
 from protocol.errors import StateError
 from protocol.proof import max_checkpoints
 
@@ -151,30 +151,24 @@ class JobView:
         """Replayed history believes a verdict's higher term and takes its signer for the term's
         coordinator; but a verdict that opens its term in a history may be the term's *judge's* (its
         coordinator held a report of its own, rule 6, and had decided nothing yet). So a term taken from
-        a verdict of J on W's report is provisional until one of the two decides again in that term: a
-        decision of J's that a judge could not make (a lease, an aggregate, a verdict on another worker)
-        confirms J; one of W's makes W the coordinator (a judge judges only the coordinator's own report),
-        except W's verdict on J's report, which either could have signed: the coordinator is then the one
-        that ranks first for the job (protocol/election.rank_peers), as the judge is the first *after*
-        the coordinator."""
+        a verdict is provisional until one of the two peers of that verdict decides again in the term:
+        protocol/election.settle_replayed_term (IPIP-0006 §1.3 rule 6)."""
         provisional = self.term_from_verdict
         if provisional is None or getattr(msg, "term", None) != provisional[0] or \
                 self.coordination.term != provisional[0] or self.coordination.coordinator != provisional[1]:
             return
-        _, first, judged = provisional
-        worker = msg.worker if isinstance(msg, m.Verdict) else None
-        if signer == first:
-            if worker != judged:
-                self.term_from_verdict = None  # a decision no judge makes: ``first`` coordinates the term
+        term, first, judged = provisional
+        if signer == judged and signer not in eligible:
             return
-        if signer != judged or signer not in eligible:
-            return  # anyone else's decision of the term is refused by the usual rules
-        coordinator = rank_peers(self.job_id, {signer, first})[0] if worker == first else signer
+        coordinator = settle_replayed_term(self.job_id, first, judged, signer,
+                                           msg.worker if isinstance(msg, m.Verdict) else None)
+        if coordinator is None:
+            return
         self.term_from_verdict = None
         if coordinator != first:
             self.coordination = replace(self.coordination, coordinator=coordinator)
             log.info("job %s: term %d is %s's; %s judged its own report (IPIP-0006 §1.3 rule 6)",
-                     self.job_id.hex()[:8], provisional[0], coordinator[-8:], first[-8:])
+                     self.job_id.hex()[:8], term, coordinator[-8:], first[-8:])
 
     def apply(self, msg: Any, signer: str, now: float, eligible: frozenset[str],
               envelope: bytes | None = None) -> tuple[Any, ...] | None:

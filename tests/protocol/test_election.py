@@ -328,6 +328,18 @@ def test_election_judge_vector():
 
 
 
+def test_a_replayed_term_taken_from_a_verdict_is_settled_by_its_two_peers_vector():
+    """IPIP-0006 §1.3 rule 6: in replayed history a term opened by a verdict may be its judge's."""
+    from protocol.election import settle_replayed_term
+
+    vector = json.loads((VECTORS / "election-judge.json").read_text())
+    job = bytes.fromhex(vector["job_id_hex"])
+    assert {c["expect"] for c in vector["replayed"]} >= {None, vector["ranking"][0], vector["ranking"][1]}
+    for case in vector["replayed"]:
+        got = settle_replayed_term(job, case["first"], case["judged"], case["signer"], case["worker"])
+        assert got == case["expect"], case["name"]
+
+
 def test_a_verdict_never_moves_a_view_to_a_higher_term_vector():
     """IPIP-0006 §1.3 rule 6: a verdict ahead of the view may be the judge's; it waits, a lease or aggregate moves the view."""
     vector = json.loads((VECTORS / "election-judge.json").read_text())
