@@ -83,7 +83,7 @@ class JobView:
     def __post_init__(self) -> None:
         self._replaying = False
         # (term, signer, worker judged) while our view's term was taken from a replayed verdict: its signer
-        # may be the term's judge, not its coordinator (see check_coordinator)
+        # may be the term's judge, not its coordinator (see _settle_term)
         self.term_from_verdict: tuple[int, str, str] | None = None
         self.job_id = self.terms.job_id()
         self.state = st.new_job(job_config(self.terms))
@@ -160,8 +160,7 @@ class JobView:
         term, first, judged = provisional
         if signer == judged and signer not in eligible:
             return
-        coordinator = settle_replayed_term(self.job_id, first, judged, signer,
-                                           msg.worker if isinstance(msg, m.Verdict) else None)
+        coordinator = settle_replayed_term(self.job_id, first, judged, signer, _judged(msg))
         if coordinator is None:
             return
         self.term_from_verdict = None
@@ -222,14 +221,13 @@ class JobView:
         if isinstance(msg, m.ShardClaim):
             return  # a request to the coordinator, not a change of the job
         own = None
-        if isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
-            self._settle_term(msg, signer, frozenset({signer}))
+        if signer == self.me and isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
+            self._settle_term(msg, signer, frozenset({signer}))  # (others' decisions settle it in _apply_one)
         if isinstance(msg, m.Verdict) and signer == self.me and \
                 may_judge(self.coordination, signer, msg.worker, msg.term, frozenset({signer})):
             own = self.apply_decision(msg, at)  # we judged the coordinator's own work (IPIP-0006 §1.3)
         elif isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)) and signer == self.me:
-            if self.check_coordinator(signer, msg.term, frozenset({signer}),
-                                      judged=msg.worker if isinstance(msg, m.Verdict) else None):
+            if self.check_coordinator(signer, msg.term, frozenset({signer}), judged=_judged(msg)):
                 own = self.apply_decision(msg, at)
         else:
             # history is believed as it was accepted: here a verdict's higher term is adopted (live, it
@@ -314,7 +312,7 @@ class JobView:
         if isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
             if signer == self.me or not self.check_coordinator(
                     signer, msg.term, eligible, adopt=self._replaying or not isinstance(msg, m.Verdict),
-                    judged=msg.worker if isinstance(msg, m.Verdict) else None):
+                    judged=_judged(msg)):
                 return None
             return self.apply_decision(msg, now, count=count)
         return None
@@ -347,3 +345,8 @@ class JobView:
                 self.aggregates[msg.round] = msg
             return actions
         return None
+
+
+def _judged(msg: Any) -> str | None:
+    """The worker a coordinator decision judges: a verdict's; None for a lease or an aggregate."""
+    return msg.worker if isinstance(msg, m.Verdict) else None
