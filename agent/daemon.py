@@ -97,12 +97,14 @@ async def _main(identity: "Identity", config: "AgentConfig", metrics_port: int |
     socket_path = config.home / CONTROL_SOCKET
     listener = bind_control_socket(socket_path)  # before the network: a second daemon in this home stops here
     try:
+        # before the network too: a port in use is one line at once, not after the agent started (~17 s)
+        metrics = None if metrics_port is None else await bind_metrics(metrics_port)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(agent.run)
                 agent.nursery.start_soon(serve_control, agent, listener)
-                if metrics_port is not None:
-                    await agent.nursery.start(serve_metrics, agent, metrics_port)
+                if metrics is not None:
+                    agent.nursery.start_soon(serve_metrics, agent, metrics)
                 agent.nursery.start_soon(_stop_on_signal, agent, signals)
                 log.info("ready: %s listening on %s", agent.peer_id, " ".join(agent.addrs()),
                          extra={"peer_id": agent.peer_id, "addrs": agent.addrs()})
@@ -152,20 +154,23 @@ def metrics_text(agent: "Agent") -> str:
     return "\n".join(lines) + "\n"
 
 
-async def serve_metrics(agent: "Agent", port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve GET /metrics on 127.0.0.1:``port`` (never another interface); NetError naming the flag if
+async def bind_metrics(port: int) -> list[trio.SocketListener]:
+    """The metrics listener on 127.0.0.1:``port`` (never another interface); NetError naming the flag if
     the port is out of range or taken (not to be mistaken for the libp2p listen address)."""
     from agent.net.errors import NetError
 
     if not 0 <= port <= 65535:  # the OS would take it modulo 65536 and serve somewhere else
         raise NetError(f"--metrics-port: must be between 0 and 65535, got {port}")
     try:
-        listeners = await trio.open_tcp_listeners(port, host="127.0.0.1")
+        return await trio.open_tcp_listeners(port, host="127.0.0.1")
     except OSError as exc:
         raise NetError(f"--metrics-port {port}: cannot serve metrics on 127.0.0.1:{port}: "
                        f"{exc.strerror or exc}; choose another port (0 = any free one)") from None
+
+
+async def serve_metrics(agent: "Agent", listeners: list[trio.SocketListener]) -> None:
+    """Serve GET /metrics on ``listeners`` (``bind_metrics``)."""
     log.info("metrics on http://127.0.0.1:%d/metrics", listeners[0].socket.getsockname()[1])
-    task_status.started(listeners[0].socket.getsockname()[1])
 
     async def answer(stream: trio.SocketStream) -> None:
         async with stream:

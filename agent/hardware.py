@@ -96,8 +96,16 @@ def refresh_free(machine: Machine) -> Machine:
         return machine
     now = {d.index: d for d in cuda_devices()}
     return replace(machine, devices=tuple(
-        replace(d, vram_free_gb=now[d.index].vram_free_gb) if d.kind == "cuda" and d.index in now else d
-        for d in machine.devices))
+        replace(d, vram_free_gb=min(now[d.index].vram_free_gb, d.vram_total_gb)) if d.kind == "cuda" and d.index in now
+        else d for d in machine.devices))
+
+
+def within_limits(device: m.Device) -> m.Device:
+    """``device`` with its free memory inside [0, total], as the capability's rules require: a declared
+    total below the measured free memory (an operator's or the harness's declaration) made our own
+    capability fail our own check, and the heartbeat that sent it ended the agent (issue 22)."""
+    free = min(max(device.vram_free_gb, 0.0), device.vram_total_gb)
+    return device if free == device.vram_free_gb else replace(device, vram_free_gb=free)
 
 
 def summary(machine: Machine) -> m.Hardware:

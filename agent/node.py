@@ -83,11 +83,15 @@ from agent.roles.submitter import SubmitterRole
 from agent.roles.sync import RESYNC_INTERVAL, SyncService, catch_up, needs_resync, resync, submitter_catch_up
 from agent.roles.worker import WorkerRole
 from agent.store import Store, StoreFullError
+from agent.supervise import guarded, supervised
 from protocol import messages as m
 from protocol import state as st
 from protocol.election import hears_submitter as election_hears_submitter
 from protocol.election import eligible_for_job, keep_or_elect, live_peers
+from protocol.envelope import seal
+from protocol.errors import CodecError
 from protocol.identity import Identity
+from protocol.messages import decode_body
 
 log = logging.getLogger(__name__)
 
@@ -230,25 +234,35 @@ class Agent:
     async def _run_tasks(self, task_status: Any) -> None:
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
-            nursery.start_soon(self._store_writer)
+            self.service("store writer", self._store_writer)
             await self._resume_jobs()
             jobs_topic = await self.net.gossip.subscribe(m.TOPIC_JOBS)
-            nursery.start_soon(self._read_jobs_topic, jobs_topic)
-            nursery.start_soon(self._heartbeats)
-            nursery.start_soon(self._ticks)
-            nursery.start_soon(ledger_sync_loop, self, self.ledger_sync_interval)
-            nursery.start_soon(partial(self.net.discovery.maintain, advertise=self.worker is not None, interval=10.0))
+            self.service("jobs topic reader", self._read_jobs_topic, jobs_topic)
+            self.service("heartbeats", self._heartbeats)
+            self.service("ticks", self._ticks)
+            self.service("ledger sync", ledger_sync_loop, self, self.ledger_sync_interval)
+            self.service("discovery", partial(self.net.discovery.maintain, advertise=self.worker is not None,
+                                              interval=10.0))
             if self.worker is not None:
-                nursery.start_soon(self.worker.claim_loop)
+                self.service("claims", self.worker.claim_loop)
                 if self.config.measure_speed:
                     from agent.market import measure_speeds
 
-                    nursery.start_soon(measure_speeds, self)
+                    self.service("speed measurement", measure_speeds, self)
             task_status.started(self)
             await self._stopping.wait()
             if self.worker is not None:
                 await self.worker.release_all("the agent is shutting down")
             nursery.cancel_scope.cancel()
+
+    def service(self, name: str, fn: Callable[..., Any], *args: Any) -> None:
+        """Start a long-lived task of the agent's, supervised (agent/supervise.py): an exception in it is
+        logged and the task restarted after a backoff; it never ends the agent."""
+        self.nursery.start_soon(partial(supervised, name, fn, *args, counters=self.counters))
+
+    def one_shot(self, name: str, fn: Callable[..., Any], *args: Any) -> None:
+        """Start a one-shot task of the agent's whose exception is logged, never the end of the agent."""
+        self.nursery.start_soon(partial(guarded, name, fn, *args, counters=self.counters))
 
     # -- peers and election ----------------------------------------------------------------------
 
@@ -298,7 +312,8 @@ class Agent:
         ok = self.store_full is None  # with a full disk we take no work and coordinate nothing (refuse_work)
         return m.Capability(hardware.summary(machine), hardware.runtimes(machine), self.config.price_per_hour,
                             self.worker is not None and ok, self.config.can_coordinate and ok,
-                            self.config.max_concurrent_shards, __version__, machine.cpu_model, machine.devices,
+                            self.config.max_concurrent_shards, __version__, machine.cpu_model,
+                            tuple(hardware.within_limits(d) for d in machine.devices),
                             self.models_held, self.speeds if self.worker is not None else ())
 
     async def publish_capability(self) -> None:
@@ -307,6 +322,12 @@ class Agent:
         if self.machine is not None and self.machine.cuda:
             self.machine = await trio.to_thread.run_sync(hardware.refresh_free, self.machine)
         cap = self.capability()
+        try:
+            seal(self.identity, cap, now=self.clock())  # our own rules first: never send what peers drop
+            decode_body(cap.TYPE, cap.to_wire())
+        except CodecError as exc:  # a measurement outside the rules: say so, keep the heartbeats going
+            log.error("capability not published: it breaks the message rules (%s)", exc)
+            return
         self.published_capability = cap
         await self.publish(cap)
 
@@ -435,13 +456,13 @@ class Agent:
                 self.write_soon(self.store.update_job, record.job_id, self.clock(), state=view.state.phase.value,
                                 round=view.state.round)
             subscription = await self.net.gossip.subscribe(m.job_topic(record.job_id))
-            self.nursery.start_soon(partial(self._read_job_topic, view, subscription, True, resumed=True))
+            self.nursery.start_soon(partial(self._read_job_topic, view, subscription, True, resumed=True))  # supervised
             if record.terms.submitter == self.peer_id:
                 self.spawn_in_job(view.job_id, self.submitter.resume, view)
             if self.worker is not None:
                 self.worker.consider(view)
                 self.spawn_in_job(view.job_id, self.worker.release_stale, view)
-            self.nursery.start_soon(self._provide_again, view)
+            self.one_shot(f"job {view.job_id.hex()[:8]}: provide again", self._provide_again, view)
 
     async def _provide_again(self, view: JobView) -> None:
         """After a restart our address changed: provide again the job's aggregates and adapters we hold."""
@@ -547,7 +568,7 @@ class Agent:
         await self.nursery.start(self._own_job_tasks, job_id)
         subscription = await self.net.gossip.subscribe(m.job_topic(job_id))
         # the job may have a history we missed (we joined late, or were down): ask its submitter
-        self.nursery.start_soon(self._read_job_topic, view, subscription, True)
+        self.nursery.start_soon(self._read_job_topic, view, subscription, True)  # its reading loop is supervised
         if self.worker is not None:
             self.worker.consider(view)
         return view
@@ -634,8 +655,16 @@ class Agent:
                 synced = await submitter_catch_up(self, view)
         except StoreFullError as exc:
             self.refuse_work(exc)
+        except Exception as exc:  # noqa: BLE001 - a failed catch-up is logged; live messages still apply
+            self.counters["task_failures"] += 1
+            log.error("job %s: catching up failed (%s: %s)", view.job_id.hex()[:8], type(exc).__name__, exc,
+                      exc_info=exc)
         if synced:
             self.apply_actions(view, ())
+        await supervised(f"job {view.job_id.hex()[:8]} topic reader", self._apply_job_topic, view, subscription,
+                         synced, counters=self.counters)
+
+    async def _apply_job_topic(self, view: JobView, subscription: Any, synced: set[bytes]) -> None:
         async for received in subscription:
             if self.hooks.observer is not None:
                 self.hooks.observer("recv", received)
@@ -790,7 +819,7 @@ class Agent:
         can (re-checked every claim interval); say why in the log (once a minute) and in ``agent status``."""
         now = self.clock()
         if self.store_full is None and self.nursery is not None:  # tell the peers at once: we step down
-            self.nursery.start_soon(self._publish_capability)
+            self.one_shot("capability", self._publish_capability)
         self.store_full = str(exc)
         if now - self._store_full_logged > 60:
             self._store_full_logged = now
@@ -808,7 +837,7 @@ class Agent:
         if self.store_full is not None:
             log.warning("the store can be written again: taking new work")
             self.store_full = None
-            self.nursery.start_soon(self._publish_capability)
+            self.one_shot("capability", self._publish_capability)
         return True
 
     async def _publish_capability(self) -> None:
@@ -829,8 +858,8 @@ class Agent:
     # -- tasks (agent/roles/port.py) ------------------------------------------------------------------
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Start a task of the agent's own (it ends when the agent does)."""
-        self.nursery.start_soon(fn, *args)
+        """Start a task of the agent's own (it ends when the agent does; an exception in it is logged)."""
+        self.one_shot(getattr(fn, "__name__", "task"), fn, *args)
 
     def spawn_in_job(self, job_id: bytes, fn: Callable[..., Any], *args: Any) -> bool:
         """Start a task owned by job ``job_id``: it is cancelled when the job ends (``_own_job_tasks``).
@@ -843,6 +872,10 @@ class Agent:
         async def task() -> None:
             try:
                 await fn(*args)
+            except Exception as exc:  # noqa: BLE001 - one task's bug must not cancel the job's others, nor the agent
+                self.counters["task_failures"] += 1
+                log.error("job %s: %s failed (%s: %s)", job_id.hex()[:8], getattr(fn, "__name__", fn),
+                          type(exc).__name__, str(exc)[:300], exc_info=exc)
             finally:
                 self._notify()  # _own_job_tasks may be waiting for the last one
 
@@ -912,8 +945,9 @@ class Agent:
                 now - self._last_resync.get(view.job_id, 0.0) > RESYNC_INTERVAL and \
                 needs_resync(view, self.eligible_coordinators(view.terms), now):
             self._last_resync[view.job_id] = now
+            view.resynced_at = now  # what is held now does not ask for another rebuild (sync.needs_resync)
             self._resyncing.add(view.job_id)
-            self.nursery.start_soon(self._resync, view)
+            self.one_shot(f"job {view.job_id.hex()[:8]}: resync", self._resync, view)
         if not self.is_coordinator(view):
             self._coordinating.discard(view.job_id)
         elif view.job_id not in self._coordinating:  # newly elected, or resumed after a restart

@@ -34,15 +34,29 @@ from protocol.errors import CodecError
 from protocol.identity import Identity, peer_id_from_public_key, verify_signature
 from protocol.messages import MESSAGE_TYPES, decode_body
 
-NOT_MISBEHAVIOUR = frozenset({"expired"})
-"""Rejection reasons that say nothing against the peer that handed us the envelope: a message
-older than the window is what a neighbour's recent-message cache, or a slow path, replays in good
-faith to a peer that just joined or came back. It is dropped like any rejected envelope, but not
-counted against its forwarder (IPIP-0001 §4), so a late joiner never blacklists the network."""
+NOT_MISBEHAVIOUR = frozenset({"expired", "replayed"})
+"""Rejection reasons that say nothing against the peer that handed us the envelope (IPIP-0001 §4):
+a message older than the window is what a neighbour's recent-message cache, or a slow path, replays
+in good faith to a peer that just joined or came back; and a message we accepted before is one the
+forwarder cannot know we hold (it relays what it received, as GossipSub does). Both are dropped like
+any rejected envelope, but never counted against the forwarder, so no newcomer or restarted peer is
+blacklisted for what the network's own caches hand it (issue 21: a network older than two minutes
+blacklisted every newcomer for `replayed` envelopes). A replay attack gains nothing from this: the
+copy is dropped, and the transport's seen cache (SEEN_TTL_S) drops an identical one before it is
+even checked."""
 DOMAIN = b"infernet/v1\x00"
 MAX_ENVELOPE_BYTES = 256 * 1024
 MAX_SKEW_S = 30.0
 MAX_AGE_S = 300.0
+SEEN_TTL_S = MAX_AGE_S + MAX_SKEW_S
+"""How long a gossip transport must remember a message it has seen: at least the envelope's whole
+acceptance window (rule 6), so a copy that arrives while the envelope is still valid is recognised
+as a duplicate by the transport, never validated again (IPIP-0001 §4)."""
+
+
+def blames_forwarder(reason: str) -> bool:
+    """Does a rejection for ``reason`` count against the peer that forwarded the envelope?"""
+    return reason not in NOT_MISBEHAVIOUR
 NONCE_LEN = 16
 _FIELDS = {"v", "t", "k", "ts", "n", "b", "s"}
 
@@ -163,7 +177,8 @@ def open_envelope(
         raise CodecError("expired", f"timestamp {now - ts:.1f} s old (max age {MAX_AGE_S:.0f} s)")
     message = decode_body(env.type, env.body)
     if replay is not None and not replay.check_and_add(env.message_id, env.expires_at, now):
-        raise CodecError("replayed", f"{env.type} message {env.message_id.hex()[:16]} already seen")
+        raise CodecError("replayed", f"{env.type} message {env.message_id.hex()[:16]} by {signer[-8:]} already seen "
+                                     f"({now - ts:.0f} s old)")
     return Opened(env, message)
 
 

@@ -8,9 +8,13 @@ Rules of this file:
   topic it came on (``protocol.messages.topic_for``). A message that fails is dropped, never
   forwarded, and counted against the peer that handed it to us (``invalid``, ``reasons``); a peer
   with ``blacklist_after`` invalid messages is blacklisted (py-libp2p drops its traffic). An
-  ``expired`` envelope is counted in ``reasons`` only (protocol/envelope.NOT_MISBEHAVIOUR): on
-  subscribing, a peer gets each neighbour's recent-message cache, old envelopes included, and a
-  late joiner that blamed them blacklisted the whole network. We never hand a peer an envelope our
+  ``expired`` or ``replayed`` envelope is counted in ``reasons`` only (protocol/envelope.blames_forwarder):
+  on subscribing, a peer gets each neighbour's recent-message cache, old envelopes included, and
+  relays what it gets to peers that may hold it already; a late joiner that blamed them blacklisted the
+  whole network, and a network that blamed the newcomer blacklisted it. py-libp2p remembers seen
+  messages for ``SEEN_TTL_S`` (the envelope window, not its 120 s default) and its router runs as a
+  service, so its heartbeat shifts the recent-message cache (3 heartbeats are offered to a new
+  subscriber, not every message since the start). We never hand a peer an envelope our
   clock says is past the window from what py-libp2p keeps for later: its recent-message cache
   (``_FreshMessageCache``: the replay to a new subscriber, IHAVE gossip, IWANT answers) and its queue
   of messages published while a new peer was being identified (``_FreshRouter``). What every
@@ -58,7 +62,9 @@ from libp2p.pubsub.mcache import MessageCache, default_msg_id_fn
 from libp2p.pubsub.pubsub import Pubsub
 
 from agent.net.host import Host
-from protocol.envelope import NOT_MISBEHAVIOUR, Envelope, ReplayCache, envelope_expiry, open_envelope, seal
+from protocol.envelope import (
+    SEEN_TTL_S, Envelope, ReplayCache, blames_forwarder, envelope_expiry, open_envelope, seal,
+)
 from protocol.errors import CodecError
 from protocol.messages import topic_for
 
@@ -307,9 +313,22 @@ class Gossip:
         self.router.clock = clock
         cache = self.router.mcache
         self.router.mcache = _FreshMessageCache(cache.window_size, cache.history_size, clock)
-        self.pubsub = _GuardedPubsub(host.libp2p, self.router)
+        # py-libp2p's seen-message cache forgets an ID 120 s after it was last seen by default, while an
+        # envelope is valid for MAX_AGE_S (+ skew): a copy arriving in between was validated again and
+        # refused as `replayed`. SEEN_TTL_S covers the whole window (IPIP-0001 §4).
+        self.pubsub = _GuardedPubsub(host.libp2p, self.router, seen_ttl=int(SEEN_TTL_S))
+        # py-libp2p numbers messages from int(time.time()) at start, +1 per message, and names a message
+        # by (source, number): an agent that published faster than one message a second and restarted
+        # reused numbers its peers still held as seen, and its new messages were dropped unread.
+        # Nanoseconds, as go-libp2p does: a restart starts past every number used before.
+        self.pubsub.counter = time.time_ns()
         self.pubsub.deliver = self._deliver
         host.add_service(self.pubsub)
+        # the router is a service of its own: its heartbeat (every heartbeat_interval) maintains the mesh,
+        # sends IHAVE gossip and shifts the recent-message cache. Never started before, the cache kept
+        # every message since the agent started and handed all of them (up to the window) to each new
+        # subscriber, who forwarded them to peers that had forgotten them: issue 21's blacklisting.
+        host.add_service(self.router)
         self._my_id = host.libp2p.get_id()
         self._replay = ReplayCache()
         self._rate = _TokenBuckets(config.max_rate, config.max_burst)
@@ -458,7 +477,7 @@ class Gossip:
 
     def _reject(self, peer: str, reason: str) -> bool:
         self.reasons[reason] += 1
-        if reason in NOT_MISBEHAVIOUR:  # an old message replayed in good faith (a cache): not held against it
+        if not blames_forwarder(reason):  # an old or already-seen message relayed in good faith: not held against it
             return False
         self.invalid[peer] += 1
         if peer != self.host.peer_id and self.invalid[peer] == self.config.blacklist_after:

@@ -91,6 +91,29 @@ def to_libp2p_id(peer: ID | str) -> ID:
     return peer if isinstance(peer, ID) else ID.from_base58(peer)
 
 
+def check_port_free(addr: multiaddr.Multiaddr) -> None:
+    """NetError if another process listens on ``addr``'s TCP port. py-libp2p listens with SO_REUSEPORT
+    (hole punching dials out from the listen port), and Linux lets a second process that does the same
+    bind the very port: two agents then shared one port, each getting some of the inbound connections
+    (issue 21 §4). A test bind without SO_REUSEPORT fails while anyone listens there (SO_REUSEADDR
+    still lets us re-bind over our own connections in TIME_WAIT after a restart). Port 0: nothing to check."""
+    import socket
+
+    protocols = {p.name: addr.value_for_protocol(p.code) for p in addr.protocols()}
+    port = int(protocols.get("tcp") or 0)
+    host = protocols.get("ip4") or protocols.get("ip6")
+    if not port or host is None:
+        return
+    family = socket.AF_INET6 if "ip6" in protocols else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise NetError(f"listen: {addr} is in use ({exc.strerror or exc}): another agent or program listens "
+                           f"on port {port}; stop it or choose another port (tcp/0 = any free one)") from None
+
+
 class Host:
     """The agent's libp2p host. Build it, let Gossip/Discovery register their services, then ``run``."""
 
@@ -146,6 +169,8 @@ class Host:
     @asynccontextmanager
     async def run(self) -> AsyncIterator["Host"]:
         """Listen, start the services, open the task nursery; undo all of it, innermost first, on exit."""
+        for addr in self._listen:
+            check_port_free(addr)
         async with self.libp2p.run(listen_addrs=self._listen):
             network = self.libp2p.get_network()
             network.set_stream_handler(self.guard.wrap(network.common_stream_handler, name="inbound"))

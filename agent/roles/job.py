@@ -79,6 +79,7 @@ class JobView:
     pending: list[tuple[float, Any, str, bytes | None]] = field(default_factory=list)
     applied: list[tuple[Any, str]] = field(default_factory=list)  # applied since the caller last took them
     evidence: list[bytes] = field(default_factory=list)  # envelopes of those, in the order they applied
+    resynced_at: float | None = None  # when a rebuild from history last started (agent/roles/sync.needs_resync)
 
     def __post_init__(self) -> None:
         self._replaying = False

@@ -48,11 +48,16 @@ TIMEOUT = 30.0
 END = varint_encode(0)
 
 
+# never served: a claim is a request to the coordinator, the announcement is on the jobs topic (a
+# catch-up refuses both: serving them cost a warning on every resync of every peer)
+NOT_HISTORY = frozenset({m.ShardClaim.TYPE, m.JobAnnouncement.TYPE})
+
+
 def history_for(store: Any, job_id: bytes, max_count: int = MAX_HISTORY,
                 max_bytes: int = MAX_HISTORY_BYTES) -> list[bytes]:
     """The job-topic envelopes we would send for ``job_id``, in stored order (claims are requests, not
     history); over the limits, everything but checkpoints first (see the module's docstring)."""
-    history = [s for s in store.envelopes(job_id, stored_order=True) if s.type not in ("claim", "announce")]
+    history = [s for s in store.envelopes(job_id, stored_order=True) if s.type not in NOT_HISTORY]
     chosen: set[int] = set()
     count = total = 0
     for first in (True, False):
@@ -211,9 +216,15 @@ RESYNC_INTERVAL = 15.0  # at most one rebuild per job this often
 def needs_resync(view: Any, eligible: frozenset[str], now: float) -> bool:
     """Does the mirror hold a decision of an eligible coordinator that it could not apply for a while?
     Its term does not matter: our view of the term may be the wrong one (we changed it while the
-    others did not). Messages of anyone else, an attacker's included, never trigger a rebuild."""
+    others did not). Messages of anyone else, an attacker's included, never trigger a rebuild. Nor do
+    decisions held since before the last rebuild (``view.resynced_at``): the submitter's history did
+    not make them apply, so another rebuild would not either (they wait out PENDING_SECONDS); nor
+    anything once the job ended: its outcome is signed and no history changes it."""
+    if view.state.terminal:
+        return False
+    since = view.resynced_at
     return any(isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)) and signer in eligible
-               and signer != view.me and now - seen > RESYNC_HELD_SECONDS
+               and signer != view.me and now - seen > RESYNC_HELD_SECONDS and (since is None or seen > since)
                for seen, msg, signer, _ in view.pending)
 
 

@@ -35,12 +35,14 @@ def store(tmp_path):
         yield s
 
 
-def test_history_leaves_out_claims_and_other_jobs(store):
+def test_history_leaves_out_claims_announcements_and_other_jobs(store):
+    # the announcement (type 'job') was served and refused by every catch-up: a warning per resync
     other = sample_terms(Identity(bytes([9]) * 32)).job_id()
     store.record(lease(0), NOW)
     store.record(seal(WORKER, m.ShardClaim(JOB, 1, 1), now=NOW + 1), NOW + 1)
     store.record(seal(COORD, m.ShardLease(other, 1, 0, 1, WORKER.peer_id, 1, NOW + 600, None), now=NOW + 2), NOW + 2)
     store.record(lease(1, at=NOW + 3), NOW + 3)
+    store.record(seal(SUBMITTER, m.JobAnnouncement.for_terms(TERMS), now=NOW + 4), NOW + 4)
     history = history_for(store, JOB)
     assert [m.ShardLease.TYPE] * 2 == [_verified([h], JOB)[0][0][1].envelope.type for h in history]
     assert history_for(store, bytes(32)) == []
@@ -77,3 +79,22 @@ def test_a_held_decision_of_an_eligible_coordinator_triggers_a_rebuild_an_attack
     assert needs_resync(view, eligible, NOW + 6)
     view.coordination = view.coordination.check_message(COORD.peer_id, 3, eligible)  # our view: term 3
     assert needs_resync(view, eligible, NOW + 60)  # a term-2 decision held: our term may be the wrong one
+
+
+def test_no_rebuild_of_an_ended_job_nor_again_for_what_a_rebuild_left_held():
+    """Issue 21 §3: a DONE job's mirror, or one whose held decisions a rebuild did not make apply, was
+    rebuilt every RESYNC_INTERVAL forever (a restarted worker: '26 held', every 15 s for 12 minutes)."""
+    from dataclasses import replace as dc_replace
+
+    from protocol import state as st
+
+    view = JobView(TERMS, NOW, WORKER.peer_id)
+    eligible = frozenset({COORD.peer_id})
+    view.pending.append((NOW, m.ShardLease(JOB, 2, 0, 1, WORKER.peer_id, 2, NOW + 600, None), COORD.peer_id, None))
+    assert needs_resync(view, eligible, NOW + 6)
+    view.resynced_at = NOW + 6  # a rebuild ran: what was held before it does not ask for another
+    assert not needs_resync(view, eligible, NOW + 60)
+    view.pending.append((NOW + 7, m.ShardLease(JOB, 2, 1, 1, WORKER.peer_id, 2, NOW + 600, None), COORD.peer_id, None))
+    assert needs_resync(view, eligible, NOW + 60)  # held since: a new divergence
+    view.state = dc_replace(view.state, phase=st.JobPhase.DONE)
+    assert not needs_resync(view, eligible, NOW + 60)  # an ended job's history changes nothing
