@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from protocol.codec import canonical_encode  # noqa: E402
+from protocol.codec import canonical_encode, decode_canonical  # noqa: E402
 from protocol.envelope import seal, signed_bytes  # noqa: E402
 from protocol.identity import Identity  # noqa: E402
 from protocol import messages as m  # noqa: E402
@@ -108,7 +108,55 @@ def main() -> None:
          "peer_id": Identity(bytes([b]) * 32).peer_id} for b in (0, 1, 2, 255)
     ]}
     (OUT / "identity-vectors.json").write_text(json.dumps(ids, indent=1) + "\n")
-    print("wrote", OUT / "envelope-vectors.json", OUT / "identity-vectors.json")
+    (OUT / "envelope-blame.json").write_text(json.dumps(blame_vectors(alice, bob), indent=1) + "\n")
+    print("wrote", OUT / "envelope-vectors.json", OUT / "identity-vectors.json", OUT / "envelope-blame.json")
+
+
+def blame_vectors(alice: Identity, bob: Identity) -> dict:
+    """IPIP-0001 §4: which rejections count against the forwarder, and the transport's seen window."""
+    from protocol.envelope import MAX_AGE_S, MAX_SKEW_S, SEEN_TTL_S, blames_forwarder
+
+    good = seal(alice, m.Heartbeat(7, 1, ()), now=NOW, nonce=bytes([1]) * 16)
+    fields = decode_canonical(good, max_bytes=len(good))
+    fields["s"] = bytes([fields["s"][0] ^ 1]) + fields["s"][1:]
+    tampered = canonical_encode(fields)
+    cases = [  # (name, envelope, received this many seconds after it was signed, accepted before, sent by)
+        ("fresh", good, 1.0, False, alice),
+        ("seen-before", good, 1.0, True, alice),
+        # a copy between py-libp2p's default seen window (120 s) and the envelope's (300 s): issue 21
+        ("seen-before-200s", good, 200.0, True, alice),
+        ("expired", good, MAX_AGE_S + 1.0, False, alice),
+        ("future", good, -(MAX_SKEW_S + 1.0), False, alice),
+        ("bad-signature", tampered, 1.0, False, alice),
+        ("wrong-signer", good, 1.0, False, bob),
+    ]
+    out = []
+    for name, data, after, seen, sender in cases:
+        reason = _reason(data, NOW + after, seen, sender)
+        out.append({"name": name, "envelope_hex": data.hex(), "received_at_s": NOW + after, "accepted_before": seen,
+                    "transport_sender": sender.peer_id, "reason": reason,
+                    "blames_forwarder": reason is not None and blames_forwarder(reason)})
+    return {
+        "description": "Who is blamed for a rejected envelope (ipips/0001-envelope-identity.md §4): the reason "
+        "open_envelope gives an envelope received at received_at_s (accepted_before: its message ID is in the "
+        "receiver's replay cache), and whether that reason counts against the peer that forwarded it. A "
+        "transport must remember seen messages at least seen_ttl_s = max_age_s + max_skew_s.",
+        "max_age_s": MAX_AGE_S, "max_skew_s": MAX_SKEW_S, "seen_ttl_s": SEEN_TTL_S, "cases": out,
+    }
+
+
+def _reason(data: bytes, now: float, seen: bool, sender: Identity) -> str | None:
+    from protocol.envelope import ReplayCache, open_envelope
+    from protocol.errors import CodecError
+
+    cache = ReplayCache()
+    if seen:
+        open_envelope(data, now=now - 0.5 if now - 0.5 > NOW else NOW, replay=cache)
+    try:
+        open_envelope(data, now=now, replay=cache, expected_signer=sender.peer_id)
+    except CodecError as exc:
+        return exc.reason
+    return None
 
 
 if __name__ == "__main__":

@@ -21,3 +21,25 @@ def test_bad_addresses_are_named(config, message):
         Host(Identity.generate(), config)
     assert str(failure.value).startswith(message)
     assert "\n" not in str(failure.value)
+
+
+async def test_a_listen_port_another_agent_holds_is_refused_at_start():
+    """Issue 21 (4): py-libp2p listens with SO_REUSEPORT (hole punching dials from the listen port), so a
+    second agent on a taken port used to start, log 'ready', and share the port with the first."""
+    import socket
+
+    from agent.net.errors import NetError
+    from agent.net.stack import open_network
+
+    async with open_network(Identity.generate()) as first:
+        port = int(first.host.addrs()[0].split("/tcp/")[1].split("/")[0])
+        taken = f"/ip4/127.0.0.1/tcp/{port}"
+        with pytest.raises(NetError) as failure:
+            async with open_network(Identity.generate(), NetConfig(listen=(taken,))):
+                pass
+        assert str(failure.value).startswith(f"listen: {taken} is in use") and "\n" not in str(failure.value)
+    with socket.socket() as free:  # and a port nobody holds any more is taken again at once
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    async with open_network(Identity.generate(), NetConfig(listen=(f"/ip4/127.0.0.1/tcp/{port}",))) as net:
+        assert f"/tcp/{port}/" in net.host.addrs()[0]

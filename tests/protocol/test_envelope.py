@@ -12,7 +12,9 @@ from protocol.envelope import (
     MAX_AGE_S,
     MAX_ENVELOPE_BYTES,
     MAX_SKEW_S,
+    SEEN_TTL_S,
     ReplayCache,
+    blames_forwarder,
     open_envelope,
     seal,
 )
@@ -156,6 +158,28 @@ def test_replayed():
     reject(data, "replayed", replay=cache, now=NOW + MAX_AGE_S - 1)
     # once its window has passed, the replay is refused as expired, and the cache has forgotten it
     reject(data, "expired", replay=cache, now=NOW + MAX_AGE_S + 1)
+
+
+def test_blame_vectors_who_is_held_responsible_for_a_rejected_envelope():
+    """IPIP-0001 §4 (issue 21): ``expired`` and ``replayed`` say nothing against the forwarder (caches and
+    relays hand them on in good faith); every other rejection does. The transport's seen window covers
+    the envelope's whole acceptance window."""
+    doc = json.loads((IPIP_VECTORS / "envelope-blame.json").read_text())
+    assert (doc["max_age_s"], doc["max_skew_s"], doc["seen_ttl_s"]) == (MAX_AGE_S, MAX_SKEW_S, SEEN_TTL_S)
+    assert SEEN_TTL_S >= MAX_AGE_S + MAX_SKEW_S
+    assert {c["name"] for c in doc["cases"]} >= {"seen-before-200s", "expired", "bad-signature"}
+    for case in doc["cases"]:
+        data, now = bytes.fromhex(case["envelope_hex"]), case["received_at_s"]
+        cache = ReplayCache()
+        if case["accepted_before"]:
+            open_envelope(data, now=NOW, replay=cache)
+        try:
+            open_envelope(data, now=now, replay=cache, expected_signer=case["transport_sender"])
+            reason = None
+        except CodecError as exc:
+            reason = exc.reason
+        assert reason == case["reason"], case["name"]
+        assert (reason is not None and blames_forwarder(reason)) == case["blames_forwarder"], case["name"]
 
 
 def test_replay_cache_is_bounded_and_forgets_expired():
