@@ -7,7 +7,8 @@ Rules of this file:
 - Which worker gets a lease is ours to decide: the shard it asked for if OPEN, else the lowest OPEN
   one; never a second live lease of this job to one worker (a shard it reported and that awaits
   its verdict does not count: it trains the next one meanwhile); never a lease to a worker whose work in
-  this job was rejected; only to a live peer whose signed capability says it trains and fits the
+  this job was rejected, in any term (these three read off the signed history alone,
+  protocol/leasing.history_refusal, so a successor refuses what its predecessor did); only to a live peer whose signed capability says it trains and fits the
   job (protocol/fit.lease_refusals: the job's runtime offered, its base model held by hash, a GPU
   with ``min_vram_gb`` total; IPIP-0004 §5.1) -- a claim from anyone else gets no lease, its reason
   logged once, so a peer cannot hoard leases it never meant or could not train; never a
@@ -76,6 +77,7 @@ from protocol import messages as m
 from protocol import state as st
 from protocol.election import judge_of
 from protocol.fit import lease_refusals
+from protocol.leasing import history_refusal, rejected_workers
 
 if TYPE_CHECKING:
     from agent.roles.port import RolePort
@@ -102,7 +104,6 @@ class CoordinatorRole:
     def __init__(self, agent: "RolePort") -> None:
         self.agent = agent
         self._running: set[tuple] = set()
-        self._banned: dict[bytes, set[str]] = {}
         self.accepted_adapters: dict[tuple[bytes, int, int], tuple[Path, int]] = {}
         # (job, round) -> the adapter training starts from, and the outer state it carries
         self._initial: dict[tuple[bytes, int], tuple[dict, dict, dict]] = {}
@@ -159,8 +160,8 @@ class CoordinatorRole:
             return False
         if view.state.phase not in (st.JobPhase.ANNOUNCED, st.JobPhase.TRAINING):
             return False
-        if worker == agent.peer_id or worker in self._banned.get(view.job_id, set()) or view.training_by(worker):
-            return False
+        if history_refusal(worker, agent.peer_id, view.verdicts.values(), view.state.shards) is not None:
+            return False  # ourselves, a worker rejected in any term, or one training a shard of it (protocol/leasing.py)
         if worker not in agent.live_peers():
             return False
         # its signed capability fits the job (protocol/fit.py), then the market's rules (protocol/market.py:
@@ -200,7 +201,7 @@ class CoordinatorRole:
             return False
         if len(live) > 256:  # too many to check one by one on every claim: assume they compete
             return True
-        banned = self._banned.get(view.job_id, set())
+        banned = rejected_workers(view.verdicts.values())  # in any term: the signed history says so
         could_claim = 0
         for peer in live:
             if peer in banned or peer == self.agent.peer_id or view.training_by(peer):
@@ -260,7 +261,7 @@ class CoordinatorRole:
     def forget(self, job_id: bytes) -> None:
         """The agent stopped following the job (agent/node.py ``forget_job``): drop what we kept for it
         (its tasks were cancelled with the job's nursery)."""
-        for per_job in (self._banned, self._validation, self._claims, self._early):
+        for per_job in (self._validation, self._claims, self._early):
             per_job.pop(job_id, None)
         for keyed in (self.accepted_adapters, self._initial, self._refused):
             for key in [k for k in keyed if k[0] == job_id]:
@@ -381,8 +382,6 @@ class CoordinatorRole:
             return
         if accepted:
             self.accepted_adapters[(view.job_id, rnd, shard)] = (adapter_dir, report.samples)
-        else:
-            self._banned.setdefault(view.job_id, set()).add(worker)
         log.info("job %s shard %d attempt %d: %s — %s", view.job_id.hex()[:8], shard, attempt,
                  "accepted" if accepted else "REJECTED", reason)
         verdict = m.Verdict(view.job_id, rnd, shard, attempt, worker, view.coordination.term, accepted,

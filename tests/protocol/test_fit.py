@@ -100,3 +100,25 @@ def test_a_lease_reads_total_vram_where_the_worker_itself_reads_free():
         "job needs 40 GB of VRAM on one GPU; the largest here has 24.0 GB (cuda:0 NVIDIA H100)"]
     assert lease_refusals(replace(CPU, accepts_training=False), TERMS) == ["its capability says it does not accept training"]
     assert lease_refusals(None, TERMS) == ["no signed capability has been heard from this peer"]
+
+
+def test_lease_history_vectors():
+    """ipips/vectors/lease-history.json (IPIP-0004 §5.1 rule 0): who the job's signed history forbids a lease
+    to, whichever peer coordinates (issue 23: a successor leased to a worker rejected in the term before)."""
+    import json
+    from pathlib import Path
+
+    from protocol.leasing import history_refusal, rejected_workers
+    from protocol.messages import Verdict
+    from protocol.state import ShardPhase, ShardState
+
+    doc = json.loads((Path(__file__).resolve().parents[2] / "ipips/vectors/lease-history.json").read_text())
+    assert len(doc["cases"]) >= 7
+    for case in doc["cases"]:
+        verdicts = [Verdict(bytes(32), v["round"], v["shard"], v["attempt"], v["worker"], v["term"], v["accepted"],
+                            v["reason"], ()) for v in case["verdicts"]]
+        shards = [ShardState(s["index"], ShardPhase(s["phase"]), 1, s["worker"]) for s in case["shards"]]
+        refusal = history_refusal(case["worker"], case["coordinator"], verdicts, shards)
+        assert (refusal is None) == case["lease"], case["name"]
+        assert (case["worker"] in rejected_workers(verdicts)) == any(
+            v["worker"] == case["worker"] and not v["accepted"] for v in case["verdicts"])

@@ -238,7 +238,6 @@ async def test_a_forgotten_job_leaves_nothing_in_the_roles(tmp_path, tiny_model_
             await w0.coordinator.on_claim(view, m.ShardClaim(job, 1, 0), claimant)
             assert claimant in w0.coordinator._early[job]
             coordinator, worker = w0.coordinator, w0.worker
-            coordinator._banned[job] = {claimant}
             coordinator._validation[job] = tmp_path / "validation.jsonl"
             coordinator._claims[job] = [(claimant, 1, 0)]
             coordinator.accepted_adapters[(job, 1, 0)] = (tmp_path / "adapter", 10)
@@ -251,7 +250,7 @@ async def test_a_forgotten_job_leaves_nothing_in_the_roles(tmp_path, tiny_model_
         w0.forget_job(gone.job_id)
         job = gone.job_id
         coordinator, worker = w0.coordinator, w0.worker
-        for per_job in (coordinator._early, coordinator._banned, coordinator._validation, coordinator._claims,
+        for per_job in (coordinator._early, coordinator._validation, coordinator._claims,
                         worker._last_claim, worker._market_logged, worker.candidates, w0.ledger_service.ended):
             assert job not in per_job
         for keyed in (coordinator.accepted_adapters, coordinator._refused, coordinator._initial):

@@ -1,0 +1,46 @@
+"""Who may be leased a shard, read off the job's signed history alone (IPIP-0004 §5.1, rule 0).
+
+Rules of this file:
+- Pure: the job's verdicts (signed messages every follower of the job holds, of every term) and its
+  shards' states (the state machine, driven by those messages) in, a refusal or None out. No memory
+  of what this peer decided: a successor coordinator, its view rebuilt from the same history,
+  refuses exactly what its predecessor refused (IPIP-0004: "every input is read off signed messages
+  every follower of the job holds"). Before this rule lived here, the ban on a rejected worker was a
+  set in the coordinator's memory, filled only by its own verdicts, and a successor leased a shard to
+  a worker its predecessor had rejected (issue 23).
+- The history rules, in order, each with its own reason:
+  1. never to the coordinator itself: a coordinator does not judge its own work;
+  2. never to a worker a verdict of this job rejected, in any round or term (a rejection is always the
+     worker's fault, IPIP-0005 §8: our own failures give no verdict);
+  3. never a second live lease of the job to one worker (a shard it reported and that awaits its
+     verdict does not count: it trains the next one meanwhile).
+- The claimant's capability (protocol/fit.py) and the market (protocol/market.py) are checked after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from protocol.messages import Verdict
+
+
+def rejected_workers(verdicts: Iterable[Verdict]) -> frozenset[str]:
+    """Workers any verdict of the job rejected, whatever its round or term."""
+    return frozenset(v.worker for v in verdicts if not v.accepted)
+
+
+def history_refusal(worker: str, coordinator: str | None, verdicts: Iterable[Verdict],
+                    shards: Iterable[Any]) -> str | None:
+    """Why the job's history forbids a lease to ``worker`` (None: it does not). ``shards``: the current
+    round's shard states (protocol/state.ShardState: ``phase``, ``worker``, ``index``)."""
+    if worker == coordinator:
+        return "a coordinator never leases to itself (it does not judge its own work)"
+    for v in verdicts:
+        if v.worker == worker and not v.accepted:
+            return (f"its work in this job was rejected (round {v.round}, shard {v.shard}, attempt {v.attempt}, "
+                    f"term {v.term}): {v.reason[:200]}")
+    for shard in shards:
+        if shard.worker == worker and getattr(shard.phase, "value", shard.phase) == "LEASED":
+            return f"it holds a live lease of this job (shard {shard.index})"
+    return None
