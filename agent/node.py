@@ -79,6 +79,7 @@ from agent.ledger_sync import LedgerService
 from agent.ledger_sync import sync_loop as ledger_sync_loop
 from agent.roles.coordinator import CoordinatorRole
 from agent.roles.job import JobView
+from agent.roles.keep import KeepService
 from agent.roles.submitter import SubmitterRole
 from agent.roles.sync import RESYNC_INTERVAL, SyncService, catch_up, needs_resync, resync, submitter_catch_up
 from agent.roles.worker import WorkerRole
@@ -166,6 +167,8 @@ class Agent:
         self.coordinator = CoordinatorRole(self)
         self.submitter = SubmitterRole(self)
         self.sync = SyncService(self)
+        # a round's aggregate of our job, copied here before it is published (agent/roles/keep.py)
+        self.keep = KeepService(self, self.jobs.get, self.submitter.keep_once)
         self.ledger_service = LedgerService(self)  # copies of the job's other chains (agent/ledger_sync.py)
         self.job_events = trio.Event()  # set (and replaced) whenever a job's state changes
         self._changes = trio.Event()  # set (and replaced) when a job changes, a peer is heard or a job task ends
@@ -223,6 +226,7 @@ class Agent:
             self.content = await stack.enter_async_context(
                 open_content(self.net.host, self.net.discovery, home, ipfs_api=self.config.ipfs_api))
             self.sync.install(self.net.host)
+            self.keep.install(self.net.host)
             self.ledger_service.install(self.net.host)
             await self._measure()
             self.started_at = self.clock()

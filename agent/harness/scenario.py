@@ -54,9 +54,15 @@ BASE_JOB: dict[str, Any] = {
     "lease_seconds": 30,
 }
 
+KEEP_ANSWER_DELAY = 2.0  # seconds, with an "aggregating" trigger (see TRIGGERS)
 PINNED_CREATED = 1_700_000_000  # seconds since the epoch (+ the seed): the jobs' 'created'
 PINNED_DEADLINE = 4_000_000_000  # far away: a scenario's job ends by its own faults or its timeout
-TRIGGERS = ("training", "all-training", "checkpoint", "report", "accepted", "aggregate", "round-2", "round-3")
+# "aggregating": the coordinator computed a round's aggregate and asked the submitter to keep it; nothing
+# is published yet (the harness then slows the submitter's answer by KEEP_ANSWER_DELAY, so that a kill
+# lands between the two);
+# "aggregate": the first aggregate is published, "aggregate-2" round 2's
+TRIGGERS = ("training", "all-training", "checkpoint", "report", "accepted", "aggregating", "aggregate", "aggregate-2",
+            "aggregate-3", "round-2", "round-3")
 ACTIONS = ("kill", "restart", "start", "partition", "heal", "gossip", "attack", "tamper")
 ATTACKS = ("replay", "spoof", "stale", "malformed", "oversize", "claim_flood", "flood")
 SELECTORS = ("coordinator", "trainer", "workers", "killed")
@@ -526,6 +532,8 @@ async def run_scenario(scenario: Scenario, out_dir: Path, *, seed: int | None = 
                            processes=tuple(index[n] for n in scenario.processes),
                            hosts=hosts, placement=scenario.placement) as net:
             run.net = net
+            if any(f.when == "aggregating" for f in scenario.faults):
+                net.submitter.keep.answer_delay = KEEP_ANSWER_DELAY
             if scenario.mallory:
                 await run.start_mallory()
             await run.announce(model_dir)
@@ -655,8 +663,12 @@ class _Run:
             return bool(view.reports)
         if when == "accepted":
             return any(v.accepted for v in view.verdicts.values())
+        if when == "aggregating":  # the coordinator computed the aggregate and asked the submitter to keep it
+            return any(job == view.job_id for job, _, _ in self.net.submitter.keep.asked)
         if when == "aggregate":
             return bool(view.aggregates)
+        if when.startswith("aggregate-"):
+            return int(when.split("-")[1]) in view.aggregates
         if when.startswith("round-"):
             return view.state.round >= int(when.split("-")[1])
         raise ValueError(when)
@@ -815,6 +827,20 @@ class _Run:
         lost = [f"r{r} s{s}" for (r, s) in per_shard if r in view.aggregates and s not in view.aggregates[r].shards]
         add(Check("no accepted work lost", not lost, ", ".join(lost) or
                   f"{len(per_shard)} accepted shards, all in their round's aggregate"))
+        # the ban on a rejected worker holds in every term (IPIP-0004 §5.1 rule 0): no lease of a later round
+        rejected_in = {}
+        for (r, _, _), v in view.verdicts.items():
+            if not v.accepted:
+                rejected_in[v.worker] = min(r, rejected_in.get(v.worker, r))
+        again = [f"{self.name_of(lease.worker)} in r{k[0]} s{k[1]} (term {lease.term})" for k, lease in sorted(view.leases.items())
+                 if lease.worker in rejected_in and k[0] > rejected_in[lease.worker]]
+        add(Check("no rejected worker leased again", not again, ", ".join(again) or
+                  f"{len(rejected_in)} rejected worker(s), none leased in a later round"))
+        unheld = [f"r{r}" for r, a in view.aggregates.items()
+                  if not net.submitter.submitter.kept_path(view, a.adapter_cid).exists()] \
+            if net.running("submitter") and "submitter" in net.agents else []
+        add(Check("the submitter holds every published aggregate", not unheld, ", ".join(unheld) or
+                  f"{len(view.aggregates)} aggregate(s) held"))
         if phase == "DONE":
             rounds = sorted(view.aggregates)
             final = view.aggregates.get(state.round)

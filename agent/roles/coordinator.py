@@ -71,6 +71,7 @@ from agent.bundle import (
 )
 from agent.content.errors import FetchError
 from agent.roles.job import JobView
+from agent.roles.keep import keep_before_publishing
 from agent.train.runner import run_torch, train_config
 from agent.sealing import must_seal, seal_dir
 from protocol import messages as m
@@ -587,6 +588,12 @@ class CoordinatorRole:
         agent.provide_soon(cid)  # in the background: a slow DHT peer must not delay the aggregate
         if not agent.is_coordinator(view):
             return
+        # durable before announced (IPIP-0006 §2.7): the submitter holds a copy before anyone hears of it,
+        # so a crash of ours from here on loses nothing; a failure raises into the retry loop
+        await keep_before_publishing(agent, view, action.round, str(cid))
+        if not agent.is_coordinator(view) or view.state.phase is not st.JobPhase.AGGREGATING or \
+                view.state.round != action.round:
+            return
         published = m.AggregatePublished(view.job_id, action.round, view.coordination.term, str(cid),
                                          terms.aggregation, tuple(action.accepted_shards),
                                          sum(n for _, n in inputs), final, loss, base_loss)
@@ -739,4 +746,16 @@ def _aggregate_adapters(terms: m.JobTerms, inputs: list[tuple[Path, int]], out: 
         if state:
             save_file(state, str(out / OUTER_STATE_FILE), metadata={"format": "pt"})  # one key: safetensors writes several in varying order
     save_file(merged, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    shutil.copy(inputs[0][0] / "adapter_config.json", out / "adapter_config.json")
+    write_canonical_config(inputs[0][0] / "adapter_config.json", out / "adapter_config.json")
+
+
+def write_canonical_config(source: Path, target: Path) -> None:
+    """The aggregate's ``adapter_config.json``: the first input's, with sorted keys and target modules.
+    peft writes target_modules from a set, in an order that differs from process to process (string
+    hashing), so copying one worker's file made the aggregate's CID depend on which worker trained the
+    first shard: the same round aggregated by two coordinators, or one job run twice, gave two CIDs for
+    the same tensors. Canonical, a round's aggregate is a function of its accepted inputs alone."""
+    config = json.loads(source.read_text())
+    if isinstance(config.get("target_modules"), list):
+        config["target_modules"] = sorted(config["target_modules"])
+    target.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -61,6 +61,7 @@ class SubmitterRole:
     def __init__(self, agent: "RolePort") -> None:
         self.agent = agent
         self._keeping: set[tuple[bytes, str]] = set()  # (job, cid) copies under way
+        self._keep_locks: dict[tuple[bytes, str], trio.Lock] = {}  # (job, cid) fetched now, one at a time
 
     async def fetch_dataset(self, cid: str) -> Path:
         """A dataset named by CID in the spec (IPIP-0007 ``input.dataset``): fetched through our content
@@ -223,6 +224,25 @@ class SubmitterRole:
                             "provider": None})  # its coordinator is not recorded: the DHT names providers
         return out
 
+    async def keep_once(self, view: "JobView", cid: str, provider: str | None) -> None:
+        """One try to fetch accepted work ``cid`` (from ``provider`` first) into ``kept_path``, and provide
+        it; raises why it failed. (A coordinator asks this of us before it publishes an aggregate:
+        agent/roles/keep.py.)"""
+        agent, out, key = self.agent, self.kept_path(view, cid), (view.job_id, cid)
+        lock = self._keep_locks.setdefault(key, trio.Lock())  # one fetch of a CID at a time: the other waits
+        try:
+            async with lock:
+                if out.exists():
+                    return
+                out.parent.mkdir(parents=True, exist_ok=True)
+                await agent.content.fetch(cid, out, timeout=agent.config.fetch_timeout,
+                                          providers=[provider] if provider else [],
+                                          max_size=bundle_size_bound(4 << 30, AGGREGATE_FILES))
+                agent.provide_soon(parse_cid(cid))
+        finally:
+            if not lock.statistics().tasks_waiting:
+                self._keep_locks.pop(key, None)
+
     async def _keep(self, view: "JobView", cid: str, provider: str | None) -> None:
         """Fetch accepted work ``cid`` into ``kept_path`` and provide it; tried again until held."""
         agent, key = self.agent, (view.job_id, cid)
@@ -234,11 +254,7 @@ class SubmitterRole:
             while not out.exists():
                 tries += 1
                 try:
-                    out.parent.mkdir(parents=True, exist_ok=True)
-                    await agent.content.fetch(cid, out, timeout=agent.config.fetch_timeout,
-                                              providers=[provider] if provider else [],
-                                              max_size=bundle_size_bound(4 << 30, AGGREGATE_FILES))
-                    agent.provide_soon(parse_cid(cid))
+                    await self.keep_once(view, cid, provider)
                     if tries > 1:
                         log.info("job %s: kept accepted work %s (try %d)", view.job_id.hex()[:8], cid, tries)
                     return
