@@ -17,11 +17,16 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,qlora,data]'
 	touch $@
 
+# Two test processes (pytest-xdist): most tests wait on real agents' timers, not on the CPU, so two at
+# once take about half the wall time on 2 cores. A short --basetemp: agent homes hold Unix sockets,
+# whose paths must stay under 108 bytes.
+PYTEST := $(PY) -m pytest -q -n 2 --basetemp=$$(mktemp -d /tmp/inft-XXXXXX)
+
 test: setup
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 test-all: setup
-	$(PY) -m pytest -q -m ''
+	$(PYTEST) -m ''
 
 bench: setup
 	$(PY) scripts/bench_cid.py

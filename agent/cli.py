@@ -233,6 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
     harness.add_parser("list", parents=[reader], help="the shipped scenarios")
     hcheck = harness.add_parser("check", parents=[reader], help="read scenario files and report mistakes; run nothing")
     hcheck.add_argument("scenarios", nargs="+", metavar="SCENARIO")
+    hsoak = harness.add_parser("soak", parents=[reader],
+                               help="jobs back to back on agent processes under seeded faults; invariants checked")
+    hsoak.add_argument("--minutes", type=float, default=2.0, help="how long to start new jobs (default 2)")
+    hsoak.add_argument("--agents", type=int, default=6, help="workers besides the submitter (default 6)")
+    hsoak.add_argument("--seed", type=int, default=1, help="the fault schedule's seed (default 1)")
+    hsoak.add_argument("--fault-every", type=float, default=8.0, metavar="SECONDS",
+                       help="mean seconds between faults (default 8)")
+    hsoak.add_argument("--out", type=Path, default=None, help="the agents' homes and logs (default: a new temp dir)")
     return parser
 
 
@@ -1168,6 +1176,33 @@ def cmd_harness_run(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
+def cmd_harness_soak(args: argparse.Namespace) -> int:
+    from agent.harness.soak import Soak, SoakOptions
+
+    if not 0 < args.minutes <= 24 * 60:
+        raise UserError(f"--minutes: must be between 0 and 1440, got {args.minutes:g}")
+    if not 3 <= args.agents <= 16:
+        raise UserError(f"--agents: must be between 3 and 16, got {args.agents}")
+    if not 1 <= args.fault_every <= 3600:
+        raise UserError(f"--fault-every: must be between 1 and 3600 seconds, got {args.fault_every:g}")
+    if args.out is not None and args.out.exists() and any(args.out.iterdir()):
+        raise UserError(f"--out {args.out}: directory exists and is not empty")
+    quiet = bool(getattr(args, "json", False))
+    soak = Soak(SoakOptions(minutes=args.minutes, agents=args.agents, seed=args.seed, directory=args.out,
+                            fault_every=args.fault_every),
+                say=(lambda line: None) if quiet else (lambda line: print(line, flush=True)))
+    report = soak.run()
+    for line in report.bench_lines():
+        print(json.dumps(line), flush=True)
+    if quiet:
+        print(json.dumps({"violations": report.violations, "faults": report.faults, "skipped": report.skipped,
+                          "jobs": report.jobs, "dir": str(soak.root)}))
+    else:
+        print(report.summary())
+        print(f"homes and logs: {soak.root}")
+    return 0 if not report.violations else 1
+
+
 def _quiet_transformers() -> None:
     try:
         from transformers.utils import logging as hf_logging
@@ -1191,6 +1226,7 @@ COMMANDS = {
     ("data", "add"): cmd_data_add, ("data", "check"): cmd_data_check, ("data", "verify"): cmd_data_verify,
     ("data", "get"): cmd_data_get, ("ledger", "verify"): cmd_ledger_verify,
     ("harness", "run"): cmd_harness_run, ("harness", "list"): cmd_harness_list, ("harness", "check"): cmd_harness_check,
+    ("harness", "soak"): cmd_harness_soak,
 }
 
 

@@ -220,7 +220,7 @@ def _die_with(parent: int):
 
 
 def run_demo(options: DemoOptions) -> int:
-    console = Console()
+    console = Console(soft_wrap=True)  # a path or CID printed whole (copied from the terminal), never cut in two
     started = time.monotonic()
     root = options.directory or Path(tempfile.mkdtemp(prefix="infernet-demo-"))
     root.mkdir(parents=True, exist_ok=True)

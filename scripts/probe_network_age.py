@@ -10,7 +10,10 @@ window, by default); then one worker is restarted with its home and a brand-new 
 - ``blacklistings``: "blacklisting" log lines on all agents;
 - ``newcomers_trained``: of the restarted worker and the new agent, how many trained a shard of the
   second job or coordinated it (goal: both);
-- the second job's end state.
+- the second job's end state;
+- ``resyncs_after_restart``: after the submitter (kill -9) and a worker (SIGTERM) restart once both
+  jobs are DONE, how many times their logs say a history was fetched, refused or rebuilt over the
+  next ``--settle`` + 15 s (issue 21 §3: every 15 s, forever; at most the one catch-up each is fine).
 
 Exit 0 when nobody was blacklisted and both newcomers trained, 1 otherwise. About age + 2 min.
 
@@ -178,7 +181,22 @@ def main() -> int:
         print(json.dumps({"job2": second["state"], "reason": second.get("reason"), "trained_shards": trained,
                           "coordinators": coordinating,
                           "dir": str(root)}))
-        return 0 if blacklisted == 0 and newcomers == 2 and second["state"] == "DONE" else 1
+        # issue 21 §3: after a restart, a DONE job's history was fetched again and again (the submitter,
+        # "1 envelopes ... refused" every 15 s) and a worker rebuilt the DONE job's mirror every 15 s
+        marks = {n: len(network.log_lines(n, ".")) for n in ("submitter", "w0")}
+        network.stop("submitter", signal.SIGKILL)
+        network.launch("submitter", None, new=False)
+        network.wait_ready("submitter")
+        network.stop("w0")
+        network.launch("w0", bootstrap, new=False)
+        network.wait_ready("w0")
+        time.sleep(args.settle + 15)
+        after = {n: network.log_lines(n, ".")[marks[n]:] for n in ("submitter", "w0")}
+        resyncs = sum(1 for lines in after.values() for line in lines
+                      if re.search("history refused|mirror rebuilt|caught up on", line))
+        print(json.dumps({"bench": "resyncs_after_restart", "value": resyncs, "unit": "log lines",
+                          "reference": 0, "ratio": 1.0 if resyncs <= 2 else 0.0, "goal": 1.0}))
+        return 0 if blacklisted == 0 and newcomers == 2 and second["state"] == "DONE" and resyncs <= 2 else 1
     finally:
         network.close()
 

@@ -168,12 +168,38 @@ class Discovery:
             log.debug("discovery: %s", exc)
 
     async def maintain(self, *, advertise: bool, interval: float = 30.0) -> None:
-        """Forever: re-advertise (if ``advertise``) and re-discover workers every ``interval`` s."""
+        """Forever: dial again the bootstrap peers we lost, re-advertise (if ``advertise``) and re-discover
+        workers every ``interval`` s."""
         while True:
             try:
+                await self.redial_bootstrap(timeout=min(interval, 10.0))
                 if advertise:
                     await self.advertise_worker()
                 await self.find_workers()
             except Exception as exc:  # noqa: BLE001 - a failed round must not end discovery
                 log.warning("discovery round failed: %r", exc)
             await trio.sleep(interval)
+
+    async def redial_bootstrap(self, *, timeout: float = 10.0) -> list[str]:
+        """Dial the bootstrap peers we are not connected to; return those reached. A bootstrap peer that
+        restarted (a submitter after kill -9, often every other peer's bootstrap) has no bootstrap list
+        of its own and heard nobody until someone dialled it: the soak found a restarted submitter
+        alone for 60 s, its job failed meanwhile (issue 21 §5)."""
+        connected = set(self.host.connected_peers())
+        lost = [info for info in self.host.bootstrap_peers if info.peer_id.to_base58() not in connected]
+        reached: list[str] = []
+
+        async def dial(info: PeerInfo) -> None:
+            try:
+                await self.host.connect(info, timeout=timeout)
+            except NetError as exc:
+                log.debug("bootstrap peer %s not reached again: %s", info.peer_id.to_base58()[-8:], exc)
+                return
+            await self.dht.add_peer(info.peer_id, skip_server_mode_check=True)
+            reached.append(info.peer_id.to_base58())
+            log.info("bootstrap peer %s reached again", info.peer_id.to_base58()[-8:])
+
+        async with trio.open_nursery() as nursery:
+            for info in lost:
+                nursery.start_soon(dial, info)
+        return reached

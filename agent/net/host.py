@@ -91,6 +91,19 @@ def to_libp2p_id(peer: ID | str) -> ID:
     return peer if isinstance(peer, ID) else ID.from_base58(peer)
 
 
+async def _close_listeners(network: Any) -> None:
+    """Close the swarm's listening sockets, whatever cancellation is under way. py-libp2p's own stop
+    path closes the connections first, and when that is cancelled (leaving ``run`` by cancellation)
+    never reaches the listeners: the port stayed bound for the life of the process, so an agent
+    restarted in the same process could not listen on it again. Bounded: 2 s."""
+    with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+        for listener in list(getattr(network, "listeners", {}).values()):
+            try:
+                await listener.close()
+            except Exception:  # noqa: BLE001 - closed already, or half-torn down: nothing more to do
+                pass
+
+
 def check_port_free(addr: multiaddr.Multiaddr) -> None:
     """NetError if another process listens on ``addr``'s TCP port. py-libp2p listens with SO_REUSEPORT
     (hole punching dials out from the listen port), and Linux lets a second process that does the same
@@ -174,16 +187,19 @@ class Host:
         async with self.libp2p.run(listen_addrs=self._listen):
             network = self.libp2p.get_network()
             network.set_stream_handler(self.guard.wrap(network.common_stream_handler, name="inbound"))
-            async with AsyncExitStack() as services:
-                for service in self._services:
-                    await services.enter_async_context(background_trio_service(service))
-                async with trio.open_nursery() as nursery:
-                    self._nursery = nursery
-                    try:
-                        yield self
-                    finally:
-                        self._nursery = None
-                        nursery.cancel_scope.cancel()
+            try:
+                async with AsyncExitStack() as services:
+                    for service in self._services:
+                        await services.enter_async_context(background_trio_service(service))
+                    async with trio.open_nursery() as nursery:
+                        self._nursery = nursery
+                        try:
+                            yield self
+                        finally:
+                            self._nursery = None
+                            nursery.cancel_scope.cancel()
+            finally:
+                await _close_listeners(network)
 
     def addrs(self) -> list[str]:
         """Dialable addresses of this host, each ending in /p2p/<peer id>."""

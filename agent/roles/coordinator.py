@@ -71,12 +71,13 @@ from agent.bundle import (
 )
 from agent.content.errors import FetchError
 from agent.roles.job import JobView
-from agent.roles.keep import keep_before_publishing
+from agent.roles.keep import KeepRefused, keep_before_publishing
 from agent.train.runner import run_torch, train_config
 from agent.sealing import must_seal, seal_dir
 from protocol import messages as m
 from protocol import state as st
 from protocol.election import judge_of
+from protocol.cid import parse_cid
 from protocol.fit import lease_refusals
 from protocol.leasing import history_refusal, rejected_workers
 
@@ -86,6 +87,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROOF_FILES = frozenset({"proof.json", "checkpoints.json"})
+KEEP_RETRY = 2.0  # seconds between asks of the submitter to keep a round's aggregate (agent/roles/keep.py)
 
 
 class Rejection(Exception):
@@ -276,6 +278,7 @@ class CoordinatorRole:
         for worker, (_, last, rnd, shard) in sorted(self._early.pop(view.job_id, {}).items(), key=lambda kv: kv[1][0]):
             if now - last <= self.early_claim_seconds and rnd == state.round:
                 self._queue(view, worker, rnd, shard)  # claims heard just before we were elected
+        self.agent.spawn_in_job(view.job_id, self._prefetch_validation, view)
         self.resume(view)
 
     def resume(self, view: JobView) -> None:
@@ -588,9 +591,22 @@ class CoordinatorRole:
         agent.provide_soon(cid)  # in the background: a slow DHT peer must not delay the aggregate
         if not agent.is_coordinator(view):
             return
-        # durable before announced (IPIP-0006 §2.7): the submitter holds a copy before anyone hears of it,
-        # so a crash of ours from here on loses nothing; a failure raises into the retry loop
-        await keep_before_publishing(agent, view, action.round, str(cid))
+        # durable before announced (IPIP-0006 §2.6.1): the submitter holds a copy before anyone hears of it,
+        # so a crash of ours from here on loses nothing. Asked again every KEEP_RETRY seconds while the
+        # round is ours to publish and its window lasts (the aggregate itself is not computed again): a
+        # submitter back from a restart must not find the round failed because our next try was 30 s off
+        while True:
+            try:
+                await keep_before_publishing(agent, view, action.round, str(cid))
+                break
+            except KeepRefused as exc:
+                if not agent.is_coordinator(view) or view.state.phase is not st.JobPhase.AGGREGATING or \
+                        view.state.round != action.round or agent.clock() + KEEP_RETRY >= action.expires_at:
+                    raise
+                agent.counters["keeps_retried"] += 1
+                log.info("job %s: round %d aggregate not published yet, asking again in %.0f s: %s",
+                         view.job_id.hex()[:8], action.round, KEEP_RETRY, exc)
+                await trio.sleep(KEEP_RETRY)
         if not agent.is_coordinator(view) or view.state.phase is not st.JobPhase.AGGREGATING or \
                 view.state.round != action.round:
             return
@@ -620,19 +636,45 @@ class CoordinatorRole:
                  f"; the stop rule holds: the job ends after round {action.round} of {terms.rounds}"
                  if final and action.round < terms.rounds else "")
 
+    async def _validation_split(self, view: JobView, directory: Path) -> Path:
+        """The job's validation split (in ``directory``, the job's work directory), fetched once
+        (``take_over`` fetches it at once, so a round's score never waits on it). Its provider is the
+        submitter: with the split not held here and the submitter heard before but silent now,
+        RuntimeError at once, saying so, instead of a fetch that waits out its timeout (issue 21 §5: a
+        coordinator idled 63 s after the submitter was killed, then published the round unscored)."""
+        agent = self.agent
+        path = self._validation.get(view.job_id)
+        if path is not None and path.exists():
+            return path
+        path = directory / "validation.jsonl"
+        submitter = view.terms.submitter
+        if submitter != agent.peer_id and submitter in agent.peers and submitter not in agent.live_peers() and \
+                not agent.content.store.has(parse_cid(view.terms.validation_cid)):
+            raise RuntimeError(f"the validation split {view.terms.validation_cid[:24]}… is not held here and its "
+                               f"provider, the submitter {submitter[-8:]}, is not live")
+        providers = [p for p in (submitter,) if p != agent.peer_id]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # bounded by the training shards' bytes (IPIP-0003 §3): the submitter chose this CID
+        await agent.content.fetch(view.terms.validation_cid, path, timeout=agent.config.fetch_timeout,
+                                  providers=providers, max_size=view.terms.validation_size_bound())
+        self._validation[view.job_id] = path
+        return path
+
+    async def _prefetch_validation(self, view: JobView) -> None:
+        """On taking a job over: hold its validation split before the first round needs a score."""
+        if not view.terms.validation_cid:
+            return
+        try:
+            await self._validation_split(view, self.agent.work_dir / view.job_id.hex()[:16])
+        except Exception as exc:  # noqa: BLE001 - tried again when a round is scored
+            log.info("job %s: validation split not fetched yet: %s", view.job_id.hex()[:8], exc)
+
     async def _score(self, view: JobView, config: Any, adapter_dir: Path, work: Path,
                      with_base: bool) -> tuple[float, float | None]:
         """Validation loss of the aggregate in ``adapter_dir`` (and of the base model) on the job's split."""
         from agent.train.run import validation_losses
 
-        path = self._validation.get(view.job_id)
-        if path is None or not path.exists():
-            path = work.parent / "validation.jsonl"
-            providers = [p for p in (view.terms.submitter,) if p != self.agent.peer_id]
-            # bounded by the training shards' bytes (IPIP-0003 §3): the submitter chose this CID
-            await self.agent.content.fetch(view.terms.validation_cid, path, timeout=self.agent.config.fetch_timeout,
-                                           providers=providers, max_size=view.terms.validation_size_bound())
-            self._validation[view.job_id] = path
+        path = await self._validation_split(view, work.parent)
         adapters = [adapter_dir / "adapter_model.safetensors"]
         if with_base:
             adapters.append(None)  # the seeded initial adapter: B = 0, so exactly the base model

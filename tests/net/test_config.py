@@ -43,3 +43,45 @@ async def test_a_listen_port_another_agent_holds_is_refused_at_start():
         port = free.getsockname()[1]
     async with open_network(Identity.generate(), NetConfig(listen=(f"/ip4/127.0.0.1/tcp/{port}",))) as net:
         assert f"/tcp/{port}/" in net.host.addrs()[0]
+
+
+async def test_a_restarted_bootstrap_peer_is_dialled_again():
+    """Issue 21 (5), found by the soak: a submitter restarted after kill -9 is everyone's bootstrap peer
+    and has no bootstrap list of its own, so it heard nobody until someone dialled it (60 s; its job
+    failed meanwhile). ``Discovery.maintain`` now dials lost bootstrap peers again every round."""
+    import socket
+
+    import trio
+
+    from agent.net.stack import open_network
+
+    identity = Identity.generate()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    listen = NetConfig(listen=(f"/ip4/127.0.0.1/tcp/{port}",))
+
+    async def bootstrap_peer(up: trio.Event, stop: trio.Event, out: list) -> None:
+        async with open_network(identity, listen) as net:
+            out.append(net.host.addrs()[0])
+            up.set()
+            await stop.wait()
+
+    async with trio.open_nursery() as nursery:
+        up, stop, addrs = trio.Event(), trio.Event(), []
+        nursery.start_soon(bootstrap_peer, up, stop, addrs)
+        await up.wait()
+        async with open_network(Identity.generate(), NetConfig(bootstrap=(addrs[0],))) as other:
+            assert identity.peer_id in other.host.connected_peers()
+            stop.set()  # the bootstrap peer goes away...
+            with trio.fail_after(10):
+                while identity.peer_id in other.host.connected_peers():
+                    await trio.sleep(0.1)
+            up, stop = trio.Event(), trio.Event()
+            nursery.start_soon(bootstrap_peer, up, stop, addrs)  # ... and comes back on its address
+            await up.wait()
+            with trio.fail_after(20):
+                while identity.peer_id not in await other.discovery.redial_bootstrap(timeout=5):
+                    await trio.sleep(0.5)
+            assert identity.peer_id in other.host.connected_peers()
+            stop.set()
