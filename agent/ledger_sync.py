@@ -194,12 +194,23 @@ async def sync_job(agent: Any, view: Any, peers: list[str] | None = None, timeou
     Returns {"peers": asked, "added": entries, "conflicts": [one line each, new ones]}."""
     peers = participants(agent, view) if peers is None else peers
     added, conflicts = 0, []
-    for peer in peers:
+    fetched: dict[str, Any] = {}
+
+    async def fetch(peer: str) -> None:
         try:
-            pairs = await fetch_chains(agent.net.host, peer, view.job_id, timeout)
+            fetched[peer] = await fetch_chains(agent.net.host, peer, view.job_id, timeout)
         except (NetError, PeerProtocolError, trio.TooSlowError) as exc:
             log.info("job %s: ledger sync with %s failed: %s", view.job_id.hex()[:8], peer[-8:], exc)
+
+    # all peers at once, each within ``timeout``: one frozen or cut-off peer used to hold up the rest, and
+    # `job ledger --sync` waited timeout x (silent peers) (the soak: a control request past 60 s)
+    async with trio.open_nursery() as nursery:
+        for peer in peers:
+            nursery.start_soon(fetch, peer)
+    for peer in peers:
+        if peer not in fetched:
             continue
+        pairs = fetched[peer]
         chains, invalid = served_chains(pairs, view.job_id, peer)
         n, found = absorb(agent.store, view.job_id, chains, peer, agent.clock(), job_authors(agent.store, view))
         found += [c for c in invalid if agent.store.record_conflict(view.job_id, c, agent.clock())]

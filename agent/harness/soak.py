@@ -582,7 +582,12 @@ class Soak:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
-        if self.tmpfs is not None:
+        if self.tmpfs is not None:  # its logs are kept beside the others before the disk goes
+            kept = self.root / f"{self.disk_worker}-logs"
+            kept.mkdir(exist_ok=True)
+            for name in ("agent.log", "stderr.log"):
+                if (self.tmpfs / name).exists():
+                    shutil.copy(self.tmpfs / name, kept / name)
             subprocess.run(["umount", "-l", str(self.tmpfs)], capture_output=True)
         if self.hosts is not None:
             self.hosts.close()
@@ -639,6 +644,6 @@ def _processes_under(root: Path) -> list[int]:
             state = (entry / "stat").read_text().split()[2]
         except OSError:
             continue
-        if needle in cmdline and b"agent" in cmdline and state != "Z":
+        if needle in cmdline and b"agent\0run" in cmdline and state != "Z":
             out.append(int(entry.name))
     return out
