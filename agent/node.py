@@ -386,7 +386,11 @@ class Agent:
         return terms.base_model if Path(terms.base_model).is_dir() else None
 
     def is_coordinator(self, view: JobView) -> bool:
-        return view.coordination.is_coordinator(self.peer_id) and \
+        """Do we act as the job's coordinator now? Our view names us, its grace period is over, we hear
+        the submitter, and our mirror is not catching up on history: a coordinator restarted from its
+        store believed itself term 1's coordinator again while the others had moved to term 2, and the
+        two granted conflicting leases until the job ran out of attempts (the soak, issue 21)."""
+        return view.coordination.is_coordinator(self.peer_id) and not view.catching_up and \
             self.clock() - view.first_seen >= self.config.grace_seconds and self.hears_submitter(view)
 
     # -- gossip in ---------------------------------------------------------------------------------
@@ -452,6 +456,7 @@ class Agent:
             if record.state in _TERMINAL_STATES:
                 continue
             view = self.rebuild_view(record)
+            view.catching_up = record.terms.submitter != self.peer_id  # until the submitter's history is in
             self.jobs[record.job_id] = view
             await self.nursery.start(self._own_job_tasks, record.job_id)
             log.info("job %s: resumed from the store: %s, round %d, term %d", record.job_id.hex()[:8],
@@ -567,6 +572,7 @@ class Agent:
         if envelope is not None:
             self.stored(self.store.record, envelope, now)
         view = JobView(terms, now, self.peer_id)
+        view.catching_up = signer != self.peer_id  # until the submitter's history is in (_read_job_topic)
         self.jobs[job_id] = view
         self._rebuilt.pop(job_id, None)
         await self.nursery.start(self._own_job_tasks, job_id)
@@ -654,6 +660,7 @@ class Agent:
         synced: set[bytes] = set()
         try:
             if catch_up_first and view.terms.submitter != self.peer_id:
+                view.catching_up = True
                 synced = await catch_up(self, view)
             elif catch_up_first and resumed:
                 synced = await submitter_catch_up(self, view)
@@ -663,6 +670,8 @@ class Agent:
             self.counters["task_failures"] += 1
             log.error("job %s: catching up failed (%s: %s)", view.job_id.hex()[:8], type(exc).__name__, exc,
                       exc_info=exc)
+        finally:
+            view.catching_up = False
         if synced:
             self.apply_actions(view, ())
         await supervised(f"job {view.job_id.hex()[:8]} topic reader", self._apply_job_topic, view, subscription,

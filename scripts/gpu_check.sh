@@ -6,14 +6,19 @@
 #     scripts/gpu_wheels.sh            # -> .whl/ (git-ignored), ~52 MiB: core + bitsandbytes + unsloth
 #                                      #    (scripts/gpu_wheels.sh core|qlora for less; see its header)
 # Then ONE device call (the model is built in code; nothing is fetched there):
-#     run(command="PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh all 2>&1 | tee $OUT/gpu_check.log",
+#     run(command="PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh all --out $OUT > $OUT/gpu_check.log 2>&1; tail -40 $OUT/summary.txt",
 #         carry=[".whl"], timeout_s=590)
 # and give_back. Each step has its own time cap (the variables below), so a slow step cannot hide the
 # others' figures; every line that starts with '{' is a figure or a step marker. If the whole run does not
 # fit one call, run the sets separately, core first: `gpu_check.sh core`, then `gpu_check.sh qlora`, then
 # `gpu_check.sh unsloth` (each installs .whl/*.whl again: a fresh machine is bare).
 #
-# Usage: scripts/gpu_check.sh [all|core|qlora|unsloth]   (default all; PYTHON=python3; run from anywhere)
+# Usage: scripts/gpu_check.sh [all|core|qlora|unsloth] [--out DIR]
+#   (default all; PYTHON=python3; run from anywhere). Every step's FULL output (stdout and stderr) is
+#   written to DIR/<step>.log (DIR: --out, else $OUT when the device tool sets it, else gpu-check-out/),
+#   the figure lines to DIR/figures.jsonl, and a one-screen summary of every step (status, seconds, log
+#   file) and every figure is printed at the end and kept in DIR/summary.txt: a failure's reason is in
+#   its log, never cut to the last lines.
 # Prints JSON lines {"bench": NAME, "value": X, "unit": U, "reference": R, "ratio": X/R (higher = better),
 # "goal": G}, or {"bench": NAME, "skipped"|"error": "one line"}. Steps, by set:
 #   install  (every set) .whl/*.whl into /tmp/site, first on PYTHONPATH after this repository;
@@ -24,18 +29,70 @@
 #            of one segment, run-to-run and replay drift, tokens/s (peft/qlora against a bare loop, goal 0.95;
 #            unsloth against the worker's peft backend, goal 1.5); with two or more GPUs the ddp case (NCCL);
 #   multi_gpu (core, all; only with two or more GPUs) the worker's data-parallel path through real agents;
+#   network  (core, all) `infernet demo`: a submitter and two worker processes sharing the GPU, one job;
 #   bench_train (core, unsloth, all) scripts/bench_train.py --device cuda --shape qwen2.5-0.5b: the worker vs
 #            its bare backend (goal 0.95), replay cost, and with unsloth the unsloth_vs_peft_tokens_per_s row.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SET="${1:-all}"
-case "$SET" in all|core|qlora|unsloth) ;; *) echo "gpu_check: unknown set '$SET' (all, core, qlora or unsloth)" >&2; exit 2;; esac
+SET=all
+OUTDIR="${OUT:-gpu-check-out}"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) OUTDIR="$2"; shift 2;;
+    --out=*) OUTDIR="${1#--out=}"; shift;;
+    all|core|qlora|unsloth) SET="$1"; shift;;
+    *) echo "gpu_check: unknown argument '$1' (a set: all, core, qlora, unsloth; or --out DIR)" >&2; exit 2;;
+  esac
+done
+mkdir -p "$OUTDIR" || { echo "gpu_check: cannot create $OUTDIR" >&2; exit 2; }
+OUTDIR="$(cd "$OUTDIR" && pwd)"
+: > "$OUTDIR/figures.jsonl"; : > "$OUTDIR/steps.tsv"
 PY="${PYTHON:-python3}"
 T_TESTS="${T_TESTS:-150}" T_GPU_CHECK="${T_GPU_CHECK:-300}" T_MULTI="${T_MULTI:-150}" T_BENCH="${T_BENCH:-150}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 status=0
 started=$SECONDS
 step() { echo "{\"step\": \"$1\", \"set\": \"$SET\", \"elapsed_s\": $((SECONDS - started))}"; }
+# run NAME CMD...: the command's full output to $OUTDIR/NAME.log (and to our stdout); its figure lines
+# (JSON objects with "bench") to figures.jsonl; its status and seconds to steps.tsv
+run() {
+  local name="$1"; shift
+  step "$name"
+  local t0=$SECONDS
+  "$@" > "$OUTDIR/$name.log" 2>&1
+  local rc=$?
+  cat "$OUTDIR/$name.log"
+  grep -E '^\{"bench"' "$OUTDIR/$name.log" >> "$OUTDIR/figures.jsonl" || true
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >> "$OUTDIR/steps.tsv"
+  [ $rc -eq 0 ] || status=1
+  return $rc
+}
+summary() {
+  "$PY" - "$OUTDIR" <<'PYEOF' | tee "$OUTDIR/summary.txt"
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+print(f"gpu_check summary ({out})")
+print(f"{'step':<12} {'status':<8} {'s':>5}  log")
+for line in (out / "steps.tsv").read_text().splitlines():
+    name, rc, seconds = line.split("\t")
+    print(f"{name:<12} {'ok' if rc == '0' else 'FAIL ' + rc:<8} {seconds:>5}  {out / (name + '.log')}")
+print(f"{'figure':<44} {'value':>12} {'ratio':>7} {'goal':>6}")
+for line in (out / "figures.jsonl").read_text().splitlines():
+    try:
+        f = json.loads(line)
+    except ValueError:
+        continue
+    if "value" in f:
+        ratio = f.get("ratio")
+        print(f"{f['bench'][:44]:<44} {str(f['value'])[:12]:>12} {'' if ratio is None else format(ratio, '.3g'):>7} "
+              f"{'' if f.get('goal') is None else f['goal']:>6}")
+    elif "skipped" in f or "error" in f:
+        print(f"{f['bench'][:44]:<44} {('skipped: ' + str(f['skipped'])) if 'skipped' in f else ('ERROR: ' + str(f['error']))}"[:150])
+    else:
+        print(f"{f['bench'][:44]:<44} {json.dumps({k: v for k, v in f.items() if k != 'bench'})}"[:150])
+PYEOF
+}
 
 step install
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -48,8 +105,8 @@ else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-step detect
-"$PY" - <<'PYEOF' || status=1
+detect() {
+"$PY" - <<'PYEOF'
 import importlib.util, json
 from agent import hardware
 machine = hardware.detect()
@@ -61,13 +118,14 @@ print(json.dumps({"bench": "detect", "cpu": machine.cpu_model, "threads": machin
 if not machine.cuda:
     raise SystemExit('{"bench": "detect", "error": "no CUDA device detected"}')
 PYEOF
+}
+run detect detect
 GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 
 if [ "$SET" = all ] || [ "$SET" = core ]; then
-  step tests
-  timeout -k 10 "$T_TESTS" "$PY" -m pytest -q -p no:cacheprovider -rfEs tests/test_hardware.py \
+  run tests timeout -k 10 "$T_TESTS" "$PY" -m pytest -q -p no:cacheprovider -rfEs tests/test_hardware.py \
       tests/protocol/test_fit.py tests/train/test_presets.py tests/train/test_qlora.py tests/train/test_parallel.py \
-      tests/train/test_train.py::test_backend_selection tests/roles/test_gpu_jobs.py 2>&1 | tail -n 25 || status=1
+      tests/train/test_train.py::test_backend_selection tests/roles/test_gpu_jobs.py tests/roles/test_supervised.py
 fi
 
 case "$SET" in
@@ -75,22 +133,28 @@ case "$SET" in
   core) cases="peft_bf16 ddp" ;;
   *) cases="$SET" ;;
 esac
-step gpu_check
-timeout -k 10 "$T_GPU_CHECK" "$PY" scripts/gpu_check.py --steps 40 ${cases:+--only $cases} || status=1
+run gpu_check timeout -k 10 "$T_GPU_CHECK" "$PY" scripts/gpu_check.py --steps 40 ${cases:+--only $cases}
 
 if { [ "$SET" = all ] || [ "$SET" = core ]; } && [ "$GPUS" -ge 2 ]; then
-  step multi_gpu  # the worker's data-parallel path through real agents; its ranks use NCCL on two or more GPUs
-  timeout -k 10 "$T_MULTI" "$PY" -m pytest -q -p no:cacheprovider -m slow tests/train/test_data_parallel.py \
-      tests/roles/test_data_parallel_worker.py 2>&1 | tail -n 5 || status=1
+  # the worker's data-parallel path through real agents; its ranks use NCCL on two or more GPUs
+  run multi_gpu timeout -k 10 "$T_MULTI" "$PY" -m pytest -q -p no:cacheprovider -m slow \
+      tests/train/test_data_parallel.py tests/roles/test_data_parallel_worker.py
+fi
+
+if [ "$SET" = all ] || [ "$SET" = core ]; then
+  # a real network on the GPU: `infernet demo`, a submitter and two workers as separate `agent run`
+  # processes sharing the GPU, one job end to end; its wall time, losses and verdicts are in network.log
+  run network timeout -k 10 "${T_NETWORK:-240}" "$PY" -m agent.cli demo --workers 2 --shards 2 --rounds 2 --steps 12 \
+      --dir "$OUTDIR/demo-net"
 fi
 
 if [ "$SET" != qlora ]; then
-  step bench_train
   runtime=peft
   [ "$SET" = core ] || runtime=unsloth
-  timeout -k 10 "$T_BENCH" "$PY" scripts/bench_train.py --device cuda --shape qwen2.5-0.5b --runtime "$runtime" \
-      --steps 40 --checkpoint-every 20 --repeats 2 || status=1
+  run bench_train timeout -k 10 "$T_BENCH" "$PY" scripts/bench_train.py --device cuda --shape qwen2.5-0.5b \
+      --runtime "$runtime" --steps 40 --checkpoint-every 20 --repeats 2
 fi
 
 step done
+summary
 exit $status

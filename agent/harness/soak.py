@@ -41,6 +41,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -239,9 +240,12 @@ class Soak:
             command = self.hosts.exec_prefix(agent.name) + command
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                    PYTHONUNBUFFERED="1")
+        from agent.demo import _die_with
+
         with open(agent.home / "stderr.log", "ab") as stderr:
             agent.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=env,
-                                             start_new_session=True)
+                                             start_new_session=True,
+                                             preexec_fn=_die_with(os.getpid()))  # none outlives a killed soak
         agent.down = agent.frozen = False
 
     def _wait_ready(self, agent: AgentProc, timeout: float = 90.0) -> bool:
@@ -259,6 +263,10 @@ class Soak:
     # -- the run -----------------------------------------------------------------------------------
 
     def run(self) -> SoakReport:
+        """Run the soak; on SIGTERM or Ctrl-C it stops early, and every agent, host and disk it made is
+        undone either way."""
+        previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() \
+            else None
         try:
             self._prepare()
             self._start(self.agents["submitter"])
@@ -272,29 +280,29 @@ class Soak:
             self.say(f"soak: {len(self.agents)} agents up ({self.report.placement}); "
                      f"{self.options.minutes:g} min of jobs under faults, seed {self.options.seed}")
             self._loop()
+        except KeyboardInterrupt:
+            self.report.violations.append("the soak was interrupted before its time was up")
         finally:
             self._stop_all()
             self.report.seconds = time.monotonic() - self.started
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         return self.report
 
     def _loop(self) -> None:
+        """Jobs run in a thread of their own (a control request may wait long on a struggling agent); this
+        thread injects the faults, undoes them when due and checks the agents, until the time is up and
+        the last job has ended."""
         end = self.started + self.options.minutes * 60
+        jobs = threading.Thread(target=self._run_jobs, args=(end,), name="soak-jobs", daemon=True)
+        jobs.start()
         next_fault = time.monotonic() + self._interval()
         next_check = time.monotonic() + CHECK_EVERY
-        job: dict | None = None
-        while True:
+        while jobs.is_alive():
             now = time.monotonic()
-            for item in sorted(u for u in self.undo if u[0] <= now):
+            for item in sorted((u for u in self.undo if u[0] <= now), key=lambda u: u[0]):
                 self.undo.remove(item)
                 self._do(item[1], item[2])
-            if job is None and now < end:
-                job = self._announce()
-            if job is not None and self._job_ended(job):
-                job = None
-                if time.monotonic() >= end:
-                    break
-            if job is None and now >= end:
-                break
             if now >= next_fault and now < end:
                 self._inject()
                 next_fault = now + self._interval()
@@ -302,10 +310,25 @@ class Soak:
                 self._check_running()
                 next_check = now + CHECK_EVERY
             time.sleep(0.5)
-        for when, what, action in sorted(self.undo):  # heal, thaw, free and restart what is still out
+        for when, what, action in sorted(self.undo, key=lambda u: u[0]):  # heal, thaw, free and restart what is still out
             self._do(what, action)
         self.undo.clear()
         self._check_running()
+
+    def _run_jobs(self, end: float) -> None:
+        job: dict | None = None
+        while True:
+            if job is None:
+                if time.monotonic() >= end:
+                    return
+                job = self._announce()
+                if job is None:
+                    time.sleep(1.0)
+                    continue
+            if self._job_ended(job):
+                job = None
+                continue
+            time.sleep(1.0)
 
     def _interval(self) -> float:
         return self.options.fault_every * self.rng.uniform(0.5, 1.5)
@@ -591,6 +614,10 @@ class Soak:
             subprocess.run(["umount", "-l", str(self.tmpfs)], capture_output=True)
         if self.hosts is not None:
             self.hosts.close()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def Identity_peer(home: Path) -> str:  # noqa: N802 - reads like the type it builds

@@ -80,6 +80,9 @@ class JobView:
     applied: list[tuple[Any, str]] = field(default_factory=list)  # applied since the caller last took them
     evidence: list[bytes] = field(default_factory=list)  # envelopes of those, in the order they applied
     resynced_at: float | None = None  # when a rebuild from history last started (agent/roles/sync.needs_resync)
+    # catching up on the job's history (a restart, a late join): our view of the term may be behind, so
+    # we do not act as its coordinator until it is done (agent/node.py is_coordinator)
+    catching_up: bool = False
 
     def __post_init__(self) -> None:
         self._replaying = False

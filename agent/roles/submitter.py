@@ -6,8 +6,10 @@ Rules of this file:
   local file; the terms name it (``dataset_cid``).
 - The dataset is split deterministically (agent/train/data.split_dataset with the job seed): a
   validation split, then ``shards`` near-equal shards. Each part is written as ChatML JSONL, added
-  to the content store (CIDv1, raw leaves) and provided in the DHT; the announcement names every
-  shard by CID with its record count and size, so workers can check what they fetch.
+  to the content store (CIDv1, raw leaves) and provided in the DHT in the background (workers ask
+  the submitter first; with DHT peers gone or cut off each provide waited out its 30 s, and an
+  announcement took minutes in the soak); the announcement names every shard by CID with its record
+  count and size, so workers can check what they fetch.
 - A dataset that cannot be trained (empty, fewer training records than shards, a shard without
   assistant text) is refused before anything is written or announced (train/data.check_dataset).
 - The base model's content hash is computed from our local copy; workers refuse a different one.
@@ -93,13 +95,16 @@ class SubmitterRole:
         for index, indices in enumerate(split.shards):
             path = out / f"shard-{index}.jsonl"
             write_chatml(path, [records[i] for i in indices])
-            cid = await agent.content.add_file(path)
+            cid = await agent.content.add_file(path, provide=False)
+            agent.provide_soon(cid)  # in the background: workers ask us first (the terms name us)
             shards.append(m.ShardRef(index, str(cid), len(indices), path.stat().st_size))
         validation_cid = None
         if split.validation:
             path = out / "validation.jsonl"
             write_chatml(path, [records[i] for i in split.validation])
-            validation_cid = str(await agent.content.add_file(path))
+            cid = await agent.content.add_file(path, provide=False)
+            agent.provide_soon(cid)
+            validation_cid = str(cid)
         model_hash = await trio.to_thread.run_sync(base_model_sha256, base_model_path)
         now = int(agent.clock()) if created is None else created
         t, lora, proof = spec.training, spec.lora, spec.proof
