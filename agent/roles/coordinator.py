@@ -77,6 +77,7 @@ from agent.sealing import must_seal, seal_dir
 from protocol import messages as m
 from protocol import state as st
 from protocol.election import judge_of
+from protocol.acceptance import HEADER_FIELDS, TensorFacts, adapter_refusal, chain_refusal, header_refusal
 from protocol.cid import parse_cid
 from protocol.fit import lease_refusals
 from protocol.leasing import history_refusal, rejected_workers
@@ -422,16 +423,14 @@ class CoordinatorRole:
                     "attempt": report.attempt, "worker": worker, "seed": terms.seed,
                     "checkpoint_every": terms.proof.checkpoint_every,
                     "base_model_sha256": terms.base_model_sha256.hex()}
-        for name, value in expected.items():
-            if getattr(header, name) != value:
-                raise Rejection(f"proof header {name} is {str(getattr(header, name))[:70]!r}, expected {str(value)[:70]!r}")
-        if len(commitment.links) != report.checkpoints or not commitment.links:
-            raise Rejection(f"report says {report.checkpoints} checkpoints, the proof has {len(commitment.links)}")
-        heads = chain_heads(header.genesis(), commitment.links)
-        gossiped = view.commits.get((report.round, report.shard, report.attempt), [])
-        for commit in gossiped:
-            if commit.index >= len(heads) or heads[commit.index] != commit.chain_head:
-                raise Rejection(f"chain does not pass through the head gossiped at checkpoint {commit.index}")
+        problem = header_refusal({name: getattr(header, name) for name in HEADER_FIELDS}, expected)  # R2
+        if problem is None:  # R3
+            heads = chain_heads(header.genesis(), commitment.links)
+            gossiped = view.commits.get((report.round, report.shard, report.attempt), [])
+            problem = chain_refusal(report.checkpoints, len(commitment.links), heads,
+                                    [(c.index, c.chain_head) for c in gossiped])
+        if problem is not None:
+            raise Rejection(problem)
         try:
             checkpoints = {int(k): v for k, v in json.loads((proof_dir / "checkpoints.json").read_text()).items()}
         except (ValueError, AttributeError) as exc:
@@ -715,19 +714,17 @@ def _check_adapter(adapter_dir: Path, terms: m.JobTerms) -> dict:
         tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
     except (OSError, ValueError, SafetensorError) as exc:
         raise Rejection(f"adapter does not load: {exc}") from None
-    if config.get("r") != terms.lora.rank:
-        raise Rejection(f"adapter rank {config.get('r')!r}, the job trains rank {terms.lora.rank}")
-    if sorted(config.get("target_modules") or []) != sorted(terms.lora.target_modules):
-        raise Rejection(f"adapter targets {config.get('target_modules')!r}, the job {list(terms.lora.target_modules)}")
-    if not tensors:
-        raise Rejection("adapter has no tensors")
+    if not isinstance(config, dict):
+        raise Rejection("adapter does not load: adapter_config.json is not a JSON object")
+    facts = []
     for name, tensor in tensors.items():
-        if "lora_A" in name and tensor.shape[0] != terms.lora.rank or "lora_B" in name and tensor.shape[-1] != terms.lora.rank:
-            raise Rejection(f"{name}: shape {tuple(tensor.shape)} does not have rank {terms.lora.rank}")
-        if not bool(torch.isfinite(tensor.float()).all()):
-            raise Rejection(f"{name}: non-finite values")
-        if float(tensor.float().abs().max()) > 1e4:
-            raise Rejection(f"{name}: values out of bounds (|x| > 1e4)")
+        values = tensor.float()
+        finite = bool(torch.isfinite(values).all())
+        facts.append(TensorFacts(name, tuple(tensor.shape), finite,
+                                 float(values.abs().max()) if finite and values.numel() else 0.0))
+    problem = adapter_refusal(config, facts, terms.lora.rank, terms.lora.target_modules)  # R4 (IPIP-0005 §8)
+    if problem is not None:
+        raise Rejection(problem)
     return tensors
 
 
