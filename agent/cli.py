@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import __version__
+from agent.files import input_file
 from protocol import PROTOCOL_VERSION
 
 TINY_MODEL_NAME = "infernet-tiny"
@@ -273,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-_USER_ERRORS = (("agent.bundle", "BundleError"), ("agent.config", "ConfigError"), ("agent.control", "ControlError"),
+_USER_ERRORS = (("agent.files", "FileInputError"), ("agent.bundle", "BundleError"), ("agent.config", "ConfigError"), ("agent.control", "ControlError"),
                 ("agent.net.errors", "NetError"), ("agent.store", "StoreError"), ("agent.train.config", "TrainError"),
                 ("agent.train.data", "DataError"), ("agent.demo", "DemoError"), ("agent.data", "DataSourceError"),
                 ("agent.pipeline.source", "PipelineError"))
@@ -538,9 +540,9 @@ def _spec_and_dataset(args: argparse.Namespace) -> tuple[Path, Any, Path | None]
     spec = load_spec(spec_path)  # a bad spec is reported here, before the agent is asked
     dataset = None
     if args.dataset or dataset_cid(spec.input.dataset) is None:  # else: a CID, fetched by the agent
+        _no_mistyped_cid(spec.input.dataset, spec_path, given=args.dataset is not None)
         dataset = (args.dataset or (spec_path.parent / spec.input.dataset)).expanduser().resolve()
-        if not dataset.is_file():
-            raise UserError(f"dataset {dataset}: no such file (give --dataset FILE or set input.dataset in {spec_path.name})")
+        input_file(dataset, "dataset", f" (give --dataset FILE or set input.dataset in {spec_path.name})")
     if getattr(args, "max_nodes", None) is not None and args.max_nodes < 1:
         raise UserError(f"--max-nodes: must be at least 1, got {args.max_nodes}")
     return spec_path, spec, dataset
@@ -731,9 +733,10 @@ def cmd_train_run(args: argparse.Namespace) -> int:
         raise UserError("train run --local needs --config FILE (or --resume RUN_DIR to continue a run)")
     config_path = args.config.expanduser().resolve()
     spec = load_spec(config_path)
+    if args.dataset is None:
+        _no_mistyped_cid(spec.input.dataset, config_path, given=False)
     dataset = (args.dataset or config_path.parent / spec.input.dataset).expanduser().resolve()
-    if not dataset.is_file():
-        raise UserError(f"dataset {dataset}: no such file (set input.dataset in {config_path.name} or give --dataset)")
+    input_file(dataset, "dataset", f" (set input.dataset in {config_path.name} or give --dataset)")
     records = check_dataset(dataset, 1, spec.input.validation_split, spec.seed).records  # before anything is written
     model = _local_model(args.model, spec.base_model, config_path.parent)
     run_dir = (args.output or Path("runs") / f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}").expanduser().resolve()
@@ -848,15 +851,23 @@ def _local_model(explicit: Path | None, base_model: str, spec_dir: Path) -> Path
 
 def _regular_file(path: Path) -> Path:
     """``path`` if it is a regular file (following links); a device such as /dev/zero or a FIFO would
-    be read forever, so it is a user error, checked before anything opens it."""
-    import stat
+    be read forever, so it is a user error, checked before anything opens it (agent/files.py)."""
+    return input_file(path, "file")
 
-    mode = path.stat().st_mode  # FileNotFoundError: one line, as before
-    if not stat.S_ISREG(mode):
-        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
-            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "special"
-        raise UserError(f"{path}: not a regular file ({kind}); give a file")
-    return path
+
+def _no_mistyped_cid(dataset: str, spec_path: Path, *, given: bool) -> None:
+    """``input.dataset`` that looks like a CID but is none: say so, rather than 'no such file'."""
+    from protocol.cid import parse_cid
+    from protocol.errors import CIDError
+
+    text = dataset.strip()
+    if given or "/" in text or "." in text or not re.match(r"^(baf[a-z2-7]|Qm[1-9A-HJ-NP-Za-km-z])", text):
+        return
+    try:
+        parse_cid(text)
+    except CIDError as error:
+        raise UserError(f"{spec_path.name}: input.dataset {text[:80]!r} looks like a CID but is not one: {error} "
+                        "(write ./NAME for a file of that name)") from None
 
 
 def cmd_train_data(args: argparse.Namespace) -> int:

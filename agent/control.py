@@ -227,6 +227,7 @@ async def _spec_inputs(agent: "Agent", spec: str, dataset: str | None) -> tuple[
     """The job spec, its dataset file (fetched and checked when the spec names a CID), our local copy
     of its base model and the dataset's CID (None for a local file); ControlError naming what is missing."""
     from agent.specfile import load_spec
+    from agent.files import FileInputError, input_file
     from protocol.jobspec import dataset_cid
 
     job_spec = load_spec(spec)
@@ -235,8 +236,10 @@ async def _spec_inputs(agent: "Agent", spec: str, dataset: str | None) -> tuple[
         data = await agent.submitter.fetch_dataset(cid)
     else:
         data = Path(dataset) if dataset else (Path(spec).parent / job_spec.input.dataset)
-    if not data.is_file():
-        raise ControlError(f"dataset {data}: no such file (give --dataset FILE or set input.dataset in the spec)")
+    try:
+        input_file(data, "dataset", " (give --dataset FILE or set input.dataset in the spec)")
+    except FileInputError as exc:
+        raise ControlError(str(exc)) from None
     model = dict(agent.config.models).get(job_spec.base_model) or job_spec.base_model
     if not Path(model).is_dir():
         raise ControlError(f"base model {job_spec.base_model!r}: not a local directory and not in [models] "

@@ -148,11 +148,11 @@ def verify_export_file(path: Path) -> Any:
     """Read and check an export file; protocol LedgerError / OSError / ValueError as one line naming the file."""
     from protocol.ledger import LedgerError, verify_export
 
-    size = path.stat().st_size
-    if size > MAX_EXPORT_FILE:
-        raise LedgerError(b"", None, f"{path}: {size} bytes, more than an export file may hold ({MAX_EXPORT_FILE})")
+    from agent.files import read_bounded
+
+    data = read_bounded(path, MAX_EXPORT_FILE, "ledger export")  # a regular file, within the bound
     try:
-        document = json.loads(path.read_bytes())
+        document = json.loads(data)
     except ValueError as exc:
         raise ValueError(f"{path}: not JSON: {exc}") from None
     try:

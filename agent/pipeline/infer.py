@@ -159,10 +159,11 @@ def sample_prompts(dataset: Path, n: int, seed: int) -> list[dict]:
     """``n`` records of a ChatML file drawn with ``seed``: {"messages": prompt turns, "expected": answer}."""
     from agent.train.data import read_chatml
 
-    records = [r for r in read_chatml(dataset, skip_bad=True).records
-               if any(m["role"] == "assistant" for m in r.messages)]
+    chatml = read_chatml(dataset, skip_bad=True)
+    records = [r for r in chatml.records if any(m["role"] == "assistant" for m in r.messages)]
     if not records:
-        raise PipelineError(f"{dataset}: no record with an assistant turn to draw prompts from")
+        why = f" ({chatml.skipped} lines refused; the first: {chatml.problems[0]})" if chatml.problems else ""
+        raise PipelineError(f"{dataset}: no record with an assistant turn to draw prompts from{why}")
     chosen = random.Random(seed).sample(records, min(n, len(records)))
     out = []
     for record in chosen:

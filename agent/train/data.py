@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -87,17 +88,31 @@ def _check_record(obj: Any) -> tuple[tuple[dict[str, str], ...], dict[str, Any]]
 
 def read_chatml(path: str | Path, *, skip_bad: bool = False) -> ChatmlFile:
     """Parse a ChatML JSONL file; DataError on the first bad line unless ``skip_bad``."""
+    import stat
+
     out = ChatmlFile(str(path), [])
     try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):  # /dev/zero or a FIFO was read forever (issue 25)
+            raise DataError(str(path), "not a regular file (a directory, FIFO or device); give a file")
         handle = open(path, "rb")
     except OSError as error:
         raise DataError(str(path), f"cannot read: {error.strerror or error}") from None
     with handle:
-        for number, raw in enumerate(handle, start=1):
-            if not raw.strip():
+        number = 0
+        while True:
+            raw = handle.readline(MAX_LINE_BYTES + 1)  # a line is read within its bound, never whole
+            if not raw:
+                break
+            number += 1
+            too_long = len(raw) > MAX_LINE_BYTES
+            if too_long:
+                while raw and not raw.endswith(b"\n"):  # skip the rest of it
+                    raw = handle.readline(1 << 20)
+            elif not raw.strip():
                 continue
             try:
-                if len(raw) > MAX_LINE_BYTES:
+                if too_long:
                     raise ValueError(f"line longer than {MAX_LINE_BYTES} bytes")
                 messages, meta = _check_record(json.loads(raw.decode("utf-8")))
             except UnicodeDecodeError:
