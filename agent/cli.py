@@ -739,6 +739,11 @@ def cmd_train_run(args: argparse.Namespace) -> int:
     input_file(dataset, "dataset", f" (set input.dataset in {config_path.name} or give --dataset)")
     records = check_dataset(dataset, 1, spec.input.validation_split, spec.seed).records  # before anything is written
     model = _local_model(args.model, spec.base_model, config_path.parent)
+    from agent.train.model import linear_names_on_disk, target_modules_refusal
+
+    problem = target_modules_refusal(spec.lora.target_modules, linear_names_on_disk(model))
+    if problem is not None:
+        raise UserError(f"{config_path.name}: {problem}")
     run_dir = (args.output or Path("runs") / f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}").expanduser().resolve()
     if run_dir.exists() and any(run_dir.iterdir()):
         raise UserError(f"{run_dir}: exists and is not empty; choose a new --output")

@@ -85,7 +85,14 @@ class SubmitterRole:
         from agent.train.data import check_dataset, write_chatml
 
         agent = self.agent
-        # every shard trainable (records, assistant text), checked before anything is written or sent
+        from agent.train.model import linear_names_on_disk, target_modules_refusal
+
+        # LoRA targets the base model has, and every shard trainable (records, assistant text): checked
+        # before anything is written or sent (a bad target used to fail on every worker, issue 25)
+        problem = target_modules_refusal(spec.lora.target_modules,
+                                         await trio.to_thread.run_sync(linear_names_on_disk, base_model_path))
+        if problem is not None:
+            raise SubmitRefused(f"{problem} ({spec.base_model})")
         records = (await trio.to_thread.run_sync(check_dataset, dataset, spec.shards, spec.input.validation_split,
                                                  spec.seed)).records
         split = split_dataset(len(records), spec.shards, spec.input.validation_split, spec.seed)

@@ -22,7 +22,7 @@ import hashlib
 import math
 import threading
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -176,6 +176,11 @@ def add_lora(model: Any, *, rank: int, alpha: float, dropout: float, target_modu
     """Wrap ``model`` in a peft LoRA whose A comes from ``seed`` (see the module docstring)."""
     from peft import LoraConfig, get_peft_model
 
+    problem = target_modules_refusal(target_modules, linear_module_names(model))
+    if problem is not None:
+        from agent.train.config import TrainError
+
+        raise TrainError(problem)
     config = LoraConfig(
         r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
         bias="none", task_type="CAUSAL_LM",
@@ -187,6 +192,47 @@ def add_lora(model: Any, *, rank: int, alpha: float, dropout: float, target_modu
             if ".lora_A." in name:
                 parameter.requires_grad_(False)
     return model
+
+
+def linear_module_names(model: Any) -> set[str]:
+    """The last name component of every linear layer of ``model`` (what ``lora.target_modules`` names)."""
+    names = set()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D":
+            names.add(name.rsplit(".", 1)[-1])
+    return names
+
+
+def linear_names_on_disk(model_dir: str | Path) -> set[str]:
+    """``linear_module_names`` read off a model directory's safetensors headers (2-D ``*.weight`` tensors),
+    without loading a weight: cheap enough for the submitter's check at announce time."""
+    import json
+    import struct
+
+    names = set()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(path, "rb") as file:
+            (length,) = struct.unpack("<Q", file.read(8))
+            if length > 100 << 20:
+                continue
+            header = json.loads(file.read(length))
+        for key, info in header.items():
+            if key.endswith(".weight") and isinstance(info, dict) and len(info.get("shape", ())) == 2:
+                parts = key.split(".")
+                if len(parts) >= 2:
+                    names.add(parts[-2])
+    return names
+
+
+def target_modules_refusal(target_modules: Sequence[str], linear_names: set[str]) -> str | None:
+    """Why ``lora.target_modules`` does not fit a model with these linear layers (None: it does). Every
+    name must be one of them: peft silently skipped names that match nothing, and failed with an
+    internal error when none matched (issue 25)."""
+    unknown = [name for name in target_modules if name not in linear_names]
+    if not unknown or not linear_names:
+        return None
+    return (f"lora.target_modules: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a linear layer "
+            f"of this model; its linear layers are: {', '.join(sorted(linear_names))}")
 
 
 @torch.no_grad()

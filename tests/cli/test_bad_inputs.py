@@ -33,10 +33,12 @@ def probes(tmp_path: Path) -> dict[str, Path]:
     specs = {}
     for name, dataset in (("dir", "a-directory"), ("fifo", "fifo"), ("device", "/dev/zero"),
                           ("mistyped-cid", "bafybeigdyrzt5sfp7udm7hu76uh7y26nf3efuylqabf3oclgtqy55fbzdX"),
-                          ("missing", "nowhere.jsonl")):
+                          ("missing", "nowhere.jsonl"), ("targets", "data.jsonl")):
         spec = tmp_path / f"{name}.yml"
-        spec.write_text(SPEC.format(dataset=dataset))
+        text = SPEC.format(dataset=dataset)
         specs[name] = spec
+        spec.write_text(text.replace("[q_proj]", "[q_proj, foo_proj]") if name == "targets" else text)
+    write_chatml(tmp_path / "data.jsonl", demo_records(40, seed=3))
     return {"fifo": fifo, **{f"spec_{k.replace('-', '_')}": v for k, v in specs.items()}}
 
 
@@ -48,6 +50,8 @@ TABLE = [  # (argv with {placeholders}, fragments of the one stderr line)
     (["train", "run", "--local", "--config", "{spec_device}"], ["dataset /dev/zero: not a regular file (a device)"]),
     (["train", "run", "--local", "--config", "{spec_mistyped_cid}"], ["input.dataset", "looks like a CID but is not one"]),
     (["train", "run", "--local", "--config", "{spec_missing}"], ["nowhere.jsonl: no such file"]),
+    (["train", "run", "--local", "--config", "{spec_targets}"],
+     ["targets.yml: lora.target_modules: foo_proj is not a linear layer of this model", "q_proj"]),
 ]
 
 
