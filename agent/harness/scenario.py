@@ -664,7 +664,10 @@ class _Run:
         if when == "accepted":
             return any(v.accepted for v in view.verdicts.values())
         if when == "aggregating":  # the coordinator computed the aggregate and asked the submitter to keep it
-            return any(job == view.job_id for job, _, _ in self.net.submitter.keep.asked)
+            if view.state.phase.value != "AGGREGATING":
+                return False
+            adapters = {report.adapter_cid for report, _ in view.reports.values()}  # (their keeps come first)
+            return any(job == view.job_id and cid not in adapters for job, _, cid in self.net.submitter.keep.asked)
         if when == "aggregate":
             return bool(view.aggregates)
         if when.startswith("aggregate-"):

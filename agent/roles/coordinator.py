@@ -385,6 +385,8 @@ class CoordinatorRole:
                 await trio.sleep(delay)
         if not self.may_verify(view, worker):
             return
+        if accepted and not await self._keep_accepted(view, rnd, shard, attempt, report.adapter_cid):
+            return
         if accepted:
             self.accepted_adapters[(view.job_id, rnd, shard)] = (adapter_dir, report.samples)
         log.info("job %s shard %d attempt %d: %s — %s", view.job_id.hex()[:8], shard, attempt,
@@ -399,6 +401,29 @@ class CoordinatorRole:
         await agent.publish(verdict)
         agent.ledger(view.job_id, "verdict", {"round": rnd, "shard": shard, "attempt": attempt, "worker": worker,
                                               "accepted": accepted, "reason": reason})
+
+    async def _keep_accepted(self, view: JobView, rnd: int, shard: int, attempt: int, cid: str) -> bool:
+        """Durable before announced, for accepted work too (IPIP-0006 §2.6.1): the submitter holds the
+        adapter (fetched from us: we hold it since we verified it) before the verdict accepting it is
+        published. Asked every KEEP_RETRY seconds while the shard is ours to judge and its verification
+        window lasts; False (no verdict; the window's end reopens the shard, nobody blamed) otherwise.
+        (The soak: a worker and its verifier killed soon after the verdict, the submitter down meanwhile:
+        the round's accepted adapter was held by nobody alive, and the round could not be aggregated.)"""
+        agent = self.agent
+        while True:
+            try:
+                await keep_before_publishing(agent, view, rnd, cid)
+                return True
+            except KeepRefused as exc:
+                current = view.shard(shard)
+                if current.phase is not st.ShardPhase.REPORTED or current.attempt != attempt or \
+                        view.state.round != rnd or not self.may_verify(view, current.worker or "") or \
+                        (current.expires_at is not None and agent.clock() + KEEP_RETRY >= current.expires_at):
+                    log.warning("job %s shard %d attempt %d: accepted, but the submitter holds no copy and the "
+                                "window is over: no verdict (%s)", view.job_id.hex()[:8], shard, attempt, exc)
+                    return False
+                agent.counters["keeps_retried"] += 1
+                await trio.sleep(KEEP_RETRY)
 
     async def _check_report(self, view: JobView, report: m.ShardReport, worker: str,
                             work: Path) -> tuple[tuple[int, ...], Path]:

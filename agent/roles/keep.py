@@ -5,7 +5,8 @@ aggregate. The bytes existed only on the dead coordinator: the submitter could n
 workers of the next round could not fetch their start, a successor could not fetch the round's
 start either, and the job FAILED with all of the round's accepted work lost. Now the coordinator
 asks the job's submitter to take a copy of the aggregate, and publishes the ``aggregate`` message
-only once the submitter says it holds it (IPIP-0006 §2.7). A coordinator killed before that point
+only once the submitter says it holds it (IPIP-0006 §2.6.1); likewise an accepted worker's adapter
+before the verdict that accepts it (the soak found a round whose accepted adapter nobody alive held). A coordinator killed before that point
 published nothing: its successor aggregates the round again from the accepted adapters (the
 submitter, the workers and the verifier each hold a copy); after it, the submitter serves the
 aggregate to the workers and to the successor.
@@ -90,7 +91,9 @@ class KeepService:
         self.keep_once = keep_once
         self.kept = 0
         self.asked: list[tuple[bytes, int, str]] = []  # (job, round, CID) of the requests heard, latest last
-        self.answer_delay = 0.0  # the test harness's: a slow submitter (a kill lands before the publication)
+        # the test harness's: a submitter slow to answer a keep while the job aggregates (a kill then lands
+        # between the aggregate's keep and its publication)
+        self.answer_delay = 0.0
 
     def install(self, host: Any) -> None:
         host.set_handler(PROTOCOL, self.handle, timeout=TIMEOUT)
@@ -114,7 +117,8 @@ class KeepService:
             log.info("job %s: did not keep round %d's aggregate %s for %s: %s", job_id.hex()[:8], rnd, cid,
                      peer[-8:], refusal)
         answer = b"\x00held" if refusal is None else b"\x01" + refusal.encode()[:1000]
-        if self.answer_delay:
+        view = self.find_job(job_id)
+        if self.answer_delay and view is not None and view.state.phase.value == "AGGREGATING":
             await trio.sleep(self.answer_delay)
         await stream.write(frame(answer) + END)
 
@@ -134,8 +138,8 @@ class KeepService:
 
 
 async def keep_before_publishing(agent: "RolePort", view: Any, rnd: int, cid: str) -> None:
-    """The coordinator's step before it publishes round ``rnd``'s aggregate ``cid``: the submitter
-    holds a copy (nothing to ask when we are the submitter). Raises as ``ask_to_keep`` does: the
+    """The coordinator's step before it publishes round ``rnd``'s aggregate, or a verdict accepting an
+    adapter, ``cid``: the submitter holds a copy (nothing to ask when we are the submitter). Raises as ``ask_to_keep`` does: the
     caller's retry loop tries again, and nothing is published meanwhile."""
     if view.terms.submitter == agent.peer_id:
         return
