@@ -166,6 +166,11 @@ def load_config(home: Path, **overrides: Any) -> "AgentConfig":
                          flag=True)
     if "models" in values:
         values["models"] = tuple((name, str(Path(p).expanduser())) for name, p in values["models"].items())
+        for name, model_path in values["models"]:
+            if not Path(model_path).is_dir():  # the agent used to start and take the path for a hub name
+                raise ConfigError(f"{path}:{_line_of_entry(text, 'models', name) or _line_of(text, 'models')}: "
+                                  f"models.{name}: {model_path} is not a directory (a local Hugging Face model "
+                                  "directory is expected)")
     for key in ("listen", "bootstrap", "announce", "allowed_base_models"):
         if key in values:
             values[key] = tuple(values[key])
@@ -211,6 +216,19 @@ def _line_of(text: str, key: str) -> int:
         if line.lstrip().startswith("["):
             top = False
         elif top and assign.match(line):
+            return number
+    return 0
+
+
+def _line_of_entry(text: str, table: str, name: str) -> int:
+    """The line of ``name = ...`` (bare or quoted) inside ``[table]`` of a TOML text (0 if not found)."""
+    inside = False
+    entry = re.compile(rf"\s*(?:{re.escape(name)}|\"{re.escape(name)}\"|'{re.escape(name)}')\s*=")
+    for number, line in enumerate(text.splitlines(), start=1):
+        stripped = line.strip()
+        if stripped.startswith("["):
+            inside = re.fullmatch(rf"\[\s*{re.escape(table)}\s*\]", stripped) is not None
+        elif inside and entry.match(line):
             return number
     return 0
 

@@ -105,6 +105,10 @@ async def _job_ledger(agent: "Agent", job: str, export: str | None = None, sync:
 
             raise ControlError(f"not exported: a chain we hold does not verify: {next(iter(bad.values()))}")
         target = Path(export)
+        if target.exists():  # as `data get` and `job fetch` do: an existing file is never overwritten (issue 25)
+            from agent.control import ControlError
+
+            raise ControlError(f"{target}: already exists; choose a new --export file")
         document = export_document(view.job_id, canonical_encode(view.terms.to_wire()), chains, conflicts)
         _write_atomically(target, json.dumps(document, indent=1).encode() + b"\n")
         out["exported"] = {"path": str(target), "chains": len(chains),

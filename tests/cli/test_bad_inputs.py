@@ -83,3 +83,14 @@ def test_prompts_from_a_device_or_a_non_utf8_file_say_what_is_wrong(tmp_path):
     write_chatml(tmp_path / "good.jsonl", demo_records(1, seed=2))
     long_line.write_bytes(long_line.read_bytes() + (tmp_path / "good.jsonl").read_bytes())
     assert len(sample_prompts(long_line, 1, 0)) == 1
+
+
+def test_a_model_path_that_is_no_directory_stops_the_agent_at_start_naming_the_line(tmp_path):
+    """`[models] mymodel = "/srv/nope"`: the agent used to start and log a Hugging Face repo-id message."""
+    home = tmp_path / "home"
+    cli("agent", "init", "--home", str(home), check=True)
+    config = home / "config.toml"
+    config.write_text(config.read_text() + '\n"mymodel" = "/srv/nope"\n')
+    line = len(config.read_text().splitlines())
+    assert_one_line_error(cli("agent", "run", "--home", str(home), timeout=60),
+                          f"config.toml:{line}: models.mymodel: /srv/nope is not a directory")

@@ -53,6 +53,10 @@ def test_job_announce_watch_fetch_between_agent_processes(tmp_path, daemons, tin
     synced = cli_json("job", "ledger", job["id"][:12], "--home", home, "--sync", "--export", str(exported))
     assert synced["exported"]["chains"] >= 2 and not synced["conflicts"]
     assert cli_json("ledger", "verify", str(exported))["entries"] == synced["exported"]["entries"]
+    # issue 25: an existing file is never overwritten by an export (one line, exit 1, the file kept)
+    before = exported.read_bytes()
+    again = cli("job", "ledger", job["id"][:12], "--home", home, "--export", str(exported))
+    assert again.returncode == 1 and "already exists" in again.stderr and exported.read_bytes() == before
     shown = cli("job", "show", job["id"][:12], "--home", home)
     assert shown.returncode == 0 and "cost so far" in shown.stdout and "model sha256" in shown.stdout, shown.stderr
     detail = cli_json("job", "show", job["id"][:12], "--home", home)
