@@ -72,6 +72,11 @@ def check_file(path: Path, *, tokenizer: Any = None, max_seq_len: int | None = N
             first_line[key] = record.line
     report.turns = {"total": sum(turns.values()), **{role: turns[role] for role in ("system", "user", "assistant")}}
     report.chars = {"total": sum(chars.values()), **{role: chars[role] for role in ("system", "user", "assistant")}}
+    if data.records and not any(m["role"] == "assistant" and m["content"].strip()
+                                for r in data.records for m in r.messages):
+        # what `train run` and `job announce` refuse (agent/train/data.check_dataset): `data check` said ok
+        report.problems.append(f"{path}: no assistant text to learn from: every assistant message is empty "
+                               "(or there is none)")
     if tokenizer is not None and data.records:
         report.tokens = token_stats(tokenizer, data.records, max_seq_len)
     return report

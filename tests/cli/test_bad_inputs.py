@@ -94,3 +94,11 @@ def test_a_model_path_that_is_no_directory_stops_the_agent_at_start_naming_the_l
     line = len(config.read_text().splitlines())
     assert_one_line_error(cli("agent", "run", "--home", str(home), timeout=60),
                           f"config.toml:{line}: models.mymodel: /srv/nope is not a directory")
+
+
+def test_data_check_refuses_what_training_refuses(tmp_path):
+    """`data check` said ok for a dataset whose assistant messages are all empty; `train run` refused it."""
+    empty = tmp_path / "empty-answers.jsonl"
+    empty.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}\n' * 3)
+    done = cli("data", "check", str(empty))
+    assert done.returncode == 1 and "no assistant text to learn from" in done.stdout + done.stderr, done.stdout
