@@ -347,8 +347,21 @@ async def estimate(agent: "Agent", spec: Any, dataset: Path, model_path: str, *,
                          tokens_per_step=counted["tokens_per_step"], rounds=spec.rounds,
                          speeds=speeds_for(agent, digest, providers_only), price_per_hour=spec.budget.price_per_hour,
                          budget=spec.budget.total, max_nodes=max_nodes)
-    return {"name": spec.name, "base_model": spec.base_model, "base_model_sha256": digest.hex(),
-            "records": counted["records"], "shards": spec.shards, "rounds": spec.rounds, **result.to_json()}
+    out = {"name": spec.name, "base_model": spec.base_model, "base_model_sha256": digest.hex(),
+           "records": counted["records"], "shards": spec.shards, "rounds": spec.rounds, **result.to_json()}
+    limit = float(spec.resources.max_runtime_hours)
+    out["max_runtime_hours"] = limit
+    # a job whose training alone outlasts its own deadline fails there (issue 25: 3.4 years vs 24 h, unsaid)
+    out["over_runtime"] = out.get("wall_hours") is not None and out["wall_hours"] > limit
+    return out
+
+
+def _duration(hours: float) -> str:
+    seconds = hours * 3600
+    for unit, size in (("years", 365 * 86400), ("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:,.1f} {unit}"
+    return f"{seconds:.1f} s"
 
 
 def estimate_text(e: dict) -> str:
@@ -362,8 +375,12 @@ def estimate_text(e: dict) -> str:
         lines.append(f"  speed:         {e['tokens_per_s']:,.0f} tokens/s (median of {e['providers']} provider"
                      f"{'s' if e['providers'] != 1 else ''} measured speeds)")
         workers = min(e["providers"], e["shards"])
-        lines.append(f"  worker-hours:  {e['worker_hours']:.6f} ({e['worker_hours'] * 3600:.1f} s of training; about "
-                     f"{e['wall_hours'] * 3600:.1f} s of wall time on {workers} worker{'s' if workers != 1 else ''})")
+        lines.append(f"  worker-hours:  {e['worker_hours']:.6f} ({_duration(e['worker_hours'])} of training; about "
+                     f"{_duration(e['wall_hours'])} of wall time on {workers} worker{'s' if workers != 1 else ''})")
+        if e.get("over_runtime"):
+            lines.append(f"  runtime:       OVER ITS LIMIT: about {_duration(e['wall_hours'])} of wall time, "
+                         f"resources.max_runtime_hours is {e['max_runtime_hours']:g}: the job would fail at its "
+                         "deadline (train fewer steps or rounds, or raise the limit)")
     if e["price_per_hour"] > 0:
         cost = "unknown" if e["cost"] is None else f"{e['cost']:.4f}"
         lines.append(f"  cost:          {cost} at {e['price_per_hour']:g}/h; budget.total {e['budget']:g}"

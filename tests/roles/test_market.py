@@ -3,6 +3,8 @@ estimate built on it, a budget that runs out mid-round, named providers, and a b
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import copy
 import math
 
@@ -55,6 +57,11 @@ async def test_budget_runs_out_mid_round_and_the_bill_equals_the_ledger(tmp_path
         assert est["tokens"] > 0 and est["steps"] == 8 * 8 and est["providers"] == 1
         assert est["tokens_per_s"] == speed.tokens_per_s
         assert math.isclose(est["cost"], est["worker_hours"] * PRICE) and est["over_budget"] is True
+        # issue 25: an estimate past the spec's own max_runtime_hours says so (3.4 years vs 24 h was unsaid)
+        assert est["over_runtime"] is False and est["max_runtime_hours"] == spec.resources.max_runtime_hours
+        short = replace(spec, resources=replace(spec.resources, max_runtime_hours=est["wall_hours"] / 2))
+        over = await market.estimate(submitter, short, dataset, str(tiny_model_dir))
+        assert over["over_runtime"] is True and "OVER ITS LIMIT" in market.estimate_text(over)
 
         # a job only w0..w2 may train (w3 is not named), on one node at most, whose budget one shard spends
         named = tuple(w.peer_id for w in workers[:3])
