@@ -81,7 +81,9 @@ from agent.roles.coordinator import CoordinatorRole
 from agent.roles.job import JobView
 from agent.roles.keep import KeepService
 from agent.roles.submitter import SubmitterRole
-from agent.roles.sync import RESYNC_INTERVAL, SyncService, catch_up, needs_resync, resync, submitter_catch_up
+from agent.roles.sync import (
+    RESYNC_INTERVAL, SyncService, catch_up, needs_resync, resync, stalled, submitter_catch_up,
+)
 from agent.roles.worker import WorkerRole
 from agent.store import Store, StoreFullError
 from agent.supervise import guarded, supervised
@@ -956,7 +958,7 @@ class Agent:
         self.apply_actions(view, view.step(Tick(), now))
         if view.job_id not in self._resyncing and \
                 now - self._last_resync.get(view.job_id, 0.0) > RESYNC_INTERVAL and \
-                needs_resync(view, self.eligible_coordinators(view.terms), now):
+                (needs_resync(view, self.eligible_coordinators(view.terms), now) or stalled(view, self.peer_id, now)):
             self._last_resync[view.job_id] = now
             view.resynced_at = now  # what is held now does not ask for another rebuild (sync.needs_resync)
             self._resyncing.add(view.job_id)

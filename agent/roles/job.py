@@ -83,6 +83,7 @@ class JobView:
     # catching up on the job's history (a restart, a late join): our view of the term may be behind, so
     # we do not act as its coordinator until it is done (agent/node.py is_coordinator)
     catching_up: bool = False
+    last_applied: float = 0.0  # when a message last applied (a stalled mirror asks peers: agent/node.py)
 
     def __post_init__(self) -> None:
         self._replaying = False
@@ -90,6 +91,7 @@ class JobView:
         # may be the term's judge, not its coordinator (see _settle_term)
         self.term_from_verdict: tuple[int, str, str] | None = None
         self.job_id = self.terms.job_id()
+        self.last_applied = self.first_seen
         self.state = st.new_job(job_config(self.terms))
         self.coordination = Coordination(self.job_id)
 
@@ -190,6 +192,7 @@ class JobView:
                 return more if self.applied else None
             return None
         self.applied.append((msg, signer))
+        self.last_applied = max(self.last_applied, now)
         if envelope is not None:
             self.evidence.append(envelope)
         return actions + self.retry_pending(now, eligible)
@@ -269,6 +272,7 @@ class JobView:
                 else:
                     out.extend(actions)
                     self.applied.append((msg, signer))
+                    self.last_applied = max(self.last_applied, now)
                     if envelope is not None:
                         self.evidence.append(envelope)
                     progress = True

@@ -210,6 +210,17 @@ async def catch_up(agent: RolePort, view: Any, timeout: float = TIMEOUT) -> set[
 
 
 RESYNC_HELD_SECONDS = 5.0  # a coordinator's decision held this long means our mirror missed something
+STALL_SECONDS = 60.0  # a submitter's unended job with no message applied this long (nor 2 leases' time) asks peers
+
+
+def stalled(view: Any, me: str, now: float) -> bool:
+    """Is this our own job, not ended, with nothing applied for STALL_SECONDS (and two lease times)? The
+    soak found a submitter, killed and restarted twice while coordinators failed over, whose mirror
+    lacked the leases that spent a shard's attempts: its peers had ended the job FAILED, nobody acted
+    for it any more, and the submitter's mirror said TRAINING forever. A stalled submitter catches up
+    from its live peers (sync.submitter_catch_up), as after a restart."""
+    return view.terms.submitter == me and not view.state.terminal and \
+        now - view.last_applied > max(STALL_SECONDS, 2.0 * float(view.terms.lease_seconds))
 RESYNC_INTERVAL = 15.0  # at most one rebuild per job this often
 
 

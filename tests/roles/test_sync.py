@@ -98,3 +98,19 @@ def test_no_rebuild_of_an_ended_job_nor_again_for_what_a_rebuild_left_held():
     assert needs_resync(view, eligible, NOW + 60)  # held since: a new divergence
     view.state = dc_replace(view.state, phase=st.JobPhase.DONE)
     assert not needs_resync(view, eligible, NOW + 60)  # an ended job's history changes nothing
+
+
+def test_a_submitters_job_with_nothing_applied_for_long_is_stalled_and_asks_its_peers():
+    """The soak: a submitter killed twice while coordinators failed over missed the leases that spent a
+    shard's attempts; its peers ended the job FAILED and nobody acted for it again, while its own mirror
+    said TRAINING for ever. A submitter's unended job with nothing applied for long now catches up."""
+    from agent.roles.sync import STALL_SECONDS, stalled
+
+    view = JobView(TERMS, NOW, SUBMITTER.peer_id)
+    wait = max(STALL_SECONDS, 2.0 * TERMS.lease_seconds)
+    assert not stalled(view, SUBMITTER.peer_id, NOW + wait - 1)
+    assert stalled(view, SUBMITTER.peer_id, NOW + wait + 1)
+    assert not stalled(view, WORKER.peer_id, NOW + wait + 1)  # only the submitter's own job
+    for data, opened in _verified([lease(0, at=NOW + wait)], JOB)[0]:
+        view.apply(opened.message, opened.envelope.signer, NOW + wait, frozenset({COORD.peer_id}), data)
+    assert not stalled(view, SUBMITTER.peer_id, NOW + wait + 1)  # a message applied: it moves
