@@ -846,6 +846,7 @@ class Agent:
         interval; clears ``store_full`` when it passes."""
         try:
             await trio.to_thread.run_sync(self.store.probe_write, limiter=self.store_limiter)
+            await trio.to_thread.run_sync(_probe_work_dir, self.work_dir)
         except StoreFullError as exc:
             self.refuse_work(exc)
             return False
@@ -1023,6 +1024,35 @@ def _action_data(action: Any) -> dict:
     data = dict(action.__dict__)
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in data.items()
             if isinstance(v, (int, float, str, tuple)) and not (isinstance(v, float) and not math.isfinite(v))}
+
+
+WORK_PROBE_BYTES = 1 << 20
+
+
+def _probe_work_dir(work_dir: Path) -> None:
+    """A 1 MiB write (fsynced, then removed) in the work directory, where shards, checkpoints and bundles
+    go: StoreFullError when it does not fit. The store's probe alone passed on a full disk (SQLite had
+    free pages inside its file) while every shard failed with ENOSPC: a worker claimed, failed and gave
+    back the same shard three times in a second and the job failed (the soak, issue 25)."""
+    import errno
+    import os
+
+    probe = work_dir / ".probe-write"
+    try:
+        work_dir.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as file:
+            file.write(b"\0" * WORK_PROBE_BYTES)
+            file.flush()
+            os.fsync(file.fileno())
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreFullError(f"{work_dir}: no room for new work ({exc.strerror})") from None
+        raise
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
 
 
 def _cpu_count() -> int:

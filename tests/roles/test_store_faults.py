@@ -116,3 +116,34 @@ async def test_an_agent_restarted_on_a_full_disk_says_why_and_stays_up_refusing_
         with trio.fail_after(30):
             while restarted.store_full is not None:
                 await trio.sleep(0.1)
+
+
+def test_a_full_work_disk_is_found_by_the_claim_probe_even_when_the_store_has_room(tmp_path):
+    """The soak: with the disk full, SQLite still had free pages, so the store's probe passed while every
+    shard failed with ENOSPC; the worker claimed, failed and gave back one shard three times in a second.
+    The claim probe now writes in the work directory too. A real full disk: a 2 MiB tmpfs (root only)."""
+    import subprocess
+
+    from agent.node import _probe_work_dir
+    from agent.store import StoreFullError
+
+    work = tmp_path / "work"
+    work.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(work)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        _probe_work_dir(work)  # room: passes, leaves nothing behind
+        assert not list(work.iterdir())
+        with open(work / "filler", "wb") as filler:
+            try:
+                while True:
+                    filler.write(b"\0" * 65536)
+                    filler.flush()
+            except OSError:
+                pass
+        with pytest.raises(StoreFullError, match="no room for new work"):
+            _probe_work_dir(work)
+        (work / "filler").unlink()
+        _probe_work_dir(work)  # room again
+    finally:
+        subprocess.run(["umount", "-l", str(work)], capture_output=True)
