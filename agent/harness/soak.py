@@ -491,7 +491,10 @@ class Soak:
             agent.process.wait()
         kind = ("kill9" if sig == signal.SIGKILL else "term") + ("-submitter" if agent.name == "submitter" else "")
         self._count(kind, f"{'kill -9' if sig == signal.SIGKILL else 'SIGTERM'} {agent.name}")
-        if sig == signal.SIGTERM and agent.process.returncode != 0:
+        # SIGTERM: a clean stop, exit 0; or, still starting (its handler not yet installed: imports, the
+        # store), killed by the signal itself (-15), which releases nothing because it holds nothing yet.
+        # Anything else, or no exit within 30 s (then -9), breaks the invariant.
+        if sig == signal.SIGTERM and agent.process.returncode not in (0, -signal.SIGTERM):
             self.report.violations.append(f"{agent.name} exited {agent.process.returncode} on SIGTERM "
                                           f"(expected 0): {_last_line(agent.home)}")
         delay = restart_after if restart_after is not None else self.rng.uniform(2, 8)
