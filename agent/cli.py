@@ -336,6 +336,11 @@ def cmd_agent_init(args: argparse.Namespace) -> int:
 
 
 def cmd_agent_run(args: argparse.Namespace) -> int:
+    import signal
+
+    # until the daemon's own handler is in place (imports, the store, the network: seconds), SIGTERM ends
+    # the process at once with status 0: it holds no lease yet, so there is nothing to release
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     from agent.config import IDENTITY_FILE, load_config
     from agent.daemon import default_log_stream, run_daemon, setup_logging
     from agent.keyfile import load_identity
