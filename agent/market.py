@@ -123,7 +123,7 @@ async def measure_speeds(agent: "Agent") -> None:
             continue
         try:
             speed = await trio.to_thread.run_sync(run_torch, burst_tokens_per_s, path, held.sha256.hex(),
-                                                  agent.config.threads)
+                                                  agent.config.threads, abandon_on_cancel=True)  # a stop waits not
         except Exception as exc:  # noqa: BLE001 - a model we cannot train here is advertised without a speed
             log.warning("model %s: speed not measured: %s", name, exc)
             continue

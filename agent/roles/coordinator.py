@@ -495,9 +495,11 @@ class CoordinatorRole:
             start_step = 0 if index == 0 else commitment.links[index - 1].step
             start = await self._checkpoint(checkpoints, start_step, work, providers)
             end = await self._checkpoint(checkpoints, commitment.links[index].step, work, providers)
+            # abandoned on cancellation (the agent stops, the job ends): a replay has no side effect, and
+            # waiting for it held SIGTERM up for tens of seconds on a busy machine (the soak)
             verdict = await trio.to_thread.run_sync(run_torch, partial(
                 verify_segment, commitment, index, start=start, end=end, shard=shard_path, config=config,
-                claimed_head=report.chain_head))
+                claimed_head=report.chain_head), abandon_on_cancel=True)
             if not verdict.accepted:
                 raise Rejection(f"segment {index} does not replay: {verdict.reason}")
         return segments, adapter_dir
@@ -702,7 +704,8 @@ class CoordinatorRole:
         adapters = [adapter_dir / "adapter_model.safetensors"]
         if with_base:
             adapters.append(None)  # the seeded initial adapter: B = 0, so exactly the base model
-        losses = await trio.to_thread.run_sync(run_torch, validation_losses, config, path, adapters)
+        losses = await trio.to_thread.run_sync(run_torch, validation_losses, config, path, adapters,
+                                               abandon_on_cancel=True)  # no side effect (see the replay)
         return losses[0], losses[1] if with_base else None
 
 
