@@ -112,16 +112,24 @@ lease_seconds: 120
 
 
 AGENT_CONFIG = """\
-# written by `infernet demo`
-listen = ["/ip4/127.0.0.1/tcp/0"]
+# written by `infernet {writer}`
+listen = ["{listen}"]
 accept_training = {accept}
 can_coordinate = {coordinate}
 threads = 1
 heartbeat_seconds = 1.0
-
+{extra}
 [models]
 "{model_name}" = "{model_path}"
 """
+
+
+def agent_config(*, accept: bool, coordinate: bool, model_path: Path | str, listen: str = "/ip4/127.0.0.1/tcp/0",
+                 writer: str = "demo", extra: str = "") -> str:
+    """The config.toml of a demo-style agent (the demo's, the soak's, the network-age probe's)."""
+    return AGENT_CONFIG.format(writer=writer, listen=listen, accept=str(accept).lower(),
+                               coordinate=str(coordinate).lower(), extra=extra, model_name=MODEL_NAME,
+                               model_path=model_path)
 
 
 class DemoNetwork:
@@ -141,9 +149,8 @@ class DemoNetwork:
         home.mkdir(parents=True, mode=0o700)
         os.chmod(home, 0o700)  # as `infernet agent init` makes a home (mkdir's mode is cut by the umask)
         save_identity(Identity.generate(), home / IDENTITY_FILE)
-        (home / CONFIG_FILE).write_text(AGENT_CONFIG.format(
-            accept=str(accept_training).lower(), coordinate=str(coordinate).lower(), model_name=MODEL_NAME,
-            model_path=self.model))
+        (home / CONFIG_FILE).write_text(agent_config(accept=accept_training, coordinate=coordinate,
+                                                     model_path=self.model))
         command = [sys.executable, "-m", "agent.cli", "agent", "run", "--home", str(home),
                    "--log-file", str(home / "agent.log")]
         if bootstrap:

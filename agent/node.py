@@ -91,10 +91,8 @@ from protocol import messages as m
 from protocol import state as st
 from protocol.election import hears_submitter as election_hears_submitter
 from protocol.election import eligible_for_job, keep_or_elect, live_peers
-from protocol.envelope import seal
 from protocol.errors import CodecError
 from protocol.identity import Identity
-from protocol.messages import decode_body
 
 log = logging.getLogger(__name__)
 
@@ -328,14 +326,12 @@ class Agent:
         if self.machine is not None and self.machine.cuda:
             self.machine = await trio.to_thread.run_sync(hardware.refresh_free, self.machine)
         cap = self.capability()
-        try:
-            seal(self.identity, cap, now=self.clock())  # our own rules first: never send what peers drop
-            decode_body(cap.TYPE, cap.to_wire())
+        try:  # gossip's publish opens our own envelope first and sends nothing that breaks the rules
+            await self.publish(cap)
         except CodecError as exc:  # a measurement outside the rules: say so, keep the heartbeats going
             log.error("capability not published: it breaks the message rules (%s)", exc)
             return
         self.published_capability = cap
-        await self.publish(cap)
 
     def eligible_coordinators(self, terms: m.JobTerms | None = None) -> frozenset[str]:
         """Live peers that said they can coordinate (ourselves included if we can); for a job
@@ -661,8 +657,7 @@ class Agent:
         live peers (live messages wait in the subscription meanwhile; agent/roles/sync.py)."""
         synced: set[bytes] = set()
         try:
-            if catch_up_first and view.terms.submitter != self.peer_id:
-                view.catching_up = True
+            if catch_up_first and view.terms.submitter != self.peer_id:  # (catching_up set when followed)
                 synced = await catch_up(self, view)
             elif catch_up_first and resumed:
                 synced = await submitter_catch_up(self, view)

@@ -20,20 +20,15 @@ Rules of this file:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from protocol.messages import Verdict
-
-
-def rejected_workers(verdicts: Iterable[Verdict]) -> frozenset[str]:
-    """Workers any verdict of the job rejected, whatever its round or term."""
-    return frozenset(v.worker for v in verdicts if not v.accepted)
+from protocol.state import ShardPhase, ShardState
 
 
 def history_refusal(worker: str, coordinator: str | None, verdicts: Iterable[Verdict],
-                    shards: Iterable[Any]) -> str | None:
+                    shards: Iterable[ShardState]) -> str | None:
     """Why the job's history forbids a lease to ``worker`` (None: it does not). ``shards``: the current
-    round's shard states (protocol/state.ShardState: ``phase``, ``worker``, ``index``)."""
+    round's shard states."""
     if worker == coordinator:
         return "a coordinator never leases to itself (it does not judge its own work)"
     for v in verdicts:
@@ -41,6 +36,6 @@ def history_refusal(worker: str, coordinator: str | None, verdicts: Iterable[Ver
             return (f"its work in this job was rejected (round {v.round}, shard {v.shard}, attempt {v.attempt}, "
                     f"term {v.term}): {v.reason[:200]}")
     for shard in shards:
-        if shard.worker == worker and getattr(shard.phase, "value", shard.phase) == "LEASED":
+        if shard.worker == worker and shard.phase is ShardPhase.LEASED:
             return f"it holds a live lease of this job (shard {shard.index})"
     return None

@@ -41,7 +41,7 @@ from agent.config import CONFIG_FILE, IDENTITY_FILE  # noqa: E402
 from agent.keyfile import save_identity  # noqa: E402
 from protocol.identity import Identity  # noqa: E402
 from agent.control import request  # noqa: E402
-from agent.demo import AGENT_CONFIG, MODEL_NAME, DemoNetwork, demo_dataset, demo_spec, DemoOptions  # noqa: E402
+from agent.demo import DemoNetwork, DemoOptions, agent_config, demo_dataset, demo_spec  # noqa: E402
 
 
 def free_port() -> int:
@@ -66,9 +66,8 @@ class ProbeNetwork(DemoNetwork):
             home.mkdir(parents=True, mode=0o700)
             os.chmod(home, 0o700)
             save_identity(Identity.generate(), home / IDENTITY_FILE)
-            (home / CONFIG_FILE).write_text(AGENT_CONFIG.format(
-                accept=str(accept).lower(), coordinate=str(coordinate).lower(), model_name=MODEL_NAME,
-                model_path=self.model))
+            (home / CONFIG_FILE).write_text(agent_config(accept=accept, coordinate=coordinate,
+                                                         model_path=self.model, writer="probe"))
         port = self.metrics.setdefault(name, free_port())
         command = [sys.executable, "-m", "agent.cli", "agent", "run", "--home", str(home),
                    "--log-file", str(home / "agent.log"), "--metrics-port", str(port)]

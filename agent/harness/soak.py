@@ -49,27 +49,14 @@ from typing import Any, Callable
 
 from agent.config import CONFIG_FILE, IDENTITY_FILE
 from agent.control import ControlError, request
+from agent.demo import agent_config
 from agent.keyfile import save_identity
 from protocol.identity import Identity
 
-MODEL_NAME = "infernet-tiny"
 LISTEN_PORT = 4001  # on each harness host (each its own address); on loopback: any free port
 DISK_MB = 256  # the disk worker's tmpfs
 MAX_DOWN = 2  # workers down, frozen, cut off or full at once
 CHECK_EVERY = 5.0
-
-AGENT_CONFIG = """\
-# written by `infernet harness soak`
-listen = ["{listen}"]
-accept_training = {accept}
-can_coordinate = {coordinate}
-threads = 1
-heartbeat_seconds = 1.0
-fetch_timeout = 30.0
-
-[models]
-"{model_name}" = "{model_path}"
-"""
 
 FAULTS = {  # kind -> weight
     "kill9": 3, "term": 2, "freeze": 2, "kill9-submitter": 1, "join": 1, "partition": 2, "disk-full": 1,
@@ -219,16 +206,16 @@ class Soak:
         else:
             listen = f"/ip4/127.0.0.1/tcp/{_free_port()}"
         submitter = name == "submitter"
-        (home / CONFIG_FILE).write_text(AGENT_CONFIG.format(
-            listen=listen, accept=str(not submitter).lower(), coordinate=str(not submitter).lower(),
-            model_name=MODEL_NAME, model_path=self.model))
+        (home / CONFIG_FILE).write_text(agent_config(accept=not submitter, coordinate=not submitter,
+                                                     model_path=self.model, listen=listen, writer="harness soak",
+                                                     extra="fetch_timeout = 30.0\n"))
         agent = AgentProc(name, home, listen)
         self.agents[name] = agent
         return agent
 
     def _bootstrap(self) -> str:
         submitter = self.agents["submitter"]
-        peer = Identity_peer(submitter.home)
+        peer = _peer_id_of(submitter.home)
         return f"{submitter.listen}/p2p/{peer}"
 
     def _start(self, agent: AgentProc) -> None:
@@ -623,7 +610,7 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def Identity_peer(home: Path) -> str:  # noqa: N802 - reads like the type it builds
+def _peer_id_of(home: Path) -> str:
     from agent.keyfile import load_identity
 
     return load_identity(home / IDENTITY_FILE).peer_id

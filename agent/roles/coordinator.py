@@ -71,7 +71,7 @@ from agent.bundle import (
 )
 from agent.content.errors import FetchError
 from agent.roles.job import JobView
-from agent.roles.keep import KeepRefused, keep_before_publishing
+from agent.roles.keep import KeepRefused, keep_within
 from agent.train.runner import run_torch, train_config
 from agent.sealing import must_seal, seal_dir
 from protocol import messages as m
@@ -80,7 +80,7 @@ from protocol.election import judge_of
 from protocol.acceptance import HEADER_FIELDS, TensorFacts, adapter_refusal, chain_refusal, header_refusal
 from protocol.cid import parse_cid
 from protocol.fit import lease_refusals
-from protocol.leasing import history_refusal, rejected_workers
+from protocol.leasing import history_refusal
 
 if TYPE_CHECKING:
     from agent.roles.port import RolePort
@@ -88,7 +88,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROOF_FILES = frozenset({"proof.json", "checkpoints.json"})
-KEEP_RETRY = 2.0  # seconds between asks of the submitter to keep a round's aggregate (agent/roles/keep.py)
 
 
 class Rejection(Exception):
@@ -205,11 +204,10 @@ class CoordinatorRole:
             return False
         if len(live) > 256:  # too many to check one by one on every claim: assume they compete
             return True
-        banned = rejected_workers(view.verdicts.values())  # in any term: the signed history says so
         could_claim = 0
         for peer in live:
-            if peer in banned or peer == self.agent.peer_id or view.training_by(peer):
-                continue
+            if history_refusal(peer, self.agent.peer_id, view.verdicts.values(), view.state.shards) is not None:
+                continue  # ourselves, rejected in any term, or training a shard of it (protocol/leasing.py)
             info = self.agent.peers.get(peer)
             if info is None or lease_refusals(info.capability, view.terms):
                 continue
@@ -405,25 +403,23 @@ class CoordinatorRole:
     async def _keep_accepted(self, view: JobView, rnd: int, shard: int, attempt: int, cid: str) -> bool:
         """Durable before announced, for accepted work too (IPIP-0006 §2.6.1): the submitter holds the
         adapter (fetched from us: we hold it since we verified it) before the verdict accepting it is
-        published. Asked every KEEP_RETRY seconds while the shard is ours to judge and its verification
-        window lasts; False (no verdict; the window's end reopens the shard, nobody blamed) otherwise.
-        (The soak: a worker and its verifier killed soon after the verdict, the submitter down meanwhile:
-        the round's accepted adapter was held by nobody alive, and the round could not be aggregated.)"""
-        agent = self.agent
-        while True:
-            try:
-                await keep_before_publishing(agent, view, rnd, cid)
-                return True
-            except KeepRefused as exc:
-                current = view.shard(shard)
-                if current.phase is not st.ShardPhase.REPORTED or current.attempt != attempt or \
-                        view.state.round != rnd or not self.may_verify(view, current.worker or "") or \
-                        (current.expires_at is not None and agent.clock() + KEEP_RETRY >= current.expires_at):
-                    log.warning("job %s shard %d attempt %d: accepted, but the submitter holds no copy and the "
-                                "window is over: no verdict (%s)", view.job_id.hex()[:8], shard, attempt, exc)
-                    return False
-                agent.counters["keeps_retried"] += 1
-                await trio.sleep(KEEP_RETRY)
+        published, asked again while the shard is ours to judge and its verification window lasts; False
+        (no verdict; the window's end reopens the shard, nobody blamed) otherwise. (The soak: a worker and
+        its verifier killed soon after the verdict, the submitter down meanwhile: the round's accepted
+        adapter was held by nobody alive, and the round could not be aggregated.)"""
+        def still_ours() -> bool:
+            current = view.shard(shard)
+            return current.phase is st.ShardPhase.REPORTED and current.attempt == attempt and \
+                view.state.round == rnd and self.may_verify(view, current.worker or "")
+
+        try:
+            await keep_within(self.agent, view, rnd, cid, still_ours=still_ours,
+                              window_end=view.shard(shard).expires_at)
+            return True
+        except KeepRefused as exc:
+            log.warning("job %s shard %d attempt %d: accepted, but the submitter holds no copy and the window is "
+                        "over: no verdict (%s)", view.job_id.hex()[:8], shard, attempt, exc)
+            return False
 
     async def _check_report(self, view: JobView, report: m.ShardReport, worker: str,
                             work: Path) -> tuple[tuple[int, ...], Path]:
@@ -618,23 +614,14 @@ class CoordinatorRole:
         if not agent.is_coordinator(view):
             return
         # durable before announced (IPIP-0006 §2.6.1): the submitter holds a copy before anyone hears of it,
-        # so a crash of ours from here on loses nothing. Asked again every KEEP_RETRY seconds while the
-        # round is ours to publish and its window lasts (the aggregate itself is not computed again): a
-        # submitter back from a restart must not find the round failed because our next try was 30 s off
-        while True:
-            try:
-                await keep_before_publishing(agent, view, action.round, str(cid))
-                break
-            except KeepRefused as exc:
-                if not agent.is_coordinator(view) or view.state.phase is not st.JobPhase.AGGREGATING or \
-                        view.state.round != action.round or agent.clock() + KEEP_RETRY >= action.expires_at:
-                    raise
-                agent.counters["keeps_retried"] += 1
-                log.info("job %s: round %d aggregate not published yet, asking again in %.0f s: %s",
-                         view.job_id.hex()[:8], action.round, KEEP_RETRY, exc)
-                await trio.sleep(KEEP_RETRY)
-        if not agent.is_coordinator(view) or view.state.phase is not st.JobPhase.AGGREGATING or \
-                view.state.round != action.round:
+        # so a crash of ours from here on loses nothing; asked again while the round is ours to publish and
+        # its window lasts (the aggregate is not computed again); the last refusal goes to the retry loop
+        def still_ours() -> bool:
+            return agent.is_coordinator(view) and view.state.phase is st.JobPhase.AGGREGATING and \
+                view.state.round == action.round
+
+        await keep_within(agent, view, action.round, str(cid), still_ours=still_ours, window_end=action.expires_at)
+        if not still_ours():
             return
         published = m.AggregatePublished(view.job_id, action.round, view.coordination.term, str(cid),
                                          terms.aggregation, tuple(action.accepted_shards),

@@ -137,6 +137,27 @@ class KeepService:
         return None
 
 
+KEEP_RETRY = 2.0  # seconds between asks while the window lasts
+
+
+async def keep_within(agent: "RolePort", view: Any, rnd: int, cid: str, *, still_ours: Callable[[], bool],
+                      window_end: float | None) -> None:
+    """``keep_before_publishing``, asked again every KEEP_RETRY seconds while ``still_ours()`` and the
+    window (ending at ``window_end`` on the agent's clock) lasts; the last KeepRefused otherwise. (A
+    submitter back from a restart found its round failed when the next try was 30 s off.)"""
+    while True:
+        try:
+            await keep_before_publishing(agent, view, rnd, cid)
+            return
+        except KeepRefused as exc:
+            if not still_ours() or (window_end is not None and agent.clock() + KEEP_RETRY >= window_end):
+                raise
+            agent.counters["keeps_retried"] += 1
+            log.info("job %s: %s not published yet, asking the submitter again in %.0f s: %s",
+                     view.job_id.hex()[:8], cid[:24], KEEP_RETRY, exc)
+            await trio.sleep(KEEP_RETRY)
+
+
 async def keep_before_publishing(agent: "RolePort", view: Any, rnd: int, cid: str) -> None:
     """The coordinator's step before it publishes round ``rnd``'s aggregate, or a verdict accepting an
     adapter, ``cid``: the submitter holds a copy (nothing to ask when we are the submitter). Raises as ``ask_to_keep`` does: the

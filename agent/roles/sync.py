@@ -210,6 +210,9 @@ async def catch_up(agent: RolePort, view: Any, timeout: float = TIMEOUT) -> set[
 
 
 RESYNC_HELD_SECONDS = 5.0  # a coordinator's decision held this long means our mirror missed something
+RESYNC_INTERVAL = 15.0  # at most one rebuild per job this often
+
+
 STALL_SECONDS = 60.0  # a submitter's unended job with no message applied this long (nor 2 leases' time) asks peers
 
 
@@ -221,7 +224,6 @@ def stalled(view: Any, me: str, now: float) -> bool:
     from its live peers (sync.submitter_catch_up), as after a restart."""
     return view.terms.submitter == me and not view.state.terminal and \
         now - view.last_applied > max(STALL_SECONDS, 2.0 * float(view.terms.lease_seconds))
-RESYNC_INTERVAL = 15.0  # at most one rebuild per job this often
 
 
 def needs_resync(view: Any, eligible: frozenset[str], now: float) -> bool:

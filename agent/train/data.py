@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -88,14 +87,13 @@ def _check_record(obj: Any) -> tuple[tuple[dict[str, str], ...], dict[str, Any]]
 
 def read_chatml(path: str | Path, *, skip_bad: bool = False) -> ChatmlFile:
     """Parse a ChatML JSONL file; DataError on the first bad line unless ``skip_bad``."""
-    import stat
+    from agent.files import FileInputError, input_file
 
     out = ChatmlFile(str(path), [])
     try:
-        mode = os.stat(path).st_mode
-        if not stat.S_ISREG(mode):  # /dev/zero or a FIFO was read forever (issue 25)
-            raise DataError(str(path), "not a regular file (a directory, FIFO or device); give a file")
-        handle = open(path, "rb")
+        handle = open(input_file(path, "dataset"), "rb")  # a regular file: /dev/zero or a FIFO was read forever
+    except FileInputError as error:
+        raise DataError(str(path), str(error).split(": ", 1)[-1]) from None
     except OSError as error:
         raise DataError(str(path), f"cannot read: {error.strerror or error}") from None
     with handle:
