@@ -302,6 +302,10 @@ def run_demo(options: DemoOptions) -> int:
                 console.print(f"round {agg['round']}: validation loss "
                               + (f"{base:.3f} (base) -> " if base is not None else "")
                               + f"{agg['validation_loss']:.3f}  (coordinator, job's validation split)")
+        from agent.progress import utilization_line
+
+        if utilization_line(detail):
+            console.print(utilization_line(detail), highlight=False)
         console.print(f"aggregate CID:   {fetched['cid']}")
         console.print(f"validation loss: {before:.3f} (base) -> {after:.3f} (base + adapter)")
         console.print(f"adapter (Hugging Face PEFT layout): {fetched['path']}")

@@ -65,9 +65,12 @@ class JobProgress:
                           f"{s['loss']:.3f}" if s.get("loss") is not None else "-",
                           _verdict_text(verdict, 40))
         rows: list[Any] = [head, table]
+        timing = round_timing(job)
         for agg in job.get("aggregates", []):
             rows.append(Text(f"round {agg['round']} aggregate {agg['cid']} ({agg['method']} over shards {agg['shards']})"
-                             + aggregate_score(agg), style="green"))
+                             + aggregate_score(agg) + timing.get(agg["round"], ""), style="green"))
+        if utilization_line(job):
+            rows.append(Text(utilization_line(job)))
         for item in job.get("not_held", []):  # the submitter keeps trying to hold a copy
             what = f"shard {item['shard']} adapter" if item["kind"] == "adapter" else "aggregate"
             rows.append(Text(f"round {item['round']} {what} {item['cid']}: accepted, not yet held by the submitter",
@@ -93,8 +96,10 @@ class JobProgress:
                 + (f" worker …{s['worker'][-8:]}" if s.get("worker") else "")
                 + (f" step {s['step']} loss {s['loss']:.3f}" if s.get("loss") is not None else "")
                 + ("" if verdict is None else " " + _verdict_text(verdict, 60)))
+        timing = round_timing(job)
         for agg in job.get("aggregates", []):
-            lines[f"agg{agg['round']}"] = f"  round {agg['round']} aggregate {agg['cid']}" + aggregate_score(agg)
+            lines[f"agg{agg['round']}"] = (f"  round {agg['round']} aggregate {agg['cid']}" + aggregate_score(agg)
+                                           + timing.get(agg["round"], ""))
         for key, line in lines.items():
             if self._last_lines.get(key) != line:
                 print(f"{stamp} {line.strip() if key == 'job' else line}", flush=True)
@@ -102,7 +107,8 @@ class JobProgress:
 
     def final_line(self, job: dict) -> str:
         if job["state"] == "DONE":
-            return f"job {job['id'][:16]} DONE: final aggregate {job['published'][-1]}"
+            line = utilization_line(job)
+            return f"job {job['id'][:16]} DONE: final aggregate {job['published'][-1]}" + (f"\n{line}" if line else "")
         return f"job {job['id'][:16]} {job['state']}: {job.get('reason') or 'no reason given'}"
 
 
@@ -118,3 +124,23 @@ def aggregate_score(agg: dict) -> str:
     if loss is None:
         return ""
     return f"  validation loss {base:.3f} -> {loss:.3f}" if base is not None else f"  validation loss {loss:.3f}"
+
+
+def round_timing(job: dict) -> dict[int, str]:
+    """Per finished round: ``  (3.0 s: busiest worker trained 1.7 s, fixed 1.3 s)``."""
+    out = {}
+    for r in (job.get("utilization") or {}).get("rounds", []):
+        out[r["round"]] = f"  ({r['wall']:.1f} s: busiest worker trained {r['busiest']:.1f} s, fixed {r['fixed']:.1f} s)"
+    return out
+
+
+def utilization_line(job: dict) -> str:
+    """The job's use of its workers (agent/utilization.py), once a round is finished; else ''."""
+    u = job.get("utilization") or {}
+    if not u.get("rounds"):
+        return ""
+    workers = u.get("workers", {})
+    return (f"workers busy {u['utilization']:.0%} of their time ({len(workers)} worker(s), "
+            f"{u['training_seconds']:.0f} s training over {u['wall_seconds']:.0f} s of rounds): "
+            f"{u['speedup']:.2f} machines' worth of training at once; the speedup over one of them is that "
+            f"x the job's distributed efficiency E (scripts/bench_quality.py); fixed cost {u['fixed_per_round']:.1f} s a round")

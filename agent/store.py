@@ -55,15 +55,21 @@ Rules of this file:
 - Only parameterised SQL; table and column names come from constants in this file.
 - A database written by a newer schema is refused with an error naming the file and both versions.
 - Damage is refused at open, never papered over: an existing store file that is empty (0 bytes:
-  truncated; a store we wrote always holds its schema) or fails ``PRAGMA quick_check`` raises
-  StoreError naming the file, instead of starting a fresh store that silently loses every job and
-  ledger. A write that fails because the disk is full raises StoreFullError (nothing written);
+  truncated; a store we wrote always holds its schema, in the file or in the WAL a crash left beside
+  it) or fails ``PRAGMA quick_check`` raises StoreError naming the file, instead of starting a fresh
+  store that silently loses every job and ledger. Bytes that changed inside a valid page pass
+  quick_check, so every signed record (``envelopes``, ``ledger``, ``ledger_copies``) carries a digest
+  (sha256 of its bytes, schema version 3) that every open checks: a hash per record, about 1 ms per
+  MB, where a signature check per record would cost ~0.5 ms each. A record with no digest (written
+  by version 2, or a copy an older agent added) is verified in full once, then given one. Reads
+  still check signatures, so a record rewritten together with its digest is refused when read. A write that fails because the disk is full raises StoreFullError (nothing written);
   the agent then refuses new work and stays up (agent/node.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import sqlite3
 import threading
 import time
@@ -82,7 +88,7 @@ from protocol.ledger import (  # noqa: F401 - the ledger's rules live in protoco
 )
 from protocol.messages import JobTerms
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 STORE_FILENAME = "agent.sqlite3"
 ROLES = ("submitter", "worker", "coordinator", "observer")
 
@@ -98,7 +104,7 @@ _SCHEMA = (
         PRIMARY KEY (job_id, round, shard))""",
     """CREATE TABLE envelopes (
         message_id BLOB PRIMARY KEY, type TEXT NOT NULL, signer TEXT NOT NULL, job_id BLOB,
-        ts_ms INTEGER NOT NULL, received REAL NOT NULL, data BLOB NOT NULL)""",
+        ts_ms INTEGER NOT NULL, received REAL NOT NULL, data BLOB NOT NULL, digest BLOB)""",
     "CREATE INDEX envelopes_by_job ON envelopes (job_id, ts_ms)",
     """CREATE TABLE leases (
         message_id BLOB PRIMARY KEY REFERENCES envelopes, job_id BLOB NOT NULL, round INTEGER NOT NULL,
@@ -122,7 +128,7 @@ _SCHEMA = (
     "CREATE INDEX aggregates_by_round ON aggregates (job_id, round)",
     """CREATE TABLE ledger (
         job_id BLOB NOT NULL, seq INTEGER NOT NULL, kind TEXT NOT NULL, signer BLOB NOT NULL,
-        entry BLOB NOT NULL, signature BLOB NOT NULL, hash BLOB NOT NULL,
+        entry BLOB NOT NULL, signature BLOB NOT NULL, hash BLOB NOT NULL, digest BLOB,
         PRIMARY KEY (job_id, seq))""",
 ) + (
     # version 2: the cache of file hashes (agent/train/model.py FileHashCache); not evidence
@@ -136,13 +142,15 @@ _SCHEMA = (
 _ADDITIVE = (
     """CREATE TABLE IF NOT EXISTS ledger_copies (
         job_id BLOB NOT NULL, author BLOB NOT NULL, seq INTEGER NOT NULL, entry BLOB NOT NULL,
-        signature BLOB NOT NULL, hash BLOB NOT NULL, PRIMARY KEY (job_id, author, seq))""",
+        signature BLOB NOT NULL, hash BLOB NOT NULL, digest BLOB, PRIMARY KEY (job_id, author, seq))""",
     """CREATE TABLE IF NOT EXISTS ledger_conflicts (
         job_id BLOB NOT NULL, author BLOB NOT NULL, seq INTEGER NOT NULL, kind TEXT NOT NULL, server TEXT NOT NULL,
         detail TEXT NOT NULL, evidence BLOB NOT NULL, found REAL NOT NULL, PRIMARY KEY (job_id, author, seq, kind))""",
 )
 _MIGRATIONS = {1: ("CREATE TABLE file_hashes (path TEXT NOT NULL, size INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, "
-                   "sha256 TEXT NOT NULL, PRIMARY KEY (path))",)}
+                   "sha256 TEXT NOT NULL, PRIMARY KEY (path))",),
+               # version 3: each signed record's digest, checked at every open (NULL: verified in full once, then set)
+               2: ("ALTER TABLE envelopes ADD COLUMN digest BLOB", "ALTER TABLE ledger ADD COLUMN digest BLOB")}
 """Statements that take a store from version N to N + 1."""
 
 # The typed tables that envelopes of these message types are also indexed in.
@@ -251,8 +259,8 @@ class Store:
 
     def _open(self, existed: bool) -> None:
         db = self._db
+        size = self.path.stat().st_size if existed else None
         if existed:
-            size = self.path.stat().st_size
             if size == 0 and not Path(f"{self.path}-wal").exists():
                 # a store we wrote is never empty (its schema is one commit): truncated, not new
                 raise StoreError(f"{self.path}: the store is empty (0 bytes): it was truncated, and its jobs and "
@@ -261,6 +269,12 @@ class Store:
             if problems != ["ok"]:
                 raise StoreError(f"{self.path}: the store is damaged (SQLite quick_check: {'; '.join(problems)[:300]});"
                                  " restore it from a backup, or move it away to start anew")
+            if size == 0 and not db.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone():
+                # 0 bytes beside a WAL left by a crash, and the WAL holds no schema either (a store we wrote
+                # always has it): the file was truncated. Never start a fresh store over it (nothing written).
+                raise StoreError(f"{self.path}: the store is empty (0 bytes; its WAL holds no schema): it was "
+                                 "truncated, and its jobs and signed ledgers are gone; restore it from a backup, "
+                                 "or move it away to start anew")
         mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if mode.lower() != "wal":
             raise StoreError(f"{self.path}: SQLite refused WAL mode (got {mode!r}); use a local disk")
@@ -286,6 +300,9 @@ class Store:
                     f"reads up to {SCHEMA_VERSION}); upgrade the agent or use another data directory")
             while isinstance(version, int) and version in _MIGRATIONS:
                 for statement in _MIGRATIONS[version]:
+                    words = statement.split()
+                    if words[:2] == ["ALTER", "TABLE"] and words[5] in _columns(db, words[2]):
+                        continue  # the column is there already (a store relabelled by hand, a retried migration)
                     db.execute(statement)
                 version += 1
                 db.execute("UPDATE schema_version SET version = ?", (version,))
@@ -293,6 +310,29 @@ class Store:
                 raise StoreError(f"{self.path}: unknown schema version {version!r}")
             for statement in _ADDITIVE:
                 db.execute(statement)
+            if "digest" not in _columns(db, "ledger_copies"):
+                db.execute("ALTER TABLE ledger_copies ADD COLUMN digest BLOB")  # made by a version-2 agent
+            self._check_records()
+
+    def _check_records(self) -> None:
+        """Every signed record against its digest (sha256: fast); a record without one (written before
+        version 3, or a copy an older agent added) is verified in full once (signature, chain hash) and
+        then given one. StoreError names the file, the table and the record: damage is refused at open."""
+        db = self._db
+        for table, keys, columns in _SIGNED_TABLES:
+            for row in db.execute(f"SELECT rowid, {', '.join(keys + columns)}, digest FROM {table}").fetchall():
+                rowid, key, parts, digest = row[0], row[1:1 + len(keys)], row[1 + len(keys):-1], row[-1]
+                if digest is not None:
+                    if _digest(*parts) != digest:
+                        raise StoreError(f"{self.path}: the store is damaged: {table} record {_key_text(key)} does "
+                                         "not match its digest (its bytes changed on disk); restore the store from a "
+                                         "backup, or move it away to start anew")
+                    continue
+                problem = _verify_record(table, parts)
+                if problem:
+                    raise StoreError(f"{self.path}: the store is damaged: {table} record {_key_text(key)} does not "
+                                     f"verify ({problem}); restore the store from a backup, or move it away to start anew")
+                db.execute(f"UPDATE {table} SET digest = ? WHERE rowid = ?", (_digest(*parts), rowid))
 
     def probe_write(self) -> None:
         """A write that changes nothing but needs a free page: StoreFullError while the disk is full."""
@@ -527,9 +567,10 @@ class Store:
         message_id, signer = env.message_id, env.signer
         with self.transaction():
             cur = self._db.execute(
-                "INSERT OR IGNORE INTO envelopes (message_id, type, signer, job_id, ts_ms, received, data)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (message_id, env.type, signer, getattr(msg, "job_id", None), env.timestamp_ms, now, bytes(data)))
+                "INSERT OR IGNORE INTO envelopes (message_id, type, signer, job_id, ts_ms, received, data, digest)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (message_id, env.type, signer, getattr(msg, "job_id", None), env.timestamp_ms, now, bytes(data),
+                 _digest(bytes(data))))
             if cur.rowcount == 0:
                 return self._messages("SELECT e.message_id, e.ts_ms, e.received, e.data FROM envelopes e"
                                       " WHERE e.message_id = ?", (message_id,))[0]
@@ -711,8 +752,10 @@ class Store:
                     raise LedgerError(job_id, entry.seq, f"does not continue our copy of "
                                                          f"{entry.signer_peer_id}'s chain at seq {seq}")
                 self._db.execute(
-                    "INSERT INTO ledger_copies (job_id, author, seq, entry, signature, hash) VALUES (?, ?, ?, ?, ?, ?)",
-                    (job_id, author, entry.seq, entry.encoded, entry.signature, entry.hash))
+                    "INSERT INTO ledger_copies (job_id, author, seq, entry, signature, hash, digest)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (job_id, author, entry.seq, entry.encoded, entry.signature, entry.hash,
+                     _digest(entry.encoded, entry.signature)))
                 seq, prev = seq + 1, entry.hash
         return len(entries)
 
@@ -747,8 +790,48 @@ class Store:
 
     def _insert_entry(self, entry: LedgerEntry) -> None:
         self._db.execute(
-            "INSERT INTO ledger (job_id, seq, kind, signer, entry, signature, hash) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (entry.job_id, entry.seq, entry.kind, entry.signer, entry.encoded, entry.signature, entry.hash))
+            "INSERT INTO ledger (job_id, seq, kind, signer, entry, signature, hash, digest) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (entry.job_id, entry.seq, entry.kind, entry.signer, entry.encoded, entry.signature, entry.hash,
+             _digest(entry.encoded, entry.signature)))
+
+
+# (table, key columns, the signed bytes' columns) of the records checked at open
+_SIGNED_TABLES = (
+    ("envelopes", ("message_id",), ("data",)),
+    ("ledger", ("job_id", "seq"), ("entry", "signature")),
+    ("ledger_copies", ("job_id", "seq"), ("entry", "signature")),
+)
+
+
+def _columns(db: sqlite3.Connection, table: str) -> set[str]:
+    return {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+
+
+def _digest(*parts: bytes) -> bytes:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(len(part).to_bytes(8, "big"))
+        h.update(part)
+    return h.digest()
+
+
+def _key_text(key: tuple) -> str:
+    """``message 1a2b...`` or ``job 1a2b... seq 7``."""
+    if len(key) == 2:
+        return f"job {bytes(key[0]).hex()[:16]} seq {key[1]}"
+    return f"message {bytes(key[0]).hex()[:16]}"
+
+
+def _verify_record(table: str, parts: tuple) -> str | None:
+    """Why a stored record without a digest does not verify, or None."""
+    try:
+        if table == "envelopes":
+            _reopen(bytes(parts[0]))
+        else:
+            LedgerEntry.decode(bytes(parts[0]), bytes(parts[1]))
+    except (CodecError, LedgerError) as exc:
+        return str(exc)[:200]
+    return None
 
 
 def _check_role(role: str) -> None:

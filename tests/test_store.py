@@ -472,7 +472,7 @@ def test_file_hashes_persist_and_a_version_1_store_is_migrated(db_path):
     with Store(db_path, COORD) as migrated:
         assert migrated.job(JOB).terms == TERMS and migrated.file_hashes() == []
         migrated.save_file_hashes(entries[:1])
-    assert raw(db_path).execute("SELECT version FROM schema_version").fetchone()[0] == SCHEMA_VERSION == 2
+    assert raw(db_path).execute("SELECT version FROM schema_version").fetchone()[0] == SCHEMA_VERSION == 3
 
 
 # -- faults (issue 17) -------------------------------------------------------------------------------
@@ -486,6 +486,80 @@ def test_a_store_truncated_to_zero_bytes_is_refused_not_started_anew(db_path):
     with pytest.raises(StoreError, match=r"agent.sqlite3: the store is empty \(0 bytes\): it was truncated"):
         Store(db_path, COORD)
     assert db_path.stat().st_size == 0  # and nothing was written over it
+
+
+def test_a_store_truncated_after_a_kill_9_beside_its_wal_is_refused(db_path):
+    """Issue 25: kill -9 left agent.sqlite3-wal; the store was then truncated to 0 bytes, and the agent
+    started on a fresh schema (3 jobs and 21 ledger entries gone, no message). The WAL excused the 0
+    bytes. Now the store is refused when neither the file nor its WAL holds the schema."""
+    db_path.parent.mkdir(parents=True)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.test_store", "child", str(db_path), "0"],
+                            cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    for n, _ in enumerate(proc.stdout):
+        if n == 5:  # its pages so far checkpointed into the file (as SQLite does every 1000 pages), then killed
+            checkpoint = raw(db_path)
+            checkpoint.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            checkpoint.close()
+        if n == 8:
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+    proc.wait(timeout=30)
+    proc.stdout.close()
+    wal = db_path.with_name(db_path.name + "-wal")
+    assert wal.exists()
+    db_path.write_bytes(b"")
+    with pytest.raises(StoreError, match=r"agent.sqlite3: the store is empty \(0 bytes; its WAL holds no schema\)"):
+        Store(db_path, COORD)
+    assert db_path.stat().st_size == 0
+
+
+def test_random_bytes_over_a_ledger_signature_or_a_stored_report_are_refused_at_open(db_path):
+    """Issue 25: 32 random bytes over a stored ledger signature, or inside a stored report's envelope,
+    went unnoticed at start (only `job ledger` found the first; nothing found the second)."""
+    with Store(db_path, COORD) as s:
+        fill_ledger(s)
+        good = s.record(report_envelope(1), NOW)
+    db = raw(db_path)
+    (signature,) = db.execute("SELECT signature FROM ledger WHERE seq = 1").fetchone()
+    db.execute("UPDATE ledger SET signature = ? WHERE seq = 1", (os.urandom(32) + signature[32:],))
+    db.commit()
+    with pytest.raises(StoreError, match=rf"agent.sqlite3: the store is damaged: ledger record job {JOB.hex()[:16]} "
+                                         r"seq 1 does not match its digest"):
+        Store(db_path, COORD)
+    db.execute("UPDATE ledger SET signature = ? WHERE seq = 1", (signature,))
+    (data,) = db.execute("SELECT data FROM envelopes").fetchone()
+    damaged = bytearray(data)
+    damaged[40:72] = os.urandom(32)
+    db.execute("UPDATE envelopes SET data = ?", (bytes(damaged),))
+    db.commit()
+    with pytest.raises(StoreError, match=rf"envelopes record message {good.message_id.hex()[:16]} does not match"):
+        Store(db_path, COORD)
+    db.execute("UPDATE envelopes SET data = ?", (data,))
+    db.commit()
+    with Store(db_path, COORD) as again:
+        assert again.verify_ledger(JOB) == 3 and len(again.reports(JOB)) == 1
+
+
+def test_a_version_2_store_is_verified_in_full_once_and_given_digests(db_path):
+    with Store(db_path, COORD) as s:
+        fill_ledger(s)
+        s.record(report_envelope(1), NOW)
+    db = raw(db_path)
+    db.execute("UPDATE envelopes SET digest = NULL")
+    db.execute("UPDATE ledger SET digest = NULL")
+    db.execute("UPDATE schema_version SET version = 2")
+    (signature,) = db.execute("SELECT signature FROM ledger WHERE seq = 2").fetchone()
+    db.execute("UPDATE ledger SET signature = ? WHERE seq = 2", (bytes(64),))
+    db.commit()
+    with pytest.raises(StoreError, match=rf"ledger record job {JOB.hex()[:16]} seq 2 does not verify"):
+        Store(db_path, COORD)
+    db.execute("UPDATE ledger SET signature = ? WHERE seq = 2", (signature,))
+    db.commit()
+    with Store(db_path, COORD) as migrated:
+        assert migrated.verify_ledger(JOB) == 3
+    assert db.execute("SELECT COUNT(*) FROM ledger WHERE digest IS NULL").fetchone() == (0,)
+    assert db.execute("SELECT COUNT(*) FROM envelopes WHERE digest IS NULL").fetchone() == (0,)
+    assert db.execute("SELECT version FROM schema_version").fetchone() == (SCHEMA_VERSION,)
 
 
 def test_garbage_in_a_middle_page_is_refused_at_open(db_path):

@@ -34,6 +34,7 @@ Rules of this file:
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -84,6 +85,9 @@ class JobView:
     # we do not act as its coordinator until it is done (agent/node.py is_coordinator)
     catching_up: bool = False
     last_applied: float = 0.0  # when a message last applied (a stalled mirror asks peers: agent/node.py)
+    # when each lease, report and aggregate applied here ("lease"/"report", key) / ("aggregate", round):
+    # live, our clock; rebuilt from the store or a peer's history, the envelope's signed time
+    applied_at: dict[tuple[str, Any], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._replaying = False
@@ -134,6 +138,24 @@ class JobView:
     def current_key(self, index: int) -> Key:
         s = self.shard(index)
         return (self.state.round, index, s.attempt)
+
+    def utilization(self) -> Any:
+        """How busy the job kept its workers (agent/utilization.py): every report's signed training
+        seconds, ending when the report applied here; rounds between the aggregates' arrivals."""
+        from agent.utilization import Trained, measure
+
+        trained = []
+        for key, (report, signer) in self.reports.items():
+            end, leased = self.applied_at.get(("report", key)), self.applied_at.get(("lease", key))
+            if end is None:
+                continue
+            seconds = report.metrics.get("train_seconds", 0.0)
+            seconds = seconds if isinstance(seconds, (int, float)) and math.isfinite(seconds) else 0.0
+            # a worker states its own seconds: never more than since its lease applied here
+            trained.append(Trained(signer, key[0], end, min(seconds, end - leased) if leased is not None else seconds))
+        ends = {rnd: self.applied_at[("aggregate", rnd)] for rnd in self.aggregates if ("aggregate", rnd) in self.applied_at}
+        starts = [t for (kind, key), t in self.applied_at.items() if kind == "lease" and key[0] == 1]
+        return measure(trained, ends, min(starts) if starts else None)
 
     # -- applying messages -----------------------------------------------------------------------
 
@@ -294,6 +316,7 @@ class JobView:
             actions = self.step(st.ReportReceived(msg.round, msg.shard, signer, msg.attempt), now, count=count)
             if actions is not None:
                 self.reports[(msg.round, msg.shard, msg.attempt)] = (msg, signer)
+                self.applied_at[("report", (msg.round, msg.shard, msg.attempt))] = now
             return actions
         if isinstance(msg, m.ShardRelease):
             return self.step(st.Released(msg.round, msg.shard, signer, msg.attempt), now, count=count)
@@ -335,6 +358,7 @@ class JobView:
                     log.warning("job %s: lease attempt %d, our mirror says %d", self.job_id.hex()[:8],
                                 msg.attempt, granted[0].attempt)
                 self.leases[(msg.round, msg.shard, msg.attempt)] = msg
+                self.applied_at[("lease", (msg.round, msg.shard, msg.attempt))] = now
             return actions
         if isinstance(msg, m.Verdict):
             actions = self.step(st.VerdictGiven(msg.round, msg.shard, msg.attempt, msg.accepted, msg.reason), now,
@@ -351,6 +375,7 @@ class JobView:
             actions = self.step(st.AggregatePublished(msg.round, msg.adapter_cid, msg.final), now, count=count)
             if actions is not None:
                 self.aggregates[msg.round] = msg
+                self.applied_at[("aggregate", msg.round)] = now
             return actions
         return None
 
