@@ -372,6 +372,11 @@ class Soak:
             return True
         return False
 
+    def _wait_for(self, condition: Callable[[], bool], seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.5)
+
     def _check_job(self, job: dict, detail: dict) -> None:
         from protocol.ledger import verify_export
 
@@ -380,11 +385,26 @@ class Soak:
             self.report.violations.append(f"job {short} ended {detail['state']} without a reason")
         submitter = self.agents["submitter"]
         export = self.root / f"ledger-{short}.json"
-        try:
-            request(submitter.home, "job.ledger", timeout=60, job=job["id"], sync=True, export=str(export))
-            verified = verify_export(json.loads(export.read_text()))
-        except Exception as exc:  # noqa: BLE001 - ControlError, LedgerError: a violation with its line
-            self.report.violations.append(f"job {short}: its ledger does not verify: {exc}")
+        verified = None
+        for attempt in range(LEDGER_TRIES):
+            # the fault schedule runs meanwhile: a submitter killed or frozen during the request is not
+            # a bad ledger; ask again once it is back (a ledger that does not verify is a violation at once)
+            self._wait_for(lambda: submitter.running and not submitter.down and not submitter.frozen, 60.0)
+            try:
+                export.unlink(missing_ok=True)
+                request(submitter.home, "job.ledger", timeout=60, job=job["id"], sync=True, export=str(export))
+                verified = verify_export(json.loads(export.read_text()))
+                break
+            except ControlError as exc:
+                if attempt == LEDGER_TRIES - 1:
+                    self.report.violations.append(f"job {short}: its ledger could not be read in {LEDGER_TRIES} "
+                                                  f"tries: {exc}")
+                    return
+                time.sleep(5.0)
+            except Exception as exc:  # noqa: BLE001 - LedgerError and the like: a violation with its line
+                self.report.violations.append(f"job {short}: its ledger does not verify: {exc}")
+                return
+        if verified is None:
             return
         rejected: dict[str, int] = {}
         accepted: set[tuple[int, int]] = set()
@@ -604,6 +624,9 @@ class Soak:
             subprocess.run(["umount", "-l", str(self.tmpfs)], capture_output=True)
         if self.hosts is not None:
             self.hosts.close()
+
+
+LEDGER_TRIES = 4  # asks of a finished job's ledger export while the submitter is killed and restarted
 
 
 def _interrupt(signum: int, frame: object) -> None:
