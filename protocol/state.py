@@ -26,7 +26,11 @@ worker and one *attempt*: each lease of a shard in a round is the next attempt, 
 up to ``max_retries + 1``. Every shard event names its round, shard and attempt, as the wire
 messages do, so a late message of an earlier attempt or round never passes for the current one. An
 attempt that ends badly (released, lease expired, report rejected, no verdict in time) is a
-*retry*: the shard reopens while attempts are left, else it is FAILED for the round. Every waiting
+*retry*: the shard reopens while attempts are left, else it is FAILED for the round. An attempt that
+ends with no verdict in time is not its worker's failure (the worker reported; the coordinator did
+not decide: it died, or could not get the submitter to keep the adapter, IPIP-0006 §2.6.1): it is
+*excused*, counted apart, so the retry budget (``max_retries + 1`` attempts) counts only attempts
+whose worker failed, and a shard may also have up to ``max_retries + 1`` excused attempts a round. Every waiting
 state has a timer, so no shard can be held forever by a silent worker or a silent verifier.
 A checkpoint extends its attempt's lease, but an attempt takes at most ``max_checkpoints`` of them
 (the number its training needs, from the terms, plus a margin): past that a lease holder's commits
@@ -151,6 +155,7 @@ class ShardState:
     expires_at: float | None = None  # lease expiry (LEASED) or end of the verification window (REPORTED)
     late_verdict: str | None = None  # OPEN only: its verification window expired; that attempt's worker
     checkpoints: int = 0  # checkpoints seen in the current attempt (at most config.max_checkpoints)
+    excused: int = 0  # attempts of this round that ended with no verdict in time (not the worker's failure)
 
 
 @dataclass(frozen=True)
@@ -558,12 +563,19 @@ def _shard_step(
         reason = f"lease of attempt {shard.attempt} expired"
     elif shard_input is ShardInput.VERIFICATION_EXPIRED:
         reason = f"no verdict on attempt {shard.attempt} in time"
-    if shard.attempt < config.attempts_per_round:
+    excused = shard.excused + (shard_input is ShardInput.VERIFICATION_EXPIRED)
+    failed = shard.attempt - excused  # attempts whose worker failed (released, expired, rejected)
+    if failed < config.attempts_per_round and excused <= config.attempts_per_round:
         late = shard.worker if shard_input is ShardInput.VERIFICATION_EXPIRED else None  # its verdict may follow
-        reopened = replace(shard, phase=ShardPhase.OPEN, worker=None, expires_at=None, late_verdict=late)
+        reopened = replace(shard, phase=ShardPhase.OPEN, worker=None, expires_at=None, late_verdict=late,
+                           excused=excused)
         return reopened, (ReopenShard(r, i, reason),)
-    reason = f"{reason}; no attempts left ({shard.attempt} of {config.attempts_per_round} used)"
-    return replace(shard, phase=ShardPhase.FAILED, worker=None, expires_at=None), (FailShard(r, i, reason),)
+    if excused > config.attempts_per_round:
+        reason = f"{reason}; {excused} attempts ended with no verdict in time, more than {config.attempts_per_round}"
+    else:
+        reason = f"{reason}; no attempts left ({failed} of {config.attempts_per_round} failed)"
+    return (replace(shard, phase=ShardPhase.FAILED, worker=None, expires_at=None, excused=excused),
+            (FailShard(r, i, reason),))
 
 
 def _read_shards(

@@ -29,7 +29,7 @@ Prints one JSON object per figure:
 plus the same with "efficiency_sync/..." against sync-DP, and "val_loss/..." lines with the raw
 losses (reference = the centralized loss at T; ratio = reference / value, higher is better).
 Usage: python scripts/bench_quality.py [--tasks demo,hard] [--workers 2,4,8] [--total 800]
-       [--rounds 8] [--outer nesterov:0.7:0.9,none] [--quick]
+       [--rounds 8] [--outer nesterov:0.7:0.9,none] [--records N] [--quick]
 """
 
 from __future__ import annotations
@@ -98,16 +98,22 @@ class Task:
     validation_file: Path
 
 
-def make_task(name: str, directory: Path) -> Task:
+def make_task(name: str, directory: Path, records: int = 0) -> Task:
+    """The task's training and validation files; ``records`` > 0: that many generated training records
+    (the demo task's generator for ``demo``) instead of the shipped 400, so long jobs are not many
+    epochs over a small set."""
     train, validation = directory / f"{name}-train.jsonl", directory / f"{name}-validation.jsonl"
-    if name == "demo":
+    if name == "demo" and records:
+        write_chatml(train, demo_records(records, seed=1))
+        write_chatml(validation, demo_records(48, seed=99))
+    elif name == "demo":
         from agent.demo import demo_dataset
 
         records = [{"messages": list(r.messages)} for r in read_chatml(demo_dataset()).records]
         write_chatml(train, records)
         write_chatml(validation, demo_records(48, seed=99))
     elif name == "hard":
-        write_chatml(train, hard_records(400, seed=1))
+        write_chatml(train, hard_records(records or 400, seed=1))
         write_chatml(validation, hard_records(48, seed=99))
     else:
         raise SystemExit(f"bench_quality: unknown task {name!r} (known: demo, hard)")
@@ -264,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="carried | fresh (comma list): each round's AdamW from the averaged state, or afresh")
     parser.add_argument("--quick", action="store_true", help="demo task, W=4, T=200: a smoke run")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--records", type=int, default=0,
+                        help="training records per task (0: the shipped 400); more keeps long jobs off many epochs")
     parser.add_argument("--network", action="store_true",
                         help="also one row from a real `infernet demo` (demo task, W=4, the first --rounds)")
     args = parser.parse_args(argv)
@@ -276,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     outers = [(text, parse_outer(text)) for text in args.outer.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench-quality-") as tmp:
         for task_name in args.tasks.split(","):
-            task = make_task(task_name, Path(tmp))
+            task = make_task(task_name, Path(tmp), args.records)
             trainer = Trainer(config, task)
             started = time.perf_counter()
             [everything] = trainer.split(1)

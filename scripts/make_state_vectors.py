@@ -87,7 +87,22 @@ make("job-fails", "max_retries=0 and every shard required: one release fails the
     (4.0, Tick()),
 ])
 
-make("timers", "Verification window and aggregation window: a report without a verdict within lease_seconds counts as a failed attempt; an aggregate not published within lease_seconds fails the job.",
+make("no-verdict-excused", "An attempt whose report got no verdict within lease_seconds is excused, not its worker's failure (the coordinator died, or the submitter could not keep the adapter: IPIP-0006 §2.6.1): max_retries=1 allows 2 failed attempts and, apart, 2 excused ones a round. Attempts 1 and 2 end with no verdict (excused 1, 2: reopened); attempt 3's lease expires (failed 1: reopened); attempt 4 ends with no verdict again (excused 3 > 2): the shard FAILS, and the job with it.",
+     dict(shards=1, rounds=1, lease_seconds=60.0, max_retries=1, min_accepted_fraction=1.0, deadline=None), [
+    (0.0, LeaseGranted(1, 0, A)),
+    (10.0, ReportReceived(1, 0, A, 1)),
+    (70.0, Tick()),
+    (71.0, LeaseGranted(1, 0, B)),
+    (80.0, ReportReceived(1, 0, B, 2)),
+    (140.0, Tick()),
+    (141.0, LeaseGranted(1, 0, C)),
+    (201.0, Tick()),
+    (202.0, LeaseGranted(1, 0, A)),
+    (210.0, ReportReceived(1, 0, A, 4)),
+    (270.0, Tick()),
+])
+
+make("timers", "Verification window and aggregation window: a report without a verdict within lease_seconds reopens the shard (an excused attempt, see state-no-verdict-excused); an aggregate not published within lease_seconds fails the job.",
      dict(shards=1, rounds=1, lease_seconds=60.0, max_retries=1, min_accepted_fraction=1.0, deadline=None), [
     (0.0, LeaseGranted(1, 0, A)),
     (10.0, ReportReceived(1, 0, A, 1)),

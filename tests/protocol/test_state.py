@@ -466,7 +466,11 @@ class History:
             assert new == old and actions == (), "a terminal job never changes"
             return
         for before, after in zip(old.shards, new.shards):
-            assert after.attempt <= config.attempts_per_round, "a round allows max_retries + 1 leases per shard"
+            # max_retries + 1 attempts whose worker failed, and apart up to as many excused ones (no verdict in time)
+            assert after.excused <= config.attempts_per_round + 1, "excused attempts are bounded"
+            assert after.attempt - after.excused <= config.attempts_per_round, \
+                "a round allows max_retries + 1 failed attempts per shard"
+            assert after.attempt <= 2 * config.attempts_per_round + 1, "a round allows a bounded number of leases"
             if new.round == old.round:
                 assert after.attempt >= before.attempt, "attempt numbers never go back within a round"
             if after.phase in (LEASED, REPORTED):
@@ -481,7 +485,8 @@ class History:
             if expired and not new.terminal:
                 assert after.attempt > before.attempt or after.phase in (OPEN, SHARD_FAILED), "expiry reopens or fails"
             if after.phase is SHARD_FAILED and before.phase is not SHARD_FAILED:
-                assert after.attempt == config.attempts_per_round, "a shard fails only once its attempts are spent"
+                assert (after.attempt - after.excused == config.attempts_per_round
+                        or after.excused == config.attempts_per_round + 1), "a shard fails only once its attempts are spent"
         if new.phase is JobPhase.AGGREGATING and old.phase is not JobPhase.AGGREGATING:
             assert all(s.phase in (ACCEPTED, SHARD_FAILED) for s in new.shards)
             assert new.count(ACCEPTED) >= config.min_accepted_shards, "aggregate only when the acceptance rule holds"
