@@ -26,6 +26,7 @@ lying submitter can only confuse mirrors of its own job.
 from __future__ import annotations
 
 import logging
+import random
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -139,7 +140,7 @@ async def _fetch_verified(agent: RolePort, view: Any, timeout: float, what: str,
     return verified
 
 
-PEERS_ASKED = 3  # a restarted submitter asks at most this many live peers for what it missed
+PEERS_ASKED = 8  # a restarted (or stalled) submitter asks at most this many live peers for what it missed
 
 
 async def submitter_catch_up(agent: RolePort, view: Any, timeout: float = TIMEOUT) -> set[bytes]:
@@ -154,12 +155,24 @@ async def submitter_catch_up(agent: RolePort, view: Any, timeout: float = TIMEOU
     await agent.wait_until(lambda: bool(agent.live_peers()), 2 * timeout)
     # a moment for the others' heartbeats and capabilities
     await agent.wait_until(lambda: len(agent.live_peers()) >= 2, min(window, 2.0))
-    live = agent.live_peers()
+    live = sorted(agent.live_peers())
     coordinator = view.coordination.coordinator
-    peers = sorted(live, key=lambda p: (p != coordinator, p))[:PEERS_ASKED]
+    # the coordinator first, the others in a new order each time: the soak saw a stalled submitter ask the
+    # same three peers (sorted by ID) every minute while none of them held the release that had ended the
+    # job on the others. They are asked at once (a dead one costs its timeout once, not in turn).
+    random.shuffle(live)
+    peers = sorted(live, key=lambda p: p != coordinator)[:PEERS_ASKED]
+    histories: dict[str, list[Any] | None] = {}
+
+    async def fetch(peer: str) -> None:
+        histories[peer] = await _fetch_verified(agent, view, timeout, "catch up", peer)
+
+    async with trio.open_nursery() as nursery:
+        for peer in peers:
+            nursery.start_soon(fetch, peer)
     applied: set[bytes] = set()
     for peer in peers:
-        verified = await _fetch_verified(agent, view, timeout, "catch up", peer)
+        verified = histories.get(peer)
         for data, opened in verified or ():
             if agent.store.has_envelope(opened.envelope.message_id):
                 continue
