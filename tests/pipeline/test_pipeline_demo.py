@@ -47,7 +47,7 @@ def test_demo_spec_with_a_dataset_of_ones_own(tmp_path):
 
 def test_demo_refuses_a_missing_or_too_small_dataset_before_starting_agents(tmp_path, tiny_dir):
     done = cli("demo", "--dataset", str(tmp_path / "missing.jsonl"), "--dir", str(tmp_path / "a"))
-    assert_one_line_error(done, "missing.jsonl", "cannot read")
+    assert_one_line_error(done, "missing.jsonl", "no such file")
     small = tmp_path / "small.jsonl"
     small.write_text(json.dumps({"messages": [{"role": "user", "content": "q"},
                                               {"role": "assistant", "content": "a"}]}) + "\n")
