@@ -304,8 +304,8 @@ def run_demo(options: DemoOptions) -> int:
                               + f"{agg['validation_loss']:.3f}  (coordinator, job's validation split)")
         from agent.progress import utilization_line
 
-        if utilization_line(detail):
-            console.print(utilization_line(detail), highlight=False)
+        if line := utilization_line(detail):
+            console.print(line, highlight=False)
         console.print(f"aggregate CID:   {fetched['cid']}")
         console.print(f"validation loss: {before:.3f} (base) -> {after:.3f} (base + adapter)")
         console.print(f"adapter (Hugging Face PEFT layout): {fetched['path']}")

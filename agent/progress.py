@@ -69,8 +69,8 @@ class JobProgress:
         for agg in job.get("aggregates", []):
             rows.append(Text(f"round {agg['round']} aggregate {agg['cid']} ({agg['method']} over shards {agg['shards']})"
                              + aggregate_score(agg) + timing.get(agg["round"], ""), style="green"))
-        if utilization_line(job):
-            rows.append(Text(utilization_line(job)))
+        if line := utilization_line(job):
+            rows.append(Text(line))
         for item in job.get("not_held", []):  # the submitter keeps trying to hold a copy
             what = f"shard {item['shard']} adapter" if item["kind"] == "adapter" else "aggregate"
             rows.append(Text(f"round {item['round']} {what} {item['cid']}: accepted, not yet held by the submitter",
