@@ -42,7 +42,7 @@ class JsonLines(logging.Formatter):
                 "msg": record.getMessage()}
         if record.exc_info and record.exc_info[1] is not None:
             line["error"] = f"{type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
-        for key in ("peer_id", "addrs"):
+        for key in ("peer_id", "addrs", "loop_blocked_s"):
             if hasattr(record, key):
                 line[key] = getattr(record, key)
         return json.dumps(line, default=str)
@@ -88,7 +88,28 @@ def run_daemon(identity: "Identity", config: "AgentConfig", *, metrics_port: int
         for timer in _exit_timers:  # trio.run returned: the process ends (or goes on) normally
             timer.cancel()
         _exit_timers.clear()
-    return 0
+    _end_process()
+    return 0  # not reached
+
+
+def _end_process() -> None:
+    """End a stopped agent's process at once, with status 0.
+
+    Everything of ours is closed when trio.run returns (the store too). What can remain is a thread
+    still inside torch: training abandoned by the stop's cancellation (``abandon_on_cancel``). Letting
+    the interpreter finalize then destroys C++ thread objects still joinable, and the process dies
+    with SIGABRT (``terminate called without an active exception``; the 30-minute soak saw it once in
+    19 SIGTERMs, exit -6). Logs and standard streams are flushed first."""
+    import os
+
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)
 
 
 async def _main(identity: "Identity", config: "AgentConfig", metrics_port: int | None) -> None:
@@ -190,6 +211,12 @@ def metrics_text(agent: "Agent") -> str:
               "# TYPE infernet_gossip_invalid_by_reason_total counter"]
     lines += [f'infernet_gossip_invalid_by_reason_total{{reason="{reason}"}} {n}'
               for reason, n in sorted(gossip.reasons.items())]
+    watch = agent.loopwatch
+    lines += ["# HELP infernet_event_loop_lag_seconds_max The longest the event loop was blocked (every network "
+              "deadline of that time is missed).", "# TYPE infernet_event_loop_lag_seconds_max gauge",
+              f"infernet_event_loop_lag_seconds_max {watch.lag_max:.3f}",
+              f"# HELP infernet_event_loop_stalls_total Times the event loop was blocked over {watch.stall:g} s.",
+              "# TYPE infernet_event_loop_stalls_total counter", f"infernet_event_loop_stalls_total {watch.stalls}"]
     lines += ["# HELP infernet_uptime_seconds Seconds since the agent started.", "# TYPE infernet_uptime_seconds gauge",
               f"infernet_uptime_seconds {time.time() - agent.started_at:.1f}"]
     return "\n".join(lines) + "\n"

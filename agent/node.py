@@ -76,6 +76,7 @@ from agent.net.host import NetConfig
 from agent.net.stack import Network, open_network
 from agent.hooks import AgentHooks
 from agent.ledger_sync import LedgerService
+from agent.loopwatch import LoopWatch
 from agent.ledger_sync import sync_loop as ledger_sync_loop
 from agent.roles.coordinator import CoordinatorRole
 from agent.roles.job import JobView
@@ -158,6 +159,7 @@ class Agent:
         self.store: Store | None = None
         self.nursery: trio.Nursery | None = None
         self.started_at = 0.0
+        self.loopwatch = LoopWatch()  # how long our event loop was blocked, and by what (agent/loopwatch.py)
         self.hearing_peers_since: float | None = None  # other peers' heartbeats arrive without a break since
         self.store_full: str | None = None  # why we refuse new work: our store cannot be written (disk full)
         self._store_full_logged = 0.0
@@ -239,6 +241,7 @@ class Agent:
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
             self.service("store writer", self._store_writer)
+            self.service("event loop watch", self.loopwatch.run)
             await self._resume_jobs()
             jobs_topic = await self.net.gossip.subscribe(m.TOPIC_JOBS)
             self.service("jobs topic reader", self._read_jobs_topic, jobs_topic)

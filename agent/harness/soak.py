@@ -21,7 +21,9 @@ Rules of this file:
   healed); a full disk (then freed). At most two workers are down, frozen, cut off or full at once,
   so a job can always end.
 - Invariants, checked as it runs and at each job's end; each break is a *violation* with a line:
-  every job ends DONE, or FAILED with a reason, within ``job_timeout``; no agent exits that was not
+  every job ends DONE, or FAILED with a reason, by its deadline: each job's spec declares
+  ``max_runtime_hours`` of ``job_timeout`` seconds, which every mirror enforces (IPIP-0004 §4), and
+  the submitter must show the end within ``DEADLINE_GRACE`` seconds after it; no agent exits that was not
   killed or stopped; no verdict signed by the worker it judges; no honest peer's work rejected (all
   peers here are honest) and none blacklisted; no worker leased in a round after its work was
   rejected; no accepted shard missing from its round's aggregate; every job's signed ledger, as the
@@ -51,12 +53,15 @@ from agent.config import CONFIG_FILE, IDENTITY_FILE
 from agent.control import ControlError, request
 from agent.demo import agent_config
 from agent.keyfile import save_identity
+from agent.loopwatch import STALL
 from protocol.identity import Identity
 
 LISTEN_PORT = 4001  # on each harness host (each its own address); on loopback: any free port
 DISK_MB = 256  # the disk worker's tmpfs
 MAX_DOWN = 2  # workers down, frozen, cut off or full at once
 CHECK_EVERY = 5.0
+
+DEADLINE_GRACE = 60.0  # seconds after a job's deadline for the submitter (maybe down) to show its end
 
 FAULTS = {  # kind -> weight
     "kill9": 3, "term": 2, "freeze": 2, "kill9-submitter": 1, "join": 1, "partition": 2, "disk-full": 1,
@@ -100,6 +105,9 @@ class SoakReport:
     violations: list[str] = field(default_factory=list)
     accepted_lost: int = 0
     service_failures: int = 0  # supervised tasks that failed and were restarted (logged errors)
+    loop_stalls: int = 0  # an agent's event loop blocked over agent/loopwatch.py's STALL seconds
+    loop_worst: float = 0.0  # the longest of those, seconds
+    stream_timeouts: int = 0  # "no stream within" (a stream to a peer not opened in time)
     placement: str = "loopback"
 
     @property
@@ -132,7 +140,9 @@ class SoakReport:
         lines += [f"not made here: {k} ({why})" for k, why in sorted(self.skipped.items())]
         lines += [f"job {j['id'][:16]}: {j['state']} in {j['seconds']:.0f} s"
                   + (f" - {j['reason']}" if j.get("reason") else "") for j in self.jobs]
-        lines += [f"service tasks restarted after an error: {self.service_failures}"]
+        lines += [f"service tasks restarted after an error: {self.service_failures}",
+                  f"event loops blocked over {STALL:g} s: {self.loop_stalls} (longest {self.loop_worst:.1f} s); "
+                  f"streams not opened in time: {self.stream_timeouts}"]
         lines += [f"VIOLATION: {v}" for v in self.violations[:50]]
         return "\n".join(lines)
 
@@ -155,6 +165,8 @@ class Soak:
         self.joins = 0
         self.blacklisted_seen: dict[str, int] = {}
         self.failures_seen: dict[str, int] = {}
+        self.stalls_seen: dict[str, int] = {}
+        self.timeouts_seen: dict[str, int] = {}
         self.started = time.monotonic()
 
     # -- set-up ------------------------------------------------------------------------------------
@@ -337,8 +349,10 @@ class Soak:
         n = len(self.report.jobs) + 1
         spec = self.root / f"soak-job-{n}.yml"
         text = demo_spec(DemoOptions(workers=3, shards=3, rounds=2, steps=6))
+        # the job's own deadline, enforced by every mirror, is what bounds it (not the checker's patience)
         spec.write_text(text.replace("name: infernet-demo", f"name: soak-{n}").replace(
-            "lease_seconds: 120", "lease_seconds: 30"))
+            "lease_seconds: 120", "lease_seconds: 30")
+            + f"resources:\n  max_runtime_hours: {self.options.job_timeout / 3600:.6f}\n")
         try:
             answer = request(submitter.home, "job.announce", timeout=120, spec=str(spec), dataset=str(self.dataset))
         except ControlError as exc:
@@ -365,10 +379,10 @@ class Soak:
                     self.say(f"soak: job {job['id'][:16]} {job['state']} in {elapsed:.0f} s"
                              + (f" ({job['reason']})" if job["reason"] else ""))
                     return True
-        if elapsed > self.options.job_timeout:
+        if elapsed > self.options.job_timeout + DEADLINE_GRACE:
             job["seconds"] = elapsed
-            self.report.violations.append(f"job {job['id'][:16]} did not end within {self.options.job_timeout:.0f} s "
-                                          f"({job['state']})")
+            self.report.violations.append(f"job {job['id'][:16]} did not end by its deadline "
+                                          f"({self.options.job_timeout:.0f} s, + {DEADLINE_GRACE:.0f} s): {job['state']}")
             return True
         return False
 
@@ -584,6 +598,13 @@ class Soak:
         failures = len(re.findall(r'"logger": "agent\.supervise"', text))
         self.report.service_failures += failures - self.failures_seen.get(agent.name, 0)
         self.failures_seen[agent.name] = failures
+        stalls = [float(x) for x in re.findall(r'"loop_blocked_s": ([0-9.]+)', text)]
+        self.report.loop_stalls += len(stalls) - self.stalls_seen.get(agent.name, 0)
+        self.report.loop_worst = max([self.report.loop_worst, *stalls])
+        self.stalls_seen[agent.name] = len(stalls)
+        timeouts = text.count("no stream within")
+        self.report.stream_timeouts += timeouts - self.timeouts_seen.get(agent.name, 0)
+        self.timeouts_seen[agent.name] = timeouts
 
     # -- the end -----------------------------------------------------------------------------------
 
