@@ -38,6 +38,7 @@ def test_daemon_answers_the_cli_and_stops_cleanly_on_sigterm(tmp_path, daemons, 
     port = int(log.split("127.0.0.1:")[1].split("/metrics")[0])
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert "# TYPE infernet_peers gauge" in text and "infernet_shards_trained_total 0" in text
+    assert "infernet_event_loop_stalls_total " in text and "infernet_event_loop_lag_seconds_max " in text
 
     # a dataset that cannot be trained is refused before anything is written or announced (issue 17)
     (tmp_path / "bad").mkdir()
