@@ -415,6 +415,16 @@ def _with_tiny_model(config: Any) -> Any:
     return replace(config, models=config.models + ((TINY_MODEL_NAME, str(cached)),))
 
 
+def _disk_lines(d: dict | None) -> list[str]:
+    if not d:
+        return []
+    mb = 1e6
+    quota = f" of max_disk_gb {d['max_bytes'] / 1e9:g}" if d.get("max_bytes") else " (no limit: max_disk_gb = 0)"
+    return [f"  disk:      {d['total_bytes'] / mb:,.1f} MB{quota}: work {d['work_bytes'] / mb:,.1f} MB, "
+            f"blocks {d['blocks_bytes'] / mb:,.1f} MB, store and logs {d['other_bytes'] / mb:,.1f} MB; "
+            f"collected {d['collected_bytes'] / mb:,.1f} MB since the start"]
+
+
 def cmd_agent_status(args: argparse.Namespace) -> int:
     from agent.control import request
 
@@ -427,7 +437,7 @@ def cmd_agent_status(args: argparse.Namespace) -> int:
         f"  peers:     {s['peers']} live, {s['connected']} connected",
         f"  training:  {'accepted' if s['accept_training'] else 'not accepted'}; {s['active_shards']} active shard(s);"
         f" coordinating: {'yes' if s['can_coordinate'] else 'no'}",
-        f"  jobs:      {jobs}"] + _reach_lines(s.get("reach")) + ([f"  REFUSING NEW WORK: {s['refusing_work']}"] if s.get("refusing_work") else [])))
+        f"  jobs:      {jobs}"] + _disk_lines(s.get("disk")) + _reach_lines(s.get("reach")) + ([f"  REFUSING NEW WORK: {s['refusing_work']}"] if s.get("refusing_work") else [])))
     return 0
 
 

@@ -86,6 +86,11 @@ train_processes = 0
 # Seconds a content fetch (dataset shard, adapter, checkpoint) may take before it gives up.
 fetch_timeout = 120.0
 
+# The most this agent's home (work directories, content blocks, its store) may use, in GB; 0 = no
+# limit. What no running job needs any more is collected either way (every minute); with a limit, a
+# shard is claimed only when one more piece of work still fits (agent/disk.py).
+max_disk_gb = 0
+
 # Seconds between heartbeats; a peer missing this many heartbeats is considered gone.
 heartbeat_seconds = 1.0
 missed_heartbeats = 5
@@ -112,6 +117,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "listen": list, "bootstrap": list, "announce": list, "relay": (bool, str), "accept_training": bool, "can_coordinate": bool,
     "max_concurrent_shards": int, "allowed_base_models": list, "min_price_per_hour": (int, float),
     "price_per_hour": (int, float), "threads": int, "train_processes": int, "ipfs_api": str, "fetch_timeout": (int, float),
+    "max_disk_gb": (int, float),
     "heartbeat_seconds": (int, float), "missed_heartbeats": int, "grace_seconds": (int, float),
     "claim_interval": (int, float), "models": dict, "gossip_max_rate": (int, float),
     "gossip_max_burst": (int, float), "measure_speed": bool,
@@ -125,6 +131,7 @@ RANGES: dict[str, tuple[float, float, str]] = {
     "min_price_per_hour": (0, 1e9, ""),
     "price_per_hour": (0, 1e9, ""),
     "fetch_timeout": (1, 86400, " seconds"),
+    "max_disk_gb": (0, 1e6, " GB (0: no limit)"),
     "heartbeat_seconds": (0.1, 60, " seconds"),  # 0 was a busy loop flooding every peer
     "missed_heartbeats": (2, 100, ""),
     "grace_seconds": (0, 600, " seconds"),

@@ -74,6 +74,7 @@ from agent.net.errors import NetError
 from agent.net.gossip import GossipConfig
 from agent.net.host import NetConfig
 from agent.net.stack import Network, open_network
+from agent.disk import Disk
 from agent.hooks import AgentHooks
 from agent.ledger_sync import LedgerService
 from agent.loopwatch import LoopWatch
@@ -127,6 +128,8 @@ class AgentConfig:
     grace_seconds: float = 3.0
     claim_interval: float = 1.0
     fetch_timeout: float = 120.0
+    max_disk_gb: float = 0.0  # the most the home may use (agent/disk.py); 0 = no limit
+    disk_grace_seconds: float = 120.0  # files younger than this are never collected (agent/disk.py GRACE)
     ipfs_api: str | None = None
     gossip_max_rate: float = 200.0  # messages per second accepted from one peer (its signed messages) ...
     gossip_max_burst: float = 400.0  # ... with this much burst; beyond it they are dropped at the first hop
@@ -159,6 +162,8 @@ class Agent:
         self.store: Store | None = None
         self.nursery: trio.Nursery | None = None
         self.started_at = 0.0
+        self.disk = Disk(config.home, config.home / "work", config.home / "blocks", config.max_disk_gb,
+                         config.disk_grace_seconds)  # use, collection and quota (agent/disk.py)
         self.loopwatch = LoopWatch()  # how long our event loop was blocked, and by what (agent/loopwatch.py)
         self.hearing_peers_since: float | None = None  # other peers' heartbeats arrive without a break since
         self.store_full: str | None = None  # why we refuse new work: our store cannot be written (disk full)
@@ -196,6 +201,10 @@ class Agent:
         self._hashes_saved = 0  # position in FILE_HASHES already saved to the store
         self.store_limiter = trio.CapacityLimiter(1)  # store writes in a worker thread, one at a time, in order
         self._writes_queued = trio.Event()  # set when write_soon queued a write for _store_writer
+        self._disk_lock = trio.Lock()  # one disk collection at a time
+        # blocks we added for a round of a job that no message may name yet (a proof's checkpoints, a
+        # report or aggregate not yet published): kept from collection while the round is live
+        self.held: dict[bytes, dict[int, set[str]]] = {}
         self._job_rows: dict[bytes, tuple[str, int, int]] = {}  # (state, round, term) last written per job
 
     # -- life cycle -----------------------------------------------------------------------------
@@ -242,6 +251,7 @@ class Agent:
             self.nursery = nursery
             self.service("store writer", self._store_writer)
             self.service("event loop watch", self.loopwatch.run)
+            self.service("disk collection", self._collect_disk_loop)
             await self._resume_jobs()
             jobs_topic = await self.net.gossip.subscribe(m.TOPIC_JOBS)
             self.service("jobs topic reader", self._read_jobs_topic, jobs_topic)
@@ -845,7 +855,11 @@ class Agent:
         try:
             await trio.to_thread.run_sync(self.store.probe_write, limiter=self.store_limiter)
             await trio.to_thread.run_sync(_probe_work_dir, self.work_dir)
-        except StoreFullError as exc:
+            if self.disk.quota is not None:
+                if trio.current_time() - self.disk.collected_at > 5.0:  # at most every 5 s while we refuse
+                    await self.collect_disk()
+                self.disk.check_claim()
+        except StoreFullError as exc:  # a full disk, or our quota (agent/disk.py DiskQuotaError)
             self.refuse_work(exc)
             return False
         if self.store_full is not None:
@@ -853,6 +867,46 @@ class Agent:
             self.store_full = None
             self.one_shot("capability", self._publish_capability)
         return True
+
+    def hold(self, job_id: bytes, rnd: int, cid: Any) -> None:
+        """Keep ``cid``, added for round ``rnd`` of the job, from disk collection while that round is
+        live, though no message names it (agent/disk.py)."""
+        self.held.setdefault(job_id, {}).setdefault(rnd, set()).add(str(cid))
+
+    async def collect_disk(self) -> None:
+        """Delete the blocks and work directories no job needs any more (agent/disk.py), measuring the
+        home's use before and after; in a worker thread (one at a time)."""
+        from agent import disk
+
+        busy: dict[bytes, list[tuple[int, int, int]]] = {}
+        for job_id, rnd, shard, attempt in (self.worker.active if self.worker else {}):
+            busy.setdefault(job_id, []).append((rnd, shard, attempt))
+        plans = [disk.plan_job(view, self.peer_id, busy.get(view.job_id, ()), self.held.get(view.job_id, {}))
+                 for view in list(self.jobs.values())]
+        for plan in plans:  # what the plans no longer hold is forgotten
+            held = self.held.get(bytes.fromhex(plan.job_id_hex), {})
+            for rnd in [r for r in held if r < plan.oldest]:
+                del held[rnd]
+
+        def collect() -> None:
+            self.disk.observe()
+            found = disk.collect(self.work_dir, self.content.store, plans, grace=self.disk.grace)
+            self.disk.account(found)
+            if found:
+                self.disk.observe()
+                log.info("disk: collected %d blocks and %d work directories (%.1f MB) no job needs; home uses "
+                         "%.1f MB", found.blocks, found.dirs, found.bytes / 1e6, self.disk.usage.total / 1e6)
+
+        async with self._disk_lock:
+            await trio.to_thread.run_sync(collect)
+            self.disk.collected_at = trio.current_time()
+
+    async def _collect_disk_loop(self) -> None:
+        from agent.disk import INTERVAL
+
+        while True:
+            await self.collect_disk()
+            await trio.sleep(INTERVAL)
 
     async def _publish_capability(self) -> None:
         with trio.move_on_after(10):

@@ -610,6 +610,7 @@ class CoordinatorRole:
         if sealed:  # a private job's final aggregate: only its submitter can open it (ipips/0010)
             out = await trio.to_thread.run_sync(seal_dir, out, work / "sealed", terms.submitter)
         cid = await agent.content.add_file(await pack_dir_off_loop(out, work / "adapter.tar"), provide=False)
+        agent.hold(view.job_id, action.round, cid)
         agent.provide_soon(cid)  # in the background: a slow DHT peer must not delay the aggregate
         if not agent.is_coordinator(view):
             return

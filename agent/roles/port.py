@@ -67,6 +67,7 @@ class RolePort(Protocol):
 
     # -- content and network -------------------------------------------------------------------------
     content: Any  # agent/content/service.ContentService: fetch, add_file
+    def hold(self, job_id: bytes, rnd: int, cid: Any) -> None: ...  # keep an added block from collection
     net: Any  # agent/net/stack.Network: sync opens streams on its host
     def provide_soon(self, cid: Any) -> None: ...
 

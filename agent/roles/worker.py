@@ -313,6 +313,7 @@ class WorkerRole:
         async def commit(event: Any) -> None:
             cid = await agent.content.add_file(await pack_dir_off_loop(event.path, event.path.with_suffix(".tar")),
                                                 provide=False)
+            agent.hold(view.job_id, lease.round, cid)
             checkpoint_cids[event.step] = str(cid)
             await agent.publish(m.CheckpointCommit(
                 view.job_id, lease.round, lease.shard, lease.attempt, event.step, event.index, event.head,
@@ -329,10 +330,12 @@ class WorkerRole:
         genesis = request.run_dir / "checkpoints" / "step-000000"
         checkpoint_cids[0] = str(await agent.content.add_file(await pack_dir_off_loop(genesis, genesis.with_suffix(".tar")),
                                                               provide=False))
+        agent.hold(view.job_id, lease.round, checkpoint_cids[0])  # named only inside the proof
         head = self.training.after_training(result.adapter_dir, request.run_dir / PROOF_FILE, result.head)
         # provided in the background: the report names us, and a slow DHT peer must not delay it (issue 17)
         adapter_cid = await agent.content.add_file(
             await pack_dir_off_loop(result.adapter_dir, run_dir / "adapter.tar"), provide=False)
+        agent.hold(view.job_id, lease.round, adapter_cid)
         agent.provide_soon(adapter_cid)
         proof_dir = run_dir / "proof"
         proof_dir.mkdir()
@@ -340,6 +343,7 @@ class WorkerRole:
         (proof_dir / CHECKPOINTS_FILE).write_text(json.dumps({str(k): v for k, v in sorted(checkpoint_cids.items())}))
         proof_cid = await agent.content.add_file(await pack_dir_off_loop(proof_dir, run_dir / "proof.tar"),
                                                provide=False)
+        agent.hold(view.job_id, lease.round, proof_cid)
         agent.provide_soon(proof_cid)
         metrics = {"train_seconds": float(result.train_seconds), "tokens_per_s": float(result.tokens_per_second)}
         if result.validation_loss is not None:

@@ -1,0 +1,287 @@
+"""An agent's disk: what it uses, what it must keep, what it collects, and its quota (``max_disk_gb``).
+
+Before this, every round's work directory (~5.6 MB a round on the tiny model, gigabytes on a real
+one) and every content block stayed forever: an agent filled its own disk (issue 25). The rules:
+
+- **What is kept.** For a job that is still running: the blocks of its terms (dataset shards,
+  validation split) and of every message of the current and the previous round (leases' initial
+  adapters, checkpoints, reports' adapters and proofs, aggregates): what a lease, a verification, a
+  take-over or a rebuild of the round's aggregate can still ask for (IPIP-0004 §4, IPIP-0006 §2.6.1).
+  For a job we submitted, finished or not: every block of it (the submitter's results and evidence
+  are the operator's; ``job fetch`` reads them). For a finished job of someone else's: nothing.
+  Work directories (scratch) of rounds before the previous one go, and the whole directory of a
+  finished job of someone else's; a directory an active shard of ours still uses is never touched.
+- **Young files are kept.** A block or directory written in the last ``grace`` seconds is kept
+  whatever the rules say: a fetch or a checkpoint in flight has blocks no message names yet.
+- **Collection** marks every block reachable from a kept root (the UnixFS DAG, through
+  ``protocol.unixfs.child_cids``) and deletes the rest; it runs in a worker thread, every
+  ``INTERVAL`` seconds and before each claim when a quota is set.
+- **The quota.** With ``max_disk_gb`` set, the agent claims a shard only if, after a collection, its
+  home uses less than the quota minus the most that one piece of our work added so far
+  (``reserve``); otherwise it refuses work (``Agent.refuse_work``: the capability says so, no lease
+  comes) until collection makes room. ``agent status`` shows the use and the quota.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agent.store import StoreFullError
+from protocol.cid import parse_cid
+from protocol.errors import CIDError
+from protocol.unixfs import child_cids
+
+if TYPE_CHECKING:
+    from agent.content.blockstore import BlockStore
+    from agent.roles.job import JobView
+
+log = logging.getLogger(__name__)
+
+GRACE = 120.0  # seconds: a file younger than this is never collected
+INTERVAL = 60.0  # seconds between collections (and before each claim when a quota is set)
+GB = 1_000_000_000
+
+_ROUND_ENTRY = re.compile(r"^(?:verify-|aggregate-|fetched-)?r(\d+)(?:-s\d+-a\d+)?(?:\.tar)?$")
+
+
+class DiskQuotaError(StoreFullError):
+    """Our home uses (or would use with the next piece of work) more than ``max_disk_gb``."""
+
+
+@dataclass
+class Usage:
+    work: int = 0  # bytes under home/work
+    blocks: int = 0  # bytes under home/blocks
+    other: int = 0  # the store, its WAL, logs, keys, the rest of home
+
+    @property
+    def total(self) -> int:
+        return self.work + self.blocks + self.other
+
+    def as_json(self) -> dict:
+        return {"work_bytes": self.work, "blocks_bytes": self.blocks, "other_bytes": self.other,
+                "total_bytes": self.total}
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass  # removed meanwhile
+    return total
+
+
+def measure(home: Path, work: Path, blocks: Path) -> Usage:
+    """What ``home`` uses now, split into work directories, blocks and the rest (the store, logs)."""
+    usage = Usage(work=_tree_bytes(work), blocks=_tree_bytes(blocks))
+    usage.other = max(0, _tree_bytes(home) - usage.work - usage.blocks) if home not in (work, blocks) else 0
+    return usage
+
+
+def _cids_of(obj: Any) -> Iterator[str]:
+    """Every CID a signed message (or its nested records) names: the fields marked ``cid_field``."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if f.metadata.get("kind") == "cid":
+                if isinstance(value, str) and value:
+                    yield value
+            elif isinstance(value, (tuple, list)) or dataclasses.is_dataclass(value):
+                yield from _cids_of(value)
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _cids_of(item)
+
+
+@dataclass
+class JobPlan:
+    """What the collector may do with one job's blocks and work directory (made on the event loop)."""
+
+    job16: str  # the job's work directory name (16 hex digits)
+    finished: bool
+    ours: bool  # we submitted it
+    round: int
+    job_id_hex: str = ""
+    oldest: int = 0  # the oldest round whose blocks are kept (a finished job of someone else's: none)
+    roots: set[str] = field(default_factory=set)  # CIDs to keep
+    busy: set[str] = field(default_factory=set)  # work entries an active shard of ours uses
+
+
+def plan_job(view: "JobView", me: str, busy: Iterable[tuple[int, int, int]] = (),
+             held: dict[int, set[str]] | None = None) -> JobPlan:
+    """Decide, from the job's mirror, which of its blocks and work entries are still needed.
+    ``held``: CIDs we added for a round that no message may name yet (``Agent.hold``), by round."""
+    finished = view.state.terminal
+    ours = view.terms.submitter == me
+    plan = JobPlan(view.job_id.hex()[:16], finished, ours, view.state.round,
+                   busy={f"r{r}-s{s}-a{a}" for r, s, a in busy}, job_id_hex=view.job_id.hex())
+    if finished and not ours:
+        plan.oldest = 1 << 30
+        return plan
+    oldest = plan.oldest = 0 if ours else view.state.round - 1
+    for rnd, cids in (held or {}).items():
+        if rnd >= oldest:
+            plan.roots.update(cids)
+    plan.roots.update(_cids_of(view.terms))
+    messages: list[Any] = list(view.leases.values()) + [c for cs in view.commits.values() for c in cs]
+    messages += [report for report, _ in view.reports.values()] + list(view.aggregates.values())
+    for msg in messages:
+        if msg.round >= oldest:
+            plan.roots.update(_cids_of(msg))
+    return plan
+
+
+@dataclass
+class Collected:
+    blocks: int = 0
+    dirs: int = 0
+    bytes: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks or self.dirs)
+
+
+def _old(path: Path, now: float, grace: float) -> bool:
+    try:
+        return now - path.lstat().st_mtime >= grace
+    except OSError:
+        return False
+
+
+def _remove(path: Path) -> int:
+    size = _tree_bytes(path) if path.is_dir() else (path.lstat().st_size if path.exists() else 0)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+    return size
+
+
+def collect(work: Path, blocks: "BlockStore", plans: list[JobPlan], *, grace: float = GRACE,
+            now: float | None = None) -> Collected:
+    """Delete what no plan keeps (in a worker thread: it walks directories and reads blocks)."""
+    now = time.time() if now is None else now
+    out = Collected()
+    for plan in plans:
+        job_dir = work / plan.job16
+        if not job_dir.is_dir():
+            continue
+        if plan.finished and not plan.ours:
+            if not plan.busy and _old(job_dir, now, grace) and \
+                    all(_old(p, now, grace) for p in job_dir.iterdir()):
+                out.bytes += _remove(job_dir)
+                out.dirs += 1
+            continue
+        for entry in job_dir.iterdir():
+            match = _ROUND_ENTRY.match(entry.name)
+            if match is None or entry.name in plan.busy:
+                continue  # not a round's scratch (accepted/, validation.jsonl), or in use
+            old_round = plan.finished or int(match.group(1)) < plan.round - 1
+            if old_round and _old(entry, now, grace):
+                out.bytes += _remove(entry)
+                out.dirs += 1
+    keep = _reachable(blocks, (root for plan in plans for root in plan.roots))
+    for digest, path in _block_files(blocks.root):
+        if digest in keep or not _old(path, now, grace):
+            continue
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except OSError:
+            continue
+        out.blocks += 1
+        out.bytes += size
+    return out
+
+
+def _reachable(blocks: "BlockStore", roots: Iterable[str]) -> set[str]:
+    """The digests (hex) of every block reachable from ``roots`` that we hold."""
+    seen: set[str] = set()
+    stack = []
+    for text in set(roots):
+        try:
+            stack.append(parse_cid(text))
+        except CIDError:
+            continue
+    while stack:
+        cid = stack.pop()
+        digest = cid.digest.hex()
+        if digest in seen:
+            continue
+        seen.add(digest)
+        data = blocks.get_unchecked(cid)
+        if data is None:
+            continue
+        try:
+            stack.extend(child_cids(cid, data))
+        except CIDError:
+            continue  # a damaged block: kept, and refused when read (BlockStore.get)
+    return seen
+
+
+def _block_files(root: Path) -> Iterator[tuple[str, Path]]:
+    try:
+        subdirs = [d for d in root.iterdir() if d.is_dir() and len(d.name) == 2]
+    except OSError:
+        return
+    for sub in subdirs:
+        for path in sub.iterdir():
+            if not path.name.startswith(".") and len(path.name) == 64:
+                yield path.name, path
+
+
+class Disk:
+    """The agent's disk accounting: the last measured use, the quota, the reserve for one piece of work."""
+
+    def __init__(self, home: Path, work: Path, blocks: Path, max_disk_gb: float | None,
+                 grace: float = GRACE) -> None:
+        self.home, self.work, self.blocks_dir = home, work, blocks
+        self.quota = None if not max_disk_gb else int(max_disk_gb * GB)
+        self.grace = grace
+        self.usage = Usage()
+        self.reserve = 0  # the most our use grew between two claims: what one piece of work may need
+        self.collected = Collected()  # in all, since the start
+        self.collected_at = float("-inf")  # trio time of the last collection
+        self._after_last_claim: int | None = None  # our use just after the last claim's check
+        self._peak = 0  # the most we used since then (measured before each collection)
+
+    def observe(self) -> Usage:
+        """Measure the use now (a worker thread: it walks the home)."""
+        self.usage = measure(self.home, self.work, self.blocks_dir)
+        self._peak = max(self._peak, self.usage.total)
+        return self.usage
+
+    def account(self, found: Collected) -> None:
+        self.collected.blocks += found.blocks
+        self.collected.dirs += found.dirs
+        self.collected.bytes += found.bytes
+
+    def check_claim(self) -> None:
+        """Before a claim, after a collection: DiskQuotaError when the next piece of work could take us
+        over the quota. The reserve is the most our use grew between two claims (its peak, measured
+        before each collection, less what we used just after the last claim)."""
+        used = self.usage.total
+        if self._after_last_claim is not None:
+            self.reserve = max(self.reserve, self._peak - self._after_last_claim)
+        if self.quota is not None and used + self.reserve > self.quota:
+            raise DiskQuotaError(
+                f"{self.home}: disk quota: {used / GB:.3f} GB used (after collecting what no job needs) "
+                f"and one piece of work took up to {self.reserve / GB:.3f} GB; max_disk_gb is {self.quota / GB:g}")
+        self._after_last_claim = self._peak = used
+
+    def as_json(self) -> dict:
+        return {**self.usage.as_json(), "max_bytes": self.quota, "reserve_bytes": self.reserve,
+                "collected_bytes": self.collected.bytes, "collected_blocks": self.collected.blocks,
+                "collected_dirs": self.collected.dirs}
