@@ -81,6 +81,11 @@ async def _job_ledger(agent: "Agent", job: str, export: str | None = None, sync:
 
     view = await _find_job(agent, job)
     synced = await sync_job(agent, view) if sync else None
+    if export:  # the file carries our signed statement of every chain it holds (IPIP-0008 §6.1)
+        from agent.ledger_sync import write_heads
+
+        if await write_heads(agent, view):
+            await agent.flush_writes()
     entries = agent.store.ledger(view.job_id)
     problem = None
     try:

@@ -25,6 +25,10 @@ shown by ``infernet job ledger``.
 Only the chains of the job's participants (its submitter and whoever signed a stored message of
 it) are kept, each at most MAX_COPY entries: a stranger cannot fill our disk with chains of its own.
 
+Heads (IPIP-0008 §6.1): ``HEADS_AFTER`` seconds after a job ended, and before every export, an agent
+appends a *heads* entry to its own chain: how many entries of every other chain it holds, and the
+head's hash. ``ledger verify`` refuses an export that lacks or cuts a chain such an entry names.
+
 When: ``sync_loop`` pulls, every ``INTERVAL`` seconds, for each job we follow that is running or ended
 less than ``LINGER`` seconds ago, from each live participant (the submitter, the coordinator and
 every peer that signed a message of the job).
@@ -54,6 +58,7 @@ MAX_FRAME = MAX_ENTRY_BYTES + 128
 TIMEOUT = 20.0
 INTERVAL = 10.0
 LINGER = 120.0
+HEADS_AFTER = 30.0  # seconds after a job ended (our mirror) before we sign what we hold of its chains
 MAX_COPY = 200_000  # entries we keep of one author's chain of one job
 END = varint_encode(0)
 
@@ -77,10 +82,12 @@ class LedgerService:
     def __init__(self, agent: Any) -> None:
         self.agent = agent
         self.ended: dict[bytes, float] = {}  # followed jobs seen ended by ``sync_loop``: since when
+        self.heads_written: set[bytes] = set()  # ended jobs whose heads entry ``sync_loop`` wrote
 
     def forget(self, job_id: bytes) -> None:
         """The agent stopped following the job (agent/node.py ``forget_job``)."""
         self.ended.pop(job_id, None)
+        self.heads_written.discard(job_id)
 
     def install(self, host: Any) -> None:
         host.set_handler(PROTOCOL, self.handle, timeout=TIMEOUT)
@@ -221,6 +228,25 @@ async def sync_job(agent: Any, view: Any, peers: list[str] | None = None, timeou
     return {"peers": peers, "added": added, "conflicts": conflicts}
 
 
+async def write_heads(agent: Any, view: Any) -> bool:
+    """Append a heads entry (IPIP-0008 §6.1) to our chain of the job: how much we hold of every other
+    chain. Only when it says something our last one did not (a chain's attested length grew), so heads
+    entries never answer each other. True when one was queued (``agent.flush_writes`` makes it)."""
+    from protocol.ledger import heads_data
+
+    await agent.flush_writes()
+    chains = await trio.to_thread.run_sync(agent.store.chains, view.job_id, limiter=agent.store_limiter)
+    me = agent.identity.public_key
+    data = heads_data(chains, me)
+    if not data["chains"]:
+        return False
+    last = next((e for e in reversed(chains.get(me, [])) if e.kind == "heads"), None)
+    if last is not None and {k: list(v) for k, v in last.data.get("chains", {}).items()} == data["chains"]:
+        return False
+    agent.ledger(view.job_id, "heads", data)
+    return True
+
+
 async def sync_loop(agent: Any, interval: float = INTERVAL) -> None:
     """Keep our copies of every followed job's chains up to date (owned by the agent's nursery)."""
     ended = agent.ledger_service.ended  # emptied of a job when the agent forgets it
@@ -234,6 +260,11 @@ async def sync_loop(agent: Any, interval: float = INTERVAL) -> None:
                     continue
             try:
                 await sync_job(agent, view)
+                if view.state.terminal and now - ended[view.job_id] >= HEADS_AFTER and \
+                        view.job_id not in agent.ledger_service.heads_written:
+                    # once the job's last entries had time to reach us: what we hold, signed (§6.1)
+                    agent.ledger_service.heads_written.add(view.job_id)
+                    await write_heads(agent, view)
             except StoreFullError as exc:  # no room for the copies: refuse new work, as for any write
                 agent.refuse_work(exc)
             except Exception as exc:  # noqa: BLE001 - the copies are best effort; the agent runs on

@@ -15,6 +15,10 @@ Rules of this file:
 - The export file (IPIP-0008 §6) is JSON: the job's terms, each chain with its author's public key and
   its entries as hex; ``verify_export`` checks it whole and raises ``LedgerError`` whose text names
   the chain and entry index of the first problem.
+- A *heads* entry (§6.1) is an author's signed statement of how much it held of every other chain
+  (entries and head hash, up to each chain's last entry that is not itself a heads entry). An export
+  in which a chain named by a heads entry is missing, shorter, or different at that head does not
+  verify: a cut chain or a left-out participant is visible to anyone holding the file.
 
 No I/O here: the agent's store (agent/store.py) keeps the chains, agent/ledger_sync.py moves them.
 """
@@ -48,6 +52,8 @@ LEDGER_KINDS: dict[str, tuple[str, ...]] = {
     "cancel": ("reason",),
     "failed": ("reason",),
     "bill": ("bill_sha256", "total", "workers"),  # the submitter's signed bill (agent/market.py)
+    # what the author held of the other chains of the job: {peer ID: [entries, head hash hex]} (§6.1)
+    "heads": ("chains",),
 }
 """Each ledger kind and the keys its ``data`` map must hold (more keys are allowed)."""
 
@@ -235,6 +241,61 @@ MAX_EXPORT_CHAINS = 4096
 MAX_EXPORT_ENTRIES = 1_000_000
 
 
+MAX_HEADS = 256  # chains one heads entry names (its 64 KiB bound holds about 400)
+
+
+def attested_length(entries: list[LedgerEntry]) -> int:
+    """How many entries of a chain a heads entry vouches for: up to its last entry that is not itself a
+    heads entry (IPIP-0008 §6.1; so one agent's heads entry never makes another write one)."""
+    n = len(entries)
+    while n and entries[n - 1].kind == "heads":
+        n -= 1
+    return n
+
+
+def heads_data(chains: dict[bytes, list[LedgerEntry]], author: bytes) -> dict:
+    """The ``data`` of a heads entry by ``author``: every other chain held, by its attested length."""
+    held = {}
+    for key in sorted(chains):
+        n = attested_length(chains[key])
+        if key != author and n:
+            held[peer_id_from_public_key(key)] = [n, chains[key][n - 1].hash.hex()]
+        if len(held) == MAX_HEADS:
+            break
+    return {"chains": held}
+
+
+def _check_heads(chains: dict[str, list[LedgerEntry]], order: dict[str, int], bad: Any) -> None:
+    """Every heads entry's statement holds in the export: no chain it names is missing, shorter, or
+    different at the head it names (§6.1: truncation and a removed chain become visible)."""
+    for author, entries in chains.items():
+        for j, entry in enumerate(entries):
+            if entry.kind != "heads":
+                continue
+            where = f"chains[{order[author]}].entries[{j}]"
+            held = entry.data.get("chains")
+            if not isinstance(held, dict) or len(held) > MAX_HEADS:
+                raise bad(f"{where}.data.chains", f"expected a map of at most {MAX_HEADS} peer IDs to [entries, head]")
+            for peer, value in held.items():
+                if not (isinstance(peer, str) and isinstance(value, list) and len(value) == 2
+                        and isinstance(value[0], int) and not isinstance(value[0], bool) and value[0] >= 1
+                        and isinstance(value[1], str) and len(value[1]) == 64):
+                    raise bad(f"{where}.data.chains", f"{str(peer)[:60]!r}: expected [entries >= 1, head hash hex]")
+                if peer == author:
+                    continue
+                n, head = value
+                have = chains.get(peer)
+                if have is None:
+                    raise bad(where, f"{author} signed that it held {n} entries of the chain of {peer}, "
+                                     "and the export has no chain of it: a chain was left out")
+                if len(have) < n:
+                    raise bad(f"chains[{order[peer]}]", f"{len(have)} entries, but {author} signed at {where} that it "
+                                                        f"held {n} (head {head[:16]}…): the chain was cut short")
+                if have[n - 1].hash.hex() != head:
+                    raise bad(f"chains[{order[peer]}].entries[{n - 1}]",
+                              f"is not the head {head[:16]}… that {author} signed at {where}")
+
+
 def export_document(job_id: bytes, terms_wire: Optional[bytes], chains: dict[bytes, list[LedgerEntry]],
                     conflicts: list[dict] | tuple = ()) -> dict:
     """The export file's JSON object (IPIP-0008 §6): self-contained, checked by ``verify_export``."""
@@ -326,6 +387,7 @@ def verify_export(document: Any) -> VerifiedExport:
         except LedgerError as exc:
             raise bad(f"{where}.entries[{exc.seq}]", f"{exc.problem} (author {author_id})") from None
         out[author_id] = entries
+    _check_heads(out, {author: i for i, author in enumerate(out)}, bad)
     return VerifiedExport(job_id, out, name)
 
 

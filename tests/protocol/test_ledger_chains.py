@@ -15,7 +15,8 @@ import pytest
 
 from protocol.identity import Identity
 from protocol.ledger import (
-    EXPORT_FORMAT, ZERO_HASH, LedgerEntry, LedgerError, compare_chain, export_document, verify_chain, verify_export,
+    EXPORT_FORMAT, ZERO_HASH, LedgerEntry, LedgerError, compare_chain, export_document, heads_data, verify_chain,
+    verify_export,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,18 +36,24 @@ def chain(identity: Identity, kinds: list[tuple[str, dict]], job: bytes = JOB, s
 
 
 def sample_chains() -> dict[bytes, list[LedgerEntry]]:
-    worker = BOB.peer_id
+    """Alice (the submitter) ends her chain with a heads entry: she held Bob's 3 entries (IPIP-0008 §6.1)."""
+    bob = _bob_chain()
+    announced = ("announced", {"submitter": ALICE.peer_id, "model": "tiny", "parameters": {}, "shards": 1,
+                               "price_per_hour": 0.0, "budget": 0.0})
     return {
-        ALICE.public_key: chain(ALICE, [
-            ("announced", {"submitter": ALICE.peer_id, "model": "tiny", "parameters": {}, "shards": 1,
-                           "price_per_hour": 0.0, "budget": 0.0}),
-            ("done", {})]),
-        BOB.public_key: chain(BOB, [
+        ALICE.public_key: chain(ALICE, [announced, ("done", {}), ("heads", heads_data({BOB.public_key: bob},
+                                                                                     ALICE.public_key))]),
+        BOB.public_key: bob,
+    }
+
+
+def _bob_chain() -> list[LedgerEntry]:
+    worker = BOB.peer_id
+    return chain(BOB, [
             ("checkpoint", {"round": 1, "shard": 0, "attempt": 1, "step": 4, "loss": 2.5}),
             ("report", {"round": 1, "shard": 0, "attempt": 1, "worker": worker, "adapter_cid": "bafy", "duration": 9.0,
                         "samples": 8, "hardware": "cpu", "price_per_hour": 1.0}),
-            ("verdict", {"round": 1, "shard": 0, "attempt": 1, "worker": worker, "accepted": True, "reason": ""})]),
-    }
+            ("verdict", {"round": 1, "shard": 0, "attempt": 1, "worker": worker, "accepted": True, "reason": ""})])
 
 
 def _mutations(document: dict) -> list[tuple[str, dict]]:
@@ -69,6 +76,8 @@ def _mutations(document: dict) -> list[tuple[str, dict]]:
         slice(0, 2), [d["chains"][1]["entries"][1], d["chains"][1]["entries"][0]]))
     case("an entry of one author moved into another's chain",
          lambda d: d["chains"][0]["entries"].append(d["chains"][1]["entries"][2]))
+    case("a chain's last entry cut", lambda d: d["chains"][1]["entries"].pop())
+    case("a participant's whole chain left out", lambda d: (d["chains"].pop(1), d["keys"].pop(BOB.peer_id)))
     case("an author's key replaced", lambda d: d["keys"].__setitem__(BOB.peer_id, ALICE.public_key.hex()))
     case("terms that do not hash to the job", lambda d: d.__setitem__("terms", "80"))
     case("not hex", lambda d: d["chains"][0]["entries"][1].__setitem__("entry", "zz"))
@@ -81,7 +90,7 @@ def build_vectors() -> dict:
     return {
         "description": "A ledger export file (ipips/0008-ledger.md §6) of two chains, authors with seeds 0x05*32 and "
                        "0x06*32, and mutations of it that `infernet ledger verify` must refuse with exactly these lines.",
-        "valid": {"document": document, "chains": {ALICE.peer_id: 2, BOB.peer_id: 3}},
+        "valid": {"document": document, "chains": {ALICE.peer_id: 3, BOB.peer_id: 3}},
         "invalid": [{"name": name, "document": doc, "error": _error(doc)} for name, doc in _mutations(document)],
     }
 
@@ -109,7 +118,25 @@ def test_vectors_are_reproduced_and_each_mutation_fails_with_its_line():
     errors = {c["name"]: c["error"] for c in vectors["invalid"]}
     assert errors["a signature flipped"].startswith("chains[1].entries[2]: bad signature")
     assert errors["an entry dropped from the middle"].startswith("chains[1].entries[1]: missing")
-    assert errors["an entry of one author moved into another's chain"].startswith("chains[0].entries[2]:")
+    assert errors["an entry of one author moved into another's chain"].startswith("chains[0].entries[3]:")
+    assert errors["a chain's last entry cut"].startswith("chains[1]: 2 entries, but ") and "cut short" in \
+        errors["a chain's last entry cut"]
+    assert errors["a participant's whole chain left out"].startswith("chains[0].entries[2]: ") and \
+        "no chain of it" in errors["a participant's whole chain left out"]
+
+
+def test_heads_entries_vouch_for_content_entries_only_and_name_a_changed_head():
+    from protocol.ledger import attested_length
+
+    bob = _bob_chain()
+    later = chain(BOB, [(e.kind, e.data) for e in bob] + [("heads", {"chains": {}})])
+    assert attested_length(later) == 3 == attested_length(bob)  # a heads entry never calls for another
+    doc = export_document(JOB, None, sample_chains())
+    forked = chain(BOB, [(e.kind, e.data) for e in bob[:2]] + [("done", {})])  # Bob signed another 3rd entry
+    doc["chains"][1]["entries"] = [{"entry": e.encoded.hex(), "signature": e.signature.hex()} for e in forked]
+    with pytest.raises(LedgerError, match=r"chains\[1\]\.entries\[2\]: is not the head .* signed at "
+                                          r"chains\[0\]\.entries\[2\]"):
+        verify_export(doc)
 
 
 def test_verify_chain_names_the_first_bad_entry():

@@ -12,6 +12,7 @@ from agent import control, jobdata
 from agent.ledger_sync import sync_job
 from agent.sealing import SEALED_AGGREGATE_FILES
 from protocol import state as st
+from protocol.identity import peer_id_from_public_key
 from protocol.ledger import LedgerEntry
 from protocol.sealed import SealError
 from tests.roles.conftest import MODEL_NAME, network, write_dataset
@@ -117,7 +118,29 @@ async def test_a_private_job_on_a_cid_dataset_completes_sealed_and_its_ledger_is
         ledger = await jobdata._job_ledger(submitter, announced["id"], export=str(export))
         assert ledger["verified"] and not ledger["conflicts"]
         checked = jobdata.verify_export_file(export)
-        assert checked.entries == sum(len(h) for h in authors.values()) and checked.job_name == "records-test"
+        # the exporter signed what it held of every other chain (IPIP-0008 §6.1): one heads entry more
+        assert checked.entries == sum(len(h) for h in authors.values()) + 1 and checked.job_name == "records-test"
+        heads = checked.chains[submitter.peer_id][-1]
+        assert heads.kind == "heads" and heads.data["chains"] == {
+            peer_id_from_public_key(key): [len(h), h[-1].hex()] for key, h in authors.items()
+            if h and key != submitter.identity.public_key}
+        # so a copy of the file with a trainer's last entry cut, or a chain left out, no longer verifies
+        document = json.loads(export.read_text())
+        index = next(i for i, c in enumerate(document["chains"]) if c["author"] != submitter.peer_id)
+        cut = json.loads(json.dumps(document))
+        cut["chains"][index]["entries"].pop()
+        (tmp_path / "cut.json").write_text(json.dumps(cut))
+        with pytest.raises(Exception, match=f"chains\\[{index}\\]: .*the chain was cut short"):
+            jobdata.verify_export_file(tmp_path / "cut.json")
+        author = document["chains"][index]["author"]
+        del document["chains"][index], document["keys"][author]
+        (tmp_path / "left-out.json").write_text(json.dumps(document))
+        with pytest.raises(Exception, match="a chain was left out"):
+            jobdata.verify_export_file(tmp_path / "left-out.json")
+        # a second export with nothing new held adds no heads entry
+        before = len(submitter.store.ledger(job_id))
+        await jobdata._job_ledger(submitter, announced["id"], export=str(tmp_path / "again.json"))
+        assert len(submitter.store.ledger(job_id)) == before
 
         # one trainer truncates its own chain, another rewrites (forks) its last entry: the others see it
         trainers = [w for w in workers if any(e.kind == "report" for e in w.store.ledger(job_id))]
