@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     announce.add_argument("spec", type=Path, metavar="SPEC.yml")
     announce.add_argument("--dataset", type=Path, help="ChatML JSONL dataset (default: the spec's input.dataset)")
     announce.add_argument("--yes", action="store_true", help="announce without showing the estimate and asking")
+    announce.add_argument("--wait", action="store_true",
+                          help="announce even when no live peer can train it now (it waits for one)")
     estimate = job.add_parser("estimate", parents=[common, reader],
                               help="tokens, steps, worker-hours and cost of a job spec on the providers heard now")
     estimate.add_argument("spec", type=Path, metavar="SPEC.yml")
@@ -603,9 +605,10 @@ def cmd_job_announce(args: argparse.Namespace) -> int:
                             "then pass --yes")
     job = request(home, "job.announce", timeout=300, spec=str(spec_path),
                   dataset=str(dataset) if dataset else None,
-                  max_nodes=args.max_nodes, providers=args.provider)
+                  max_nodes=args.max_nodes, providers=args.provider, wait=args.wait)
     _emit(args, job, f"announced job {job['id']}\n  {job['name']}: {job['shards']} shards x {job['rounds']} rounds\n"
-                     f"next: infernet job watch {job['id'][:12]}")
+                     + (f"  waiting: {job['waiting']}\n" if job.get("waiting") else "")
+                     + f"next: infernet job watch {job['id'][:12]}")
     return 0
 
 
@@ -665,6 +668,10 @@ def cmd_job_fetch(args: argparse.Namespace) -> int:
 
     result = request(_home(args), "job.fetch", timeout=300, job=args.id, out=str(args.out.expanduser().resolve()),
                      round=args.round)
+    from agent.pipeline.source import keep_job_record
+
+    # the job it came from, beside it: `infer --base` checks the base model's hash against it (issue 25)
+    keep_job_record(_home(args), request(_home(args), "job.show", job=result["id"]), result)
     _emit(args, result, f"aggregate of round {result['round']}{' (final)' if result['final'] else ''}: {result['cid']}\n"
                         f"  adapter (Hugging Face PEFT layout): {result['path']}\n"
                         f"  load: PeftModel.from_pretrained(base_model, {result['path']!r})")

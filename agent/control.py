@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 MAX_REQUEST = 64 * 1024
 MAX_RESPONSE = 16 << 20
 REQUEST_READ_TIMEOUT = 10.0
+CAPABILITY_WAIT = 10.0  # seconds `job announce` waits to hear a peer that can train the job (a peer tells its
+# capability to one it hears arrive: agent/node.py CAPABILITY_TELL_GAP)
 BILL_SYNC_SECONDS = 15.0  # `job bill` pulls the job's ledger chains for at most this long (the CLI waits 30 s)
 MAX_SOCKET_PATH = 100  # sun_path is 108 bytes on Linux, 104 on macOS
 
@@ -264,14 +266,25 @@ def _market_args(max_nodes: int | None, providers: list[str] | None) -> tuple[in
 
 
 async def _job_announce(agent: "Agent", spec: str, dataset: str | None = None, max_nodes: int | None = None,
-                        providers: list[str] | None = None) -> dict:
+                        providers: list[str] | None = None, wait: bool = False) -> dict:
     nodes, named = _market_args(max_nodes, providers)
     agent.submitter.check_room()  # past the limit of live jobs: refused before the dataset is sharded
     job_spec, data, model, cid = await _spec_inputs(agent, spec, dataset)
     terms = await agent.submitter.prepare_terms(job_spec, data, model, dataset_cid=cid, max_nodes=nodes,
                                                 providers=named)
+    from agent.market import trainers
+
+    able, why = trainers(agent, terms)
+    if not able and not wait:  # a submitter just started or restarted may not have heard them yet
+        await agent.wait_until(lambda: bool(trainers(agent, terms)[0]), CAPABILITY_WAIT)
+        able, why = trainers(agent, terms)
+    if not able and not wait:  # it would sit ANNOUNCED with nobody to train it (issue 25)
+        raise ControlError(f"not announced: {why}; start such a worker, or announce with --wait to let the "
+                           "job wait for one (until its max_runtime_hours)")
     view = await agent.submitter.announce(terms)
-    return job_summary(agent, view)
+    out = job_summary(agent, view)
+    out["waiting"] = why or None
+    return out
 
 
 async def _job_estimate(agent: "Agent", spec: str, dataset: str | None = None, max_nodes: int | None = None,
@@ -443,6 +456,11 @@ def job_detail(agent: "Agent", view: Any) -> dict:
     from agent.market import budget_json
 
     out["budget"] = budget_json(view)  # paid jobs: spent so far, and why leasing stopped (IPIP-0004 §12)
+    out["waiting"] = None  # why nothing happens: a job no live peer can train sat ANNOUNCED, unsaid (issue 25)
+    if not view.state.terminal and view.open_shards():
+        from agent.market import trainers
+
+        out["waiting"] = trainers(agent, view.terms)[1] or None
     # accepted work our submitter role has no copy of yet (it keeps trying): empty when all is held
     out["not_held"] = [{k: v for k, v in item.items() if k != "provider"} for item in agent.submitter.not_held(view)]
     from agent.jobdata import job_facts  # created, model hash, shard CIDs, parameters, price, cost so far

@@ -331,16 +331,10 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _keep_job_record(submitter: Path, detail: dict, fetched: dict) -> None:
-    """Beside the fetched aggregate, the job it came from (terms, signed losses, ledger head), so that
-    `infernet publish` of that directory states the job's provenance once the agents are gone."""
-    from agent.pipeline.source import write_job_record
+    """Beside the fetched aggregate, the job it came from (agent/pipeline/source.keep_job_record)."""
+    from agent.pipeline.source import keep_job_record
 
-    try:
-        ledger = request(submitter, "job.ledger", job=detail["id"])
-    except Exception:  # noqa: BLE001 - the ledger head is nice to have in a card, not needed
-        ledger = {}
-    rounds = [a["round"] for a in detail.get("aggregates", [])]
-    write_job_record(Path(fetched["path"]), detail, ledger, max(rounds) if rounds else 0, fetched["cid"])
+    keep_job_record(submitter, detail, fetched)
 
 
 def validation_losses(model_dir: Path, adapter_dir: Path, out: Path, *, dataset: Path | None = None,

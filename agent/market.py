@@ -300,6 +300,30 @@ def models(agent: "Agent") -> list[dict]:
     return [table[k] for k in sorted(table)]
 
 
+def trainers(agent: "Agent", terms: m.JobTerms) -> tuple[list[str], str]:
+    """The live peers (ourselves included) whose signed capability lets a coordinator lease them a shard
+    of the job (protocol/fit.lease_refusals), and, when there are none, one line saying why."""
+    from collections import Counter
+
+    from protocol.fit import lease_refusals
+
+    live = set(agent.live_peers())
+    caps = {peer: info.capability for peer, info in agent.peers.items() if peer in live}
+    caps[agent.peer_id] = agent.capability()
+    able, why = [], Counter()
+    for peer, cap in sorted(caps.items()):
+        reasons = lease_refusals(cap, terms)
+        if not reasons:
+            able.append(peer)
+        else:
+            why[reasons[0]] += 1
+    if able:
+        return able, ""
+    detail = "; ".join(f"{n} peer{'s' if n != 1 else ''}: {reason}" for reason, n in why.most_common(3))
+    return [], (f"no live peer can train it ({len(caps)} known, this agent included): {detail}; it waits for one "
+                f"that holds {terms.base_model} (sha256 {terms.base_model_sha256.hex()[:16]}…) and accepts training")
+
+
 def speeds_for(agent: "Agent", sha256: bytes, providers_only: tuple[str, ...] = ()) -> list[float]:
     """Advertised tokens/s of the live training peers holding the model (restricted to ``providers_only``)."""
     live, out = agent.live_peers(), []

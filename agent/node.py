@@ -104,6 +104,9 @@ MAX_LIVE_JOBS_PER_SUBMITTER = st.MAX_LIVE_JOBS_PER_SUBMITTER
 REBUILT_VIEWS = 8  # ended jobs' mirrors rebuilt from the store (job show/watch/bill of a forgotten job), kept
 
 
+CAPABILITY_TELL_GAP = 2.0  # seconds: at most one capability published this way per gap
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     """How one agent runs. Field names are the keys of the operator's config file."""
@@ -202,6 +205,7 @@ class Agent:
         self.store_limiter = trio.CapacityLimiter(1)  # store writes in a worker thread, one at a time, in order
         self._writes_queued = trio.Event()  # set when write_soon queued a write for _store_writer
         self._disk_lock = trio.Lock()  # one disk collection at a time
+        self._capability_told = 0.0  # when we last published our capability for a peer that arrived
         # blocks we added for a round of a job that no message may name yet (a proof's checkpoints, a
         # report or aggregate not yet published): kept from collection while the round is live
         self.held: dict[bytes, dict[int, set[str]]] = {}
@@ -431,9 +435,16 @@ class Agent:
             if isinstance(msg, m.Heartbeat):
                 if signer != self.peer_id and not self.live_peers():
                     self.hearing_peers_since = now  # the first peer heard since we (re)started or were alone
+                arrived = signer not in self.peers
                 info = self.peers.setdefault(signer, PeerInfo(now, live_since=now))
                 if now - info.last_heartbeat > self.config.heartbeat_seconds * self.config.missed_heartbeats:
                     info.live_since = now  # back after a silence (it restarted, or a partition healed)
+                    arrived = True
+                if arrived and signer != self.peer_id and now - self._capability_told > CAPABILITY_TELL_GAP:
+                    # a peer new to us (or back) has not heard our capability, published every 30 s: tell it
+                    # now, so a restarted submitter need not wait half a minute to know who can train a job
+                    self._capability_told = now
+                    self.one_shot("capability", self._publish_capability)
                 info.last_heartbeat = now
                 info.active_shards = msg.active_shards
                 self._notify()  # wait_until: someone may wait for a peer to be heard

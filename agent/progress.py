@@ -80,6 +80,8 @@ class JobProgress:
             rows.append(Text(f"budget: {budget['spent']:.4f} of {budget['total']:g} spent at {budget['price_per_hour']:g}/h"
                              + (f"; leasing stopped: {budget['leasing_stopped']}" if budget.get("leasing_stopped") else ""),
                              style="yellow" if budget.get("leasing_stopped") else ""))
+        if job.get("waiting"):
+            rows.append(Text(f"waiting: {job['waiting']}", style="yellow"))
         if job.get("reason"):
             rows.append(Text(f"ended: {job['reason']}", style="bold"))
         return Group(*rows)

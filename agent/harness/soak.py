@@ -58,6 +58,7 @@ from protocol.identity import Identity
 
 LISTEN_PORT = 4001  # on each harness host (each its own address); on loopback: any free port
 DISK_MB = 256  # the disk worker's tmpfs
+DISK_QUOTA = 0.6  # its max_disk_gb, as a share of that (agent/disk.py: it collects and refuses work to stay inside)
 MAX_DOWN = 2  # workers down, frozen, cut off or full at once
 CHECK_EVERY = 5.0
 
@@ -218,12 +219,25 @@ class Soak:
         else:
             listen = f"/ip4/127.0.0.1/tcp/{_free_port()}"
         submitter = name == "submitter"
+        extra = "fetch_timeout = 30.0\n"
+        if name == self.disk_worker and self.tmpfs is not None:
+            # the small disk: a quota well inside it, so its own work never fills it (the filler fault does)
+            extra += f"max_disk_gb = {DISK_MB * DISK_QUOTA / 1000:g}\n"
         (home / CONFIG_FILE).write_text(agent_config(accept=not submitter, coordinate=not submitter,
                                                      model_path=self.model, listen=listen, writer="harness soak",
-                                                     extra="fetch_timeout = 30.0\n"))
+                                                     extra=extra))
         agent = AgentProc(name, home, listen)
         self.agents[name] = agent
         return agent
+
+    def _logs(self, agent: AgentProc) -> Path:
+        """Where an agent's agent.log and stderr.log go: its home, but the disk worker's beside its small
+        disk (a full disk lost the lines that said why it exited)."""
+        if agent.name == self.disk_worker and self.tmpfs is not None:
+            kept = self.root / f"{agent.name}-logs"
+            kept.mkdir(exist_ok=True)
+            return kept
+        return agent.home
 
     def _bootstrap(self) -> str:
         submitter = self.agents["submitter"]
@@ -231,8 +245,9 @@ class Soak:
         return f"{submitter.listen}/p2p/{peer}"
 
     def _start(self, agent: AgentProc) -> None:
+        logs = self._logs(agent)
         command = [sys.executable, "-m", "agent.cli", "agent", "run", "--home", str(agent.home),
-                   "--log-file", str(agent.home / "agent.log")]
+                   "--log-file", str(logs / "agent.log")]
         if agent.name != "submitter":
             command += ["--bootstrap", self._bootstrap()]
         if self.hosts is not None:
@@ -241,7 +256,7 @@ class Soak:
                    PYTHONUNBUFFERED="1")
         from agent.demo import _die_with
 
-        with open(agent.home / "stderr.log", "ab") as stderr:
+        with open(logs / "stderr.log", "ab") as stderr:
             agent.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=env,
                                              start_new_session=True,
                                              preexec_fn=_die_with(os.getpid()))  # none outlives a killed soak
@@ -270,12 +285,12 @@ class Soak:
             self._prepare()
             self._start(self.agents["submitter"])
             if not self._wait_ready(self.agents["submitter"]):
-                raise RuntimeError(f"the submitter did not start: {_last_line(self.agents['submitter'].home)}")
+                raise RuntimeError(f"the submitter did not start: {_last_line(self._logs(self.agents['submitter']))}")
             for agent in list(self.agents.values())[1:]:
                 self._start(agent)
             for agent in list(self.agents.values())[1:]:
                 if not self._wait_ready(agent):
-                    raise RuntimeError(f"agent {agent.name} did not start: {_last_line(agent.home)}")
+                    raise RuntimeError(f"agent {agent.name} did not start: {_last_line(self._logs(agent))}")
             self.say(f"soak: {len(self.agents)} agents up ({self.report.placement}); "
                      f"{self.options.minutes:g} min of jobs under faults, seed {self.options.seed}")
             self._loop()
@@ -517,7 +532,7 @@ class Soak:
         # Anything else, or no exit within 30 s (then -9), breaks the invariant.
         if sig == signal.SIGTERM and agent.process.returncode not in (0, -signal.SIGTERM):
             self.report.violations.append(f"{agent.name} exited {agent.process.returncode} on SIGTERM "
-                                          f"(expected 0): {_last_line(agent.home)}")
+                                          f"(expected 0): {_last_line(self._logs(agent))}")
         delay = restart_after if restart_after is not None else self.rng.uniform(2, 8)
         self.undo.append((time.monotonic() + delay, f"restart {agent.name}", lambda: self._restart(agent)))
 
@@ -583,12 +598,12 @@ class Soak:
             if agent.process.poll() is not None:
                 agent.down = True  # reported once
                 self.report.violations.append(f"{agent.name} exited {agent.process.returncode} by itself: "
-                                              f"{_last_line(agent.home)}")
+                                              f"{_last_line(self._logs(agent))}")
             self._scan_log(agent)
 
     def _scan_log(self, agent: AgentProc) -> None:
         try:
-            text = (agent.home / "agent.log").read_text(errors="replace")
+            text = (self._logs(agent) / "agent.log").read_text(errors="replace")
         except OSError:
             return
         blacklisted = [line for line in text.splitlines() if "blacklisting" in line]
@@ -636,12 +651,7 @@ class Soak:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
-        if self.tmpfs is not None:  # its logs are kept beside the others before the disk goes
-            kept = self.root / f"{self.disk_worker}-logs"
-            kept.mkdir(exist_ok=True)
-            for name in ("agent.log", "stderr.log"):
-                if (self.tmpfs / name).exists():
-                    shutil.copy(self.tmpfs / name, kept / name)
+        if self.tmpfs is not None:  # (its logs are kept beside it already)
             subprocess.run(["umount", "-l", str(self.tmpfs)], capture_output=True)
         if self.hosts is not None:
             self.hosts.close()

@@ -236,6 +236,19 @@ def write_job_record(adapter: Path, detail: dict, ledger: dict, rnd: int, cid: s
     (adapter / JOB_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
+def keep_job_record(home: Path, detail: dict, fetched: dict) -> None:
+    """Beside an aggregate fetched by the agent in ``home`` (``job.fetch``'s answer), the job it came
+    from: terms, signed losses, the base model's hash, the ledger head. `infernet publish` states it in
+    the card once the agents are gone, and `infer --base` refuses a base model of another hash."""
+    from agent.control import request
+
+    try:
+        ledger = request(home, "job.ledger", job=detail["id"])
+    except Exception:  # noqa: BLE001 - the ledger head is nice to have in a card, not needed
+        ledger = {}
+    write_job_record(Path(fetched["path"]), detail, ledger, int(fetched["round"]), fetched["cid"])
+
+
 def job_spec_text(detail: dict) -> str:
     """The job's spec as its signed terms state it (``job show``'s detail), as YAML in the spec's own
     keys (IPIP-0007): model, description, method and parameters, shards and rounds, the dataset's CID,

@@ -52,11 +52,18 @@ def test_daemon_answers_the_cli_and_stops_cleanly_on_sigterm(tmp_path, daemons, 
                           f"{bad_data}: 1 records leave 1 to train for 2 shards: every shard needs at least one record")
     assert cli_json("job", "list", "--home", str(home)) == []
 
-    # announce a job (nobody trains it), list it, cancel it, read its ledger
+    # a job nobody could train is not announced unless asked to wait (issue 25: it sat ANNOUNCED, unsaid)
     spec = small_spec(tmp_path / "spec.yml")
-    job = cli_json("job", "announce", str(spec), "--home", str(home), timeout=180)
+    assert_one_line_error(cli("job", "announce", str(spec), "--home", str(home), timeout=180),
+                          "not announced: no live peer can train it (1 known, this agent included): 1 peer: "
+                          "its capability says it does not accept training", "--wait")
+    assert cli_json("job", "list", "--home", str(home)) == []
+    # announced with --wait, it says what it waits for (and job show says it too); list it, cancel it, read its ledger
+    job = cli_json("job", "announce", str(spec), "--home", str(home), "--wait", timeout=180)
     assert set(job) >= {"id", "name", "state", "round", "rounds", "shards", "accepted"}
     assert job["state"] == "ANNOUNCED" and job["shards"] == 2 and len(job["id"]) == 64
+    assert "holds infernet-tiny" in job["waiting"]
+    assert "waiting: no live peer can train it" in cli("job", "show", job["id"][:12], "--home", str(home)).stdout
     listed = cli_json("job", "list", "--home", str(home))
     assert [j["id"] for j in listed] == [job["id"]] and listed[0]["role"] == "submitter"
     assert_one_line_error(cli("job", "fetch", job["id"][:12], "--out", str(tmp_path / "out"), "--home", str(home)),

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.cli.conftest import Daemon, cli, cli_json, model_config, small_spec
+from tests.cli.conftest import Daemon, assert_one_line_error, cli, cli_json, model_config, small_spec
 
 
 def _network(tmp_path, daemons, model_dir, workers: int) -> Daemon:
@@ -43,8 +43,13 @@ def test_job_announce_watch_fetch_between_agent_processes(tmp_path, daemons, tin
     fetched = cli_json("job", "fetch", job["id"][:12], "--out", str(out), "--home", home, timeout=120)
     assert fetched["cid"] == states[-1]["aggregates"][-1]["cid"] and fetched["final"]
     # the adapter, and the averaged AdamW state the job carried (to continue training; peft ignores it)
+    # and the job it came from (issue 25: the base model's hash travels with the adapter)
     assert {p.name for p in out.iterdir()} == {"adapter_config.json", "adapter_model.safetensors",
-                                               "optimizer.safetensors"}
+                                               "optimizer.safetensors", "infernet-job.json"}
+    from agent.train.tiny import tiny_model
+
+    assert_one_line_error(cli("infer", str(out), "--base", str(tiny_model(seed=1)), "--prompt", "hi"),
+                          "adapter/base mismatch", "sha256")
     ledger = cli_json("job", "ledger", job["id"][:12], "--home", home)
     assert ledger["verified"] and "done" in [e["kind"] for e in ledger["entries"]]
     # issue 14: the ledger of every participant, exported and checked without an agent; job show's facts;
