@@ -4,7 +4,8 @@
 Modes: ``random_adapter`` (noise instead of the trained adapter), ``forged_chain`` (a self-consistent
 proof chain over batches it did not train on), ``wrong_base`` (trains another base model and claims
 none), ``stale_start`` (ignores the round's aggregate), ``crash`` (faulty, not Byzantine: its
-training always fails).
+training always fails), ``stall_once`` (faulty: its first shard waits ``STALL_SECONDS`` before
+training, as a worker on a full disk or a stopped machine does, so its lease runs out meanwhile).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import trio
 from agent.hooks import HonestTraining
 from agent.train.runner import run_torch
 
-MISBEHAVIOURS = ("random_adapter", "forged_chain", "wrong_base", "stale_start", "crash")  # crash: faulty, not Byzantine
+MISBEHAVIOURS = ("random_adapter", "forged_chain", "wrong_base", "stale_start", "crash", "stall_once")
+FAULTY = ("crash", "stall_once")  # faulty, not Byzantine: such a worker may coordinate
+STALL_SECONDS = 120.0
 
 
 class Byzantine(HonestTraining):
@@ -26,12 +29,16 @@ class Byzantine(HonestTraining):
         if mode not in MISBEHAVIOURS:
             raise ValueError(f"unknown misbehaviour {mode!r}; expected one of {', '.join(MISBEHAVIOURS)}")
         self.mode = mode
+        self.stalled = False
 
     def before_training(self) -> None:
         if self.mode == "crash":
             raise RuntimeError("training crashed (harness: this worker's training always fails)")
 
     async def base_model(self, home: Path) -> str | None:
+        if self.mode == "stall_once" and not self.stalled:
+            self.stalled = True
+            await trio.sleep(STALL_SECONDS)
         if self.mode != "wrong_base":
             return None
         from agent.train.tiny import tiny_model

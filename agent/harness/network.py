@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import trio
 
-from agent.harness.byzantine import byzantine
+from agent.harness.byzantine import FAULTY, byzantine
 from agent.hooks import AgentHooks
 from agent.net.gossip import GossipFaults
 from agent.node import Agent, AgentConfig
@@ -319,8 +319,9 @@ async def _run(agent: Agent, scope: trio.CancelScope, task_status: Any = trio.TA
 
 
 def worker_config(home: Path, model_dir: Path, bootstrap: tuple[str, ...], **overrides: Any) -> AgentConfig:
-    settings = {"models": ((MODEL_NAME, str(model_dir)),), **overrides}  # an override may name its own copy
-    return AgentConfig(home=home, bootstrap=bootstrap, accept_training=True, **settings)
+    settings = {"models": ((MODEL_NAME, str(model_dir)),), "accept_training": True,
+                **overrides}  # an override may name its own copy, or train nothing
+    return AgentConfig(home=home, bootstrap=bootstrap, **settings)
 
 
 @asynccontextmanager
@@ -357,7 +358,7 @@ async def network(home: Path, model_dir: Path, workers: int = 3, *, seed: int = 
         net.misbehave = {f"w{i}": mode for i, mode in misbehave.items() if mode is not None}
 
         def settings_of(i: int) -> dict:
-            settings = {"can_coordinate": misbehave.get(i) in (None, "crash"),
+            settings = {"can_coordinate": misbehave.get(i) in (None, *FAULTY),
                         **(overrides or {}).get(i, {})}
             listen = net.listen_for(f"w{i}")
             return {**settings, "listen": listen} if listen else settings
@@ -386,7 +387,7 @@ async def network(home: Path, model_dir: Path, workers: int = 3, *, seed: int = 
                 nursery.start_soon(net.start, f"w{i}", config)  # they start in parallel (imports take seconds)
             else:
                 await net.start(f"w{i}", config)
-        honest = len([i for i in range(workers) if misbehave.get(i) in (None, "crash") and i not in late
+        honest = len([i for i in range(workers) if misbehave.get(i) in (None, *FAULTY) and i not in late
                       and (overrides or {}).get(i, {}).get("can_coordinate", True)])
         try:
             await net.wait_until_meshed([n for n in net.agents], honest, timeout=120 if processes else 30)

@@ -62,6 +62,7 @@ class WorkerRole:
         self.training = training or HonestTraining()  # the harness's faults (agent/hooks.py), if any
         self.candidates: dict[bytes, JobView] = {}
         self.active: dict[tuple[bytes, int, int, int], m.ShardLease] = {}
+        self._scopes: dict[tuple[bytes, int, int, int], trio.CancelScope] = {}  # each active shard's training
         # job -> (when, round, whether we held a shard since) of our last claim
         self._last_claim: dict[bytes, tuple[float, int, bool]] = {}
         self._wake = trio.Event()
@@ -121,6 +122,7 @@ class WorkerRole:
             with trio.move_on_after(agent.config.claim_interval):
                 await self._wake.wait()
             self._wake = trio.Event()
+            self.drop_stale()
             if len(self.active) >= agent.config.max_concurrent_shards:
                 continue
             if agent.store_full is not None and not await agent.can_take_work():
@@ -167,11 +169,40 @@ class WorkerRole:
 
     def on_lease(self, view: JobView, lease: m.ShardLease) -> None:
         key = (view.job_id, lease.round, lease.shard, lease.attempt)
-        if key in self.active or len(self.active) >= self.agent.config.max_concurrent_shards:
+        if key in self.active:
+            return
+        if len(self.active) >= self.agent.config.max_concurrent_shards:
+            self.drop_stale()  # a lease of ours that ran out may hold the slot this new one needs
+        if len(self.active) >= self.agent.config.max_concurrent_shards:
             return
         self.active[key] = lease
         if not self.agent.spawn_in_job(view.job_id, self._run_shard, view, lease, key):
             self.active.pop(key, None)  # the job ended
+
+    def drop_stale(self) -> None:
+        """Stop training the shards whose attempt is no longer ours: its lease ran out (or the round or
+        the job moved on) while we trained, so no report of it can be accepted. Issue 25: after a full
+        disk a worker trained its expired attempt 2 to the end (the report silently refused) and ignored
+        the attempt-3 lease the coordinator gave it meanwhile; the shard's retries ran out."""
+        for key in list(self.active):
+            job_id, rnd, index, attempt = key
+            view = self.agent.jobs.get(job_id)
+            if view is None:
+                continue
+            shard = view.shard(index) if index < len(view.state.shards) else None
+            ours = (not view.state.terminal and view.state.round == rnd and shard is not None
+                    and shard.attempt == attempt and shard.worker == self.agent.peer_id
+                    and shard.phase in (st.ShardPhase.LEASED, st.ShardPhase.REPORTED))
+            if ours:
+                continue
+            scope = self._scopes.get(key)
+            if scope is not None and not scope.cancel_called:
+                log.warning("job %s shard %d attempt %d: no longer ours (%s); training stopped",
+                            job_id.hex()[:8], index, attempt,
+                            view.state.phase.value if view.state.terminal or view.state.round != rnd else
+                            f"now attempt {shard.attempt} {shard.phase.value}" if shard else "unknown shard")
+                scope.cancel()
+            self.active.pop(key, None)
 
     async def release_stale(self, view: JobView) -> None:
         """After a restart: give back the shards our mirror says we hold but no longer train, so
@@ -236,8 +267,10 @@ class WorkerRole:
 
     async def _run_shard(self, view: JobView, lease: m.ShardLease, key: tuple) -> None:
         agent = self.agent
+        scope = self._scopes[key] = trio.CancelScope()
         try:
-            await self._train_and_report(view, lease)
+            with scope:
+                await self._train_and_report(view, lease)
         except Exception as exc:  # noqa: BLE001 - a failed shard must not stop the agent
             log.warning("job %s shard %d: giving it back: %s", view.job_id.hex()[:8], lease.shard, exc)
             with trio.move_on_after(5):
@@ -245,6 +278,7 @@ class WorkerRole:
                                                    str(exc)[:1000] or type(exc).__name__))
         finally:
             self.active.pop(key, None)
+            self._scopes.pop(key, None)
             self._last_claim.pop(view.job_id, None)
             self.wake()
 
