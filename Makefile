@@ -43,11 +43,13 @@ interop: setup
 # from the same sdist into $(VENV)/share/llama.cpp, where `infernet publish` looks for it. Then its
 # tests, and scripts/pipeline_demo.py: a topic website on loopback -> `train data` -> a job on a
 # loopback network -> `publish` (merged, GGUF, Ollama) -> text from the GGUF (about 2 min).
-pipeline: $(VENV)/.llama-cpp-$(LLAMA_CPP_PYTHON)
+pipeline: $(VENV)/.llama-cpp-$(LLAMA_CPP_PYTHON)-portable
 	$(PY) -m pytest -q -m 'llama_cpp and not slow' tests/pipeline
 	$(PY) scripts/pipeline_demo.py
 
-$(VENV)/.llama-cpp-$(LLAMA_CPP_PYTHON): $(VENV)/.installed
+# Built portable (GGML_NATIVE=OFF: AVX2/FMA/F16C, no -march=native): a native build on a VM whose CPU
+# flags advertise AVX-512 and AMX it does not enable died with "Illegal instruction" (issue 25).
+$(VENV)/.llama-cpp-$(LLAMA_CPP_PYTHON)-portable: $(VENV)/.installed
 	mkdir -p build/llama-cpp
 	$(PY) -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: -d build/llama-cpp \
 		llama-cpp-python==$(LLAMA_CPP_PYTHON)
@@ -56,8 +58,9 @@ $(VENV)/.llama-cpp-$(LLAMA_CPP_PYTHON): $(VENV)/.installed
 	rm -rf $(VENV)/share/llama.cpp && mkdir -p $(VENV)/share/llama.cpp
 	cp -r build/llama-cpp/src/vendor/llama.cpp/convert_hf_to_gguf.py build/llama-cpp/src/vendor/llama.cpp/conversion \
 		build/llama-cpp/src/vendor/llama.cpp/gguf-py $(VENV)/share/llama.cpp/
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[gguf]' \
-		build/llama-cpp/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz
+	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(PY) -m pip install -q --disable-pip-version-check --no-cache-dir \
+		--force-reinstall --no-deps build/llama-cpp/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[gguf]'
 	touch $@
 
 demo: setup

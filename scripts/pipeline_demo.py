@@ -106,6 +106,11 @@ def check_llama_cpp() -> None:
         find_llama_cpp()
     except PipelineError as error:
         raise PipelineDemoError(str(error)) from None
+    from agent.pipeline.publish import llama_cpp_runs
+
+    why = llama_cpp_runs()  # generation runs llama.cpp in this process: a build this CPU cannot run says so first
+    if why:
+        raise PipelineDemoError(why)
 
 
 def generate_from_gguf(gguf: Path, prompt: str, max_tokens: int) -> tuple[str, int]:

@@ -176,24 +176,66 @@ def find_llama_cpp(explicit: Path | None = None) -> Path:
                         f"(installs llama.cpp's converter and quantizer), or give --llama-cpp-path to a llama.cpp checkout")
 
 
+_QUANTIZE = """
+import sys
+import llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype, params.nthread = int(sys.argv[3]), int(sys.argv[4])
+sys.exit(0 if llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params) == 0 else 3)
+"""
+_PROBE = "import llama_cpp; llama_cpp.llama_backend_init(); print(llama_cpp.llama_print_system_info().decode())"
+ILLEGAL_INSTRUCTION = ("the local llama.cpp (llama-cpp-python) died on an illegal CPU instruction: it was built for "
+                       "instructions this machine does not enable (a native build, e.g. AVX-512 or AMX on a VM that "
+                       "advertises them); rebuild it portable with `make pipeline` (CMAKE_ARGS=-DGGML_NATIVE=OFF)")
+
+
+def _died_of(returncode: int) -> str | None:
+    import signal
+
+    if returncode == -signal.SIGILL:
+        return ILLEGAL_INSTRUCTION
+    if returncode < 0:
+        return f"the local llama.cpp (llama-cpp-python) died of signal {-returncode}"
+    return None
+
+
+def llama_cpp_runs() -> str | None:
+    """None when llama-cpp-python imports and its CPU backend starts here, else why not (one line).
+    Run in a child process: a build for CPU instructions this machine lacks kills its process."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "the local llama.cpp (llama-cpp-python) did not start within 120 s"
+    if done.returncode == 0:
+        return None
+    died = _died_of(done.returncode)
+    if died:
+        return died
+    last = [line for line in done.stderr.splitlines() if line.strip()][-1:]
+    return "llama-cpp-python is not usable here" + (f": {last[0]}" if last else "")
+
+
 def quantizer(llama_dir: Path) -> Any:
     """A function (f16 path, out path, ftype) -> None from llama.cpp, or PipelineError."""
     try:
-        import llama_cpp
-    except ImportError:
-        llama_cpp = None
-    if llama_cpp is not None:
+        import importlib.util
+
+        has_bindings = importlib.util.find_spec("llama_cpp") is not None
+    except (ImportError, ValueError):
+        has_bindings = False
+    if has_bindings:
         def quantize_with_bindings(src: Path, dst: Path, ftype: int) -> None:
-            params = llama_cpp.llama_model_quantize_default_params()
-            params.ftype = ftype
-            params.nthread = max(1, min(os.cpu_count() or 1, 8))
-            with _c_stderr_captured() as captured:  # llama.cpp logs every tensor to fd 2
-                rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
-            log = captured.read_text(errors="replace")
-            captured.unlink(missing_ok=True)
-            if rc != 0:
-                last = [line for line in log.splitlines() if line.strip()][-1:]
-                raise PipelineError(f"llama.cpp could not quantize {src} (llama_model_quantize returned {rc}"
+            # in a child process: a llama.cpp built for instructions this CPU lacks dies of SIGILL there,
+            # and we say so in one line, instead of the CLI dying with "Illegal instruction"
+            threads = str(max(1, min(os.cpu_count() or 1, 8)))
+            done = subprocess.run([sys.executable, "-c", _QUANTIZE, str(src), str(dst), str(ftype), threads],
+                                  capture_output=True, text=True)  # llama.cpp logs every tensor to stderr
+            died = _died_of(done.returncode)
+            if died:
+                raise PipelineError(died)
+            if done.returncode != 0:
+                last = [line for line in done.stderr.splitlines() if line.strip()][-1:]
+                raise PipelineError(f"llama.cpp could not quantize {src} (exit {done.returncode}"
                                     f"{': ' + last[0] if last else ''})")
         return quantize_with_bindings
     program = next((p for p in (llama_dir / "build" / "bin" / "llama-quantize", llama_dir / "llama-quantize")
@@ -208,22 +250,6 @@ def quantizer(llama_dir: Path) -> Any:
         if done.returncode != 0:
             raise PipelineError(f"llama-quantize failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
     return quantize_with_program
-
-
-class _c_stderr_captured:
-    """Redirect file descriptor 2 (where C code logs) to a temporary file for the ``with`` block."""
-
-    def __enter__(self) -> Path:
-        sys.stderr.flush()
-        self.file = tempfile.NamedTemporaryFile(prefix="infernet-llama-", suffix=".log", delete=False)
-        self.saved = os.dup(2)
-        os.dup2(self.file.fileno(), 2)
-        return Path(self.file.name)
-
-    def __exit__(self, *exc: Any) -> None:
-        os.dup2(self.saved, 2)
-        os.close(self.saved)
-        self.file.close()
 
 
 def _publishable(directory: Path) -> None:

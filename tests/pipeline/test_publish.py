@@ -116,7 +116,17 @@ def _llama_cpp_ready() -> str | None:
         pub.find_llama_cpp()
     except PipelineError as error:
         return str(error)
-    return None
+    return pub.llama_cpp_runs()  # a native build for instructions this CPU lacks: skipped, saying so
+
+
+def test_a_llama_cpp_that_dies_of_an_illegal_instruction_is_one_clear_line(monkeypatch):
+    """Issue 25: a native llama.cpp build on a VM advertising AVX-512/AMX killed `make pipeline` with
+    "Fatal Python error: Illegal instruction". Every llama.cpp call of ours runs in a child process now."""
+    monkeypatch.setattr(pub, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGILL)")
+    assert pub.llama_cpp_runs() == pub.ILLEGAL_INSTRUCTION
+    assert "make pipeline" in pub.ILLEGAL_INSTRUCTION and "GGML_NATIVE=OFF" in pub.ILLEGAL_INSTRUCTION
+    monkeypatch.setattr(pub, "_PROBE", "import sys; sys.exit('no module named llama_cpp')")
+    assert pub.llama_cpp_runs() == "llama-cpp-python is not usable here: no module named llama_cpp"
 
 
 needs_llama = pytest.mark.skipif(_llama_cpp_ready() is not None, reason=str(_llama_cpp_ready()))
