@@ -260,7 +260,7 @@ async def sync_loop(agent: Any, interval: float = INTERVAL) -> None:
                     continue
             try:
                 await sync_job(agent, view)
-                if view.state.terminal and now - ended[view.job_id] >= HEADS_AFTER and \
+                if view.state.terminal and now - ended.get(view.job_id, now) >= HEADS_AFTER and \
                         view.job_id not in agent.ledger_service.heads_written:
                     # once the job's last entries had time to reach us: what we hold, signed (§6.1)
                     agent.ledger_service.heads_written.add(view.job_id)
@@ -268,4 +268,4 @@ async def sync_loop(agent: Any, interval: float = INTERVAL) -> None:
             except StoreFullError as exc:  # no room for the copies: refuse new work, as for any write
                 agent.refuse_work(exc)
             except Exception as exc:  # noqa: BLE001 - the copies are best effort; the agent runs on
-                log.info("job %s: ledger sync: %s", view.job_id.hex()[:8], exc)
+                log.info("job %s: ledger sync: %s: %s", view.job_id.hex()[:8], type(exc).__name__, exc)

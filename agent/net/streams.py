@@ -21,8 +21,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
+from libp2p.exceptions import BaseLibp2pError
 
-from agent.net.errors import PeerProtocolError
+from agent.net.errors import NetError, PeerProtocolError
 from protocol.cid import varint_encode
 
 log = logging.getLogger(__name__)
@@ -178,8 +179,14 @@ async def request_frames(host: Any, peer: str, protocol: str, request: bytes, *,
     ok = False
     try:
         with trio.fail_after(timeout):
-            await stream.write(request)
-            await stream.close()
+            try:
+                await stream.write(request)
+                await stream.close()
+            except (BaseLibp2pError, OSError) as exc:  # e.g. "Write operation failed: ... Broken pipe"
+                # a raw py-libp2p error used to escape here: the soak saw it end a coordinator's verification
+                # task (no verdict, the shard's window ran out) instead of the keep's retry loop taking it
+                raise NetError(f"{protocol} to {peer}: the request could not be sent: "
+                               f"{type(exc).__name__}: {exc}") from None
             reader = FrameReader(stream)
             out: list[bytes] = []
             total = 0
