@@ -113,7 +113,7 @@ def _end_process() -> None:
 
 
 async def _main(identity: "Identity", config: "AgentConfig", metrics_port: int | None) -> None:
-    from agent.node import Agent
+    from agent.node import Agent, AgentStopped
 
     if config.threads:
         import os
@@ -127,13 +127,25 @@ async def _main(identity: "Identity", config: "AgentConfig", metrics_port: int |
         metrics = None if metrics_port is None else await bind_metrics(metrics_port)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
-                await nursery.start(agent.run)
-                agent.nursery.start_soon(serve_control, agent, listener)
-                if metrics is not None:
-                    agent.nursery.start_soon(serve_metrics, agent, metrics)
-                agent.nursery.start_soon(_stop_on_signal, agent, signals)
-                log.info("ready: %s listening on %s", agent.peer_id, " ".join(agent.addrs()),
-                         extra={"peer_id": agent.peer_id, "addrs": agent.addrs()})
+                # heard from the start: a SIGTERM while the agent waits to open its store stops it too
+                nursery.start_soon(_stop_on_signal, agent, signals)
+
+                async def run_agent(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+                    try:
+                        await agent.run(task_status=task_status)
+                    finally:
+                        nursery.cancel_scope.cancel()  # the signal watcher with it
+
+                try:
+                    await nursery.start(run_agent)
+                except AgentStopped:
+                    nursery.cancel_scope.cancel()
+                else:
+                    agent.nursery.start_soon(serve_control, agent, listener)
+                    if metrics is not None:
+                        agent.nursery.start_soon(serve_metrics, agent, metrics)
+                    log.info("ready: %s listening on %s", agent.peer_id, " ".join(agent.addrs()),
+                             extra={"peer_id": agent.peer_id, "addrs": agent.addrs()})
         log.info("stopped")
         _exit_if_stuck(EXIT_GRACE)
     finally:

@@ -17,8 +17,9 @@ one) and every content block stayed forever: an agent filled its own disk (issue
   ``protocol.unixfs.child_cids``) and deletes the rest; it runs in a worker thread, every
   ``INTERVAL`` seconds and before each claim when a quota is set.
 - **The quota.** With ``max_disk_gb`` set, the agent claims a shard only if, after a collection, its
-  home uses less than the quota minus the most that one piece of our work added so far
-  (``reserve``); otherwise it refuses work (``Agent.refuse_work``: the capability says so, no lease
+  home uses less than the quota minus the most that our work directories and blocks grew between
+  two of the last ``RESERVE_OVER`` claims (``reserve``: a file someone else wrote is not our work);
+  otherwise it refuses work (``Agent.refuse_work``: the capability says so, no lease
   comes) until collection makes room. ``agent status`` shows the use and the quota.
 """
 
@@ -30,6 +31,7 @@ import os
 import re
 import shutil
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +51,7 @@ log = logging.getLogger(__name__)
 GRACE = 120.0  # seconds: a file younger than this is never collected
 INTERVAL = 60.0  # seconds between collections (and before each claim when a quota is set)
 GB = 1_000_000_000
+RESERVE_OVER = 8  # claims: the reserve is the most our work directories and blocks grew over this many
 
 _ROUND_ENTRY = re.compile(r"^(?:verify-|aggregate-|fetched-)?r(\d+)(?:-s\d+-a\d+)?(?:\.tar)?$")
 
@@ -251,16 +254,17 @@ class Disk:
         self.quota = None if not max_disk_gb else int(max_disk_gb * GB)
         self.grace = grace
         self.usage = Usage()
-        self.reserve = 0  # the most our use grew between two claims: what one piece of work may need
+        self.reserve = 0  # the most our work grew between two claims, lately: what one piece of work may need
         self.collected = Collected()  # in all, since the start
         self.collected_at = float("-inf")  # trio time of the last collection
-        self._after_last_claim: int | None = None  # our use just after the last claim's check
-        self._peak = 0  # the most we used since then (measured before each collection)
+        self._after_last_claim: int | None = None  # our work's use just after the last claim's check
+        self._peak = 0  # the most our work used since then (measured before each collection)
+        self._growths: deque[int] = deque(maxlen=RESERVE_OVER)  # growth of our work between recent claims
 
     def observe(self) -> Usage:
         """Measure the use now (a worker thread: it walks the home)."""
         self.usage = measure(self.home, self.work, self.blocks_dir)
-        self._peak = max(self._peak, self.usage.total)
+        self._peak = max(self._peak, self.usage.work + self.usage.blocks)
         return self.usage
 
     def account(self, found: Collected) -> None:
@@ -270,16 +274,19 @@ class Disk:
 
     def check_claim(self) -> None:
         """Before a claim, after a collection: DiskQuotaError when the next piece of work could take us
-        over the quota. The reserve is the most our use grew between two claims (its peak, measured
-        before each collection, less what we used just after the last claim)."""
-        used = self.usage.total
-        if self._after_last_claim is not None:
-            self.reserve = max(self.reserve, self._peak - self._after_last_claim)
+        over the quota. The reserve is the most our work directories and blocks grew between two of the
+        last ``RESERVE_OVER`` claims that did grow them (their peak, measured before each collection,
+        less what they used just after the claim before)."""
+        used, ours = self.usage.total, self.usage.work + self.usage.blocks
+        if self._after_last_claim is not None and self._peak > self._after_last_claim:
+            self._growths.append(self._peak - self._after_last_claim)  # a piece of work since the last claim
+            self.reserve = max(self._growths)
+        self._after_last_claim = None  # a refused claim is no baseline for the next growth
         if self.quota is not None and used + self.reserve > self.quota:
             raise DiskQuotaError(
                 f"{self.home}: disk quota: {used / GB:.3f} GB used (after collecting what no job needs) "
                 f"and one piece of work took up to {self.reserve / GB:.3f} GB; max_disk_gb is {self.quota / GB:g}")
-        self._after_last_claim = self._peak = used
+        self._after_last_claim = self._peak = ours
 
     def as_json(self) -> dict:
         return {**self.usage.as_json(), "max_bytes": self.quota, "reserve_bytes": self.reserve,

@@ -104,6 +104,13 @@ MAX_LIVE_JOBS_PER_SUBMITTER = st.MAX_LIVE_JOBS_PER_SUBMITTER
 REBUILT_VIEWS = 8  # ended jobs' mirrors rebuilt from the store (job show/watch/bill of a forgotten job), kept
 
 
+STORE_OPEN_WAIT = 120  # seconds an agent starting on a full disk waits for room to open its store
+
+
+class AgentStopped(Exception):
+    """The agent was stopped before it had started (a SIGTERM while it waited to open its store)."""
+
+
 CAPABILITY_TELL_GAP = 2.0  # seconds: at most one capability published this way per gap
 
 
@@ -230,7 +237,7 @@ class Agent:
         net_config = NetConfig(listen=self.config.listen, bootstrap=self.config.bootstrap,
                                announce=self.config.announce, relay=self.config.relay)
         async with AsyncExitStack() as stack:
-            self.store = stack.enter_context(Store.in_data_dir(home, self.identity))
+            self.store = stack.enter_context(await self._open_store(home))
             gossip_config = GossipConfig(max_rate=float(self.config.gossip_max_rate),
                                          max_burst=float(self.config.gossip_max_burst))
             self.net = await stack.enter_async_context(open_network(self.identity, net_config, gossip_config,
@@ -249,6 +256,26 @@ class Agent:
                 await self._run_tasks(task_status)
             finally:
                 self._flush_writes()  # the writes still queued, before the store closes
+
+    async def _open_store(self, home: Path) -> Store:
+        """Our store; on a full disk, tried again every second for ``STORE_OPEN_WAIT`` seconds (said in
+        the log) before the StoreFullError ends the start. The soak filled a worker's disk 4 s after
+        it restarted: SQLite could not grow its WAL at open ("disk I/O error") and the agent exited 1.
+        A stop (SIGTERM) meanwhile ends the wait: ``AgentStopped``."""
+        waited = 0
+        while True:
+            try:
+                return Store.in_data_dir(home, self.identity)
+            except StoreFullError as exc:
+                if self._stopping.is_set():
+                    raise AgentStopped("stopped while waiting for room to open the store") from None
+                if waited >= STORE_OPEN_WAIT:
+                    raise
+                if waited % 30 == 0:
+                    log.error("%s; trying again every second for up to %d s", exc, STORE_OPEN_WAIT - waited)
+            with trio.move_on_after(1):
+                await self._stopping.wait()
+            waited += 1
 
     async def _run_tasks(self, task_status: Any) -> None:
         async with trio.open_nursery() as nursery:

@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import sqlite3
 import threading
 import time
@@ -165,6 +166,19 @@ class StoreFullError(StoreError):
     """A write failed because the disk (or the database's size limit) is full; nothing was written."""
 
 
+FULL_BELOW = 1 << 20  # bytes free under which a failed SQLite write is taken for a full disk
+
+
+def disk_is_full(path: Path) -> bool:
+    """Is the file system holding ``path`` (nearly) out of space? SQLite reports a full disk as
+    SQLITE_FULL, but as "disk I/O error" when its WAL or shared-memory file cannot grow."""
+    try:
+        stat = os.statvfs(path.parent)
+    except OSError:
+        return False
+    return stat.f_bavail * stat.f_frsize < FULL_BELOW
+
+
 # -- records -----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -248,6 +262,9 @@ class Store:
             self._open(existed)
         except sqlite3.DatabaseError as exc:
             self._db.close()
+            if disk_is_full(self.path):  # SQLite says "disk I/O error" when its WAL cannot grow (the soak)
+                raise StoreFullError(f"{self.path}: cannot open the store: the disk is full ({exc}); "
+                                     "free some space") from None
             raise StoreError(f"{self.path}: not a usable infernet store: {exc}") from None
         except BaseException:
             self._db.close()
@@ -410,7 +427,8 @@ class Store:
         try:
             yield
         except sqlite3.OperationalError as exc:
-            if getattr(exc, "sqlite_errorname", "") != "SQLITE_FULL" and "full" not in str(exc):
+            if getattr(exc, "sqlite_errorname", "") != "SQLITE_FULL" and "full" not in str(exc) and \
+                    not disk_is_full(self.path):
                 raise
             raise StoreFullError(f"{self.path}: cannot write: the disk is full ({exc}); nothing was stored, "
                                  "free some space") from None

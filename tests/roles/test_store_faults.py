@@ -147,3 +147,38 @@ def test_a_full_work_disk_is_found_by_the_claim_probe_even_when_the_store_has_ro
         _probe_work_dir(work)  # room again
     finally:
         subprocess.run(["umount", "-l", str(work)], capture_output=True)
+
+
+def test_a_store_opened_on_a_full_disk_is_a_full_disk_not_a_damaged_store(tmp_path):
+    """The soak filled a worker's disk 4 s after it restarted: SQLite could not grow its WAL at open and
+    said "disk I/O error"; the agent called its store unusable and exited 1. On a full disk that is
+    StoreFullError (the agent waits for room: Agent._open_store). A real full disk: a tmpfs (root only)."""
+    import subprocess
+
+    from agent.store import STORE_FILENAME, Store, StoreFullError
+    from protocol.identity import Identity
+
+    home = tmp_path / "home"
+    home.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(home)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        identity = Identity.generate()
+        with Store.in_data_dir(home, identity) as store:
+            store.append_event(bytes(32), "done", {}, 1.0)
+        assert not (home / f"{STORE_FILENAME}-wal").exists()  # closed cleanly: the WAL is checkpointed away
+        with open(home / "filler", "wb") as filler:
+            try:
+                while True:
+                    filler.write(b"\0" * 65536)
+                    filler.flush()
+            except OSError:
+                pass
+        # SQLite cannot create its WAL: "disk I/O error" (before: "not a usable infernet store")
+        with pytest.raises(StoreFullError, match="cannot open the store: the disk is full"):
+            Store.in_data_dir(home, identity)
+        (home / "filler").unlink()
+        with Store.in_data_dir(home, identity) as store:  # room again: the same store, whole
+            assert len(store.ledger(bytes(32))) == 1
+    finally:
+        subprocess.run(["umount", "-l", str(home)], capture_output=True)
