@@ -12,16 +12,7 @@ import time
 import pytest
 
 from tests.cli.conftest import REPO, cli, cli_json
-
-
-def _fill(path) -> None:
-    with open(path, "wb", buffering=0) as filler:
-        try:
-            while True:
-                filler.write(b"\0" * 65536)
-                filler.flush()
-        except OSError:
-            pass
+from tests.conftest import fill_disk
 
 
 def _wait_for(predicate, timeout: float) -> bool:
@@ -54,7 +45,7 @@ def test_an_agent_started_on_a_full_disk_waits_for_room_and_a_sigterm_meanwhile_
         assert first.wait(timeout=30) == 0  # a store now exists, closed cleanly
 
         for ending in ("room", "sigterm"):
-            _fill(home / "filler")
+            fill_disk(home / "filler")
             agent = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(logs / "stderr.log", "wb"),
                                      env=env, cwd=REPO)
             assert _wait_for(lambda: "cannot open the store: the disk is full" in

@@ -8,6 +8,7 @@ import trio
 
 from agent.control import _status
 from protocol.election import elect
+from tests.conftest import fill_disk
 from tests.roles.conftest import fast_spec, network, write_dataset
 
 pytestmark = pytest.mark.network
@@ -134,13 +135,7 @@ def test_a_full_work_disk_is_found_by_the_claim_probe_even_when_the_store_has_ro
     try:
         _probe_work_dir(work)  # room: passes, leaves nothing behind
         assert not list(work.iterdir())
-        with open(work / "filler", "wb") as filler:
-            try:
-                while True:
-                    filler.write(b"\0" * 65536)
-                    filler.flush()
-            except OSError:
-                pass
+        fill_disk(work / "filler")
         with pytest.raises(StoreFullError, match="no room for new work"):
             _probe_work_dir(work)
         (work / "filler").unlink()
@@ -167,13 +162,7 @@ def test_a_store_opened_on_a_full_disk_is_a_full_disk_not_a_damaged_store(tmp_pa
         with Store.in_data_dir(home, identity) as store:
             store.append_event(bytes(32), "done", {}, 1.0)
         assert not (home / f"{STORE_FILENAME}-wal").exists()  # closed cleanly: the WAL is checkpointed away
-        with open(home / "filler", "wb") as filler:
-            try:
-                while True:
-                    filler.write(b"\0" * 65536)
-                    filler.flush()
-            except OSError:
-                pass
+        fill_disk(home / "filler")
         # SQLite cannot create its WAL: "disk I/O error" (before: "not a usable infernet store")
         with pytest.raises(StoreFullError, match="cannot open the store: the disk is full"):
             Store.in_data_dir(home, identity)
