@@ -906,6 +906,10 @@ class Agent:
             self.one_shot("capability", self._publish_capability)
         return True
 
+    def job_view(self, job_id: bytes) -> JobView | None:
+        """Our mirror of the job now (a rebuild replaces it), or None when we do not follow it."""
+        return self.jobs.get(job_id)
+
     def hold(self, job_id: bytes, rnd: int, cid: Any) -> None:
         """Keep ``cid``, added for round ``rnd`` of the job, from disk collection while that round is
         live, though no message names it (agent/disk.py)."""
