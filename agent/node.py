@@ -906,8 +906,9 @@ class Agent:
             self.one_shot("capability", self._publish_capability)
         return True
 
-    def job_view(self, job_id: bytes) -> JobView | None:
-        """Our mirror of the job now (a rebuild replaces it), or None when we do not follow it."""
+    def followed_view(self, job_id: bytes) -> JobView | None:
+        """Our live mirror of a job we follow now (a rebuild replaces it), or None: nothing is rebuilt
+        (``job_view`` rebuilds a job we do not follow from the store)."""
         return self.jobs.get(job_id)
 
     def hold(self, job_id: bytes, rnd: int, cid: Any) -> None:

@@ -186,7 +186,7 @@ class WorkerRole:
         the attempt-3 lease the coordinator gave it meanwhile; the shard's retries ran out."""
         for key in list(self.active):
             job_id, rnd, index, attempt = key
-            view = self.agent.job_view(job_id)
+            view = self.agent.followed_view(job_id)
             if view is None:
                 continue
             shard = view.shard(index) if index < len(view.state.shards) else None

@@ -163,8 +163,9 @@ async def test_a_private_job_on_a_cid_dataset_completes_sealed_and_its_ledger_is
             authors[cutter.identity.public_key]
         # and the cutter learns from a peer's copy that its own store lost entries
         await sync_job(cutter, cutter.jobs[job_id], [submitter.peer_id])
-        assert [(c["kind"], c["author"], c["server"]) for c in cutter.store.conflicts(job_id)] == \
-            [("truncated", cutter.peer_id, submitter.peer_id)]
+        # (the cutter may also find the forker's rewritten entry, if it held the original: a fork)
+        assert [(c["kind"], c["author"], c["server"]) for c in cutter.store.conflicts(job_id)
+                if c["author"] == cutter.peer_id] == [("truncated", cutter.peer_id, submitter.peer_id)]
         # a peer whose copy of someone else's chain was changed serves it: the receiver names the bad copy
         victim = next(w for w in workers if w is not cutter and w.peer_id in took_part)  # a chain the submitter keeps
         changed = submitter.store._db.execute("UPDATE ledger_copies SET signature = ? WHERE job_id = ? AND author = ? AND seq = 0",
