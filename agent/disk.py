@@ -112,14 +112,18 @@ def _cids_of(obj: Any) -> Iterator[str]:
 class JobPlan:
     """What the collector may do with one job's blocks and work directory (made on the event loop)."""
 
-    job16: str  # the job's work directory name (16 hex digits)
+    job_id: bytes
     finished: bool
     ours: bool  # we submitted it
     round: int
-    job_id_hex: str = ""
     oldest: int = 0  # the oldest round whose blocks are kept (a finished job of someone else's: none)
     roots: set[str] = field(default_factory=set)  # CIDs to keep
     busy: set[str] = field(default_factory=set)  # work entries an active shard of ours uses
+
+    @property
+    def job16(self) -> str:
+        """The job's work directory name (16 hex digits)."""
+        return self.job_id.hex()[:16]
 
 
 def plan_job(view: "JobView", me: str, busy: Iterable[tuple[int, int, int]] = (),
@@ -128,8 +132,8 @@ def plan_job(view: "JobView", me: str, busy: Iterable[tuple[int, int, int]] = ()
     ``held``: CIDs we added for a round that no message may name yet (``Agent.hold``), by round."""
     finished = view.state.terminal
     ours = view.terms.submitter == me
-    plan = JobPlan(view.job_id.hex()[:16], finished, ours, view.state.round,
-                   busy={f"r{r}-s{s}-a{a}" for r, s, a in busy}, job_id_hex=view.job_id.hex())
+    plan = JobPlan(view.job_id, finished, ours, view.state.round,
+                   busy={f"r{r}-s{s}-a{a}" for r, s, a in busy})
     if finished and not ours:
         plan.oldest = 1 << 30
         return plan

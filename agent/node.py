@@ -927,7 +927,7 @@ class Agent:
         plans = [disk.plan_job(view, self.peer_id, busy.get(view.job_id, ()), self.held.get(view.job_id, {}))
                  for view in list(self.jobs.values())]
         for plan in plans:  # what the plans no longer hold is forgotten
-            held = self.held.get(bytes.fromhex(plan.job_id_hex), {})
+            held = self.held.get(plan.job_id, {})
             for rnd in [r for r in held if r < plan.oldest]:
                 del held[rnd]
 
