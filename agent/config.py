@@ -4,7 +4,7 @@ Rules of this file:
 - One home directory per agent (``--home``, else ``$INFERNET_HOME``, else ``~/.infernet``) holds
   ``identity.key`` (mode 0600, protocol/identity.py), ``config.toml``, the store, the blockstore,
   ``work/`` and, while the daemon runs, ``control.sock`` (agent/control.py).
-- ``config.toml`` is read with tomllib. Its keys are the fields of ``agent.node.AgentConfig``
+- ``config.toml`` is read with tomllib. Its keys are the fields of ``AgentConfig`` (below)
   (``[models]`` is a table of base-model name -> local path); ``CONFIG_TEMPLATE`` is what
   ``infernet agent init`` writes, every key commented with what it means. An unknown key, a value
   of the wrong type or out of its range (``RANGES``), or an unreadable file is one ``ConfigError``
@@ -18,16 +18,46 @@ import math
 import os
 import re
 import tomllib
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # agent.node pulls in py-libp2p (seconds); commands that only read the home stay fast
-    from agent.node import AgentConfig
+from typing import Any
 
 IDENTITY_FILE = "identity.key"
 CONFIG_FILE = "config.toml"
 CONTROL_SOCKET = "control.sock"
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """How one agent runs. Field names are the keys of the operator's config file."""
+
+    home: Path
+    listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    bootstrap: tuple[str, ...] = ()
+    announce: tuple[str, ...] = ()  # addresses peers should dial instead of the listen ones (a forwarded port)
+    relay: bool | str = False  # serve circuit relay v2 (within agent/net/reach.py RELAY_LIMITS) to unreachable
+    # peers: true, false, or "auto" (while AutoNAT says we are public; an operator's config default)
+    accept_training: bool = False
+    can_coordinate: bool = True
+    max_concurrent_shards: int = 1
+    allowed_base_models: tuple[str, ...] = ()  # empty: any base model we have locally
+    min_price_per_hour: float = 0.0
+    price_per_hour: float = 0.0
+    threads: int = 1
+    train_processes: int = 0  # processes that train one shard: 0 = one per CUDA device (agent/train/parallel.py)
+    models: tuple[tuple[str, str], ...] = ()  # (base_model name in a job, local path)
+    heartbeat_seconds: float = 1.0
+    missed_heartbeats: int = 5
+    grace_seconds: float = 3.0
+    claim_interval: float = 1.0
+    fetch_timeout: float = 120.0
+    max_disk_gb: float = 0.0  # the most the home may use (agent/disk.py); 0 = no limit
+    disk_grace_seconds: float = 120.0  # files younger than this are never collected (agent/disk.py GRACE)
+    ipfs_api: str | None = None
+    gossip_max_rate: float = 200.0  # messages per second accepted from one peer (its signed messages) ...
+    gossip_max_burst: float = 400.0  # ... with this much burst; beyond it they are dropped at the first hop
+    measure_speed: bool = False  # measure tokens/s per held model once (agent/market.py); `agent run` turns it on
+
 
 
 class ConfigError(Exception):
@@ -142,13 +172,11 @@ RANGES: dict[str, tuple[float, float, str]] = {
 """Every numeric key's allowed range; lists, strings and tables are checked in ``_check_value``."""
 
 
-def load_config(home: Path, **overrides: Any) -> "AgentConfig":
+def load_config(home: Path, **overrides: Any) -> AgentConfig:
     """The AgentConfig of the agent in ``home``: its config.toml (if any), then ``overrides`` (None = unset).
 
     Every key is checked at load, file values and overrides alike: its type and its range (``RANGES``);
     a mistake is one ConfigError ``FILE:LINE: KEY: allowed values, got VALUE`` (``--flag`` for an override)."""
-    from agent.node import AgentConfig
-
     path = home / CONFIG_FILE
     values: dict[str, Any] = {}
     text = ""

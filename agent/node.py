@@ -74,6 +74,7 @@ from agent.net.errors import NetError
 from agent.net.gossip import GossipConfig
 from agent.net.host import NetConfig
 from agent.net.stack import Network, open_network
+from agent.config import AgentConfig  # noqa: F401 - re-exported: agent.node.AgentConfig
 from agent.disk import Disk
 from agent.hooks import AgentHooks
 from agent.ledger_sync import LedgerService
@@ -112,38 +113,6 @@ class AgentStopped(Exception):
 
 
 CAPABILITY_TELL_GAP = 2.0  # seconds: at most one capability published this way per gap
-
-
-@dataclass(frozen=True)
-class AgentConfig:
-    """How one agent runs. Field names are the keys of the operator's config file."""
-
-    home: Path
-    listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
-    bootstrap: tuple[str, ...] = ()
-    announce: tuple[str, ...] = ()  # addresses peers should dial instead of the listen ones (a forwarded port)
-    relay: bool | str = False  # serve circuit relay v2 (within agent/net/reach.py RELAY_LIMITS) to unreachable
-    # peers: true, false, or "auto" (while AutoNAT says we are public; an operator's config default)
-    accept_training: bool = False
-    can_coordinate: bool = True
-    max_concurrent_shards: int = 1
-    allowed_base_models: tuple[str, ...] = ()  # empty: any base model we have locally
-    min_price_per_hour: float = 0.0
-    price_per_hour: float = 0.0
-    threads: int = 1
-    train_processes: int = 0  # processes that train one shard: 0 = one per CUDA device (agent/train/parallel.py)
-    models: tuple[tuple[str, str], ...] = ()  # (base_model name in a job, local path)
-    heartbeat_seconds: float = 1.0
-    missed_heartbeats: int = 5
-    grace_seconds: float = 3.0
-    claim_interval: float = 1.0
-    fetch_timeout: float = 120.0
-    max_disk_gb: float = 0.0  # the most the home may use (agent/disk.py); 0 = no limit
-    disk_grace_seconds: float = 120.0  # files younger than this are never collected (agent/disk.py GRACE)
-    ipfs_api: str | None = None
-    gossip_max_rate: float = 200.0  # messages per second accepted from one peer (its signed messages) ...
-    gossip_max_burst: float = 400.0  # ... with this much burst; beyond it they are dropped at the first hop
-    measure_speed: bool = False  # measure tokens/s per held model once (agent/market.py); `agent run` turns it on
 
 
 @dataclass
