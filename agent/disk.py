@@ -44,7 +44,7 @@ from protocol.unixfs import child_cids
 
 if TYPE_CHECKING:
     from agent.content.blockstore import BlockStore
-    from agent.roles.job import JobView
+    from protocol.mirror import JobMirror
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class JobPlan:
         return self.job_id.hex()[:16]
 
 
-def plan_job(view: "JobView", me: str, busy: Iterable[tuple[int, int, int]] = (),
+def plan_job(view: "JobMirror", me: str, busy: Iterable[tuple[int, int, int]] = (),
              held: dict[int, set[str]] | None = None) -> JobPlan:
     """Decide, from the job's mirror, which of its blocks and work entries are still needed.
     ``held``: CIDs we added for a round that no message may name yet (``Agent.hold``), by round."""

@@ -2,7 +2,7 @@
 never read from the operator's config, never set in production.
 
 - ``observer``: the harness's tap (agent/harness/trace.py), called with ("recv", Received) for every
-  verified message we receive and ("state", JobView, actions) for every state change; it must not raise.
+  verified message we receive and ("state", JobMirror, actions) for every state change; it must not raise.
 - ``training``: how the worker role trains a shard. ``HonestTraining`` (the default) changes
   nothing; agent/harness/byzantine.py makes a worker Byzantine (or faulty) on purpose.
 """

@@ -39,8 +39,10 @@ Rules of this file:
 - A job-topic message is recorded in the store once it applies to our mirror (a held one when it
   finally applies), in the order it applied, and before any action it caused is carried out; what
   our mirror refuses (a flood of well-signed junk from many identities, say) is never written to disk
-  and is held in memory within per-signer bounds (agent/roles/job.py). Our own messages are recorded
-  when they come back to us. The writes (one fsync each) run in a worker thread, one at a time, so
+  and is held in memory within per-signer bounds (protocol/mirror.py). Our own decisions (leases,
+  verdicts, aggregates) are recorded when we make them, before they are published; our own worker
+  messages when they come back to us. All of it goes through one function, ``commit``: store the
+  outcome's evidence, publish what it sends, then carry out its actions and our roles' reactions. The writes (one fsync each) run in a worker thread, one at a time, so
   heartbeats and gossip never wait on the disk. So do the other writes made from the event loop:
   ledger entries, job rows and file hashes are queued (``write_soon``, agent/store.py ``later``) and
   made in order by the store writer task in that thread; the store probe before a claim
@@ -48,8 +50,8 @@ Rules of this file:
   read of the store except on the event loop: there a read never waits for more than one commit
   in flight and may lag the queue by a moment, so a read that must see what was just queued (the
   bill's last entry, the row of a job just forgotten, a control command) awaits ``flush_writes``
-  first. A full disk found by one makes us refuse new work, as for any write. Every decision we make is gossiped and applied to our
-  mirror at once (agent/roles/job.py). With a full disk the mirror may run ahead of the store (we
+  first. A full disk found by one makes us refuse new work, as for any write. Every decision we make is applied to our
+  mirror at once (``decide``), stored, then gossiped. With a full disk the mirror may run ahead of the store (we
   then refuse new work); catch-up brings the rest back after a restart.
 """
 
@@ -81,7 +83,6 @@ from agent.ledger_sync import LedgerService
 from agent.loopwatch import LoopWatch
 from agent.ledger_sync import sync_loop as ledger_sync_loop
 from agent.roles.coordinator import CoordinatorRole
-from agent.roles.job import JobView
 from agent.roles.keep import KeepService
 from agent.roles.submitter import SubmitterRole
 from agent.roles.sync import (
@@ -91,6 +92,7 @@ from agent.roles.worker import WorkerRole
 from agent.store import Store, StoreFullError
 from agent.supervise import guarded, supervised
 from protocol import messages as m
+from protocol.mirror import JobMirror, Outcome
 from protocol import state as st
 from protocol.election import hears_submitter as election_hears_submitter
 from protocol.election import eligible_for_job, keep_or_elect, live_peers
@@ -135,7 +137,7 @@ class Agent:
         self.clock = clock
         self.peer_id = identity.peer_id
         self.peers: dict[str, PeerInfo] = {}
-        self.jobs: dict[bytes, JobView] = {}
+        self.jobs: dict[bytes, JobMirror] = {}
         self.net: Network | None = None
         self.content: ContentService | None = None
         self.store: Store | None = None
@@ -161,7 +163,7 @@ class Agent:
         self.job_tasks: dict[bytes, trio.Nursery] = {}  # each followed job's own nursery (spawn_in_job)
         self._ended_at: dict[bytes, float] = {}  # followed jobs that ended: when their tasks were done
         self._leaving: set[bytes] = set()  # forgotten jobs whose topic is being left (not followed again until done)
-        self._rebuilt: OrderedDict[bytes, JobView] = OrderedDict()  # ended jobs' rebuilt mirrors, least recent first
+        self._rebuilt: OrderedDict[bytes, JobMirror] = OrderedDict()  # ended jobs' rebuilt mirrors, least recent first
         self._stopping = trio.Event()
         self._heartbeat_seq = 0
         self.counters: Counter[str] = Counter()  # shards_trained, verdicts_accepted, ... (metrics, status)
@@ -360,7 +362,7 @@ class Agent:
             return eligible_for_job(live, caps, terms)
         return frozenset(p for p in live if caps.get(p) is not None and caps[p].can_coordinate)
 
-    def hears_submitter(self, view: JobView, *, settled: bool = False) -> bool:
+    def hears_submitter(self, view: JobMirror, *, settled: bool = False) -> bool:
         """Is the job's submitter live to us (or are we it)? Only then may we act as coordinator, and
         only once we have heard it for ``missed_heartbeats`` heartbeats (``settled``) does our election
         view change: in a partition the submitter's side decides (IPIP-0006 §1.3), and right after a
@@ -374,7 +376,7 @@ class Agent:
                                         settled=settled, heartbeat_seconds=self.config.heartbeat_seconds,
                                         missed_heartbeats=self.config.missed_heartbeats)
 
-    def update_election(self, view: JobView, now: float) -> None:
+    def update_election(self, view: JobMirror, now: float) -> None:
         """Elect after the grace period; replace a coordinator that fell silent (term + 1)."""
         if now - view.first_seen < self.config.grace_seconds or view.state.terminal:
             return
@@ -396,7 +398,7 @@ class Agent:
             return models[terms.base_model]
         return terms.base_model if Path(terms.base_model).is_dir() else None
 
-    def is_coordinator(self, view: JobView) -> bool:
+    def is_coordinator(self, view: JobMirror) -> bool:
         """Do we act as the job's coordinator now? Our view names us, its grace period is over, we hear
         the submitter, and our mirror is not catching up on history: a coordinator restarted from its
         store believed itself term 1's coordinator again while the others had moved to term 2, and the
@@ -446,11 +448,9 @@ class Agent:
                 self._notify()  # wait_until: someone may wait for a peer to be heard
                 for entry in msg.coordinating:
                     view = self.jobs.get(entry.job_id)
-                    if view is not None and signer != self.peer_id:
-                        before = view.coordination
-                        view.check_coordinator(signer, entry.term, self.eligible_coordinators(view.terms))
-                        if view.coordination != before:
-                            await self._retry_held(view, now)
+                    if view is not None and signer != self.peer_id:  # (what was held for its term may apply)
+                        await self.commit(view, view.observe_term(signer, entry.term, now,
+                                                                  self.eligible_coordinators(view.terms)))
             elif isinstance(msg, m.Capability):
                 self.peers.setdefault(signer, PeerInfo(now, live_since=now)).capability = msg
                 self._notify()
@@ -459,14 +459,13 @@ class Agent:
             elif isinstance(msg, m.JobCancel):
                 view = self.jobs.get(msg.job_id)
                 if view is not None and signer == view.terms.submitter:
-                    self.apply_actions(view, view.step(_cancel(msg.reason), now))
+                    await self.commit(view, view.cancel(msg.reason, now))
 
     async def _resume_jobs(self) -> None:
         """Rebuild the mirror of every unfinished job in our store, as if its messages arrived again.
 
         A restarted agent carries on where it was: the stored envelopes of each job's topic are
-        replayed in stored order through the code path of live messages (our own decisions through
-        ``apply_decision``), with each envelope's own timestamp as the clock. The election view starts
+        replayed in stored order (``JobMirror.replay``: our own decisions as when we made them), with each envelope's own timestamp as the clock. The election view starts
         over with a fresh grace period, so we do not crown ourselves before the peers' heartbeats
         arrive; lease expiry and take-over then follow from the ticks as for any job.
         """
@@ -491,7 +490,7 @@ class Agent:
                 self.spawn_in_job(view.job_id, self.worker.release_stale, view)
             self.one_shot(f"job {view.job_id.hex()[:8]}: provide again", self._provide_again, view)
 
-    async def _provide_again(self, view: JobView) -> None:
+    async def _provide_again(self, view: JobMirror) -> None:
         """After a restart our address changed: provide again the job's aggregates and adapters we hold."""
         from protocol.cid import parse_cid
 
@@ -503,22 +502,20 @@ class Agent:
                 with trio.move_on_after(30):
                     await self.net.discovery.provide(cid)
 
-    def rebuild_view(self, record: Any) -> JobView:
+    def rebuild_view(self, record: Any) -> JobMirror:
         """A job's mirror rebuilt from the store: its stored envelopes replayed in stored order."""
-        view = JobView(record.terms, self.clock(), self.peer_id)
+        view = JobMirror(record.terms, self.clock(), self.peer_id)
         for stored in self.store.envelopes(record.job_id, stored_order=True):
-            view.replay(stored.message, stored.signer, stored.timestamp_ms / 1000.0)
-        view.take_applied()  # replayed history: nothing to react to
-        view.take_evidence()
+            view.replay(stored.message, stored.signer, stored.timestamp_ms / 1000.0)  # stored: nothing to do
         return view
 
-    def job_view(self, job_id: bytes) -> JobView:
+    def job_view(self, job_id: bytes) -> JobMirror:
         """The live mirror of a job we follow, or one rebuilt from the store (a job that ended before a
         restart, or was forgotten), here and now: ``load_job_view`` does it off the event loop."""
         view = self._known_view(job_id)
         return view if view is not None else self._keep_rebuilt(job_id, self._stored_view(job_id))
 
-    async def load_job_view(self, job_id: bytes) -> JobView:
+    async def load_job_view(self, job_id: bytes) -> JobMirror:
         """``job_view`` for the control commands (``job show``, ``watch``, ``bill``...): a job we do not
         follow is rebuilt from the store in the store's worker thread (every stored envelope replayed,
         each signature checked again), so the event loop runs on; the last ``REBUILT_VIEWS`` ended
@@ -530,14 +527,14 @@ class Agent:
         view = self._known_view(job_id)  # followed again meanwhile: the live mirror
         return view if view is not None else self._keep_rebuilt(job_id, rebuilt)
 
-    def _known_view(self, job_id: bytes) -> JobView | None:
+    def _known_view(self, job_id: bytes) -> JobMirror | None:
         view = self.jobs.get(job_id)
         if view is None and job_id in self._rebuilt:
             self._rebuilt.move_to_end(job_id)
             view = self._rebuilt[job_id]
         return view
 
-    def _stored_view(self, job_id: bytes) -> JobView:
+    def _stored_view(self, job_id: bytes) -> JobMirror:
         """A job's mirror rebuilt from the store, its state the stored one if that ended (any thread)."""
         record = self.store.job(job_id)
         if record is None:
@@ -547,7 +544,7 @@ class Agent:
             view.state = replace(view.state, phase=st.JobPhase(record.state))
         return view
 
-    def _keep_rebuilt(self, job_id: bytes, view: JobView) -> JobView:
+    def _keep_rebuilt(self, job_id: bytes, view: JobMirror) -> JobMirror:
         if view.state.terminal:  # an ended job's history no longer changes: kept, least recently used dropped
             self._rebuilt[job_id] = view
             self._rebuilt.move_to_end(job_id)
@@ -560,7 +557,7 @@ class Agent:
         return live_peers({p: i.last_heartbeat for p, i in self.peers.items() if p != self.peer_id}, self.clock(),
                           self.config.heartbeat_seconds, self.config.missed_heartbeats)
 
-    async def follow_job(self, terms: m.JobTerms, signer: str, envelope: bytes | None = None) -> JobView | None:
+    async def follow_job(self, terms: m.JobTerms, signer: str, envelope: bytes | None = None) -> JobMirror | None:
         """Start following a job we saw announced (once); subscribe to its topic."""
         job_id = terms.job_id()
         if job_id in self.jobs:
@@ -589,7 +586,7 @@ class Agent:
             return None  # we cannot keep its evidence: we do not follow it (refused, logged)
         if envelope is not None:
             self.stored(self.store.record, envelope, now)
-        view = JobView(terms, now, self.peer_id)
+        view = JobMirror(terms, now, self.peer_id)
         view.catching_up = signer != self.peer_id  # until the submitter's history is in (_read_job_topic)
         self.jobs[job_id] = view
         self._rebuilt.pop(job_id, None)
@@ -670,7 +667,7 @@ class Agent:
         self.nursery.start_soon(leave)
         self._notify()
 
-    async def _read_job_topic(self, view: JobView, subscription: Any, catch_up_first: bool = False, *,
+    async def _read_job_topic(self, view: JobMirror, subscription: Any, catch_up_first: bool = False, *,
                               resumed: bool = False) -> None:
         """Apply the job topic's messages to our mirror; first, if asked, catch up on the job's history
         from its submitter, or, if we are the submitter and ``resumed`` it after a restart, from its
@@ -694,7 +691,7 @@ class Agent:
         await supervised(f"job {view.job_id.hex()[:8]} topic reader", self._apply_job_topic, view, subscription,
                          synced, counters=self.counters)
 
-    async def _apply_job_topic(self, view: JobView, subscription: Any, synced: set[bytes]) -> None:
+    async def _apply_job_topic(self, view: JobMirror, subscription: Any, synced: set[bytes]) -> None:
         async for received in subscription:
             if self.hooks.observer is not None:
                 self.hooks.observer("recv", received)
@@ -704,33 +701,43 @@ class Agent:
                 continue  # already applied from the history
             await self.on_job_message(view, received)
 
-    async def on_job_message(self, view: JobView, received: Any) -> None:
-        """One verified message of the job's topic (``received``: message, signer, envelope): apply it
-        to our mirror, store what applied, then carry out what it caused."""
+    async def on_job_message(self, view: JobMirror, received: Any) -> None:
+        """One verified message of the job's topic (``received``: message, signer, envelope): our mirror
+        receives it, and we commit what it caused."""
         msg, signer, now = received.message, received.signer, self.clock()
         if isinstance(msg, m.ShardClaim):
             # a request to the coordinator, not a change of the job: never stored
             await self.coordinator.on_claim(view, msg, signer)
             return
-        data = received.envelope.to_bytes()
-        actions = view.apply(msg, signer, now, self.eligible_coordinators(view.terms), data)
-        if actions is None and signer == self.peer_id and \
-                isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
-            view.evidence.append(data)  # our own decision, applied when we made it
-        if not await self.keep_evidence(view):
-            return  # the disk is full: we refuse new work (the mirror moved; a restart catches up)
-        if actions is None:
-            return
-        self.apply_actions(view, actions)
-        self.react(view, view.take_applied())  # this message and any held one it unblocked
+        await self.commit(view, view.receive(msg, signer, now, self.eligible_coordinators(view.terms),
+                                             received.envelope.to_bytes()))
 
-    async def keep_evidence(self, view: JobView) -> bool:
-        """Store the envelopes of the messages our mirror applied since the last call, in that order,
-        in one commit made in a worker thread (the event loop runs on while the disk syncs). False
-        (and we refuse new work) if the disk is full."""
-        evidence = view.take_evidence()
-        if not evidence:
-            return True
+    async def decide(self, view: JobMirror, decision: Any) -> bool:
+        """Our own decision as the job's coordinator or judge (a lease, a verdict, an aggregate): signed,
+        applied to our mirror, stored, published, then carried out (``commit``). False if the mirror
+        refused it (it moved on meanwhile) or the disk is full: then it was not published."""
+        outcome = view.decide(decision, self.clock(), self.net.gossip.seal(decision))
+        return outcome.changed and await self.commit(view, outcome)
+
+    async def commit(self, view: JobMirror, outcome: Outcome, *, act: bool = True) -> bool:
+        """The one place where what our mirror did reaches the world (protocol/mirror.py), always in this
+        order: store its evidence (one transaction), publish what goes out, then carry out its actions
+        and our roles' reactions (``act=False``: history, nothing to carry out). A crash at any point
+        leaves nothing published that is not stored. False (we refuse new work; nothing published,
+        nothing carried out: the mirror moved, a restart catches up) if the disk is full."""
+        if outcome.evidence and not await self._store_evidence(outcome.evidence):
+            return False
+        if outcome.outgoing is not None:
+            decision = outcome.applied[0][0]
+            await self.net.gossip.publish_sealed(decision, outcome.outgoing)
+        if act and outcome.changed:
+            self.apply_actions(view, outcome.actions)
+            self.react(view, list(outcome.applied))  # this message and any held one it unblocked
+        return True
+
+    async def _store_evidence(self, evidence: tuple[bytes, ...]) -> bool:
+        """Store envelopes our mirror applied, in that order, in one commit made in a worker thread (the
+        event loop runs on while the disk syncs). False (and we refuse new work) if the disk is full."""
         now, store = self.clock(), self.store
 
         def write() -> None:
@@ -745,7 +752,7 @@ class Agent:
             return False
         return True
 
-    def react(self, view: JobView, applied: list[tuple[Any, str]]) -> None:
+    def react(self, view: JobMirror, applied: list[tuple[Any, str]]) -> None:
         """Our roles' reactions to messages the mirror applied: a lease for us, verdicts, aggregates."""
         for msg, by in applied:
             if self.worker is not None and isinstance(msg, m.ShardLease) and msg.worker == self.peer_id:
@@ -755,7 +762,7 @@ class Agent:
             elif isinstance(msg, m.AggregatePublished):
                 self.submitter.on_aggregate(view, msg, by)
 
-    def apply_actions(self, view: JobView, actions: tuple[Any, ...] | None) -> None:
+    def apply_actions(self, view: JobMirror, actions: tuple[Any, ...] | None) -> None:
         """Carry out what the state machine asked for, in our roles; wake anyone waiting on the job."""
         if actions is None:
             return
@@ -774,7 +781,7 @@ class Agent:
         self.job_events = trio.Event()
         self._notify()
 
-    def save_job_row(self, view: JobView) -> None:
+    def save_job_row(self, view: JobMirror) -> None:
         """Write the job's summary (state, round, term) to the store when it changed since we last did:
         one commit per change, not one per applied message (the envelopes are the evidence)."""
         row, job_id, store = (view.state.phase.value, view.state.round, view.coordination.term), view.job_id, self.store
@@ -875,7 +882,7 @@ class Agent:
             self.one_shot("capability", self._publish_capability)
         return True
 
-    def followed_view(self, job_id: bytes) -> JobView | None:
+    def followed_view(self, job_id: bytes) -> JobMirror | None:
         """Our live mirror of a job we follow now (a rebuild replaces it), or None: nothing is rebuilt
         (``job_view`` rebuilds a job we do not follow from the store)."""
         return self.jobs.get(job_id)
@@ -1011,16 +1018,14 @@ class Agent:
             self.save_file_hashes()  # hashes taken in training, replay or verification threads
             await trio.sleep(0.5)
 
-    async def _tick_job(self, view: JobView, now: float) -> None:
+    async def _tick_job(self, view: JobMirror, now: float) -> None:
         """One tick of a job: the election, the state machine's clock, a rebuild if the mirror diverged,
         taking the job over when we were just elected, judging the coordinator's own reports."""
-        from protocol.state import Tick
-
         before = view.coordination
         self.update_election(view, now)
         if view.coordination != before:
             await self._retry_held(view, now)
-        self.apply_actions(view, view.step(Tick(), now))
+        await self.commit(view, view.tick(now))
         if view.job_id not in self._resyncing and \
                 now - self._last_resync.get(view.job_id, 0.0) > RESYNC_INTERVAL and \
                 (needs_resync(view, self.eligible_coordinators(view.terms), now) or stalled(view, self.peer_id, now)):
@@ -1035,19 +1040,15 @@ class Agent:
             self.coordinator.take_over(view)
         self.coordinator.judge_reports(view)  # the coordinator's own reports, if we are their judge
 
-    async def _retry_held(self, view: JobView, now: float) -> None:
+    async def _retry_held(self, view: JobMirror, now: float) -> None:
         """Our view of the job's term moved (an election tick, a coordinator's heartbeat): the messages
         held for that term may apply now -- e.g. the judge's verdict on our own report, which reached us
         before our own tick made us the coordinator (IPIP-0006 §1.3 rule 6); held until another message
         applied, it left our mirror a round behind the submitter's and the round never aggregated."""
-        if not view.pending:
-            return
-        actions = view.retry_pending(now, self.eligible_coordinators(view.terms))
-        await self.keep_evidence(view)
-        self.apply_actions(view, actions)
-        self.react(view, view.take_applied())
+        if view.pending:
+            await self.commit(view, view.retry(now, self.eligible_coordinators(view.terms)))
 
-    async def _resync(self, view: JobView) -> None:
+    async def _resync(self, view: JobMirror) -> None:
         try:
             await self._resync_once(view)
         except StoreFullError as exc:
@@ -1055,13 +1056,11 @@ class Agent:
         finally:
             self._resyncing.discard(view.job_id)
 
-    async def _resync_once(self, view: JobView) -> None:
+    async def _resync_once(self, view: JobMirror) -> None:
         if view.terms.submitter == self.peer_id:  # our history is the reference: ask peers what we missed
             await submitter_catch_up(self, view)
             return
-        applied = await resync(self, view)
-        if applied is not None:
-            self.react(view, applied)  # held live messages that apply on the rebuilt mirror
+        if await resync(self, view):  # (held live messages that apply on the rebuilt mirror are committed)
             if self.is_coordinator(view) and view.job_id in self._coordinating:
                 # the rebuilt mirror's pending work (its replay's actions were nobody's): verify, aggregate
                 self.coordinator.resume(view)
@@ -1076,12 +1075,6 @@ class Agent:
 
 _TERMINAL_STATES = frozenset({"DONE", "FAILED", "CANCELLED"})
 _LEDGER_KIND = {"FailJob": "failed", "Done": "done", "CancelJob": "cancel"}
-
-
-def _cancel(reason: str) -> Any:
-    from protocol.state import Cancel
-
-    return Cancel(reason)
 
 
 def _action_data(action: Any) -> dict:

@@ -578,7 +578,7 @@ class Store:
         """Store an accepted envelope (any type) as received, and index leases, reports, verdicts and
         aggregates in their tables. Its signature and body are checked again; a duplicate is a no-op."""
         try:
-            opened = _reopen(data)
+            opened = reopen(data)
         except CodecError as exc:
             raise StoreError(f"refusing to store an envelope that does not verify: {exc}") from None
         env, msg = opened.envelope, opened.message
@@ -844,7 +844,7 @@ def _verify_record(table: str, parts: tuple) -> str | None:
     """Why a stored record without a digest does not verify, or None."""
     try:
         if table == "envelopes":
-            _reopen(bytes(parts[0]))
+            reopen(bytes(parts[0]))
         else:
             LedgerEntry.decode(bytes(parts[0]), bytes(parts[1]))
     except (CodecError, LedgerError) as exc:
@@ -857,7 +857,7 @@ def _check_role(role: str) -> None:
         raise StoreError(f"role: expected one of {', '.join(ROLES)}, got {role!r:.40}")
 
 
-def _reopen(data: bytes) -> Opened:
+def reopen(data: bytes) -> Opened:
     """Verify an envelope's signature and body regardless of the clock: its own timestamp is 'now'."""
     raw = decode_canonical(data, max_bytes=MAX_ENVELOPE_BYTES)
     ts = raw.get("ts") if isinstance(raw, dict) else None

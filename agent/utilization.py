@@ -26,7 +26,9 @@ The figures (issue 24 §3, §5):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -135,3 +137,20 @@ def measure(trained: list[Trained], round_ends: dict[int, float], start: float |
         rounds.append(RoundFigures(rnd, max(0.0, round_ends[rnd] - begin), max(per_worker.values(), default=0.0),
                                    sum(per_worker.values())))
     return Utilization(workers, rounds)
+
+
+def of_mirror(view: Any) -> "Utilization":
+    """How busy a job kept its workers, read off its mirror (protocol/mirror.JobMirror): every report's
+    signed training seconds, ending when the report applied there; rounds between the aggregates' arrivals."""
+    trained = []
+    for key, (report, signer) in view.reports.items():
+        end, leased = view.applied_at.get(("report", key)), view.applied_at.get(("lease", key))
+        if end is None:
+            continue
+        seconds = report.metrics.get("train_seconds", 0.0)
+        seconds = seconds if isinstance(seconds, (int, float)) and math.isfinite(seconds) else 0.0
+        # a worker states its own seconds: never more than since its lease applied here
+        trained.append(Trained(signer, key[0], end, min(seconds, end - leased) if leased is not None else seconds))
+    ends = {rnd: view.applied_at[("aggregate", rnd)] for rnd in view.aggregates if ("aggregate", rnd) in view.applied_at}
+    starts = [t for (kind, key), t in view.applied_at.items() if kind == "lease" and key[0] == 1]
+    return measure(trained, ends, min(starts) if starts else None)

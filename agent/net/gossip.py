@@ -350,9 +350,17 @@ class Gossip:
 
     async def publish(self, message: Any) -> bytes:
         """Sign ``message``, publish it on its topic, and return its envelope message ID."""
-        now = self.clock()
-        data = seal(self.host.identity, message, now=now)
-        message_id = open_envelope(data, now=now).envelope.message_id
+        return await self.publish_sealed(message, self.seal(message))
+
+    def seal(self, message: Any) -> bytes:
+        """``message`` signed by us, now: the envelope ``publish_sealed`` sends (a decision is stored
+        as this envelope before it is published: agent/node.py ``commit``)."""
+        return seal(self.host.identity, message, now=self.clock())
+
+    async def publish_sealed(self, message: Any, data: bytes) -> bytes:
+        """Publish ``data``, our envelope of ``message`` (``seal``), on its topic; its message ID. It is
+        opened first, so nothing that breaks the message rules is sent (CodecError)."""
+        message_id = open_envelope(data, now=self.clock()).envelope.message_id
         await self._wait_for_queue_room()
         await self.pubsub.publish(topic_for(message), data)
         return message_id

@@ -70,7 +70,6 @@ from agent.bundle import (
     AGGREGATE_FILES, CHECKPOINT_FILES, REPORT_FILES, BundleError, bundle_size_bound, pack_dir_off_loop, unpack_off_loop,
 )
 from agent.content.errors import FetchError
-from agent.roles.job import JobView
 from agent.roles.keep import KeepRefused, keep_within
 from agent.train.runner import run_torch, train_config
 from agent.sealing import must_seal, seal_dir
@@ -81,6 +80,7 @@ from protocol.acceptance import HEADER_FIELDS, TensorFacts, adapter_refusal, cha
 from protocol.cid import parse_cid
 from protocol.fit import lease_refusals
 from protocol.leasing import history_refusal
+from protocol.mirror import JobMirror
 
 if TYPE_CHECKING:
     from agent.roles.port import RolePort
@@ -121,7 +121,7 @@ class CoordinatorRole:
 
     # -- leases -----------------------------------------------------------------------------------
 
-    async def on_claim(self, view: JobView, claim: m.ShardClaim, worker: str) -> None:
+    async def on_claim(self, view: JobMirror, claim: m.ShardClaim, worker: str) -> None:
         """Queue a claim that may be granted; the claims of one ``claim_window`` are granted in order
         of the claimants' reputation (protocol/market.order_claims, IPIP-0004 §12)."""
         if not self.agent.is_coordinator(view):
@@ -129,7 +129,7 @@ class CoordinatorRole:
             return
         self._queue(view, worker, claim.round, claim.shard)
 
-    def _queue(self, view: JobView, worker: str, rnd: int, shard: int) -> None:
+    def _queue(self, view: JobMirror, worker: str, rnd: int, shard: int) -> None:
         if not self._may_lease(view, rnd, worker):
             return
         queue = self._claims.setdefault(view.job_id, [])
@@ -139,7 +139,7 @@ class CoordinatorRole:
         if len(queue) == 1 and not self.agent.spawn_in_job(view.job_id, self._grant_claims, view):
             self._claims.pop(view.job_id, None)  # the job ended
 
-    def _remember_early(self, view: JobView, claim: m.ShardClaim, worker: str) -> None:
+    def _remember_early(self, view: JobMirror, claim: m.ShardClaim, worker: str) -> None:
         """A claim we cannot grant because we do not coordinate the job (yet): kept for ``take_over``."""
         if claim.round != view.state.round or view.state.terminal or worker == self.agent.peer_id:
             return
@@ -155,7 +155,7 @@ class CoordinatorRole:
         first = early[worker][0] if worker in early and early[worker][2] == claim.round else now
         early[worker] = (first, now, claim.round, claim.shard)
 
-    def _may_lease(self, view: JobView, rnd: int, worker: str, *, count: bool = True) -> bool:
+    def _may_lease(self, view: JobMirror, rnd: int, worker: str, *, count: bool = True) -> bool:
         from agent.market import lease_refusal as market_lease_refusal
 
         agent = self.agent
@@ -179,7 +179,7 @@ class CoordinatorRole:
             return False
         return True
 
-    async def _grant_claims(self, view: JobView) -> None:
+    async def _grant_claims(self, view: JobMirror) -> None:
         from protocol.market import order_claims
 
         if self._shards_scarce(view):
@@ -193,7 +193,7 @@ class CoordinatorRole:
             except Exception as exc:  # noqa: BLE001 - one failed grant must not stop the agent
                 log.warning("job %s: lease for %s failed: %s", view.job_id.hex()[:8], worker[-8:], exc)
 
-    def _shards_scarce(self, view: JobView) -> bool:
+    def _shards_scarce(self, view: JobMirror) -> bool:
         """Could a claim granted now take the last open shard from a better-reputed claimant that is
         still to come? Only then is there a ``claim_window`` to wait: when the open shards are at least
         as many as the live peers that could claim one (they train, fit the job, hold no live lease of it,
@@ -216,7 +216,7 @@ class CoordinatorRole:
                 return True
         return False
 
-    async def _grant(self, view: JobView, worker: str, rnd: int, wanted: int) -> None:
+    async def _grant(self, view: JobMirror, worker: str, rnd: int, wanted: int) -> None:
         agent = self.agent
         if not self._may_lease(view, rnd, worker):
             return
@@ -224,21 +224,13 @@ class CoordinatorRole:
         if not open_shards:
             return
         shard = wanted if wanted in open_shards else open_shards[0]
-        now = agent.clock()
-        actions = view.step(st.LeaseGranted(view.state.round, shard, worker), now)
-        grant = next((a for a in actions or () if isinstance(a, st.PublishLease)), None)
-        if grant is None:
+        lease = view.lease_for(shard, worker, agent.clock())
+        if lease is None or not await agent.decide(view, lease):
             return
-        initial = view.state.published[-1] if view.state.round > 1 and view.state.published else None
-        lease = m.ShardLease(view.job_id, grant.round, grant.shard, grant.attempt, worker,
-                             view.coordination.term, float(grant.expires_at), initial)
-        view.leases[(grant.round, grant.shard, grant.attempt)] = lease
-        agent.apply_actions(view, actions)
-        await agent.publish(lease)
-        agent.ledger(view.job_id, "lease", {"round": grant.round, "shard": grant.shard, "attempt": grant.attempt,
-                                            "worker": worker, "expires_at": float(grant.expires_at)})
+        agent.ledger(view.job_id, "lease", {"round": lease.round, "shard": lease.shard, "attempt": lease.attempt,
+                                            "worker": worker, "expires_at": lease.expires_at})
 
-    def lease_refusal(self, view: JobView, worker: str) -> str | None:
+    def lease_refusal(self, view: JobMirror, worker: str) -> str | None:
         """Why we grant ``worker`` no lease of this job, read off its latest signed capability
         (protocol/fit.lease_refusals: it trains, offers the runtime, holds the model, a large enough GPU);
         None if it fits."""
@@ -248,7 +240,7 @@ class CoordinatorRole:
 
     # -- reacting to the state machine -------------------------------------------------------------
 
-    def on_actions(self, view: JobView, actions: tuple[Any, ...]) -> None:
+    def on_actions(self, view: JobMirror, actions: tuple[Any, ...]) -> None:
         if not self.agent.is_coordinator(view):
             return
         for action in actions:
@@ -269,7 +261,7 @@ class CoordinatorRole:
             for key in [k for k in keyed if k[0] == job_id]:
                 del keyed[key]
 
-    def take_over(self, view: JobView) -> None:
+    def take_over(self, view: JobMirror) -> None:
         """We just became this job's coordinator: resume what is pending."""
         state = view.state
         log.info("job %s: coordinating (term %d)", view.job_id.hex()[:8], view.coordination.term)
@@ -280,7 +272,7 @@ class CoordinatorRole:
         self.agent.spawn_in_job(view.job_id, self._prefetch_validation, view)
         self.resume(view)
 
-    def resume(self, view: JobView) -> None:
+    def resume(self, view: JobMirror) -> None:
         """Start what our mirror says is pending: the verification of each REPORTED shard (not ours) and
         the aggregation of an AGGREGATING round (after a take-over, or a mirror rebuilt from the
         submitter's history: agent/roles/sync.resync). Work already running is not started twice."""
@@ -294,7 +286,7 @@ class CoordinatorRole:
             action = st.Aggregate(state.round, accepted, state.expires_at or math.inf)
             self._start(("aggregate", view.job_id, state.round), self._aggregate_retrying, view, action)
 
-    def judge_reports(self, view: JobView) -> None:
+    def judge_reports(self, view: JobMirror) -> None:
         """Verify the reports of the job's coordinator that fall to us (IPIP-0006 §1.3: a coordinator
         never judges its own work; the first eligible peer by rank after it does). Called every tick."""
         coordinator = view.coordination.coordinator
@@ -307,7 +299,7 @@ class CoordinatorRole:
                 self._start(("verify", view.job_id, view.state.round, shard.index, shard.attempt),
                             self._verify, view, view.state.round, shard.index, shard.attempt)
 
-    def may_verify(self, view: JobView, worker: str) -> bool:
+    def may_verify(self, view: JobMirror, worker: str) -> bool:
         """Is it ours to judge ``worker``'s report now: we coordinate and it is not ours, or it is
         the coordinator's own and we are its judge (protocol/election.judge_of)?"""
         agent = self.agent
@@ -347,7 +339,7 @@ class CoordinatorRole:
             return None
         return delay
 
-    async def _verify(self, view: JobView, rnd: int, shard: int, attempt: int) -> None:
+    async def _verify(self, view: JobMirror, rnd: int, shard: int, attempt: int) -> None:
         agent = self.agent
         report, worker = view.reports[(rnd, shard, attempt)]
         work = agent.work_dir / view.job_id.hex()[:16] / f"verify-r{rnd}-s{shard}-a{attempt}"
@@ -391,16 +383,13 @@ class CoordinatorRole:
                  "accepted" if accepted else "REJECTED", reason)
         verdict = m.Verdict(view.job_id, rnd, shard, attempt, worker, view.coordination.term, accepted,
                             reason, segments)
-        actions = view.apply_decision(verdict, agent.clock())
-        if actions is None:
+        if not await agent.decide(view, verdict):
             return
-        agent.apply_actions(view, actions)
         agent.counters["verdicts_accepted" if accepted else "verdicts_rejected"] += 1
-        await agent.publish(verdict)
         agent.ledger(view.job_id, "verdict", {"round": rnd, "shard": shard, "attempt": attempt, "worker": worker,
                                               "accepted": accepted, "reason": reason})
 
-    async def _keep_accepted(self, view: JobView, rnd: int, shard: int, attempt: int, cid: str) -> bool:
+    async def _keep_accepted(self, view: JobMirror, rnd: int, shard: int, attempt: int, cid: str) -> bool:
         """Durable before announced, for accepted work too (IPIP-0006 §2.6.1): the submitter holds the
         adapter (fetched from us: we hold it since we verified it) before the verdict accepting it is
         published, asked again while the shard is ours to judge and its verification window lasts; False
@@ -421,7 +410,7 @@ class CoordinatorRole:
                         "over: no verdict (%s)", view.job_id.hex()[:8], shard, attempt, exc)
             return False
 
-    async def _check_report(self, view: JobView, report: m.ShardReport, worker: str,
+    async def _check_report(self, view: JobMirror, report: m.ShardReport, worker: str,
                             work: Path) -> tuple[tuple[int, ...], Path]:
         from agent.train import base_model_sha256
         from agent.train.model import tensors_hash
@@ -500,7 +489,7 @@ class CoordinatorRole:
                 raise Rejection(f"segment {index} does not replay: {verdict.reason}")
         return segments, adapter_dir
 
-    async def _round_start(self, view: JobView, rnd: int, config: Any, work: Path) -> tuple[dict, dict, dict]:
+    async def _round_start(self, view: JobMirror, rnd: int, config: Any, work: Path) -> tuple[dict, dict, dict]:
         """Round ``rnd``'s start (cached): the adapter its training starts from, the outer optimizer
         state and the AdamW state carried with it: the seeded init and no state in round 1, the
         previous aggregate's after (its AdamW state only if the job carries it, IPIP-0006 §2.3)."""
@@ -545,7 +534,7 @@ class CoordinatorRole:
 
     # -- aggregation ------------------------------------------------------------------------------
 
-    async def _aggregate_retrying(self, view: JobView, action: st.Aggregate) -> None:
+    async def _aggregate_retrying(self, view: JobMirror, action: st.Aggregate) -> None:
         """``_aggregate``, tried again after a failure (a fetch that timed out, ...) while the round is
         still ours to aggregate and its window lasts; then given up with one log line."""
         tries = 0
@@ -570,7 +559,7 @@ class CoordinatorRole:
                             view.job_id.hex()[:8], action.round, tries, delay, problem)
                 await trio.sleep(delay)
 
-    async def _aggregate(self, view: JobView, action: st.Aggregate) -> None:
+    async def _aggregate(self, view: JobMirror, action: st.Aggregate) -> None:
         agent, terms = self.agent, view.terms
         work = agent.work_dir / view.job_id.hex()[:16] / f"aggregate-r{action.round}"
         shutil.rmtree(work, ignore_errors=True)
@@ -627,12 +616,9 @@ class CoordinatorRole:
         published = m.AggregatePublished(view.job_id, action.round, view.coordination.term, str(cid),
                                          terms.aggregation, tuple(action.accepted_shards),
                                          sum(n for _, n in inputs), final, loss, base_loss)
-        actions = view.apply_decision(published, agent.clock())
-        if actions is None:
+        if not await agent.decide(view, published):
             return
-        agent.apply_actions(view, actions)
         agent.counters["aggregates_published"] += 1
-        await agent.publish(published)
         entry = {"round": action.round, "adapter_cid": str(cid), "method": terms.aggregation,
                  "shards": list(action.accepted_shards)}
         if terms.outer is not None:
@@ -650,7 +636,7 @@ class CoordinatorRole:
                  f"; the stop rule holds: the job ends after round {action.round} of {terms.rounds}"
                  if final and action.round < terms.rounds else "")
 
-    async def _validation_split(self, view: JobView, directory: Path) -> Path:
+    async def _validation_split(self, view: JobMirror, directory: Path) -> Path:
         """The job's validation split (in ``directory``, the job's work directory), fetched once
         (``take_over`` fetches it at once, so a round's score never waits on it). Its provider is the
         submitter: with the split not held here and the submitter heard before but silent now,
@@ -674,7 +660,7 @@ class CoordinatorRole:
         self._validation[view.job_id] = path
         return path
 
-    async def _prefetch_validation(self, view: JobView) -> None:
+    async def _prefetch_validation(self, view: JobMirror) -> None:
         """On taking a job over: hold its validation split before the first round needs a score."""
         if not view.terms.validation_cid:
             return
@@ -683,7 +669,7 @@ class CoordinatorRole:
         except Exception as exc:  # noqa: BLE001 - tried again when a round is scored
             log.info("job %s: validation split not fetched yet: %s", view.job_id.hex()[:8], exc)
 
-    async def _score(self, view: JobView, config: Any, adapter_dir: Path, work: Path,
+    async def _score(self, view: JobMirror, config: Any, adapter_dir: Path, work: Path,
                      with_base: bool) -> tuple[float, float | None]:
         """Validation loss of the aggregate in ``adapter_dir`` (and of the base model) on the job's split."""
         from agent.train.run import validation_losses

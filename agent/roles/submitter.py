@@ -45,7 +45,7 @@ from protocol.cid import parse_cid
 
 if TYPE_CHECKING:
     from agent.roles.port import RolePort
-    from agent.roles.job import JobView
+    from protocol.mirror import JobMirror
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class SubmitterRole:
                                 f"(MAX_LIVE_JOBS_PER_SUBMITTER = {st.MAX_LIVE_JOBS_PER_SUBMITTER}, IPIP-0004 §13); "
                                 "wait for one to end or cancel one (`infernet job list`)")
 
-    async def announce(self, terms: m.JobTerms) -> "JobView":
+    async def announce(self, terms: m.JobTerms) -> "JobMirror":
         """Gossip the job (and keep re-announcing it until it ends); return our view of it. SubmitRefused
         (nothing announced) past ``MAX_LIVE_JOBS_PER_SUBMITTER`` jobs of ours not yet ended."""
         from agent.store import announced_data
@@ -164,7 +164,7 @@ class SubmitterRole:
                  len(terms.shards), terms.rounds)
         return view
 
-    async def resume(self, view: "JobView") -> None:
+    async def resume(self, view: "JobMirror") -> None:
         """After a restart: announce our unfinished job again at once, then keep re-announcing it."""
         agent = self.agent
         await agent.wait_until(lambda: bool(agent.peers.keys() - {agent.peer_id}), 10)
@@ -174,12 +174,12 @@ class SubmitterRole:
         agent.spawn_in_job(view.job_id, self._watch_budget, view)
         await self._reannounce(view)
 
-    async def _reannounce(self, view: "JobView") -> None:
+    async def _reannounce(self, view: "JobMirror") -> None:
         while not view.state.terminal:
             if not await self.agent.wait_until(lambda: view.state.terminal, self.reannounce_seconds):
                 await self.agent.publish(m.JobAnnouncement.for_terms(view.terms))
 
-    async def _watch_budget(self, view: "JobView") -> None:
+    async def _watch_budget(self, view: "JobMirror") -> None:
         """Our paid job's budget is spent: once none of its leases is in flight, cancel it with that reason."""
         if not mk.is_paid(view.terms.price_per_hour):
             return
@@ -193,7 +193,7 @@ class SubmitterRole:
                 return
 
     @staticmethod
-    def budget_cancel_reason(view: "JobView") -> str | None:
+    def budget_cancel_reason(view: "JobMirror") -> str | None:
         """Why we cancel our job now: its budget is spent (IPIP-0004 §12), none of its shards is LEASED
         or REPORTED, and an OPEN one remains (not while it aggregates); else None."""
         if view.state.terminal or view.state.phase is st.JobPhase.AGGREGATING:
@@ -204,23 +204,23 @@ class SubmitterRole:
         busy = [s for s in view.state.shards if s.phase in (st.ShardPhase.LEASED, st.ShardPhase.REPORTED)]
         return reason if not busy and view.open_shards() else None
 
-    def on_aggregate(self, view: "JobView", published: m.AggregatePublished, coordinator: str) -> None:
+    def on_aggregate(self, view: "JobMirror", published: m.AggregatePublished, coordinator: str) -> None:
         """Keep a copy of every aggregate of our job: the next round starts from it, whoever coordinates."""
         if view.terms.submitter == self.agent.peer_id:
             self.agent.spawn(self._keep, view, published.adapter_cid, coordinator)  # outlives the job
 
-    def on_verdict(self, view: "JobView", verdict: m.Verdict) -> None:
+    def on_verdict(self, view: "JobMirror", verdict: m.Verdict) -> None:
         """Keep a copy of every accepted adapter of our job, so no accepted work is lost with its worker."""
         if verdict.accepted and view.terms.submitter == self.agent.peer_id:
             report, worker = view.reports.get((verdict.round, verdict.shard, verdict.attempt), (None, None))
             if report is not None:
                 self.agent.spawn(self._keep, view, report.adapter_cid, worker)
 
-    def kept_path(self, view: "JobView", cid: str) -> Path:
+    def kept_path(self, view: "JobMirror", cid: str) -> Path:
         """Where our copy of accepted work ``cid`` of the job lies once we hold it."""
         return self.agent.work_dir / view.job_id.hex()[:16] / "accepted" / f"{cid}.tar"
 
-    def not_held(self, view: "JobView") -> list[dict]:
+    def not_held(self, view: "JobMirror") -> list[dict]:
         """Accepted adapters and aggregates of our job of which we hold no copy yet (``job show``)."""
         if view.terms.submitter != self.agent.peer_id:
             return []
@@ -236,7 +236,7 @@ class SubmitterRole:
                             "provider": None})  # its coordinator is not recorded: the DHT names providers
         return out
 
-    async def keep_once(self, view: "JobView", cid: str, provider: str | None) -> None:
+    async def keep_once(self, view: "JobMirror", cid: str, provider: str | None) -> None:
         """One try to fetch accepted work ``cid`` (from ``provider`` first) into ``kept_path``, and provide
         it; raises why it failed. (A coordinator asks this of us before it publishes an aggregate:
         agent/roles/keep.py.)"""
@@ -255,7 +255,7 @@ class SubmitterRole:
             if not lock.statistics().tasks_waiting:
                 self._keep_locks.pop(key, None)
 
-    async def _keep(self, view: "JobView", cid: str, provider: str | None) -> None:
+    async def _keep(self, view: "JobMirror", cid: str, provider: str | None) -> None:
         """Fetch accepted work ``cid`` into ``kept_path`` and provide it; tried again until held."""
         agent, key = self.agent, (view.job_id, cid)
         if key in self._keeping:
@@ -283,10 +283,8 @@ class SubmitterRole:
         finally:
             self._keeping.discard(key)
 
-    async def cancel(self, view: "JobView", reason: str) -> None:
-        from protocol.state import Cancel
-
+    async def cancel(self, view: "JobMirror", reason: str) -> None:
         await self.agent.publish(m.JobCancel(view.job_id, reason))
-        self.agent.apply_actions(view, view.step(Cancel(reason), self.agent.clock()))
+        await self.agent.commit(view, view.cancel(reason, self.agent.clock()))
 
 

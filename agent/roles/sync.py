@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from agent.net.errors import NetError, PeerProtocolError
 from agent.net.streams import FrameReader, frame, remote_peer, request_frames
+from agent.store import StoreFullError, reopen
 from protocol import messages as m
+from protocol.mirror import NOTHING, JobMirror, Outcome
 from protocol.cid import varint_encode
 from protocol.envelope import MAX_ENVELOPE_BYTES
 
@@ -104,13 +107,12 @@ async def fetch_history(host: Any, peer: str, job_id: bytes, timeout: float = TI
 
 def _verified(history: list[bytes], job_id: bytes) -> tuple[list[Any], int]:
     """The history's envelopes that verify (whatever their age) and belong to the job; and how many did not."""
-    from agent.store import _reopen
     from protocol.errors import CodecError
 
     out, refused = [], 0
     for data in history:
         try:
-            opened = _reopen(data)
+            opened = reopen(data)
         except CodecError:
             refused += 1
             continue
@@ -173,14 +175,16 @@ async def submitter_catch_up(agent: RolePort, view: Any, timeout: float = TIMEOU
     applied: set[bytes] = set()
     for peer in peers:
         verified = histories.get(peer)
+        outcome = NOTHING
         for data, opened in verified or ():
             if agent.store.has_envelope(opened.envelope.message_id):
                 continue
             signer, at = opened.envelope.signer, opened.envelope.timestamp_ms / 1000.0
-            view.apply(opened.message, signer, at, agent.eligible_coordinators(view.terms), data)
+            outcome += view.receive(opened.message, signer, at, agent.eligible_coordinators(view.terms), data)
             applied.add(opened.envelope.message_id)
-        await _keep(agent, view)  # what applied, in the order it did
-    agent.react(view, view.take_applied())  # keep our copies of the accepted work and aggregates we missed
+        # what applied, in the order it did; then our copies of the accepted work and aggregates we missed
+        # (the state machine's actions of the past are nobody's to carry out: only the reactions)
+        await _commit(agent, view, replace(outcome, actions=() if outcome.changed else None))
     if applied:
         log.info("job %s: caught up on %d messages from %d peers after a restart: %s, round %d, term %d",
                  view.job_id.hex()[:8], len(applied), len(peers), view.state.phase.value, view.state.round,
@@ -189,16 +193,13 @@ async def submitter_catch_up(agent: RolePort, view: Any, timeout: float = TIMEOU
     return applied
 
 
-def _replay(view: Any, opened: Any, data: bytes | None = None) -> None:
-    view.replay(opened.message, opened.envelope.signer, opened.envelope.timestamp_ms / 1000.0, data)
+def _replay(view: JobMirror, opened: Any, data: bytes | None = None) -> Outcome:
+    return view.replay(opened.message, opened.envelope.signer, opened.envelope.timestamp_ms / 1000.0, data)
 
 
-async def _keep(agent: RolePort, view: Any) -> None:
-    """Store what applied to ``view`` since the last call (agent.keep_evidence); a full disk raises
-    StoreFullError to the caller, as a direct store write would."""
-    from agent.store import StoreFullError
-
-    if not await agent.keep_evidence(view):
+async def _commit(agent: RolePort, view: JobMirror, outcome: Outcome, *, act: bool = True) -> None:
+    """``agent.commit``; a full disk raises StoreFullError to the caller, as a direct store write would."""
+    if not await agent.commit(view, outcome, act=act):
         raise StoreFullError(agent.store_full or "the store cannot be written")
 
 
@@ -207,13 +208,13 @@ async def catch_up(agent: RolePort, view: Any, timeout: float = TIMEOUT) -> set[
     Returns the message IDs applied (the live reader skips them); failures are logged, not raised."""
     verified = await _fetch_verified(agent, view, timeout, "catch up")
     applied: set[bytes] = set()
+    outcome = NOTHING
     for data, opened in verified or ():
         if agent.store.has_envelope(opened.envelope.message_id):
             continue
-        _replay(view, opened, data)
+        outcome += _replay(view, opened, data)
         applied.add(opened.envelope.message_id)
-    view.take_applied()  # history: nothing to react to
-    await _keep(agent, view)
+    await _commit(agent, view, outcome, act=False)  # history: stored, nothing to carry out
     if applied:
         log.info("job %s: caught up on %d messages from the submitter: %s, round %d, term %d",
                  view.job_id.hex()[:8], len(applied), view.state.phase.value, view.state.round,
@@ -254,39 +255,24 @@ def needs_resync(view: Any, eligible: frozenset[str], now: float) -> bool:
                for seen, msg, signer, _ in view.pending)
 
 
-async def resync(agent: RolePort, view: Any, timeout: float = TIMEOUT) -> list[tuple[Any, str]] | None:
+async def resync(agent: RolePort, view: JobMirror, timeout: float = TIMEOUT) -> bool:
     """Our mirror has diverged (it holds messages it cannot apply: we missed some, or we were cut off
-    and decided things the rest never saw): rebuild it from the submitter's whole history, in place.
-    The submitter's record wins, its coordinator term included. Returns the held live messages that
-    applied on the rebuilt mirror (for the caller's reactions), or None if the mirror was kept."""
-    from agent.roles.job import JobView
-
+    and decided things the rest never saw): rebuild it from the submitter's whole history, in place
+    (``JobMirror.adopt``: the submitter's record wins, its coordinator term included), then commit the
+    history and what held live messages did on it (e.g. a held verdict that completes the round:
+    Aggregate), reactions included. False if the mirror was kept."""
     verified = await _fetch_verified(agent, view, timeout, "resync")
     if not verified:
-        return None
-    fresh = JobView(view.terms, view.first_seen, view.me)
+        return False
+    fresh = JobMirror(view.terms, view.first_seen, view.me)
     for data, opened in verified:
-        _replay(fresh, opened, data)
-    fresh.take_applied()
-    # the submitter's record wins even with a lower term: decisions count only on its side
-    # (IPIP-0006 §1.3), so a higher term it never saw was ours alone
-    now = agent.clock()
-    evidence = fresh.take_evidence()  # stored below, after the swap (nothing may run on the old mirror between)
+        _replay(fresh, opened, data)  # (its evidence is collected by adopt)
     before = (view.state.phase.value, view.state.round, len(view.pending))
-    held = view.pending
-    for name in ("state", "coordination", "term_from_verdict", "leases", "commits", "reports", "verdicts",
-                 "aggregates"):
-        setattr(view, name, getattr(fresh, name))
-    term = view.coordination.term  # still-held live messages may apply now, except stale decisions
-    view.pending = [p for p in held if p[2] != view.me and getattr(p[1], "term", term) >= term]
-    view.take_applied()
-    view.evidence = view.evidence + evidence
-    actions = view.retry_pending(now, agent.eligible_coordinators(view.terms))
-    applied = view.take_applied()
-    await _keep(agent, view)
-    agent.apply_actions(view, actions)  # e.g. a held verdict that completes the round: Aggregate
+    # nothing may run on the old mirror between the rebuild and the swap: no await until adopt
+    outcome = view.adopt(fresh, agent.clock(), agent.eligible_coordinators(view.terms))
+    await _commit(agent, view, outcome)
     log.warning("job %s: mirror rebuilt from the submitter's history (%d messages): was %s round %d with %d held, "
                 "now %s round %d, term %d", view.job_id.hex()[:8], len(verified), *before,
                 view.state.phase.value, view.state.round, view.coordination.term)
     agent.save_job_row(view)
-    return applied
+    return True

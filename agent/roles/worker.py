@@ -40,7 +40,7 @@ import trio
 
 from agent.hooks import HonestTraining
 from agent.bundle import AGGREGATE_FILES, DEFAULT_MAX_BYTES, bundle_size_bound, pack_dir_off_loop, unpack_off_loop
-from agent.roles.job import JobView
+from protocol.mirror import JobMirror
 from agent.train.runner import run_torch, train_config
 from protocol import messages as m
 from protocol import state as st
@@ -60,7 +60,7 @@ class WorkerRole:
     def __init__(self, agent: "RolePort", training: HonestTraining | None = None) -> None:
         self.agent = agent
         self.training = training or HonestTraining()  # the harness's faults (agent/hooks.py), if any
-        self.candidates: dict[bytes, JobView] = {}
+        self.candidates: dict[bytes, JobMirror] = {}
         self.active: dict[tuple[bytes, int, int, int], m.ShardLease] = {}
         self._scopes: dict[tuple[bytes, int, int, int], trio.CancelScope] = {}  # each active shard's training
         # job -> (when, round, whether we held a shard since) of our last claim
@@ -92,7 +92,7 @@ class WorkerRole:
         reasons = training_refusals(self.agent.capability(), terms)
         return "; ".join(reasons) if reasons else None
 
-    def consider(self, view: JobView) -> None:
+    def consider(self, view: JobMirror) -> None:
         reason = self.refusal(view.terms)
         if reason is None:
             self.candidates[view.job_id] = view
@@ -157,7 +157,7 @@ class WorkerRole:
                 await agent.publish(m.ShardClaim(view.job_id, view.state.round, random.choice(open_shards)))
                 break
 
-    def _market_refusal(self, view: JobView) -> str | None:
+    def _market_refusal(self, view: JobMirror) -> str | None:
         """The job can no longer pay us (its budget is spent) or would not lease us: no claim (logged once)."""
         from agent.market import lease_refusal, worker_refusal
 
@@ -167,7 +167,7 @@ class WorkerRole:
             log.info("job %s: not claiming: %s", view.job_id.hex()[:8], reason)
         return reason
 
-    def on_lease(self, view: JobView, lease: m.ShardLease) -> None:
+    def on_lease(self, view: JobMirror, lease: m.ShardLease) -> None:
         key = (view.job_id, lease.round, lease.shard, lease.attempt)
         if key in self.active:
             return
@@ -204,7 +204,7 @@ class WorkerRole:
                 scope.cancel()
             self.active.pop(key, None)
 
-    async def release_stale(self, view: JobView) -> None:
+    async def release_stale(self, view: JobMirror) -> None:
         """After a restart: give back the shards our mirror says we hold but no longer train, so
         they are reassigned now rather than when the lease runs out. Waits (bounded) for a peer to hear it."""
         agent = self.agent
@@ -265,7 +265,7 @@ class WorkerRole:
                 "runtime": str(environment.get("backend", "")), "micro_batch": int(environment.get("micro_batch", 0)),
                 "processes": int(environment.get("data_parallel", 1))}
 
-    async def _run_shard(self, view: JobView, lease: m.ShardLease, key: tuple) -> None:
+    async def _run_shard(self, view: JobMirror, lease: m.ShardLease, key: tuple) -> None:
         agent = self.agent
         scope = self._scopes[key] = trio.CancelScope()
         try:
@@ -282,7 +282,7 @@ class WorkerRole:
             self._last_claim.pop(view.job_id, None)
             self.wake()
 
-    async def _fetch(self, view: JobView, lease: m.ShardLease, cid: str, out: Path, providers: list[str],
+    async def _fetch(self, view: JobMirror, lease: m.ShardLease, cid: str, out: Path, providers: list[str],
                      tries: int = 3, **bound: int) -> None:
         """Fetch ``cid``, trying again (resuming from the blocks we got) while our lease holds:
         one slow or unreachable provider must not cost the job an attempt."""
@@ -304,7 +304,7 @@ class WorkerRole:
                 log.info("job %s shard %d: fetch failed (%s); trying again", view.job_id.hex()[:8], lease.shard, exc)
                 await trio.sleep(attempt)
 
-    async def _train_and_report(self, view: JobView, lease: m.ShardLease) -> None:
+    async def _train_and_report(self, view: JobMirror, lease: m.ShardLease) -> None:
         from agent.train.backends import select_backend
         from agent.train.run import TrainRequest
 

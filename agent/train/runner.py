@@ -1,5 +1,5 @@
 """Running training code from the agent's roles: one torch lock per process, and a job's terms
-turned into the TrainConfig agent/train needs (agent/roles/job.py's JobView does no I/O and knows
+turned into the TrainConfig agent/train needs (protocol/mirror.py's JobMirror does no I/O and knows
 nothing of torch)."""
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ async def test_the_coordinators_fetch_of_the_validation_split_is_bounded_by_the_
     from dataclasses import replace
 
     from agent.node import Agent, AgentConfig
-    from agent.roles.job import JobView
+    from protocol.mirror import JobMirror
     from protocol import messages as m
     from protocol.identity import Identity
     from scripts.make_envelope_vectors import sample_terms
@@ -89,7 +89,7 @@ async def test_the_coordinators_fetch_of_the_validation_split_is_bounded_by_the_
             terms = replace(sample_terms(Identity.generate()), submitter=a.peer_id, shards=shards,
                             validation_cid=str(cid))
             assert terms.validation_size_bound() == 800 << 10
-            view = JobView(terms, 0.0, coordinator.peer_id)
+            view = JobMirror(terms, 0.0, coordinator.peer_id)
             with trio.fail_after(30), pytest.raises(Exception) as err:
                 await coordinator.coordinator._score(view, None, work / "adapter", work, with_base=False)
             path = work.parent / "validation.jsonl"

@@ -11,7 +11,7 @@ import trio
 
 from agent.net.gossip import Received
 from agent.node import Agent, AgentConfig, PeerInfo
-from agent.roles.job import PENDING_MAX, PENDING_PER_SIGNER, JobView
+from protocol.mirror import PENDING_MAX, PENDING_PER_SIGNER, JobMirror
 from agent.roles.sync import history_for
 from agent.store import Store
 from protocol import messages as m
@@ -33,13 +33,13 @@ def received(identity: Identity, message, at: float) -> Received:
     return Received(m.job_topic(JOB), opened.message, opened.envelope, identity.peer_id)
 
 
-def observer_agent(tmp_path) -> tuple[Agent, JobView]:
+def observer_agent(tmp_path) -> tuple[Agent, JobMirror]:
     """An agent that follows the job (not its submitter, not a worker), its store open, not on a network."""
     agent = Agent(OBSERVER, AgentConfig(home=tmp_path, can_coordinate=False), clock=lambda: NOW)
     agent.store = Store.in_data_dir(tmp_path, OBSERVER)
     agent.store.add_job(TERMS, "observer", NOW)
     agent.peers[COORD.peer_id] = PeerInfo(NOW, capability=sample_capability())
-    view = JobView(TERMS, NOW, OBSERVER.peer_id)
+    view = JobMirror(TERMS, NOW, OBSERVER.peer_id)
     view.coordination = Coordination(JOB, 1, COORD.peer_id)
     agent.jobs[JOB] = view
     return agent, view
@@ -87,14 +87,14 @@ def test_a_flood_of_well_signed_messages_that_do_not_apply_is_not_stored_and_doe
 
 
 def test_the_strangers_held_messages_go_first_when_the_held_set_is_full():
-    view = JobView(TERMS, NOW, SUBMITTER.peer_id)
+    view = JobMirror(TERMS, NOW, SUBMITTER.peer_id)
     view.coordination = Coordination(JOB, 1, COORD.peer_id)
     eligible = frozenset({COORD.peer_id})
     early = m.Verdict(JOB, 1, 1, 1, W2.peer_id, 1, True, "ok", (0,))  # before the lease and report it follows
-    assert view.apply(early, COORD.peer_id, NOW, eligible) is None
+    assert view.receive(early, COORD.peer_id, NOW, eligible).actions is None
     for i in range(PENDING_MAX + 50):
         stranger = Identity((1000 + i).to_bytes(2, "big") * 16)
-        view.apply(report(1, 1), stranger.peer_id, NOW + 1, eligible)
+        view.receive(report(1, 1), stranger.peer_id, NOW + 1, eligible)
     assert len(view.pending) == PENDING_MAX
     assert any(p[1] == early for p in view.pending), "the coordinator's held verdict survived the flood"
 

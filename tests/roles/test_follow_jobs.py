@@ -54,7 +54,7 @@ async def test_one_announcer_cannot_fill_the_jobs_an_agent_follows(tmp_path, tin
         # another announcer's job is followed, and so is the Sybil's next one once one of its jobs ended
         assert (await announce_to(w0, Identity.generate(), "honest"))[1] is not None
         first = followed[0]
-        w0.apply_actions(first, first.step(st.Cancel("test: ended"), w0.clock()))
+        await w0.commit(first, first.cancel("test: ended", w0.clock()))
         assert (await announce_to(w0, sybil, "sybil-after"))[1] is not None
 
 
@@ -85,7 +85,7 @@ async def test_ended_jobs_make_room_are_forgotten_after_their_retention_and_leav
         # job 1 ends with nothing new announced: forgotten once its tasks ended and the retention passed
         w0.job_end_grace, w0.ended_job_retention = 0.2, 0.5
         (_, view1) = jobs[1]
-        w0.apply_actions(view1, view1.step(st.Cancel("test: ended"), w0.clock()))
+        await w0.commit(view1, view1.cancel("test: ended", w0.clock()))
         with trio.fail_after(10):
             while view1.job_id in w0.jobs or m.job_topic(view1.job_id) in gossip.pubsub.topic_ids:
                 await trio.sleep(0.05)
@@ -103,7 +103,7 @@ async def wait_for(predicate, timeout: float = 10.0) -> None:
 
 async def end(agent, view) -> None:
     """The job ends (cancelled); returns once its tasks are done (its end grace over)."""
-    agent.apply_actions(view, view.step(st.Cancel("test: ended"), agent.clock()))
+    await agent.commit(view, view.cancel("test: ended", agent.clock()))
     await wait_for(lambda: view.job_id not in agent.job_tasks)
 
 
@@ -181,7 +181,7 @@ async def test_a_job_in_its_end_grace_is_not_forgotten_to_make_room(tmp_path, ti
             published.set()
 
         assert w0.spawn_in_job(ended.job_id, publish_the_decision)
-        w0.apply_actions(ended, ended.step(st.Cancel("test: ended"), w0.clock()))
+        await w0.commit(ended, ended.cancel("test: ended", w0.clock()))
         await publishing.wait()
         assert ended.state.terminal and ended.job_id in w0.job_tasks
         assert (await announce_to(w0, Identity.generate(), "new"))[1] is None  # nothing may go: refused

@@ -3,7 +3,7 @@
 from protocol import messages as m
 from protocol import state as st
 from protocol.identity import Identity
-from agent.roles.job import PENDING_SECONDS, JobView
+from protocol.mirror import PENDING_SECONDS, JobMirror
 from scripts.make_envelope_vectors import sample_terms
 
 SUBMITTER, COORD, W1, W2 = (Identity(bytes([i]) * 32) for i in (1, 11, 12, 13))
@@ -13,8 +13,8 @@ ELIGIBLE = frozenset({COORD.peer_id})
 NOW = 1_790_000_000.0
 
 
-def view() -> JobView:
-    return JobView(TERMS, NOW, me=SUBMITTER.peer_id)
+def view() -> JobMirror:
+    return JobMirror(TERMS, NOW, me=SUBMITTER.peer_id)
 
 
 def lease(shard, attempt, worker):
@@ -23,32 +23,35 @@ def lease(shard, attempt, worker):
 
 def test_a_lease_that_overtakes_the_release_it_depends_on_is_applied_once_the_release_arrives():
     v = view()
-    assert v.apply(lease(0, 1, W1), COORD.peer_id, NOW, ELIGIBLE) is not None
+    first = v.receive(lease(0, 1, W1), COORD.peer_id, NOW, ELIGIBLE)
+    assert first.actions is not None
     # attempt 2 arrives before W1's release of attempt 1: refused for now, held
-    assert v.apply(lease(0, 2, W2), COORD.peer_id, NOW + 1, ELIGIBLE) is None
+    held = v.receive(lease(0, 2, W2), COORD.peer_id, NOW + 1, ELIGIBLE)
+    assert held.actions is None and held.applied == () and held.evidence == ()
     assert v.shard(0).worker == W1.peer_id and len(v.pending) == 1
-    actions = v.apply(m.ShardRelease(JOB, 1, 0, 1, "bye"), W1.peer_id, NOW + 2, ELIGIBLE)
-    assert any(isinstance(a, st.PublishLease) and a.attempt == 2 for a in actions), actions
+    outcome = v.receive(m.ShardRelease(JOB, 1, 0, 1, "bye"), W1.peer_id, NOW + 2, ELIGIBLE, b"release")
+    assert any(isinstance(a, st.PublishLease) and a.attempt == 2 for a in outcome.actions), outcome
     assert (v.shard(0).phase, v.shard(0).attempt, v.shard(0).worker) == (st.ShardPhase.LEASED, 2, W2.peer_id)
     assert not v.pending
     # the caller reacts to the held lease too (a lease for us must start training)
-    applied = [msg for msg, _ in v.take_applied()]
+    applied = [msg for msg, _ in first.applied + outcome.applied]
     assert [type(x).__name__ for x in applied] == ["ShardLease", "ShardRelease", "ShardLease"]
-    assert applied[-1].attempt == 2 and v.take_applied() == []
+    assert applied[-1].attempt == 2 and outcome.evidence == (b"release",)  # (the held lease came without bytes)
+    assert v.tick(NOW + 3).applied == ()  # what was collected is not handed out again
 
 
 def test_a_verdict_before_its_report_and_duplicates_stay_harmless():
     v = view()
-    v.apply(lease(1, 1, W1), COORD.peer_id, NOW, ELIGIBLE)
+    v.receive(lease(1, 1, W1), COORD.peer_id, NOW, ELIGIBLE)
     report = m.ShardReport(JOB, 1, 1, 1, TERMS.shards[1].cid, TERMS.shards[1].cid, bytes(32), 1, 4, 32, 1.0, {})
     verdict = m.Verdict(JOB, 1, 1, 1, W1.peer_id, 1, True, "ok", (0,))
-    assert v.apply(verdict, COORD.peer_id, NOW + 1, ELIGIBLE) is None  # no report yet
-    v.apply(report, W1.peer_id, NOW + 2, ELIGIBLE)
+    assert v.receive(verdict, COORD.peer_id, NOW + 1, ELIGIBLE).actions is None  # no report yet
+    v.receive(report, W1.peer_id, NOW + 2, ELIGIBLE)
     assert v.shard(1).phase is st.ShardPhase.ACCEPTED and not v.pending
     # a duplicate report is refused and held until it expires, never applied twice
-    assert v.apply(report, W1.peer_id, NOW + 3, ELIGIBLE) is None
+    assert v.receive(report, W1.peer_id, NOW + 3, ELIGIBLE).actions is None
     assert v.shard(1).phase is st.ShardPhase.ACCEPTED
-    v.apply(lease(0, 1, W2), COORD.peer_id, NOW + PENDING_SECONDS + 10, ELIGIBLE)
+    v.receive(lease(0, 1, W2), COORD.peer_id, NOW + PENDING_SECONDS + 10, ELIGIBLE)
     assert not v.pending, "held messages expire with the envelope window"
 
 
@@ -59,15 +62,15 @@ def test_after_a_failover_the_coordinators_verdict_on_its_own_report_is_refused_
 
     v = view()
     eligible = frozenset({COORD.peer_id, W1.peer_id, W2.peer_id})
-    v.apply(lease(0, 1, W1), COORD.peer_id, NOW, ELIGIBLE)
+    v.receive(lease(0, 1, W1), COORD.peer_id, NOW, ELIGIBLE)
     report = m.ShardReport(JOB, 1, 0, 1, TERMS.shards[0].cid, TERMS.shards[0].cid, bytes(32), 1, 4, 32, 1.0, {})
-    v.apply(report, W1.peer_id, NOW + 1, eligible)
+    v.receive(report, W1.peer_id, NOW + 1, eligible)
     v.coordination = Coordination(JOB, 2, W1.peer_id)  # COORD fell silent; W1 took over
     own = m.Verdict(JOB, 1, 0, 1, W1.peer_id, 2, True, "I like it", (0,))
-    assert v.apply(own, W1.peer_id, NOW + 2, eligible) is None
+    assert v.receive(own, W1.peer_id, NOW + 2, eligible).actions is None
     assert v.shard(0).phase is st.ShardPhase.REPORTED and v.refused["self-judged"] == 1
     judged = m.Verdict(JOB, 1, 0, 1, W1.peer_id, 2, True, "replayed", (0,))
-    assert v.apply(judged, W2.peer_id, NOW + 3, eligible - {COORD.peer_id}) is not None
+    assert v.receive(judged, W2.peer_id, NOW + 3, eligible - {COORD.peer_id}).actions is not None
     assert v.shard(0).phase is st.ShardPhase.ACCEPTED and v.coordination.coordinator == W1.peer_id
 
 
@@ -77,16 +80,16 @@ def test_a_judges_verdict_ahead_of_our_view_waits_for_the_term_and_never_crowns_
     real coordinator's aggregate for good). A verdict never moves the view; it waits for the term."""
     v = view()
     eligible = frozenset({COORD.peer_id, W1.peer_id, W2.peer_id})
-    v.apply(lease(0, 1, W1), COORD.peer_id, NOW, ELIGIBLE)
+    v.receive(lease(0, 1, W1), COORD.peer_id, NOW, ELIGIBLE)
     report = m.ShardReport(JOB, 1, 0, 1, TERMS.shards[0].cid, TERMS.shards[0].cid, bytes(32), 1, 4, 32, 1.0, {})
-    v.apply(report, W1.peer_id, NOW + 1, eligible)
+    v.receive(report, W1.peer_id, NOW + 1, eligible)
     # COORD died; W1 coordinates term 2 and W2 judges W1's report, before we heard of term 2
     judged = m.Verdict(JOB, 1, 0, 1, W1.peer_id, 2, True, "replayed", (0,))
-    assert v.apply(judged, W2.peer_id, NOW + 2, eligible) is None
+    assert v.receive(judged, W2.peer_id, NOW + 2, eligible).actions is None
     assert (v.coordination.term, v.coordination.coordinator) == (1, COORD.peer_id)  # the judge is not crowned
     assert v.shard(0).phase is st.ShardPhase.REPORTED
     # W1's first message of term 2 (a lease of shard 1) moves the view; the held verdict applies with it
-    v.apply(m.ShardLease(JOB, 1, 1, 1, W2.peer_id, 2, NOW + 120, None), W1.peer_id, NOW + 3, eligible)
+    v.receive(m.ShardLease(JOB, 1, 1, 1, W2.peer_id, 2, NOW + 120, None), W1.peer_id, NOW + 3, eligible)
     assert (v.coordination.term, v.coordination.coordinator) == (2, W1.peer_id)
     assert v.shard(0).phase is st.ShardPhase.ACCEPTED and v.shard(1).phase is st.ShardPhase.LEASED
 
@@ -98,10 +101,10 @@ def test_an_aggregate_whose_final_flag_breaks_the_rounds_or_stop_rule_is_refused
     def accepted_all(v, job):
         for shard in range(len(TERMS.shards)):
             worker = W1 if shard % 2 else W2
-            v.apply(m.ShardLease(job, 1, shard, 1, worker.peer_id, 1, NOW + 120, None), COORD.peer_id, NOW, ELIGIBLE)
-            v.apply(m.ShardReport(job, 1, shard, 1, TERMS.shards[shard].cid, TERMS.shards[shard].cid, bytes(32),
+            v.receive(m.ShardLease(job, 1, shard, 1, worker.peer_id, 1, NOW + 120, None), COORD.peer_id, NOW, ELIGIBLE)
+            v.receive(m.ShardReport(job, 1, shard, 1, TERMS.shards[shard].cid, TERMS.shards[shard].cid, bytes(32),
                                   1, 4, 32, 1.0, {}), worker.peer_id, NOW, ELIGIBLE)
-            v.apply(m.Verdict(job, 1, shard, 1, worker.peer_id, 1, True, "ok", (0,)), COORD.peer_id, NOW, ELIGIBLE)
+            v.receive(m.Verdict(job, 1, shard, 1, worker.peer_id, 1, True, "ok", (0,)), COORD.peer_id, NOW, ELIGIBLE)
         assert v.state.phase is st.JobPhase.AGGREGATING
 
     cid = TERMS.shards[0].cid
@@ -110,13 +113,13 @@ def test_an_aggregate_whose_final_flag_breaks_the_rounds_or_stop_rule_is_refused
     assert TERMS.rounds > 1 and TERMS.stop is None
     v = view()
     accepted_all(v, JOB)
-    assert v.apply(early, COORD.peer_id, NOW + 1, ELIGIBLE) is None and v.refused["final-flag"] == 1
-    assert v.apply(on_time, COORD.peer_id, NOW + 2, ELIGIBLE) is not None and v.state.round == 2
+    assert v.receive(early, COORD.peer_id, NOW + 1, ELIGIBLE).actions is None and v.refused["final-flag"] == 1
+    assert v.receive(on_time, COORD.peer_id, NOW + 2, ELIGIBLE).actions is not None and v.state.round == 2
     # with a stop rule that holds (0.4 < 0.5), only the final flag is right, and the job ends in round 1
     stopping = dataclasses.replace(TERMS, stop=m.StopTerms(0.5, 0), validation_cid=cid)
     for message, applies in ((on_time, False), (early, True)):
-        w = JobView(stopping, NOW, me=SUBMITTER.peer_id)
+        w = JobMirror(stopping, NOW, me=SUBMITTER.peer_id)
         accepted_all(w, stopping.job_id())
         message = dataclasses.replace(message, job_id=stopping.job_id())
-        assert (w.apply(message, COORD.peer_id, NOW + 1, ELIGIBLE) is not None) is applies
+        assert (w.receive(message, COORD.peer_id, NOW + 1, ELIGIBLE).actions is not None) is applies
     assert w.state.phase is st.JobPhase.DONE and w.state.round == 1

@@ -9,7 +9,7 @@ from protocol import messages as m
 from protocol import state as st
 from protocol.election import Coordination, rank_peers
 from protocol.identity import Identity
-from agent.roles.job import JobView
+from protocol.mirror import JobMirror
 from scripts.make_envelope_vectors import sample_terms
 
 SUBMITTER, W0, W1, W2, W3 = (Identity(bytes([i]) * 32) for i in (1, 20, 21, 22, 23))
@@ -19,8 +19,8 @@ NOW = 1_790_000_000.0
 ELIGIBLE = frozenset({W0.peer_id, W1.peer_id, W2.peer_id, W3.peer_id})
 
 
-def submitter_view() -> JobView:
-    v = JobView(TERMS, NOW, me=SUBMITTER.peer_id)
+def submitter_view() -> JobMirror:
+    v = JobMirror(TERMS, NOW, me=SUBMITTER.peer_id)
     v.coordination = Coordination(JOB, 1, W0.peer_id)  # term 1: W0, elected after the grace period
     return v
 
@@ -40,14 +40,14 @@ def verdict(shard, attempt, worker, term, accepted=True, rnd=1):
 
 def test_a_held_verdict_of_a_skipped_term_applies_once_a_later_term_moves_the_view_past_it():
     v = submitter_view()
-    assert v.apply(lease(1, 1, W1, 1), W0.peer_id, NOW, ELIGIBLE) is not None
-    assert v.apply(report(1, 1), W1.peer_id, NOW + 1, ELIGIBLE) is not None
+    assert v.receive(lease(1, 1, W1, 1), W0.peer_id, NOW, ELIGIBLE).actions is not None
+    assert v.receive(report(1, 1), W1.peer_id, NOW + 1, ELIGIBLE).actions is not None
     # W3 coordinates term 2 on the submitter's side of a partition; its verdict reaches us while our
     # view is still in term 1: held, the view does not move (rule 6)
-    assert v.apply(verdict(1, 1, W1, 2), W3.peer_id, NOW + 2, ELIGIBLE) is None
+    assert v.receive(verdict(1, 1, W1, 2), W3.peer_id, NOW + 2, ELIGIBLE).actions is None
     assert v.coordination.term == 1 and v.shard(1).phase is st.ShardPhase.REPORTED
     # a term-3 lease (W2 took over from W3) moves the view from term 1 to term 3: term 2 was skipped
-    assert v.apply(lease(0, 1, W0, 3), W2.peer_id, NOW + 3, ELIGIBLE) is not None
+    assert v.receive(lease(0, 1, W0, 3), W2.peer_id, NOW + 3, ELIGIBLE).actions is not None
     assert (v.coordination.term, v.coordination.coordinator) == (3, W2.peer_id)
     # the held term-2 verdict is not stale: it judged an attempt leased in term 1, and term 2 is one
     # our view never held; it applied on the way (before the fix it stayed held and expired)
@@ -58,42 +58,42 @@ def test_a_held_verdict_of_a_skipped_term_applies_once_a_later_term_moves_the_vi
 
 def test_a_verdict_of_a_term_we_held_applies_only_from_that_terms_coordinator():
     v = submitter_view()
-    v.apply(lease(1, 1, W1, 1), W0.peer_id, NOW, ELIGIBLE)
-    v.apply(report(1, 1), W1.peer_id, NOW + 1, ELIGIBLE)
-    v.apply(lease(0, 1, W0, 2), W2.peer_id, NOW + 2, ELIGIBLE)  # W0 deposed; W2 coordinates term 2
+    v.receive(lease(1, 1, W1, 1), W0.peer_id, NOW, ELIGIBLE)
+    v.receive(report(1, 1), W1.peer_id, NOW + 1, ELIGIBLE)
+    v.receive(lease(0, 1, W0, 2), W2.peer_id, NOW + 2, ELIGIBLE)  # W0 deposed; W2 coordinates term 2
     assert (v.coordination.term, v.coordination.past) == (2, ((1, W0.peer_id),))
     # a term-1 verdict from W3, which never coordinated term 1 in our view: refused
-    assert v.apply(verdict(1, 1, W1, 1), W3.peer_id, NOW + 3, ELIGIBLE) is None
+    assert v.receive(verdict(1, 1, W1, 1), W3.peer_id, NOW + 3, ELIGIBLE).actions is None
     assert v.shard(1).phase is st.ShardPhase.REPORTED
     # the term-1 coordinator's own verdict, sent before it learned it was deposed: applied, view unmoved
-    assert v.apply(verdict(1, 1, W1, 1), W0.peer_id, NOW + 4, ELIGIBLE) is not None
+    assert v.receive(verdict(1, 1, W1, 1), W0.peer_id, NOW + 4, ELIGIBLE).actions is not None
     assert v.shard(1).phase is st.ShardPhase.ACCEPTED and v.coordination.term == 2
 
 
 def test_an_earlier_terms_verdict_never_judges_a_later_lease_nor_a_reopened_attempt():
     v = submitter_view()
-    v.apply(lease(1, 1, W1, 1), W0.peer_id, NOW, ELIGIBLE)
-    v.apply(report(1, 1), W1.peer_id, NOW + 1, ELIGIBLE)
-    v.apply(lease(0, 1, W0, 2), W2.peer_id, NOW + 2, ELIGIBLE)
+    v.receive(lease(1, 1, W1, 1), W0.peer_id, NOW, ELIGIBLE)
+    v.receive(report(1, 1), W1.peer_id, NOW + 1, ELIGIBLE)
+    v.receive(lease(0, 1, W0, 2), W2.peer_id, NOW + 2, ELIGIBLE)
     # term 2's coordinator rejects attempt 1 and leases attempt 2 in term 2
-    assert v.apply(verdict(1, 1, W1, 2, accepted=False), W2.peer_id, NOW + 3, ELIGIBLE) is not None
-    assert v.apply(lease(1, 2, W3, 2), W2.peer_id, NOW + 4, ELIGIBLE) is not None
-    v.apply(report(1, 2), W3.peer_id, NOW + 5, ELIGIBLE)
+    assert v.receive(verdict(1, 1, W1, 2, accepted=False), W2.peer_id, NOW + 3, ELIGIBLE).actions is not None
+    assert v.receive(lease(1, 2, W3, 2), W2.peer_id, NOW + 4, ELIGIBLE).actions is not None
+    v.receive(report(1, 2), W3.peer_id, NOW + 5, ELIGIBLE)
     # the deposed term-1 coordinator's late verdict on attempt 1: the state machine refuses it (stale attempt)
-    assert v.apply(verdict(1, 1, W1, 1), W0.peer_id, NOW + 6, ELIGIBLE) is None
+    assert v.receive(verdict(1, 1, W1, 1), W0.peer_id, NOW + 6, ELIGIBLE).actions is None
     # ... and its verdict on attempt 2, leased in term 2, is refused by rule 7 (a term-1 coordinator never saw it)
-    assert v.apply(verdict(1, 2, W3, 1), W0.peer_id, NOW + 7, ELIGIBLE) is None
+    assert v.receive(verdict(1, 2, W3, 1), W0.peer_id, NOW + 7, ELIGIBLE).actions is None
     assert (v.shard(1).phase, v.shard(1).attempt) == (st.ShardPhase.REPORTED, 2)
 
 
 def test_a_verdict_of_a_skipped_term_signed_by_its_worker_or_an_ineligible_peer_is_refused():
     v = submitter_view()
-    v.apply(lease(1, 1, W1, 1), W0.peer_id, NOW, ELIGIBLE)
-    v.apply(report(1, 1), W1.peer_id, NOW + 1, ELIGIBLE)
-    v.apply(lease(0, 1, W0, 3), W2.peer_id, NOW + 2, ELIGIBLE)
+    v.receive(lease(1, 1, W1, 1), W0.peer_id, NOW, ELIGIBLE)
+    v.receive(report(1, 1), W1.peer_id, NOW + 1, ELIGIBLE)
+    v.receive(lease(0, 1, W0, 3), W2.peer_id, NOW + 2, ELIGIBLE)
     outsider = Identity(bytes([99]) * 32)
-    assert v.apply(verdict(1, 1, W1, 2), W1.peer_id, NOW + 3, ELIGIBLE) is None  # self-judged
-    assert v.apply(verdict(1, 1, W1, 2), outsider.peer_id, NOW + 4, ELIGIBLE) is None  # not eligible
+    assert v.receive(verdict(1, 1, W1, 2), W1.peer_id, NOW + 3, ELIGIBLE).actions is None  # self-judged
+    assert v.receive(verdict(1, 1, W1, 2), outsider.peer_id, NOW + 4, ELIGIBLE).actions is None  # not eligible
     assert v.shard(1).phase is st.ShardPhase.REPORTED
 
 
@@ -107,12 +107,12 @@ def test_a_verdict_arriving_just_after_our_verification_window_closed_is_still_t
     v = submitter_view()
     lease_seconds = float(TERMS.lease_seconds)
     for shard, worker in ((0, W2), (1, W1)):
-        v.apply(lease(shard, 1, worker, 1), W0.peer_id, NOW, ELIGIBLE)
-        v.apply(report(shard, 1), worker.peer_id, NOW + 1, ELIGIBLE)
-    v.apply(verdict(0, 1, W2, 1), W0.peer_id, NOW + 2, ELIGIBLE)
-    assert v.step(st.Tick(), NOW + 1 + lease_seconds)  # shard 1's window closes here: reopened
+        v.receive(lease(shard, 1, worker, 1), W0.peer_id, NOW, ELIGIBLE)
+        v.receive(report(shard, 1), worker.peer_id, NOW + 1, ELIGIBLE)
+    v.receive(verdict(0, 1, W2, 1), W0.peer_id, NOW + 2, ELIGIBLE)
+    assert v.tick(NOW + 1 + lease_seconds).changed  # shard 1's window closes here: reopened
     assert v.shard(1).phase is st.ShardPhase.OPEN
-    actions = v.apply(verdict(1, 1, W1, 1), W0.peer_id, NOW + 1.1 + lease_seconds, ELIGIBLE)
+    actions = v.receive(verdict(1, 1, W1, 1), W0.peer_id, NOW + 1.1 + lease_seconds, ELIGIBLE).actions
     assert actions is not None and any(isinstance(a, st.Aggregate) for a in actions)
     assert (v.shard(1).phase, v.shard(1).worker) == (st.ShardPhase.ACCEPTED, W1.peer_id)
     assert v.state.phase is st.JobPhase.AGGREGATING
@@ -139,7 +139,7 @@ def test_a_replayed_history_whose_term_opens_with_its_judges_verdict_keeps_the_t
     C, J = (W1 if C == W1.peer_id else W2), (W1 if J == W1.peer_id else W2)
     for other in (W3, J):  # C's verdict on a third worker; on the judge itself (either could sign both)
         for me in (W3, C, J):
-            v = JobView(TERMS, NOW, me=me.peer_id)
+            v = JobMirror(TERMS, NOW, me=me.peer_id)
             for i, (msg, signer) in enumerate(_term2_history(C, J, other)):
                 v.replay(msg, signer.peer_id, NOW + i)
             assert (v.coordination.term, v.coordination.coordinator) == (2, C.peer_id), (other, me)
@@ -147,22 +147,22 @@ def test_a_replayed_history_whose_term_opens_with_its_judges_verdict_keeps_the_t
             assert not v.pending and v.term_from_verdict is None
     # the usual order (the coordinator's verdict opens the term) is unchanged
     history = _term2_history(C, J, W3)
-    v = JobView(TERMS, NOW, me=W3.peer_id)
+    v = JobMirror(TERMS, NOW, me=W3.peer_id)
     for i, (msg, signer) in enumerate(history[:4] + [history[5], history[4]]):
         v.replay(msg, signer.peer_id, NOW + i)
     assert (v.coordination.term, v.coordination.coordinator) == (2, C.peer_id)
     assert [v.shard(i).phase for i in (0, 1)] == [st.ShardPhase.ACCEPTED] * 2
     # a provisional term moves only to the worker its verdict judged; a third peer's decision is refused
-    v = JobView(TERMS, NOW, me=W0.peer_id)
+    v = JobMirror(TERMS, NOW, me=W0.peer_id)
     for i, (msg, signer) in enumerate(history[:5]):
         v.replay(msg, signer.peer_id, NOW + i)
     assert v.coordination.coordinator == J.peer_id and v.term_from_verdict == (2, J.peer_id, C.peer_id)
-    assert v.apply(verdict(1, 1, W3, 2), W0.peer_id, NOW + 9, ELIGIBLE) is None
+    assert v.receive(verdict(1, 1, W3, 2), W0.peer_id, NOW + 9, ELIGIBLE).actions is None
     assert v.coordination.coordinator == J.peer_id and v.shard(1).phase is st.ShardPhase.REPORTED
-    assert v.apply(verdict(1, 1, W3, 2), C.peer_id, NOW + 9, ELIGIBLE) is not None
+    assert v.receive(verdict(1, 1, W3, 2), C.peer_id, NOW + 9, ELIGIBLE).actions is not None
     assert v.coordination.coordinator == C.peer_id and v.shard(1).phase is st.ShardPhase.ACCEPTED
     # a decision no judge makes confirms the verdict's signer
-    v = JobView(TERMS, NOW, me=W0.peer_id)
+    v = JobMirror(TERMS, NOW, me=W0.peer_id)
     for i, (msg, signer) in enumerate(history[:5] + [(lease(1, 1, W3, 2), J)]):
         v.replay(msg, signer.peer_id, NOW + i)
     assert v.coordination.coordinator == J.peer_id and v.term_from_verdict is None

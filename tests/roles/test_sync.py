@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.roles.job import JobView
+from protocol.mirror import JobMirror
 from agent.roles.sync import _replay, _verified, history_for, needs_resync
 from agent.store import Store
 from protocol import messages as m
@@ -60,7 +60,7 @@ def test_only_signed_envelopes_of_the_job_are_accepted_whatever_their_age():
 
 
 def test_history_replayed_into_a_fresh_mirror_reaches_the_same_state():
-    view = JobView(TERMS, NOW, WORKER.peer_id)
+    view = JobMirror(TERMS, NOW, WORKER.peer_id)
     for data, opened in _verified([lease(0), lease(1, at=NOW + 1)], JOB)[0]:
         _replay(view, opened)
     assert [s.phase.value for s in view.state.shards[:2]] == ["LEASED", "LEASED"]
@@ -68,7 +68,7 @@ def test_history_replayed_into_a_fresh_mirror_reaches_the_same_state():
 
 
 def test_a_held_decision_of_an_eligible_coordinator_triggers_a_rebuild_an_attackers_does_not():
-    view = JobView(TERMS, NOW, WORKER.peer_id)
+    view = JobMirror(TERMS, NOW, WORKER.peer_id)
     mallory = Identity(bytes([7]) * 32)
     spoofed = m.ShardLease(JOB, 2, 0, 1, mallory.peer_id, 9, NOW + 600, None)
     view.pending.append((NOW, spoofed, mallory.peer_id, None))
@@ -88,7 +88,7 @@ def test_no_rebuild_of_an_ended_job_nor_again_for_what_a_rebuild_left_held():
 
     from protocol import state as st
 
-    view = JobView(TERMS, NOW, WORKER.peer_id)
+    view = JobMirror(TERMS, NOW, WORKER.peer_id)
     eligible = frozenset({COORD.peer_id})
     view.pending.append((NOW, m.ShardLease(JOB, 2, 0, 1, WORKER.peer_id, 2, NOW + 600, None), COORD.peer_id, None))
     assert needs_resync(view, eligible, NOW + 6)
@@ -106,11 +106,11 @@ def test_a_submitters_job_with_nothing_applied_for_long_is_stalled_and_asks_its_
     said TRAINING for ever. A submitter's unended job with nothing applied for long now catches up."""
     from agent.roles.sync import STALL_SECONDS, stalled
 
-    view = JobView(TERMS, NOW, SUBMITTER.peer_id)
+    view = JobMirror(TERMS, NOW, SUBMITTER.peer_id)
     wait = max(STALL_SECONDS, 2.0 * TERMS.lease_seconds)
     assert not stalled(view, SUBMITTER.peer_id, NOW + wait - 1)
     assert stalled(view, SUBMITTER.peer_id, NOW + wait + 1)
     assert not stalled(view, WORKER.peer_id, NOW + wait + 1)  # only the submitter's own job
     for data, opened in _verified([lease(0, at=NOW + wait)], JOB)[0]:
-        view.apply(opened.message, opened.envelope.signer, NOW + wait, frozenset({COORD.peer_id}), data)
+        view.receive(opened.message, opened.envelope.signer, NOW + wait, frozenset({COORD.peer_id}), data)
     assert not stalled(view, SUBMITTER.peer_id, NOW + wait + 1)  # a message applied: it moves

@@ -18,7 +18,7 @@ import trio
 
 from agent.net.gossip import Received
 from agent.node import Agent, AgentConfig, PeerInfo
-from agent.roles.job import JobView
+from protocol.mirror import JobMirror
 from agent.store import Store
 from protocol import messages as m
 from protocol import state as st
@@ -51,7 +51,7 @@ def test_our_own_election_tick_applies_the_judges_verdict_held_for_our_term(tmp_
     agent.peers[SUBMITTER.peer_id] = PeerInfo(NOW, live_since=NOW - 100)
     agent.peers[JUDGE.peer_id] = PeerInfo(NOW, capability=sample_capability(), live_since=NOW - 100)
     agent.peers[DEAD.peer_id] = PeerInfo(NOW - 100, capability=sample_capability(), live_since=NOW - 200)
-    view = JobView(TERMS, NOW - 100, ME.peer_id)
+    view = JobMirror(TERMS, NOW - 100, ME.peer_id)
     view.coordination = Coordination(JOB, 1, DEAD.peer_id)  # term 1's coordinator, silent since
     agent.jobs[JOB] = view
     cid = TERMS.shards[0].cid

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from agent.utilization import Trained, measure
+from agent.utilization import Trained, measure, of_mirror
 
 
 def test_a_worker_idle_between_rounds_and_the_rounds_fixed_cost():
@@ -44,15 +44,15 @@ def test_the_mirror_measures_from_signed_reports_and_bounds_a_workers_stated_sec
                              1.0, {"train_seconds": seconds})
 
     v = view()
-    v.apply(lease(0, 1, W1), COORD.peer_id, NOW, ELIGIBLE)
-    v.apply(lease(1, 1, W2), COORD.peer_id, NOW + 1, ELIGIBLE)
-    v.apply(report(0, 6.0), W1.peer_id, NOW + 7, ELIGIBLE)
-    v.apply(report(1, 1e9), W2.peer_id, NOW + 5, ELIGIBLE)  # a worker claiming more than it could have trained
+    v.receive(lease(0, 1, W1), COORD.peer_id, NOW, ELIGIBLE)
+    v.receive(lease(1, 1, W2), COORD.peer_id, NOW + 1, ELIGIBLE)
+    v.receive(report(0, 6.0), W1.peer_id, NOW + 7, ELIGIBLE)
+    v.receive(report(1, 1e9), W2.peer_id, NOW + 5, ELIGIBLE)  # a worker claiming more than it could have trained
     for shard, worker in ((0, W1), (1, W2)):
-        v.apply(m.Verdict(JOB, 1, shard, 1, worker.peer_id, 1, True, "ok", (0,)), COORD.peer_id, NOW + 8, ELIGIBLE)
-    assert v.apply(m.AggregatePublished(JOB, 1, 1, TERMS.shards[0].cid, "exact", (0, 1), 64, False),
-                   COORD.peer_id, NOW + 10, ELIGIBLE) is not None
-    u = v.utilization()
+        v.receive(m.Verdict(JOB, 1, shard, 1, worker.peer_id, 1, True, "ok", (0,)), COORD.peer_id, NOW + 8, ELIGIBLE)
+    assert v.receive(m.AggregatePublished(JOB, 1, 1, TERMS.shards[0].cid, "exact", (0, 1), 64, False),
+                   COORD.peer_id, NOW + 10, ELIGIBLE).actions is not None
+    u = of_mirror(v)
     assert u.workers[W1.peer_id].training == 6.0
     assert u.workers[W2.peer_id].training == 4.0  # bounded by the 4 s since its lease applied here
     [r1] = u.rounds

@@ -1,4 +1,25 @@
-"""JobView: one peer's mirror of a job, fed by the signed messages it sees on the job's topic.
+"""The job mirror: one peer's copy of a job, fed by the signed messages it sees on the job's topic,
+and the only door to it (issue 23). It does no I/O, like h11's ``Connection``: events in, an ``Outcome``
+out, and what the outcome asks for is the caller's to carry out, in one order (agent/node.py ``commit``:
+store the evidence, publish what goes out, then act).
+
+The doors, each returning an ``Outcome`` (``actions``: what the state machine asks for, None when
+nothing changed; ``applied``: the messages that changed the mirror, in order, with their signers, for
+the caller's reactions; ``evidence``: their envelopes, to store in that order; ``outgoing``: our own
+decision's envelope, to publish once stored):
+
+- ``receive``: a verified message of the job's topic from the network (anyone's, ours echoed back);
+- ``decide``: our own decision as a coordinator (a lease, a verdict, an aggregate), applied and kept
+  as evidence when we make it, before it is published: a crash after the publish loses nothing of it
+  (its echo is then ignored); ``lease_for`` offers the lease the state machine would grant;
+- ``replay``: a message accepted earlier (our store after a restart, the submitter's history);
+- ``tick`` (timers), ``cancel`` (the submitter's cancel), ``observe_term`` (a coordinator's term heard
+  in a heartbeat), ``retry`` (held messages again) and ``adopt`` (take the state of a mirror rebuilt
+  from the submitter's history, keeping what live messages are still held).
+
+Every limit of the mirror is here: ``PENDING_MAX``, ``PENDING_PER_SIGNER``, ``PENDING_SECONDS`` and the
+checkpoint cap read off the terms (protocol/proof.max_checkpoints). ``agent/harness/sim.py`` drives this
+class too, so the simulator's figures are about this code.
 
 Rules of this file:
 - Every peer that follows a job keeps the same mirror: the protocol state machine
@@ -21,11 +42,11 @@ Rules of this file:
   (``PENDING_PER_SIGNER``), and when the whole is full the held messages of peers the job does not
   know (not an eligible coordinator, not its submitter, no lease) go first: many identities each
   under the rate limit cannot push a held verdict out. No I/O here.
-- Evidence. ``apply`` and ``replay`` take the message's envelope bytes; the envelopes of the
-  messages that applied, in the order they applied (a held one when it finally does), are kept in
-  ``evidence`` until the caller takes them (``take_evidence``) to store them: the store holds what
-  changed the mirror, in that order, so a replay of it (a restart, another peer's catch-up from us)
-  rebuilds the same mirror, and refused junk is never written to disk.
+- Evidence. ``receive``, ``decide`` and ``replay`` take the message's envelope bytes; an outcome's
+  ``evidence`` holds the envelopes of the messages that applied, in the order they applied (a held one
+  when it finally does): the store holds what changed the mirror, in that order, so a replay of it (a
+  restart, another peer's catch-up from us) rebuilds the same mirror, and refused junk is never
+  written to disk. Our own decisions are evidence when we make them (``decide``), never from their echo.
 - Earlier terms (IPIP-0006 §1.3 rule 7): a verdict of a term before the view's is applied when
   ``election.may_apply_past_verdict`` allows it (its signer held that term in our view, or our view
   skipped that term); it never moves the view.
@@ -48,6 +69,7 @@ from protocol.proof import max_checkpoints
 log = logging.getLogger(__name__)
 
 Key = tuple[int, int, int]  # (round, shard, attempt)
+DECISIONS = (m.ShardLease, m.Verdict, m.AggregatePublished)  # a coordinator's messages
 PENDING_MAX = 256
 PENDING_PER_SIGNER = 32  # held messages of one signer; its oldest goes first
 PENDING_SECONDS = 300.0  # an envelope's acceptance window (IPIP-0001)
@@ -63,8 +85,32 @@ def job_config(terms: m.JobTerms) -> st.JobConfig:
     )
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """What one event did to a mirror, for its caller to carry out in this order: store ``evidence``
+    (one transaction), publish ``outgoing``, then carry out ``actions`` and react to ``applied``."""
+
+    actions: tuple[Any, ...] | None = None  # the state machine's actions; None: nothing changed
+    applied: tuple[tuple[Any, str], ...] = ()  # (message, signer) that changed the mirror, in order
+    evidence: tuple[bytes, ...] = ()  # the envelopes of those (where known), in the same order
+    outgoing: bytes | None = None  # our own decision's envelope, to publish once the evidence is stored
+
+    @property
+    def changed(self) -> bool:
+        return self.actions is not None
+
+    def __add__(self, other: "Outcome") -> "Outcome":
+        actions = None if self.actions is None and other.actions is None else \
+            (self.actions or ()) + (other.actions or ())
+        return Outcome(actions, self.applied + other.applied, self.evidence + other.evidence,
+                       other.outgoing if other.outgoing is not None else self.outgoing)
+
+
+NOTHING = Outcome()
+
+
 @dataclass
-class JobView:
+class JobMirror:
     terms: m.JobTerms
     first_seen: float
     me: str
@@ -78,19 +124,19 @@ class JobView:
     refused: Counter = field(default_factory=Counter)
     # (first seen, message, signer, envelope bytes or None)
     pending: list[tuple[float, Any, str, bytes | None]] = field(default_factory=list)
-    applied: list[tuple[Any, str]] = field(default_factory=list)  # applied since the caller last took them
-    evidence: list[bytes] = field(default_factory=list)  # envelopes of those, in the order they applied
-    resynced_at: float | None = None  # when a rebuild from history last started (agent/roles/sync.needs_resync)
+    resynced_at: float | None = None  # when a rebuild from history last started (the agent's resync rule)
     # catching up on the job's history (a restart, a late join): our view of the term may be behind, so
-    # we do not act as its coordinator until it is done (agent/node.py is_coordinator)
+    # we do not act as its coordinator until it is done (the agent's is_coordinator)
     catching_up: bool = False
-    last_applied: float = 0.0  # when a message last applied (a stalled mirror asks peers: agent/node.py)
+    last_applied: float = 0.0  # when a message last applied (a stalled mirror asks peers)
     # when each lease, report and aggregate applied here ("lease"/"report", key) / ("aggregate", round):
     # live, our clock; rebuilt from the store or a peer's history, the envelope's signed time
     applied_at: dict[tuple[str, Any], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._replaying = False
+        self._applied: list[tuple[Any, str]] = []  # applied since the last outcome was collected
+        self._evidence: list[bytes] = []  # envelopes of those, in the order they applied
         # (term, signer, worker judged) while our view's term was taken from a replayed verdict: its signer
         # may be the term's judge, not its coordinator (see _settle_term)
         self.term_from_verdict: tuple[int, str, str] | None = None
@@ -110,7 +156,7 @@ class JobView:
         return is_final(self.terms.rounds, stop.validation_loss_below if stop else 0.0,
                         stop.patience_rounds if stop else 0, losses + [validation_loss])
 
-    def step(self, event: Any, now: float, *, count: bool = True) -> tuple[Any, ...] | None:
+    def _step(self, event: Any, now: float, *, count: bool = True) -> tuple[Any, ...] | None:
         """Apply ``event``; return the actions, or None if the machine refused it."""
         try:
             self.state, actions = st.step(self.state, event, now)
@@ -139,27 +185,95 @@ class JobView:
         s = self.shard(index)
         return (self.state.round, index, s.attempt)
 
-    def utilization(self) -> Any:
-        """How busy the job kept its workers (agent/utilization.py): every report's signed training
-        seconds, ending when the report applied here; rounds between the aggregates' arrivals."""
-        from agent.utilization import Trained, measure
+    # -- the doors: every change of the mirror goes through one of these, and returns its Outcome --------
 
-        trained = []
-        for key, (report, signer) in self.reports.items():
-            end, leased = self.applied_at.get(("report", key)), self.applied_at.get(("lease", key))
-            if end is None:
-                continue
-            seconds = report.metrics.get("train_seconds", 0.0)
-            seconds = seconds if isinstance(seconds, (int, float)) and math.isfinite(seconds) else 0.0
-            # a worker states its own seconds: never more than since its lease applied here
-            trained.append(Trained(signer, key[0], end, min(seconds, end - leased) if leased is not None else seconds))
-        ends = {rnd: self.applied_at[("aggregate", rnd)] for rnd in self.aggregates if ("aggregate", rnd) in self.applied_at}
-        starts = [t for (kind, key), t in self.applied_at.items() if kind == "lease" and key[0] == 1]
-        return measure(trained, ends, min(starts) if starts else None)
+    def _collect(self, actions: tuple[Any, ...] | None, outgoing: bytes | None = None) -> Outcome:
+        """The outcome of one door: ``actions`` and what applied (and its evidence) since the last one."""
+        applied, evidence = tuple(self._applied), tuple(self._evidence)
+        self._applied, self._evidence = [], []
+        if actions is None and applied:
+            actions = ()
+        return Outcome(actions, applied, evidence, outgoing)
+
+    def receive(self, msg: Any, signer: str, now: float, eligible: frozenset[str],
+                envelope: bytes | None = None) -> Outcome:
+        """One verified job-topic message from the network (``eligible``: the job's live coordinators in
+        our view); a refused one is held for a later try. The echo of our own decision is never applied
+        again (``decide`` applied and kept it)."""
+        return self._collect(self._apply(msg, signer, now, eligible, envelope))
+
+    def lease_for(self, shard: int, worker: str, now: float) -> m.ShardLease | None:
+        """The lease the state machine would grant ``worker`` on ``shard`` now, in our term (None: none
+        may be granted); nothing changes until it is ``decide``d."""
+        try:
+            _, actions = st.step(self.state, st.LeaseGranted(self.state.round, shard, worker), now)
+        except StateError:
+            return None
+        grant = next((a for a in actions if isinstance(a, st.PublishLease)), None)
+        if grant is None:
+            return None
+        initial = self.state.published[-1] if self.state.round > 1 and self.state.published else None
+        return m.ShardLease(self.job_id, grant.round, grant.shard, grant.attempt, worker, self.coordination.term,
+                            float(grant.expires_at), initial)
+
+    def decide(self, msg: Any, now: float, envelope: bytes) -> Outcome:
+        """Our own decision as the job's coordinator (or judge): applied now, its ``envelope`` (our signed
+        copy of ``msg``) the outcome's evidence and ``outgoing``. Refused (nothing to store or publish):
+        the mirror moved on meanwhile (the shard was settled, the round ended, we were deposed)."""
+        actions = self._apply_decision(msg, now)
+        if actions is None:
+            return self._collect(None)
+        self._applied.append((msg, self.me))
+        self._evidence.append(envelope)
+        return self._collect(actions, envelope)
+
+    def replay(self, msg: Any, signer: str, at: float, envelope: bytes | None = None) -> Outcome:
+        """A message accepted earlier (our store after a restart, the submitter's history): its signer
+        is believed at its term, as it was when the message was accepted, and our own decisions are
+        applied as when we made them."""
+        return self._collect(self._replay(msg, signer, at, envelope))
+
+    def retry(self, now: float, eligible: frozenset[str]) -> Outcome:
+        """The held messages tried again (those past PENDING_SECONDS dropped)."""
+        actions = self._retry_pending(now, eligible)
+        return self._collect(actions if self._applied else None)
+
+    def observe_term(self, signer: str, term: int, now: float, eligible: frozenset[str]) -> Outcome:
+        """A coordinator's term heard outside the job's topic (its heartbeat): our election view may move
+        to it, and what was held for that term may apply now."""
+        before = self.coordination
+        self._check_coordinator(signer, term, eligible)
+        if self.coordination == before:
+            return NOTHING
+        return self.retry(now, eligible)
+
+    def tick(self, now: float) -> Outcome:
+        """The timers due at ``now`` (leases, windows, the deadline)."""
+        return self._collect(self._step(st.Tick(), now))
+
+    def cancel(self, reason: str, now: float) -> Outcome:
+        """The submitter cancels the job."""
+        return self._collect(self._step(st.Cancel(reason), now))
+
+    def adopt(self, fresh: "JobMirror", now: float, eligible: frozenset[str]) -> Outcome:
+        """Take the state of ``fresh``, this job's mirror rebuilt from the submitter's history (the
+        submitter's record wins even with a lower term: decisions count only on its side, IPIP-0006
+        §1.3, so a higher term it never saw was ours alone). Still-held live messages may apply on it,
+        except our own and decisions of a term before its. The outcome's evidence is ``fresh``'s
+        (uncollected) history, then what applied here."""
+        history = fresh._collect(None)
+        for name in ("state", "coordination", "term_from_verdict", "leases", "commits", "reports", "verdicts",
+                     "aggregates"):
+            setattr(self, name, getattr(fresh, name))
+        term = self.coordination.term
+        self.pending = [p for p in self.pending if p[2] != self.me and getattr(p[1], "term", term) >= term]
+        self._applied, self._evidence = [], list(history.evidence)
+        actions = self._retry_pending(now, eligible)
+        return self._collect(actions)
 
     # -- applying messages -----------------------------------------------------------------------
 
-    def check_coordinator(self, signer: str, term: int, eligible: frozenset[str], *, adopt: bool = True,
+    def _check_coordinator(self, signer: str, term: int, eligible: frozenset[str], *, adopt: bool = True,
                           judged: str | None = None) -> bool:
         """Does a coordinator message from ``signer`` in ``term`` pass our election view? (``adopt=False``
         for live verdicts: they never move the view to a higher term, IPIP-0006 §1.3 rule 6.) ``judged``:
@@ -197,7 +311,7 @@ class JobView:
             log.info("job %s: term %d is %s's; %s judged its own report (IPIP-0006 §1.3 rule 6)",
                      self.job_id.hex()[:8], term, coordinator[-8:], first[-8:])
 
-    def apply(self, msg: Any, signer: str, now: float, eligible: frozenset[str],
+    def _apply(self, msg: Any, signer: str, now: float, eligible: frozenset[str],
               envelope: bytes | None = None) -> tuple[Any, ...] | None:
         """Apply one verified job-topic message, then any held message it unblocks; return the actions
         (None if this message was refused — it is then held for a later try). ``envelope``: its bytes,
@@ -207,17 +321,17 @@ class JobView:
         if actions is None:
             if isinstance(msg, m.CheckpointCommit) and self._checkpoints_spent(msg):
                 return None  # past the attempt's cap: it will never apply, so it is not held either
-            if signer != self.me or not isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
+            if signer != self.me or not isinstance(msg, DECISIONS):
                 self._hold(now, msg, signer, envelope, eligible)  # (echoes of our own decisions never are)
             if self.coordination != before:  # it moved our view to its term: what waited for it may apply
-                more = self.retry_pending(now, eligible)
-                return more if self.applied else None
+                more = self._retry_pending(now, eligible)
+                return more if self._applied else None
             return None
-        self.applied.append((msg, signer))
+        self._applied.append((msg, signer))
         self.last_applied = max(self.last_applied, now)
         if envelope is not None:
-            self.evidence.append(envelope)
-        return actions + self.retry_pending(now, eligible)
+            self._evidence.append(envelope)
+        return actions + self._retry_pending(now, eligible)
 
     def _hold(self, now: float, msg: Any, signer: str, envelope: bytes | None, eligible: frozenset[str]) -> None:
         """Hold a refused message for a later try, within the per-signer and total bounds (once)."""
@@ -238,46 +352,37 @@ class JobView:
         """Has the attempt ``msg`` names committed all the checkpoints its terms allow (protocol/state.py)?"""
         return st.checkpoints_spent(self.state, msg.round, msg.shard, msg.attempt)
 
-    def take_evidence(self) -> list[bytes]:
-        """The envelopes of the messages applied since the last call, in the order they applied."""
-        evidence, self.evidence = self.evidence, []
-        return evidence
-
-    def replay(self, msg: Any, signer: str, at: float, envelope: bytes | None = None) -> None:
+    def _replay(self, msg: Any, signer: str, at: float, envelope: bytes | None = None) -> tuple[Any, ...] | None:
         """Apply a message accepted earlier (our store after a restart, the submitter's history):
         its signer is believed at its term, as it was when the message was accepted, and our own
         decisions are applied as when we made them."""
         if isinstance(msg, m.ShardClaim):
-            return  # a request to the coordinator, not a change of the job
+            return None  # a request to the coordinator, not a change of the job
         own = None
-        if signer == self.me and isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
+        if signer == self.me and isinstance(msg, DECISIONS):
             self._settle_term(msg, signer, frozenset({signer}))  # (others' decisions settle it in _apply_one)
         if isinstance(msg, m.Verdict) and signer == self.me and \
                 may_judge(self.coordination, signer, msg.worker, msg.term, frozenset({signer})):
-            own = self.apply_decision(msg, at)  # we judged the coordinator's own work (IPIP-0006 §1.3)
-        elif isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)) and signer == self.me:
-            if self.check_coordinator(signer, msg.term, frozenset({signer}), judged=_judged(msg)):
-                own = self.apply_decision(msg, at)
+            own = self._apply_decision(msg, at)  # we judged the coordinator's own work (IPIP-0006 §1.3)
+        elif isinstance(msg, DECISIONS) and signer == self.me:
+            if self._check_coordinator(signer, msg.term, frozenset({signer}), judged=_judged(msg)):
+                own = self._apply_decision(msg, at)
         else:
             # history is believed as it was accepted: here a verdict's higher term is adopted (live, it
             # is not: its signer may be the judge, rule 6; replayed, it was the term's coordinator's
             # unless a judge's verdict is the first message of its term in the history)
             self._replaying = True
             try:
-                self.apply(msg, signer, at, frozenset({signer}), envelope)
+                return self._apply(msg, signer, at, frozenset({signer}), envelope)
             finally:
                 self._replaying = False
-            return
-        if own is not None and envelope is not None:
-            self.evidence.append(envelope)
+        if own is not None:
+            self._applied.append((msg, signer))
+            if envelope is not None:
+                self._evidence.append(envelope)
+        return own
 
-    def take_applied(self) -> list[tuple[Any, str]]:
-        """The messages applied since the last call (the one in hand and any held one it unblocked),
-        so the caller reacts to a held lease or verdict as to a live one."""
-        applied, self.applied = self.applied, []
-        return applied
-
-    def retry_pending(self, now: float, eligible: frozenset[str]) -> tuple[Any, ...]:
+    def _retry_pending(self, now: float, eligible: frozenset[str]) -> tuple[Any, ...]:
         """Try the held messages again until none applies; drop those past PENDING_SECONDS."""
         out: list[Any] = []
         progress = True
@@ -293,10 +398,10 @@ class JobView:
                     keep.append(held)
                 else:
                     out.extend(actions)
-                    self.applied.append((msg, signer))
+                    self._applied.append((msg, signer))
                     self.last_applied = max(self.last_applied, now)
                     if envelope is not None:
-                        self.evidence.append(envelope)
+                        self._evidence.append(envelope)
                     progress = True
             self.pending = keep
         return tuple(out)
@@ -308,19 +413,19 @@ class JobView:
                 if count:
                     self.refused["checkpoint-cap"] += 1
                 return None
-            actions = self.step(st.CheckpointSeen(msg.round, msg.shard, signer, msg.attempt), now, count=count)
+            actions = self._step(st.CheckpointSeen(msg.round, msg.shard, signer, msg.attempt), now, count=count)
             if actions is not None:
                 self.commits[(msg.round, msg.shard, msg.attempt)].append(msg)
             return actions
         if isinstance(msg, m.ShardReport):
-            actions = self.step(st.ReportReceived(msg.round, msg.shard, signer, msg.attempt), now, count=count)
+            actions = self._step(st.ReportReceived(msg.round, msg.shard, signer, msg.attempt), now, count=count)
             if actions is not None:
                 self.reports[(msg.round, msg.shard, msg.attempt)] = (msg, signer)
                 self.applied_at[("report", (msg.round, msg.shard, msg.attempt))] = now
             return actions
         if isinstance(msg, m.ShardRelease):
-            return self.step(st.Released(msg.round, msg.shard, signer, msg.attempt), now, count=count)
-        if isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
+            return self._step(st.Released(msg.round, msg.shard, signer, msg.attempt), now, count=count)
+        if isinstance(msg, DECISIONS):
             self._settle_term(msg, signer, eligible)
         if isinstance(msg, m.Verdict) and (signer == msg.worker or may_judge(self.coordination, signer, msg.worker,
                                                                             msg.term, eligible)):
@@ -329,7 +434,7 @@ class JobView:
                 self.refused["self-judged"] += 1
             if signer == msg.worker or signer == self.me:
                 return None
-            return self.apply_decision(msg, now, count=count)
+            return self._apply_decision(msg, now, count=count)
         if isinstance(msg, m.Verdict) and signer != self.me and isinstance(msg.term, int) and \
                 msg.term < self.coordination.term:
             # an earlier term's verdict (IPIP-0006 §1.3 rule 7): never moves the view
@@ -339,19 +444,19 @@ class JobView:
                 if count:
                     self.refused["coordinator"] += 1
                 return None
-            return self.apply_decision(msg, now, count=count)
-        if isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)):
-            if signer == self.me or not self.check_coordinator(
+            return self._apply_decision(msg, now, count=count)
+        if isinstance(msg, DECISIONS):
+            if signer == self.me or not self._check_coordinator(
                     signer, msg.term, eligible, adopt=self._replaying or not isinstance(msg, m.Verdict),
                     judged=_judged(msg)):
                 return None
-            return self.apply_decision(msg, now, count=count)
+            return self._apply_decision(msg, now, count=count)
         return None
 
-    def apply_decision(self, msg: Any, now: float, *, count: bool = True) -> tuple[Any, ...] | None:
+    def _apply_decision(self, msg: Any, now: float, *, count: bool = True) -> tuple[Any, ...] | None:
         """Apply a coordinator's decision (ours when we make it, or a verified one from the network)."""
         if isinstance(msg, m.ShardLease):
-            actions = self.step(st.LeaseGranted(msg.round, msg.shard, msg.worker), now, count=count)
+            actions = self._step(st.LeaseGranted(msg.round, msg.shard, msg.worker), now, count=count)
             if actions is not None:
                 granted = [a for a in actions if isinstance(a, st.PublishLease)]
                 if granted and granted[0].attempt != msg.attempt:
@@ -361,7 +466,7 @@ class JobView:
                 self.applied_at[("lease", (msg.round, msg.shard, msg.attempt))] = now
             return actions
         if isinstance(msg, m.Verdict):
-            actions = self.step(st.VerdictGiven(msg.round, msg.shard, msg.attempt, msg.accepted, msg.reason), now,
+            actions = self._step(st.VerdictGiven(msg.round, msg.shard, msg.attempt, msg.accepted, msg.reason), now,
                                 count=count)
             if actions is not None:
                 self.verdicts[(msg.round, msg.shard, msg.attempt)] = msg
@@ -372,7 +477,7 @@ class JobView:
                 if count:
                     self.refused["final-flag"] += 1
                 return None
-            actions = self.step(st.AggregatePublished(msg.round, msg.adapter_cid, msg.final), now, count=count)
+            actions = self._step(st.AggregatePublished(msg.round, msg.adapter_cid, msg.final), now, count=count)
             if actions is not None:
                 self.aggregates[msg.round] = msg
                 self.applied_at[("aggregate", msg.round)] = now
