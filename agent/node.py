@@ -335,11 +335,17 @@ class Agent:
                             tuple(hardware.within_limits(d) for d in machine.devices),
                             self.models_held, self.speeds if self.worker is not None else ())
 
-    async def publish_capability(self) -> None:
+    def refresh_machine(self) -> Any:
+        """Our machine with its GPUs' free memory measured again now (agent/hardware.refresh_free: a few
+        ms; call it off the event loop); a machine without CUDA as it was measured."""
         from agent import hardware
 
         if self.machine is not None and self.machine.cuda:
-            self.machine = await trio.to_thread.run_sync(hardware.refresh_free, self.machine)
+            self.machine = hardware.refresh_free(self.machine)
+        return self.machine
+
+    async def publish_capability(self) -> None:
+        await trio.to_thread.run_sync(self.refresh_machine)
         cap = self.capability()
         try:  # gossip's publish opens our own envelope first and sends nothing that breaks the rules
             await self.publish(cap)

@@ -27,7 +27,7 @@ class RolePort(Protocol):
     peer_id: str
     config: Any  # agent/node.py AgentConfig (read only)
     clock: Callable[[], float]
-    machine: Any  # agent/hardware.Machine as measured at start
+    machine: Any  # agent/hardware.Machine as measured (read only: refresh_machine measures it again)
     counters: Counter[str]  # metrics the roles count
 
     @property
@@ -41,6 +41,7 @@ class RolePort(Protocol):
     def local_model(self, terms: "m.JobTerms") -> str | None: ...
     async def base_model_hash(self, path: str) -> str: ...
     def capability(self) -> "m.Capability": ...
+    def refresh_machine(self) -> Any: ...  # the GPUs' free memory measured again (off the event loop)
 
     # -- peers and election --------------------------------------------------------------------------
     peers: Mapping[str, Any]  # peer ID -> PeerInfo (last heartbeat, capability)

@@ -240,7 +240,6 @@ class WorkerRole:
         threads shared among the ranks. With several processes each rank gets a micro-batch (parallel.split_for)."""
         import torch
 
-        from agent.hardware import refresh_free
         from agent.train.parallel import split_for
         from agent.train.presets import auto_micro_batch
 
@@ -249,7 +248,7 @@ class WorkerRole:
             if processes > 1 and not torch.cuda.is_available():
                 config = config.with_(threads=max(1, config.threads // processes))
             return split_for(config, processes)
-        machine = self.agent.machine = refresh_free(machine)
+        machine = self.agent.refresh_machine()
         free = min(d.vram_free_gb for d in machine.cuda[:processes]) if processes > 1 else machine.best_free_vram_gb()
         plan = auto_micro_batch(config, free, model_path)
         if not plan.fits:

@@ -7,6 +7,7 @@ envelopes through the code path of the job topic's reader (``Agent.on_job_messag
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 from agent.net.gossip import Received
@@ -218,3 +219,34 @@ def test_a_lease_holder_cannot_flood_checkpoint_commits_past_what_its_terms_need
     assert kinds.count("CheckpointCommit") == cap + 1, kinds
     assert len(view.commits[(1, 0, 1)]) == cap
     agent.store.close()
+
+
+@pytest.mark.network
+async def test_a_coordinators_decisions_are_stored_before_they_are_published(tmp_path, tiny_model_dir):
+    """Issue 23: a coordinator's own leases, verdicts and aggregates are evidence when it makes them
+    (agent/node.py commit: store, publish, act), not when their gossip echo comes back, so a crash right
+    after a publish loses nothing the others may act on. Every agent's publishes are watched (the real
+    publish still runs): each decision's envelope must already be in its signer's store."""
+    from tests.roles.conftest import fast_spec, network, write_dataset
+
+    dataset = write_dataset(tmp_path / "demo.jsonl")
+    published: list[tuple[str, bool]] = []
+    async with network(tmp_path, tiny_model_dir, workers=3) as net:
+        for agent in [net.submitter, *net.workers]:
+            real = agent.net.gossip.publish_sealed
+
+            async def watched(message, data, agent=agent, real=real):
+                if isinstance(message, (m.ShardLease, m.Verdict, m.AggregatePublished)):
+                    mid = open_envelope(data, now=agent.clock()).envelope.message_id
+                    published.append((type(message).__name__, agent.store.has_envelope(mid)))
+                return await real(message, data)
+
+            agent.net.gossip.publish_sealed = watched
+        terms = await net.submitter.submitter.prepare_terms(fast_spec(shards=2, rounds=1), dataset,
+                                                            str(tiny_model_dir))
+        view = await net.submitter.submitter.announce(terms)
+        await net.submitter.wait_for(lambda: view.state.terminal, timeout=180)
+        assert view.state.phase is st.JobPhase.DONE, view.state.reason
+    kinds = {kind for kind, _ in published}
+    assert kinds == {"ShardLease", "Verdict", "AggregatePublished"}, published
+    assert all(stored for _, stored in published), [p for p in published if not p[1]]
