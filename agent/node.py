@@ -59,11 +59,10 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from contextlib import AsyncExitStack
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -90,12 +89,13 @@ from agent.roles.sync import (
 )
 from agent.roles.worker import WorkerRole
 from agent.store import Store, StoreFullError
+from agent.peers import PeerInfo, PeerTable  # noqa: F401 - PeerInfo re-exported (tests, harness)
+from agent.writer import StoreWriter
 from agent.supervise import guarded, supervised
 from protocol import messages as m
 from protocol.mirror import JobMirror, Outcome
 from protocol import state as st
-from protocol.election import hears_submitter as election_hears_submitter
-from protocol.election import eligible_for_job, keep_or_elect, live_peers
+from protocol.election import keep_or_elect
 from protocol.errors import CodecError
 from protocol.identity import Identity
 
@@ -117,14 +117,6 @@ class AgentStopped(Exception):
 CAPABILITY_TELL_GAP = 2.0  # seconds: at most one capability published this way per gap
 
 
-@dataclass
-class PeerInfo:
-    last_heartbeat: float
-    capability: m.Capability | None = None
-    live_since: float = 0.0  # when its heartbeats started arriving again after a silence
-    active_shards: int = 0  # from its latest heartbeat: busy (> 0) or idle
-
-
 class Agent:
     ledger_sync_interval = 10.0  # seconds between pulls of a job's ledger chains from its peers
     job_end_grace = 30.0  # seconds a job's tasks have to finish once it ended, before they are cancelled
@@ -136,19 +128,27 @@ class Agent:
         self.config = config
         self.clock = clock
         self.peer_id = identity.peer_id
-        self.peers: dict[str, PeerInfo] = {}
+        # the peers we hear: liveness, capabilities, who may coordinate (agent/peers.py)
+        self.peer_table = PeerTable(self.peer_id, clock, config.heartbeat_seconds, config.missed_heartbeats,
+                                    self._coordinating_capability)
+        self.peers = self.peer_table.peers
+        self.live_peers, self.eligible_coordinators = self.peer_table.live_peers, self.peer_table.eligible_coordinators
+        self.hears_submitter = self.peer_table.hears_submitter
         self.jobs: dict[bytes, JobMirror] = {}
         self.net: Network | None = None
         self.content: ContentService | None = None
-        self.store: Store | None = None
         self.nursery: trio.Nursery | None = None
         self.started_at = 0.0
         self.disk = Disk(config.home, config.home / "work", config.home / "blocks", config.max_disk_gb,
                          config.disk_grace_seconds)  # use, collection and quota (agent/disk.py)
+        # every write to our store, off the event loop, and what a full disk does (agent/writer.py)
+        self.writer = StoreWriter(clock, self.work_dir, self.disk, self.collect_disk, self._step_down,
+                                  partial(self.one_shot, "capability", self._publish_capability))
+        self.store_limiter = self.writer.limiter
+        self.write_soon, self.flush_writes, self.stored = self.writer.write_soon, self.writer.flush, self.writer.stored
+        self.refuse_work, self.can_take_work = self.writer.refuse_work, self.writer.can_take_work
+        self.ledger, self.save_job_row = self.writer.ledger, self.writer.save_job_row
         self.loopwatch = LoopWatch()  # how long our event loop was blocked, and by what (agent/loopwatch.py)
-        self.hearing_peers_since: float | None = None  # other peers' heartbeats arrive without a break since
-        self.store_full: str | None = None  # why we refuse new work: our store cannot be written (disk full)
-        self._store_full_logged = 0.0
         # the test harness's injections (agent/hooks.py): an observer tap, a Byzantine worker; never in production
         self.hooks = hooks or AgentHooks()
         self.worker = WorkerRole(self, self.hooks.training) if config.accept_training else None
@@ -180,14 +180,11 @@ class Agent:
         self.reputations = Reputations(self)
         self.published_capability: m.Capability | None = None
         self._hashes_saved = 0  # position in FILE_HASHES already saved to the store
-        self.store_limiter = trio.CapacityLimiter(1)  # store writes in a worker thread, one at a time, in order
-        self._writes_queued = trio.Event()  # set when write_soon queued a write for _store_writer
         self._disk_lock = trio.Lock()  # one disk collection at a time
         self._capability_told = 0.0  # when we last published our capability for a peer that arrived
         # blocks we added for a round of a job that no message may name yet (a proof's checkpoints, a
         # report or aggregate not yet published): kept from collection while the round is live
         self.held: dict[bytes, dict[int, set[str]]] = {}
-        self._job_rows: dict[bytes, tuple[str, int, int]] = {}  # (state, round, term) last written per job
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -200,6 +197,25 @@ class Agent:
 
     def stop(self) -> None:
         self._stopping.set()
+
+    @property
+    def store(self) -> Store | None:
+        """Our store (agent/store.py), open while we run; written through ``writer``."""
+        return self.writer.store
+
+    @store.setter
+    def store(self, store: Store | None) -> None:
+        self.writer.store = store
+
+    @property
+    def store_full(self) -> str | None:
+        """Why we refuse new work (our store or work directory cannot be written), or None."""
+        return self.writer.store_full
+
+    def _step_down(self) -> None:
+        """We start refusing work: tell the peers at once (our capability), so others coordinate our jobs."""
+        if self.nursery is not None:
+            self.one_shot("capability", self._publish_capability)
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         home = self.config.home
@@ -226,7 +242,7 @@ class Agent:
             try:
                 await self._run_tasks(task_status)
             finally:
-                self._flush_writes()  # the writes still queued, before the store closes
+                self.writer.flush_now()  # the writes still queued, before the store closes
 
     async def _open_store(self, home: Path) -> Store:
         """Our store; on a full disk, tried again every second for ``STORE_OPEN_WAIT`` seconds (said in
@@ -251,7 +267,7 @@ class Agent:
     async def _run_tasks(self, task_status: Any) -> None:
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
-            self.service("store writer", self._store_writer)
+            self.service("store writer", self.writer.run)
             self.service("event loop watch", self.loopwatch.run)
             self.service("disk collection", self._collect_disk_loop)
             await self._resume_jobs()
@@ -354,33 +370,11 @@ class Agent:
             return
         self.published_capability = cap
 
-    def eligible_coordinators(self, terms: m.JobTerms | None = None) -> frozenset[str]:
-        """Live peers that said they can coordinate (ourselves included if we can); for a job
-        (``terms``), only those whose capability can replay it (protocol/election.eligible_for_job)."""
-        now = self.clock()
-        live = live_peers({p: i.last_heartbeat for p, i in self.peers.items()}, now,
-                          self.config.heartbeat_seconds, self.config.missed_heartbeats)
-        caps = {p: self.peers[p].capability for p in live}
+    def _coordinating_capability(self) -> m.Capability | None:
+        """Our capability, if we may coordinate now (config, and a store we can write); else None."""
         if self.config.can_coordinate and self.store_full is None:
-            live = live | {self.peer_id}
-            caps[self.peer_id] = self.published_capability or self.capability()
-        if terms is not None:
-            return eligible_for_job(live, caps, terms)
-        return frozenset(p for p in live if caps.get(p) is not None and caps[p].can_coordinate)
-
-    def hears_submitter(self, view: JobMirror, *, settled: bool = False) -> bool:
-        """Is the job's submitter live to us (or are we it)? Only then may we act as coordinator, and
-        only once we have heard it for ``missed_heartbeats`` heartbeats (``settled``) does our election
-        view change: in a partition the submitter's side decides (IPIP-0006 §1.3), and right after a
-        heal the others' heartbeats need that long to tell who is really gone."""
-        info = self.peers.get(view.terms.submitter)
-        heard = {} if info is None else {view.terms.submitter: info.last_heartbeat}
-        since = {} if info is None else {view.terms.submitter: info.live_since}
-        if view.terms.submitter == self.peer_id:  # since when we have heard others (none yet: never)
-            since = {} if self.hearing_peers_since is None else {self.peer_id: self.hearing_peers_since}
-        return election_hears_submitter(view.terms.submitter, self.peer_id, heard, since, self.clock(),
-                                        settled=settled, heartbeat_seconds=self.config.heartbeat_seconds,
-                                        missed_heartbeats=self.config.missed_heartbeats)
+            return self.published_capability or self.capability()
+        return None
 
     def update_election(self, view: JobMirror, now: float) -> None:
         """Elect after the grace period; replace a coordinator that fell silent (term + 1)."""
@@ -437,20 +431,12 @@ class Agent:
             if self.hooks.observer is not None:
                 self.hooks.observer("recv", received)
             if isinstance(msg, m.Heartbeat):
-                if signer != self.peer_id and not self.live_peers():
-                    self.hearing_peers_since = now  # the first peer heard since we (re)started or were alone
-                arrived = signer not in self.peers
-                info = self.peers.setdefault(signer, PeerInfo(now, live_since=now))
-                if now - info.last_heartbeat > self.config.heartbeat_seconds * self.config.missed_heartbeats:
-                    info.live_since = now  # back after a silence (it restarted, or a partition healed)
-                    arrived = True
+                arrived = self.peer_table.heard(signer, msg, now)
                 if arrived and signer != self.peer_id and now - self._capability_told > CAPABILITY_TELL_GAP:
                     # a peer new to us (or back) has not heard our capability, published every 30 s: tell it
                     # now, so a restarted submitter need not wait half a minute to know who can train a job
                     self._capability_told = now
                     self.one_shot("capability", self._publish_capability)
-                info.last_heartbeat = now
-                info.active_shards = msg.active_shards
                 self._notify()  # wait_until: someone may wait for a peer to be heard
                 for entry in msg.coordinating:
                     view = self.jobs.get(entry.job_id)
@@ -458,7 +444,7 @@ class Agent:
                         await self.commit(view, view.observe_term(signer, entry.term, now,
                                                                   self.eligible_coordinators(view.terms)))
             elif isinstance(msg, m.Capability):
-                self.peers.setdefault(signer, PeerInfo(now, live_since=now)).capability = msg
+                self.peer_table.told(signer, msg, now)
                 self._notify()
             elif isinstance(msg, m.JobAnnouncement):
                 await self.follow_job(msg.terms, signer, received.envelope.to_bytes())
@@ -558,11 +544,6 @@ class Agent:
                 self._rebuilt.popitem(last=False)
         return view
 
-    def live_peers(self) -> frozenset[str]:
-        """Other peers whose heartbeats still arrive."""
-        return live_peers({p: i.last_heartbeat for p, i in self.peers.items() if p != self.peer_id}, self.clock(),
-                          self.config.heartbeat_seconds, self.config.missed_heartbeats)
-
     async def follow_job(self, terms: m.JobTerms, signer: str, envelope: bytes | None = None) -> JobMirror | None:
         """Start following a job we saw announced (once); subscribe to its topic."""
         job_id = terms.job_id()
@@ -649,7 +630,7 @@ class Agent:
             return
         del self.jobs[job_id]
         self._ended_at.pop(job_id, None)
-        self._job_rows.pop(job_id, None)
+        self.writer.forget(job_id)
         self._last_resync.pop(job_id, None)
         self._coordinating.discard(job_id)
         nursery = self.job_tasks.pop(job_id, None)
@@ -731,7 +712,7 @@ class Agent:
         and our roles' reactions (``act=False``: history, nothing to carry out). A crash at any point
         leaves nothing published that is not stored. False (we refuse new work; nothing published,
         nothing carried out: the mirror moved, a restart catches up) if the disk is full."""
-        if outcome.evidence and not await self._store_evidence(outcome.evidence):
+        if outcome.evidence and not await self.writer.store_evidence(outcome.evidence):
             return False
         if outcome.outgoing is not None:
             decision = outcome.applied[0][0]
@@ -739,23 +720,6 @@ class Agent:
         if act and outcome.changed:
             self.apply_actions(view, outcome.actions)
             self.react(view, list(outcome.applied))  # this message and any held one it unblocked
-        return True
-
-    async def _store_evidence(self, evidence: tuple[bytes, ...]) -> bool:
-        """Store envelopes our mirror applied, in that order, in one commit made in a worker thread (the
-        event loop runs on while the disk syncs). False (and we refuse new work) if the disk is full."""
-        now, store = self.clock(), self.store
-
-        def write() -> None:
-            with store.transaction():
-                for data in evidence:
-                    store.record(data, now)
-
-        try:
-            await trio.to_thread.run_sync(write, limiter=self.store_limiter)
-        except StoreFullError as exc:
-            self.refuse_work(exc)
-            return False
         return True
 
     def react(self, view: JobMirror, applied: list[tuple[Any, str]]) -> None:
@@ -786,107 +750,6 @@ class Agent:
         self.job_events.set()
         self.job_events = trio.Event()
         self._notify()
-
-    def save_job_row(self, view: JobMirror) -> None:
-        """Write the job's summary (state, round, term) to the store when it changed since we last did:
-        one commit per change, not one per applied message (the envelopes are the evidence)."""
-        row, job_id, store = (view.state.phase.value, view.state.round, view.coordination.term), view.job_id, self.store
-        if self._job_rows.get(job_id) == row:
-            return
-        self._job_rows[job_id] = row
-
-        def write() -> None:  # in the store writer's thread
-            try:
-                store.update_job(job_id, self.clock(), state=row[0], round=row[1], coordinator_term=row[2])
-            except Exception:
-                if self._job_rows.get(job_id) == row:
-                    self._job_rows.pop(job_id, None)  # not written: written again at the next change
-                raise
-
-        self.write_soon(write)
-
-    def write_soon(self, write: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        """Queue a store write whose result we do not wait for; the store writer task makes it in a
-        worker thread, in order after those queued before (agent/store.py ``later``/``flush``)."""
-        self.store.later(write, *args, **kwargs)
-        self._writes_queued.set()
-
-    async def _store_writer(self) -> None:
-        """Make the queued store writes in a worker thread (``store_limiter``: one store thread at a
-        time, evidence commits included); a full disk makes us refuse new work, other errors are logged.
-        While it runs, reads of the store on the event loop thread do not make the queued writes
-        (agent/store.py ``loop_thread``): they could lag them by a moment; ``flush_writes`` where that
-        matters. It wakes at least once a second, so errors of queued writes that another thread's
-        read made are acted on (a full disk: refuse work) promptly."""
-        self.store.loop_thread = threading.get_ident()
-        try:
-            while True:
-                self._writes_queued = trio.Event()
-                if self.store.pending():
-                    await self.flush_writes()
-                with trio.move_on_after(1):
-                    await self._writes_queued.wait()
-        finally:
-            self.store.loop_thread = None
-
-    async def flush_writes(self) -> None:
-        """Make the queued store writes now, in the store's worker thread (the store writer's step; also
-        for a read on the event loop that must see what was just queued: a ledger entry, a job row).
-        A full disk makes us refuse new work; other errors are logged."""
-        for exc in await trio.to_thread.run_sync(self.store.flush, limiter=self.store_limiter):
-            if isinstance(exc, StoreFullError):
-                self.refuse_work(exc)
-            else:
-                log.warning("store: %s", exc)
-
-    def _flush_writes(self) -> None:
-        """The agent stops: make the writes still queued here and now."""
-        if self.store is None:
-            return
-        for exc in self.store.flush():
-            log.warning("store: %s", exc)
-
-    def stored(self, write: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
-        """Run a store write; if the disk is full, refuse new work (``refuse_work``) and return False
-        instead of raising: a full disk must not bring the agent down."""
-        try:
-            write(*args, **kwargs)
-            return True
-        except StoreFullError as exc:
-            self.refuse_work(exc)
-            return False
-
-    def refuse_work(self, exc: Exception) -> None:
-        """Our store cannot be written: claim no shard, follow no new job and stop being eligible to
-        coordinate (our capability says so at once, so the next peer by rank takes our jobs) until it
-        can (re-checked every claim interval); say why in the log (once a minute) and in ``agent status``."""
-        now = self.clock()
-        if self.store_full is None and self.nursery is not None:  # tell the peers at once: we step down
-            self.one_shot("capability", self._publish_capability)
-        self.store_full = str(exc)
-        if now - self._store_full_logged > 60:
-            self._store_full_logged = now
-            log.error("refusing new work: %s", exc)
-
-    async def can_take_work(self) -> bool:
-        """Is there room to keep the evidence of new work? A small test write (one page, one fsync, in
-        the store's worker thread), made before each claim and, while we refuse work, every claim
-        interval; clears ``store_full`` when it passes."""
-        try:
-            await trio.to_thread.run_sync(self.store.probe_write, limiter=self.store_limiter)
-            await trio.to_thread.run_sync(_probe_work_dir, self.work_dir)
-            if self.disk.quota is not None:
-                if trio.current_time() - self.disk.collected_at > 5.0:  # at most every 5 s while we refuse
-                    await self.collect_disk()
-                self.disk.check_claim()
-        except StoreFullError as exc:  # a full disk, or our quota (agent/disk.py DiskQuotaError)
-            self.refuse_work(exc)
-            return False
-        if self.store_full is not None:
-            log.warning("the store can be written again: taking new work")
-            self.store_full = None
-            self.one_shot("capability", self._publish_capability)
-        return True
 
     def followed_view(self, job_id: bytes) -> JobMirror | None:
         """Our live mirror of a job we follow now (a rebuild replaces it), or None: nothing is rebuilt
@@ -1011,11 +874,6 @@ class Agent:
                 await self._changes.wait()
         return predicate()
 
-    def ledger(self, job_id: bytes, kind: str, data: dict) -> None:
-        """Append an entry to our chain of the job's ledger: queued, made in the store writer's thread
-        (a failure is logged, or on a full disk makes us refuse work: the ledger never stops the agent)."""
-        self.write_soon(self.store.append_event, job_id, kind, data, self.clock())
-
     async def _ticks(self) -> None:
         while True:
             now = self.clock()
@@ -1087,35 +945,6 @@ def _action_data(action: Any) -> dict:
     data = dict(action.__dict__)
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in data.items()
             if isinstance(v, (int, float, str, tuple)) and not (isinstance(v, float) and not math.isfinite(v))}
-
-
-WORK_PROBE_BYTES = 1 << 20
-
-
-def _probe_work_dir(work_dir: Path) -> None:
-    """A 1 MiB write (fsynced, then removed) in the work directory, where shards, checkpoints and bundles
-    go: StoreFullError when it does not fit. The store's probe alone passed on a full disk (SQLite had
-    free pages inside its file) while every shard failed with ENOSPC: a worker claimed, failed and gave
-    back the same shard three times in a second and the job failed (the soak, issue 25)."""
-    import errno
-    import os
-
-    probe = work_dir / ".probe-write"
-    try:
-        work_dir.mkdir(parents=True, exist_ok=True)
-        with open(probe, "wb") as file:
-            file.write(b"\0" * WORK_PROBE_BYTES)
-            file.flush()
-            os.fsync(file.fileno())
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StoreFullError(f"{work_dir}: no room for new work ({exc.strerror})") from None
-        raise
-    finally:
-        try:
-            probe.unlink()
-        except OSError:
-            pass
 
 
 def _cpu_count() -> int:

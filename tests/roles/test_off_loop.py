@@ -57,7 +57,7 @@ def test_store_writes_from_the_loop_never_wait_on_a_commit_in_flight(tmp_path):
     async def main() -> tuple[float, float, bool]:
         async with trio.open_nursery() as nursery:
             agent.nursery = nursery
-            nursery.start_soon(agent._store_writer)
+            nursery.start_soon(agent.writer.run)
             holder = threading.Thread(target=slow_commit)
             holder.start()
             await trio.to_thread.run_sync(held.wait)
@@ -117,7 +117,7 @@ def test_writes_queued_are_seen_by_reads_and_made_when_the_store_closes(tmp_path
 
 async def _writer_running(agent, nursery) -> None:
     """Start the agent's store writer task and let it reach its first wait."""
-    nursery.start_soon(agent._store_writer)
+    nursery.start_soon(agent.writer.run)
     await trio.testing.wait_all_tasks_blocked()
 
 

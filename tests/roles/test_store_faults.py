@@ -125,7 +125,7 @@ def test_a_full_work_disk_is_found_by_the_claim_probe_even_when_the_store_has_ro
     The claim probe now writes in the work directory too. A real full disk: a 2 MiB tmpfs (root only)."""
     import subprocess
 
-    from agent.node import _probe_work_dir
+    from agent.writer import probe_work_dir
     from agent.store import StoreFullError
 
     work = tmp_path / "work"
@@ -133,13 +133,13 @@ def test_a_full_work_disk_is_found_by_the_claim_probe_even_when_the_store_has_ro
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(work)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
-        _probe_work_dir(work)  # room: passes, leaves nothing behind
+        probe_work_dir(work)  # room: passes, leaves nothing behind
         assert not list(work.iterdir())
         fill_disk(work / "filler")
         with pytest.raises(StoreFullError, match="no room for new work"):
-            _probe_work_dir(work)
+            probe_work_dir(work)
         (work / "filler").unlink()
-        _probe_work_dir(work)  # room again
+        probe_work_dir(work)  # room again
     finally:
         subprocess.run(["umount", "-l", str(work)], capture_output=True)
 
