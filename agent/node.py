@@ -6,8 +6,8 @@ Rules of this file:
   shard trainings, the coordinator's verifications and aggregations). Leaving ``run`` (``stop()``,
   cancellation or an error) ends them all.
 - The roles see the agent through one port (agent/roles/port.py ``RolePort``), which ``Agent``
-  satisfies. Each followed job has its own nursery (``job_tasks``, owned by ``_own_job_tasks`` in the
-  agent's nursery): the roles' tasks of a job (claim grants, verifications, aggregations, shard
+  satisfies. Each followed job has its own nursery (``job_tasks``, owned by agent/tasks.py ``own_job`` in
+  the agent's nursery): the roles' tasks of a job (claim grants, verifications, aggregations, shard
   trainings, re-announcing, the budget watch) are started in it with ``spawn_in_job``; once the job
   ends they have ``job_end_grace`` seconds to finish, then are cancelled. Waits on peers or a job
   (``wait_until``) wake on job changes, heartbeats and ended job tasks, each with a deadline.
@@ -90,8 +90,9 @@ from agent.roles.sync import (
 from agent.roles.worker import WorkerRole
 from agent.store import Store, StoreFullError
 from agent.peers import PeerInfo, PeerTable  # noqa: F401 - PeerInfo re-exported (tests, harness)
+from agent.tasks import Tasks
 from agent.writer import StoreWriter
-from agent.supervise import guarded, supervised
+from agent.supervise import supervised
 from protocol import messages as m
 from protocol.mirror import JobMirror, Outcome
 from protocol import state as st
@@ -119,8 +120,6 @@ CAPABILITY_TELL_GAP = 2.0  # seconds: at most one capability published this way 
 
 class Agent:
     ledger_sync_interval = 10.0  # seconds between pulls of a job's ledger chains from its peers
-    job_end_grace = 30.0  # seconds a job's tasks have to finish once it ended, before they are cancelled
-    ended_job_retention = 3600.0  # seconds an ended job is still followed (its topic read), then forgotten
 
     def __init__(self, identity: Identity, config: AgentConfig, *, clock: Callable[[], float] = time.time,
                  machine: Any = None, hooks: AgentHooks | None = None) -> None:
@@ -137,13 +136,12 @@ class Agent:
         self.jobs: dict[bytes, JobMirror] = {}
         self.net: Network | None = None
         self.content: ContentService | None = None
-        self.nursery: trio.Nursery | None = None
         self.started_at = 0.0
         self.disk = Disk(config.home, config.home / "work", config.home / "blocks", config.max_disk_gb,
                          config.disk_grace_seconds)  # use, collection and quota (agent/disk.py)
         # every write to our store, off the event loop, and what a full disk does (agent/writer.py)
         self.writer = StoreWriter(clock, self.work_dir, self.disk, self.collect_disk, self._step_down,
-                                  partial(self.one_shot, "capability", self._publish_capability))
+                                  lambda: self.one_shot("capability", self._publish_capability))
         self.store_limiter = self.writer.limiter
         self.write_soon, self.flush_writes, self.stored = self.writer.write_soon, self.writer.flush, self.writer.stored
         self.refuse_work, self.can_take_work = self.writer.refuse_work, self.writer.can_take_work
@@ -159,14 +157,16 @@ class Agent:
         self.keep = KeepService(self, self.jobs.get, self.submitter.keep_once)
         self.ledger_service = LedgerService(self)  # copies of the job's other chains (agent/ledger_sync.py)
         self.job_events = trio.Event()  # set (and replaced) whenever a job's state changes
-        self._changes = trio.Event()  # set (and replaced) when a job changes, a peer is heard or a job task ends
-        self.job_tasks: dict[bytes, trio.Nursery] = {}  # each followed job's own nursery (spawn_in_job)
-        self._ended_at: dict[bytes, float] = {}  # followed jobs that ended: when their tasks were done
         self._leaving: set[bytes] = set()  # forgotten jobs whose topic is being left (not followed again until done)
         self._rebuilt: OrderedDict[bytes, JobMirror] = OrderedDict()  # ended jobs' rebuilt mirrors, least recent first
         self._stopping = trio.Event()
         self._heartbeat_seq = 0
         self.counters: Counter[str] = Counter()  # shards_trained, verdicts_accepted, ... (metrics, status)
+        # who owns each task (the agent's services, a job's tasks) and the wake-up of every wait (agent/tasks.py)
+        self.tasks = Tasks(clock, self.counters, self.jobs.get, self.forget_job)
+        self.job_tasks = self.tasks.job_tasks
+        self.service, self.one_shot, self.spawn = self.tasks.service, self.tasks.one_shot, self.tasks.spawn
+        self.spawn_in_job, self.wait_until, self._notify = self.tasks.spawn_in_job, self.tasks.wait_until, self.tasks.notify
         self._coordinating: set[bytes] = set()  # jobs whose pending work we took over as coordinator
         self._resyncing: set[bytes] = set()  # jobs whose mirror is being rebuilt (agent/roles/sync.py)
         self._last_resync: dict[bytes, float] = {}
@@ -197,6 +197,33 @@ class Agent:
 
     def stop(self) -> None:
         self._stopping.set()
+
+    @property
+    def job_end_grace(self) -> float:
+        """Seconds a job's tasks have to finish once it ended, before they are cancelled (agent/tasks.py)."""
+        return self.tasks.end_grace
+
+    @job_end_grace.setter
+    def job_end_grace(self, seconds: float) -> None:
+        self.tasks.end_grace = seconds
+
+    @property
+    def ended_job_retention(self) -> float:
+        """Seconds an ended job is still followed (its topic read), then forgotten."""
+        return self.tasks.retention
+
+    @ended_job_retention.setter
+    def ended_job_retention(self, seconds: float) -> None:
+        self.tasks.retention = seconds
+
+    @property
+    def nursery(self) -> trio.Nursery | None:
+        """The nursery every task of the agent lives in, while it runs (agent/tasks.py owns them)."""
+        return self.tasks.nursery
+
+    @nursery.setter
+    def nursery(self, nursery: trio.Nursery | None) -> None:
+        self.tasks.nursery = nursery
 
     @property
     def store(self) -> Store | None:
@@ -289,15 +316,6 @@ class Agent:
             if self.worker is not None:
                 await self.worker.release_all("the agent is shutting down")
             nursery.cancel_scope.cancel()
-
-    def service(self, name: str, fn: Callable[..., Any], *args: Any) -> None:
-        """Start a long-lived task of the agent's, supervised (agent/supervise.py): an exception in it is
-        logged and the task restarted after a backoff; it never ends the agent."""
-        self.nursery.start_soon(partial(supervised, name, fn, *args, counters=self.counters))
-
-    def one_shot(self, name: str, fn: Callable[..., Any], *args: Any) -> None:
-        """Start a one-shot task of the agent's whose exception is logged, never the end of the agent."""
-        self.nursery.start_soon(partial(guarded, name, fn, *args, counters=self.counters))
 
     # -- peers and election ----------------------------------------------------------------------
 
@@ -467,7 +485,7 @@ class Agent:
             view = self.rebuild_view(record)
             view.catching_up = record.terms.submitter != self.peer_id  # until the submitter's history is in
             self.jobs[record.job_id] = view
-            await self.nursery.start(self._own_job_tasks, record.job_id)
+            await self.nursery.start(self.tasks.own_job, record.job_id)
             log.info("job %s: resumed from the store: %s, round %d, term %d", record.job_id.hex()[:8],
                      view.state.phase.value, view.state.round, view.coordination.term)
             if view.state.phase.value != record.state:  # queued: a full disk makes us refuse work, not stop
@@ -577,7 +595,7 @@ class Agent:
         view.catching_up = signer != self.peer_id  # until the submitter's history is in (_read_job_topic)
         self.jobs[job_id] = view
         self._rebuilt.pop(job_id, None)
-        await self.nursery.start(self._own_job_tasks, job_id)
+        await self.nursery.start(self.tasks.own_job, job_id)
         subscription = await self.net.gossip.subscribe(m.job_topic(job_id))
         # the job may have a history we missed (we joined late, or were down): ask its submitter
         self.nursery.start_soon(self._read_job_topic, view, subscription, True)  # its reading loop is supervised
@@ -618,7 +636,7 @@ class Agent:
                       job_id.hex()[:8], len(self.jobs))
             return False
         now = self.clock()
-        self.forget_job(min(ended, key=lambda j: self._ended_at.get(j, now)))
+        self.forget_job(min(ended, key=lambda j: self.tasks.ended_at.get(j, now)))
         return True
 
     def forget_job(self, job_id: bytes) -> None:
@@ -629,13 +647,10 @@ class Agent:
         if view is None or not view.state.terminal:
             return
         del self.jobs[job_id]
-        self._ended_at.pop(job_id, None)
         self.writer.forget(job_id)
         self._last_resync.pop(job_id, None)
         self._coordinating.discard(job_id)
-        nursery = self.job_tasks.pop(job_id, None)
-        if nursery is not None:
-            nursery.cancel_scope.cancel()
+        self.tasks.drop(job_id)
         self.coordinator.forget(job_id)
         if self.worker is not None:
             self.worker.forget(job_id)
@@ -811,68 +826,7 @@ class Agent:
 
         self.nursery.start_soon(provide)
 
-    # -- tasks (agent/roles/port.py) ------------------------------------------------------------------
-
-    def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Start a task of the agent's own (it ends when the agent does; an exception in it is logged)."""
-        self.one_shot(getattr(fn, "__name__", "task"), fn, *args)
-
-    def spawn_in_job(self, job_id: bytes, fn: Callable[..., Any], *args: Any) -> bool:
-        """Start a task owned by job ``job_id``: it is cancelled when the job ends (``_own_job_tasks``).
-        False (nothing started) if the job has no running tasks' owner: it ended, or we do not follow it."""
-        nursery = self.job_tasks.get(job_id)
-        if nursery is None:
-            log.debug("job %s: ended; %s not started", job_id.hex()[:8], getattr(fn, "__name__", fn))
-            return False
-
-        async def task() -> None:
-            try:
-                await fn(*args)
-            except Exception as exc:  # noqa: BLE001 - one task's bug must not cancel the job's others, nor the agent
-                self.counters["task_failures"] += 1
-                log.error("job %s: %s failed (%s: %s)", job_id.hex()[:8], getattr(fn, "__name__", fn),
-                          type(exc).__name__, str(exc)[:300], exc_info=exc)
-            finally:
-                self._notify()  # _own_job_tasks may be waiting for the last one
-
-        nursery.start_soon(task)
-        return True
-
-    async def _own_job_tasks(self, job_id: bytes, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """The owner of a job's tasks: once the job ends (a terminal state) they have ``job_end_grace``
-        seconds to finish what they were doing (the publication of the decision that ended it), then
-        whatever still runs is cancelled. Leaving the agent cancels them all. The ended job is then
-        followed ``ended_job_retention`` seconds more before it is forgotten (``forget_job``)."""
-        async with trio.open_nursery() as nursery:
-            self.job_tasks[job_id] = nursery
-            task_status.started()
-            try:
-                await self.wait_until(lambda: self._job_ended(job_id), math.inf)
-                await self.wait_until(lambda: not nursery.child_tasks, self.job_end_grace)
-            finally:
-                if self.job_tasks.get(job_id) is nursery:
-                    del self.job_tasks[job_id]
-                nursery.cancel_scope.cancel()
-        if job_id in self.jobs:  # ended: followed a while longer (late verdicts, peers' catch-up), then forgotten
-            self._ended_at[job_id] = self.clock()
-            await trio.sleep(self.ended_job_retention)
-            self.forget_job(job_id)
-
-    def _job_ended(self, job_id: bytes) -> bool:
-        view = self.jobs.get(job_id)
-        return view is None or view.state.terminal
-
-    def _notify(self) -> None:
-        self._changes.set()
-        self._changes = trio.Event()
-
-    async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
-        """Wait (at most ``timeout`` seconds) until ``predicate()`` holds, re-checked whenever a job
-        changes, a peer's heartbeat or capability arrives, or a job's task ends; returns ``predicate()``."""
-        with trio.move_on_after(timeout):
-            while not predicate():
-                await self._changes.wait()
-        return predicate()
+    # -- the clock: elections, timers, rebuilds ------------------------------------------------------
 
     async def _ticks(self) -> None:
         while True:

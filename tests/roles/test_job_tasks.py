@@ -1,4 +1,4 @@
-"""Issue 15 (13): a job owns its tasks (agent/node.py ``_own_job_tasks``): ending it ends them.
+"""Issue 15 (13): a job owns its tasks (agent/tasks.py ``own_job``): ending it ends them.
 
 A lone submitter announces a job (its re-announcer and a stuck task run in the job's nursery) and
 cancels it: the re-announcer, which waits on the job's events rather than sleeping its 60 s, is gone
