@@ -5,7 +5,8 @@ Modes: ``random_adapter`` (noise instead of the trained adapter), ``forged_chain
 proof chain over batches it did not train on), ``wrong_base`` (trains another base model and claims
 none), ``stale_start`` (ignores the round's aggregate), ``crash`` (faulty, not Byzantine: its
 training always fails), ``stall_once`` (faulty: its first shard waits ``STALL_SECONDS`` before
-training, as a worker on a full disk or a stopped machine does, so its lease runs out meanwhile).
+training, as a worker on a full disk or a stopped machine does, so its lease runs out meanwhile; a
+stall the worker itself cut short, by cancelling that attempt, is recorded in ``stall_cut_short``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Byzantine(HonestTraining):
             raise ValueError(f"unknown misbehaviour {mode!r}; expected one of {', '.join(MISBEHAVIOURS)}")
         self.mode = mode
         self.stalled = False
+        self.stall_cut_short = False  # stall_once: the worker cancelled the stalled attempt (drop_stale)
 
     def before_training(self) -> None:
         if self.mode == "crash":
@@ -38,7 +40,11 @@ class Byzantine(HonestTraining):
     async def base_model(self, home: Path) -> str | None:
         if self.mode == "stall_once" and not self.stalled:
             self.stalled = True
-            await trio.sleep(STALL_SECONDS)
+            try:
+                await trio.sleep(STALL_SECONDS)
+            except trio.Cancelled:
+                self.stall_cut_short = True
+                raise
         if self.mode != "wrong_base":
             return None
         from agent.train.tiny import tiny_model
