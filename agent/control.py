@@ -452,7 +452,9 @@ def job_detail(agent: "Agent", view: Any) -> dict:
                           "base_validation_loss": a.base_validation_loss}
                          for _, a in sorted(view.aggregates.items())]
     out["outer"] = view.terms.outer.optimizer if view.terms.outer else "none"
-    out["utilization"] = view.utilization().as_json()  # how busy the job kept its workers (issue 24)
+    from agent.utilization import of_mirror
+
+    out["utilization"] = of_mirror(view).as_json()  # how busy the job kept its workers (issue 24)
     from agent.market import budget_json
 
     out["budget"] = budget_json(view)  # paid jobs: spent so far, and why leasing stopped (IPIP-0004 §12)
