@@ -9,6 +9,8 @@ Usage::
 Prints a one-screen summary, then one JSON line per figure ({"bench": "sim_<name>", ...}); the
 reference is null (a simulation has no baseline run) and the goal says what the figure should be.
 The model and its parameters are ipips/0009-simulation.md; every SimConfig field has a default.
+Every peer's mirror of a job is the agent's own (protocol/mirror.JobMirror), so the figures are
+about that code.
 """
 
 from __future__ import annotations
@@ -43,9 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--isolate-coordinator", metavar="START_MIN:MINUTES", default=None,
                         help="partition job 0's coordinator from everyone for a while")
     parser.add_argument("--no-reorder-buffer", action="store_true",
-                        help="turn off the agent's reorder buffer (mirrors then drop refused messages)")
+                        help="what-if: empty the mirror's held messages after each event (the agent before it held any)")
     parser.add_argument("--no-catch-up", action="store_true",
-                        help="turn off the agent's catch-up (returning agents start from an empty mirror)")
+                        help="turn off the agent's catch-up and resync (a mirror keeps only what it heard live)")
     parser.add_argument("--coordinators-dont-train", action="store_true",
                         help="remedy: a coordinator claims no shards, so its replays never wait for training")
     parser.add_argument("--verdict-margin", type=float, default=0.0, metavar="SECONDS",
@@ -91,6 +93,7 @@ def figures(summary: dict, wall: float, config: SimConfig) -> list[dict]:
         fig("failovers", summary["failovers"], "failovers", None),
         fig("late_takeovers", summary["late_takeovers"], "takeovers", 0),
         fig("mirrors_diverged", rounded(summary["mirrors_diverged"] / max(1, summary["mirrors"])), "fraction", 0.0),
+        fig("mirror_warnings", sum(summary["mirror_warnings"].values()), "warnings", 0),
         fig("byzantine_rejected", summary["byzantine_rejected"], "reports", None),
         fig("byzantine_accepted", summary["byzantine_accepted"], "reports", 0 if config.fake_fraction == 1 else None),
         fig("byzantine_escape_rate", rounded(summary["byzantine_escape_rate"]), "fraction",
@@ -126,8 +129,10 @@ def print_summary(s: dict, config: SimConfig, wall: float) -> None:
           f"1 - catch probability {s['byzantine_escape_expected']:.3f}); "
           f"honest reports accepted {s['honest_accepted']}")
     print(f"  mirrors at the end: {s['mirrors']}, diverged from the submitter's {s['mirrors_diverged']}; "
-          f"state syncs {s['mirror_syncs']}; "
+          f"histories taken in {s['mirror_syncs']}; "
           f"events refused by mirrors: " + ", ".join(f"{k} {v:,}" for k, v in s["refused_events"].items()))
+    if s["mirror_warnings"]:
+        print("  mirror warnings (protocol/mirror.py): " + ", ".join(f"{k!r} x{v:,}" for k, v in s["mirror_warnings"].items()))
 
 
 def main(argv: list[str] | None = None) -> int:

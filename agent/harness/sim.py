@@ -6,15 +6,27 @@ fail over, whether Byzantine work gets through. The document is ``ipips/0009-sim
 
 Rules of this file:
 
-- The protocol is the real one. Every peer's mirror of a job is a ``protocol.state.JobState``
-  moved only by ``protocol.state.step``; every election view is a ``protocol.election.Coordination``
-  moved by ``keep_or_elect`` and ``check_message``; Byzantine detection is ``select_segments``
-  over a seed fixed after the report, as a verifier does. What agents do with the machine's
-  answers mirrors agent/node.py and agent/roles/*.py (named at each handler); this file decides
-  no protocol question itself.
-- Nothing real: virtual time (a heap of events, seconds from 0), no I/O, no libp2p, no torch,
-  no wall clock. One ``random.Random(seed)`` draws everything in event order, so the same config
-  and seed give the same run, event for event (``Result.digest`` hashes the event trace).
+- The protocol is the real one, and so is the mirror. Every follower's copy of a job is a
+  ``protocol.mirror.JobMirror`` built from the job's real ``protocol.messages.JobTerms`` and fed the
+  real job-topic messages (``ShardLease``, ``CheckpointCommit``, ``ShardReport``, ``ShardRelease``,
+  ``Verdict``, ``AggregatePublished``) with their signers' peer IDs, through its doors only:
+  ``receive``, ``lease_for`` + ``decide``, ``replay``, ``tick``, ``observe_term``, ``retry``, ``adopt``.
+  Its state machine, its election view (``coordination``) and its held messages with their limits
+  (``PENDING_MAX``, ``PENDING_PER_SIGNER``, ``PENDING_SECONDS``, the checkpoint cap) are the agent's;
+  this file keeps none of its own. Each door's ``Outcome`` is committed as agent/node.py ``commit``
+  does: store the evidence, publish what goes out, then act and react. Who may be leased is
+  ``protocol.leasing.history_refusal`` over the mirror's verdicts (no ban is kept in memory); the view
+  moves by ``keep_or_elect`` as ``Agent.update_election`` moves it, and by the terms heartbeats carry
+  (``observe_term``); Byzantine detection is ``select_segments`` over a seed fixed after the report, as
+  a verifier does. What agents do with the outcomes mirrors agent/node.py and agent/roles/*.py (named
+  at each handler); this file decides no protocol question itself.
+- Nothing real around it: virtual time (a heap of events, seconds from 0), no I/O, no libp2p, no
+  torch, no wall clock, no signatures. A message travels in an ``Envelope`` (signer, sender, signed
+  time), the stand-in for the signed envelope: the mirror is given it as the envelope and hands it back
+  as evidence, so an agent's store of a job (what a catch-up replays) is what its commits stored. What
+  a Byzantine worker faked is the model's truth and never in a message: a side table keyed by (job,
+  round, shard, attempt, worker). One ``random.Random(seed)`` draws everything in event order, so the
+  same config and seed give the same run, event for event (``Result.digest`` hashes the event trace).
 - The model, in short (each number is a ``SimConfig`` field):
     * agents: Ed25519 identities; a fraction are workers (``accept_training``), every agent can
       coordinate; a worker holds the base models of ``jobs_per_worker`` random jobs and follows
@@ -26,7 +38,9 @@ Rules of this file:
       cuts messages and heartbeats between two sides until it heals. Heartbeats are not events:
       liveness is computed from when a peer was last reachable (left, partitioned), exactly as
       ``live_peers`` would see it with ``heartbeat_seconds`` x ``missed_heartbeats`` of silence.
-      Heartbeats are counted (online time / interval) and carry coordinator terms at a heal.
+      Heartbeats are counted (online time / interval); the coordinator terms they carry reach a
+      job's followers a heartbeat after a take-over, a new follower a heartbeat after it follows,
+      and everyone a heartbeat after a partition heals.
     * churn: non-submitter agents leave at ``churn`` per hour (Poisson), half gracefully
       (releasing their lease), half by crashing, and return after an exponential time with an
       empty memory (a restarted process): they follow jobs again at the next re-announcement,
@@ -40,13 +54,16 @@ Rules of this file:
       verifier draws) and save that much time; a verifier rejects the report when its drawn
       segments hit a faked one, so rejection happens with probability ``catch_probability``.
       Byzantine peers coordinate honestly (a lying coordinator is not modelled).
-- ``reorder_buffer`` and ``catch_up`` are built into the agent (agent/roles/job.py holds refused
-  messages and retries them; agent/roles/sync.py fetches a job's history from its submitter for a
-  returning agent, and rebuilds a mirror that holds a coordinator's decision it cannot apply) and
-  on by default. The other remedies (``coordinators_train = False``, ``verdict_margin``) are
-  what-if switches for changes the agent does not have yet; the defaults are the agent as built.
-  Not modelled: the agent's rule that only the submitter's side of a partition elects and decides
-  (IPIP-0006 §1.3).
+- ``catch_up`` is built into the agent (agent/roles/sync.py) and on by default: a follower replays
+  the submitter's history when it follows a job (``JobMirror.replay``); a mirror holding an eligible
+  coordinator's decision it cannot apply for ``sync_after`` seconds is rebuilt from that history
+  (``JobMirror.adopt``, at most once per ``resync_interval``); a submitter whose mirror holds such a
+  decision, or stalls, receives its live peers' histories. ``reorder_buffer = False`` empties the
+  mirror's held messages after each door (the agent before it held any). The other switches
+  (``coordinators_train = False``, ``verdict_margin``) are what-ifs for changes the agent does not
+  have yet; the defaults are the agent as built. Not modelled: the agent's rule that only the
+  submitter's side of a partition elects and decides (IPIP-0006 §1.3), claim windows and
+  reputation order, a worker stopping an attempt that is no longer its own (``drop_stale``).
 - Claims a coordinator ignores are repeated by the real claim loop every 2 s until either side's
   view changes; those repeats are counted, not run (``_ignore_claims``), which keeps a thousand
   agents with stale mirrors affordable.
@@ -59,6 +76,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import logging
 import math
 import random
 import re
@@ -66,19 +84,32 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from protocol import messages as m
 from protocol import state as st
-from protocol.election import Coordination, keep_or_elect, rank_peers
-from protocol.errors import StateError
+from protocol.election import keep_or_elect, rank_peers
 from protocol.identity import Identity
+from protocol.leasing import history_refusal
+from protocol.mirror import DECISIONS, JobMirror, Outcome, job_config
 from protocol.proof import catch_probability, faked_segments, segment_selection_seed, select_segments
 
 HOUR = 3600.0
 
 # Job-topic message kinds (protocol/messages.py type tags).
-CLAIM, LEASE, RELEASE, CKPT = "claim", "lease", "release", "ckpt"
-REPORT, VERDICT, AGGREGATE = "report", "verdict", "aggregate"
+CLAIM, LEASE, RELEASE, CKPT = m.ShardClaim.TYPE, m.ShardLease.TYPE, m.ShardRelease.TYPE, m.CheckpointCommit.TYPE
+REPORT, VERDICT, AGGREGATE = m.ShardReport.TYPE, m.Verdict.TYPE, m.AggregatePublished.TYPE
 MESSAGE_KINDS = (CLAIM, LEASE, RELEASE, CKPT, REPORT, VERDICT, AGGREGATE)
-COORDINATOR_KINDS = frozenset({LEASE, VERDICT, AGGREGATE})
+WORKER_MESSAGES = (m.CheckpointCommit, m.ShardReport, m.ShardRelease)
+
+# The agent's constants the simulator follows (agent/roles/sync.py and agent/node.py import trio, which
+# the simulator must not load; the values are theirs)
+TICK_SECONDS = 0.5  # agent/node.py _ticks: how often the agent checks a job (its resync rule here)
+STALL_SECONDS = 60.0  # sync.STALL_SECONDS: a submitter's job with nothing applied this long asks its peers
+PEERS_ASKED = 8  # sync.PEERS_ASKED: a stalled (or behind) submitter asks at most this many live peers
+
+# The job's content, by CID (the simulator fetches nothing: any well-formed CID will do)
+CID = "bafkreifjjcie6lypi6ny7amxnfftagclbuxndqonfipmb64f2km2devei4"
+CHECKPOINT_EVERY = 10  # optimizer steps between two checkpoint commits (the terms' proof.checkpoint_every)
+NO_HASH = bytes(32)
 
 
 @dataclass(frozen=True)
@@ -121,10 +152,10 @@ class SimConfig:
     grace_seconds: float = 3.0
     claim_interval: float = 1.0
     reannounce_seconds: float = 60.0
-    # the job spec (infernet.train.yml)
+    # the job spec (infernet.train.yml), made into the job's real JobTerms
     shards: int = 6
     rounds: int = 2
-    lease_seconds: float = 3600.0
+    lease_seconds: float = 3600.0  # whole seconds in the terms
     max_retries: int = 2
     min_accepted_fraction: float = 1.0
     checkpoints: int = 6  # proof segments per shard (steps / checkpoint_every)
@@ -137,11 +168,12 @@ class SimConfig:
     fetch_seconds: float = 30.0
     aggregate_seconds: float = 60.0
     worker_failure: float = 0.0  # chance an honest attempt fails and is released
-    # the defaults are the agent as built; the rest are what-if remedies (see the module docstring)
+    # the defaults are the agent as built; the rest are what-ifs (see the module docstring)
     coordinators_train: bool = True  # a coordinator still claims shards of other jobs
-    reorder_buffer: bool = True  # mirrors keep refused messages and retry them after each change (built)
-    catch_up: bool = True  # a mirror that returns, or falls behind, copies a peer's (agent/roles/sync.py)
-    sync_after: float = 5.0  # catch_up: a refused message waiting this long means the mirror fell behind
+    reorder_buffer: bool = True  # the mirror holds refused messages (False: emptied after each door)
+    catch_up: bool = True  # catch-up on follow, resync of a mirror that fell behind (agent/roles/sync.py)
+    sync_after: float = 5.0  # sync.RESYNC_HELD_SECONDS: a decision held this long means the mirror fell behind
+    resync_interval: float = 15.0  # sync.RESYNC_INTERVAL: at most one rebuild of a mirror this often
     verdict_margin: float = 0.0  # a coordinator withholds a verdict this close to its window's end
 
     @property
@@ -149,43 +181,45 @@ class SimConfig:
         return self.heartbeat_seconds * self.missed_heartbeats
 
 
-@dataclass(frozen=True)
-class Msg:
-    """A job-topic message, at the level of protocol/messages.py (the fields the roles read)."""
+class Envelope:
+    """A job-topic message on its way, standing in for its signed envelope: what the mirror is given as
+    the envelope, keeps as evidence and a catch-up replays (``at``: the signer's clock when it signed).
+    The mirror never reads an envelope's bytes, only hands them back, so this object takes their place
+    (no signing, no encoding); an agent's store is the list of these its commits kept."""
 
-    kind: str
-    job: int
-    sender: int
-    round: int
-    shard: int = 0
-    attempt: int = 0
-    worker: int = -1  # lease/verdict: the worker it names
-    term: int = 0  # coordinator messages
-    accepted: bool = False
-    reason: str = ""
-    faked: frozenset[int] = frozenset()  # a report: the segments its worker faked (the model's truth)
+    __slots__ = ("job", "msg", "signer", "sender", "at")
 
-
-class Mirror:
-    """One agent's JobView (agent/roles/job.py): the state machine, the election view, the reports."""
-
-    __slots__ = ("job", "state", "view", "first_seen", "late", "reports", "tick_at", "pending")
-
-    def __init__(self, job: "SimJob", now: float, late: bool) -> None:
+    def __init__(self, job: int, msg: Any, signer: str, sender: int, at: float) -> None:
         self.job = job
-        self.state = st.new_job(job.config)
-        self.view = Coordination(job.job_id)
-        self.first_seen = now
-        self.late = late  # followed at a re-announcement: missed the history before it
-        self.reports: dict[tuple[int, int, int], tuple[int, frozenset[int]]] = {}
+        self.msg = msg
+        self.signer = signer
+        self.sender = sender  # the signer's agent index
+        self.at = at
+
+
+class Followed:
+    """One agent following one job: its mirror (the real ``JobMirror``), and what the agent keeps
+    beside it (its store of the job's evidence, its timers, the view last seen, for the simulator's
+    index of who names whom)."""
+
+    __slots__ = ("job", "mirror", "view", "late", "tick_at", "store", "stored", "resynced", "check_at")
+
+    def __init__(self, job: "SimJob", mirror: JobMirror, late: bool) -> None:
+        self.job = job
+        self.mirror = mirror
+        self.view = mirror.coordination  # the view the simulator's index holds (``_sync_view``)
+        self.late = late  # followed at a re-announcement: missed the history before it (until caught up)
         self.tick_at: float | None = None
-        self.pending: list[tuple[float, Msg]] = []  # reorder_buffer: refused messages, when received
+        self.store: list[Envelope] = []  # the evidence committed, in order (agent/node.py _store_evidence)
+        self.stored: set[int] = set()  # ids of those (the store keeps an envelope once)
+        self.resynced = -math.inf  # Agent._last_resync
+        self.check_at: float | None = None  # when the resync rule is next checked
 
 
 class SimAgent:
     __slots__ = ("index", "peer", "speed", "worker", "byzantine", "submitter", "follows", "trains", "online", "epoch",
-                 "joined_at", "left_at", "online_seconds", "mirrors", "lease", "torch_free", "banned", "running",
-                 "last_claim", "poll_pending")
+                 "joined_at", "left_at", "online_seconds", "mirrors", "lease", "torch_free", "running",
+                 "coordinating", "last_claim", "poll_pending")
 
     def __init__(self, index: int, peer: str, speed: float) -> None:
         self.index = index
@@ -201,11 +235,11 @@ class SimAgent:
         self.joined_at = 0.0
         self.left_at = -math.inf
         self.online_seconds = 0.0
-        self.mirrors: dict[int, Mirror] = {}
+        self.mirrors: dict[int, Followed] = {}
         self.lease: tuple[int, int, int, int] | None = None  # (job, round, shard, attempt) being trained
         self.torch_free = 0.0  # when the agent's training/replay lock is next free
-        self.banned: dict[int, set[int]] = {}  # coordinator: workers rejected per job (in memory only)
         self.running: set[tuple] = set()  # coordinator tasks under way
+        self.coordinating: set[int] = set()  # jobs taken over (Agent._coordinating)
         self.last_claim: dict[int, float] = {}
         self.poll_pending = False
 
@@ -215,7 +249,8 @@ class SimJob:
     index: int
     job_id: bytes
     submitter: int
-    config: st.JobConfig
+    terms: m.JobTerms
+    config: st.JobConfig  # the state machine's settings, read off the terms (protocol.mirror.job_config)
     ranking: tuple[int, ...]  # agent indices in election order (protocol.election.rank_peers)
     announce_at: float
     subscribers: dict[int, None] = field(default_factory=dict)  # followers online with a mirror
@@ -234,7 +269,6 @@ class SimJob:
     honest_accepted: int = 0
     published_at: float | None = None  # when a coordinator published the final aggregate (the truth)
 
-
 @dataclass
 class Result:
     config: SimConfig
@@ -245,8 +279,9 @@ class Result:
     refused: Counter
     mirrors: int  # mirrors held at the end by online followers
     mirrors_diverged: int  # ... whose job phase or round differs from the submitter's
-    syncs: int  # catch_up: mirrors that copied a peer's
+    syncs: int  # catch_up: mirrors that took in a peer's history (follow, resync, submitter catch-up)
     digest: str
+    mirror_warnings: Counter = field(default_factory=Counter)  # what the mirrors logged as warnings, by kind
 
     def summary(self) -> dict[str, Any]:
         """The figures of the run, as plain values."""
@@ -293,6 +328,7 @@ class Result:
             "mirrors": self.mirrors,
             "mirrors_diverged": self.mirrors_diverged,
             "mirror_syncs": self.syncs,
+            "mirror_warnings": dict(self.mirror_warnings.most_common()),
             "sim_hours": self.sim_seconds / HOUR,
             "events": self.events,
             "digest": self.digest,
@@ -319,13 +355,18 @@ class Simulation:
         self._seq = 0
         self._trace = hashlib.sha256()
         self.events = 0
-        self.refused: Counter = Counter()
+        self.refused: Counter = Counter()  # what mirrors refused (their ``refused``), and verdicts withheld
         self.partitions: list[tuple[float, float, frozenset[int]]] = []
         # coordinator agent -> the (agent, job) views naming it: who must re-elect when it falls silent
         self._viewers: dict[int, dict[tuple[int, int], None]] = {}
         self._running_jobs = config.jobs
-        self._state_refusals = 0
-        self.syncs = 0  # catch_up: mirrors that copied a peer's
+        self.syncs = 0  # catch_up: mirrors that took in a peer's history (follow, resync, submitter catch-up)
+        # what Byzantine workers faked: (job, round, shard, attempt, worker peer) -> faked segments
+        self.faked: dict[tuple[int, int, int, int, str], frozenset[int]] = {}
+        # liveness: agents that left (index -> when), and the live sets handed to mirrors, per side
+        self._left: dict[int, float] = {}
+        self._live_version = 0
+        self._live_sets: dict[tuple[bool, ...], tuple[int, float, frozenset[str]]] = {}
         self._build()
 
     # -- set-up -------------------------------------------------------------------------------
@@ -348,14 +389,12 @@ class Simulation:
         peers = [a.peer for a in self.agents]
         self.jobs: list[SimJob] = []
         for j in range(cfg.jobs):
-            job_id = hashlib.sha256(f"infernet/sim/job/{cfg.seed}/{j}".encode()).digest()
-            ranking = tuple(self.by_peer[p] for p in rank_peers(job_id, peers))
             submitter = submitters[j % len(submitters)]
             announce_at = rng.uniform(0.0, cfg.announce_minutes * 60)
-            config = st.JobConfig(shards=cfg.shards, rounds=cfg.rounds, lease_seconds=cfg.lease_seconds,
-                                  max_retries=cfg.max_retries, min_accepted_fraction=cfg.min_accepted_fraction,
-                                  deadline=announce_at + cfg.max_runtime_hours * HOUR)
-            self.jobs.append(SimJob(j, job_id, submitter, config, ranking, announce_at))
+            terms = self._terms(j, self.agents[submitter].peer, announce_at)
+            job_id = terms.job_id()
+            ranking = tuple(self.by_peer[p] for p in rank_peers(job_id, peers))
+            self.jobs.append(SimJob(j, job_id, submitter, terms, job_config(terms), ranking, announce_at))
             self.agents[submitter].submitter = True
         workers = [a for a in self.agents if a.worker]
         for a in workers:
@@ -375,6 +414,21 @@ class Simulation:
         for p in cfg.partitions:
             self._at(p.start, self._partition_start, p)
 
+    def _terms(self, j: int, submitter: str, announce_at: float) -> m.JobTerms:
+        """Job ``j``'s real terms: what the mirror reads its settings (and the checkpoint cap) off."""
+        cfg = self.cfg
+        return m.JobTerms(
+            name=f"sim-{cfg.seed}-{j}", submitter=submitter, base_model=f"sim-model-{j}",
+            base_model_sha256=hashlib.sha256(f"infernet/sim/model/{j}".encode()).digest(), method="lora",
+            runtime="peft", seed=j, shards=tuple(m.ShardRef(i, CID, 100, 12) for i in range(cfg.shards)),
+            validation_cid=None, training=m.TrainingTerms(1, 1e-3, 1, 1, 256, cfg.checkpoints * CHECKPOINT_EVERY),
+            lora=m.LoraTerms(8, 16.0, 0.0, ("q_proj", "v_proj"), True),
+            proof=m.ProofTerms(CHECKPOINT_EVERY, cfg.verify_segments, 1e-4), rounds=cfg.rounds, aggregation="fedavg",
+            min_accepted_fraction=cfg.min_accepted_fraction, max_retries=cfg.max_retries,
+            lease_seconds=int(cfg.lease_seconds), min_vram_gb=0.0,
+            deadline=int(announce_at + cfg.max_runtime_hours * HOUR), price_per_hour=0.0, budget=0.0,
+            created=int(announce_at))
+
     # -- the event loop -----------------------------------------------------------------------
 
     def _at(self, when: float, handler: Callable, *args: Any) -> None:
@@ -382,6 +436,18 @@ class Simulation:
         heapq.heappush(self._queue, (when, self._seq, handler, args))
 
     def run(self) -> Result:
+        """Run to the end (every job ended, or ``hours``); the mirrors' warnings are counted, not logged."""
+        counter = _CountWarnings()
+        logger = logging.getLogger("protocol.mirror")
+        logger.addFilter(counter)
+        try:
+            result = self._run()
+        finally:
+            logger.removeFilter(counter)
+        result.mirror_warnings = counter.counts
+        return result
+
+    def _run(self) -> Result:
         limit = self.cfg.hours * HOUR
         while self._queue:
             when, _seq, handler, args = heapq.heappop(self._queue)
@@ -399,14 +465,17 @@ class Simulation:
                 self._resume_claims(job, worker)
         heartbeats = sum(a.online_seconds + (end - a.joined_at if a.online else 0.0)
                          for a in self.agents) / self.cfg.heartbeat_seconds
+        for agent in self.agents:
+            for f in agent.mirrors.values():
+                self.refused.update(f.mirror.refused)
         mirrors = diverged = 0
         for job in self.jobs:
             self._trace.update(f"{job.index} {job.outcome} {job.reason} {job.ended_at}\n".encode())
             if job.index not in self.agents[job.submitter].mirrors:
                 continue  # not announced yet
-            record = self.agents[job.submitter].mirrors[job.index].state
+            record = self.agents[job.submitter].mirrors[job.index].mirror.state
             for index in job.subscribers:
-                state = self.agents[index].mirrors[job.index].state
+                state = self.agents[index].mirrors[job.index].mirror.state
                 mirrors += 1
                 diverged += (state.phase, state.round) != (record.phase, record.round)
         return Result(self.cfg, self.jobs, end, self.events, heartbeats, self.refused, mirrors, diverged,
@@ -418,6 +487,8 @@ class Simulation:
     # -- liveness and election (agent/node.py: eligible_coordinators, update_election) -----------
 
     def _separated(self, a: int, b: int, when: float) -> bool:
+        if not self.partitions:
+            return False
         return any(start <= when < end and ((a in side) != (b in side)) for start, end, side in self.partitions)
 
     def _last_heard(self, observer: int, peer: int) -> float:
@@ -434,57 +505,125 @@ class Simulation:
         """protocol.election.live_peers as ``observer`` sees ``peer``; every agent can coordinate."""
         return peer == observer or self.now - self._last_heard(observer, peer) < self.cfg.silence
 
-    def _eligible(self, agent: SimAgent, mirror: Mirror) -> frozenset[str]:
+    def _live_set(self, observer: int) -> frozenset[str]:
+        """Agent.eligible_coordinators as ``observer`` sees them now: every live peer (``_live``), itself
+        included. What a mirror's door is given as ``eligible``. Kept until a peer leaves, returns or
+        falls silent, or a partition starts or ends (one set per side of the partitions)."""
+        side = tuple(observer in members for _, _, members in self.partitions) if self.partitions else ()
+        cached = self._live_sets.get(side)
+        if cached is not None and cached[0] == self._live_version and self.now < cached[1]:
+            return cached[2]
+        now, silence = self.now, self.cfg.silence
+        until = math.inf  # when the set next changes by itself (a peer's silence, a partition's end)
+        if not self.partitions:
+            live = [a.peer for a in self.agents if a.online]
+            for index, left in self._left.items():
+                if now - left < silence:
+                    live.append(self.agents[index].peer)
+                    until = min(until, left + silence)
+        else:
+            live = []
+            for peer in range(len(self.agents)):
+                heard = self._last_heard(observer, peer)
+                if peer == observer or now - heard < silence:
+                    live.append(self.agents[peer].peer)
+                    if heard < now and peer != observer:
+                        until = min(until, heard + silence)
+            for start, end, _ in self.partitions:
+                if now < end:
+                    until = min(until, end)
+        result = frozenset(live)
+        self._live_sets[side] = (self._live_version, until, result)
+        return result
+
+    def _liveness_changed(self) -> None:
+        self._live_version += 1
+        cutoff = self.now - self.cfg.silence
+        for index in [i for i, left in self._left.items() if left <= cutoff]:
+            del self._left[index]
+
+    def _eligible(self, agent: SimAgent, f: Followed) -> frozenset[str]:
         """The part of the eligible live set that keep_or_elect consults: the current coordinator if
         live, and the best-ranked live peer (the rendezvous winner of the whole set)."""
         eligible = set()
-        current = mirror.view.coordinator
+        current = f.mirror.coordination.coordinator
         if current is not None and self._live(agent.index, self.by_peer[current]):
             eligible.add(current)
-        for peer in mirror.job.ranking:
+        for peer in f.job.ranking:
             if self._live(agent.index, peer):
                 eligible.add(self.agents[peer].peer)
                 break
         return frozenset(eligible)
 
-    def _set_view(self, agent: SimAgent, mirror: Mirror, view: Coordination) -> None:
-        old = mirror.view
+    def _sync_view(self, agent: SimAgent, f: Followed) -> None:
+        """The mirror's election view moved (any door may move it): keep the index of who names whom,
+        count the submitter's failovers, and step down or take over (Agent._tick_job)."""
+        view, old = f.mirror.coordination, f.view
+        if view is old:
+            return
+        f.view = view
+        if view.coordinator == old.coordinator:
+            return
+        key = (agent.index, f.job.index)
         if old.coordinator is not None:
-            self._viewers.get(self.by_peer[old.coordinator], {}).pop((agent.index, mirror.job.index), None)
+            self._viewers.get(self.by_peer[old.coordinator], {}).pop(key, None)
         if view.coordinator is not None:
-            self._viewers.setdefault(self.by_peer[view.coordinator], {})[(agent.index, mirror.job.index)] = None
-        mirror.view = view
-        job = mirror.job
-        if agent.index == job.submitter and old.coordinator is not None and view.coordinator != old.coordinator:
+            self._viewers.setdefault(self.by_peer[view.coordinator], {})[key] = None
+        job = f.job
+        if agent.index == job.submitter and old.coordinator is not None:
             job.failovers += 1
+        if view.coordinator is not None and not self._live(agent.index, self.by_peer[view.coordinator]):
+            # a view taken from history may name a peer already silent: the agent's next election tick
+            # replaces it (its _silent event, which re-elects the views naming it, may be past)
+            self._at(self.now + TICK_SECONDS, self._elect, agent.index, agent.epoch, job.index)
+        self._check_coordinating(agent, f)
+        self._judge_reports(agent, f)
+        self._wake(agent)
 
-    def _past_grace(self, mirror: Mirror) -> bool:
+    def _unindex(self, agent: SimAgent, f: Followed) -> None:
+        if f.view.coordinator is not None:
+            self._viewers.get(self.by_peer[f.view.coordinator], {}).pop((agent.index, f.job.index), None)
+
+    def _past_grace(self, f: Followed) -> bool:
         # the election is scheduled at first_seen + grace exactly; float sums may land a hair short
-        return self.now - mirror.first_seen >= self.cfg.grace_seconds - 1e-6
+        return self.now - f.mirror.first_seen >= self.cfg.grace_seconds - 1e-6
 
-    def _is_coordinator(self, agent: SimAgent, mirror: Mirror) -> bool:
-        return mirror.view.coordinator == agent.peer and self._past_grace(mirror)
+    def _is_coordinator(self, agent: SimAgent, f: Followed) -> bool:
+        """Agent.is_coordinator (a catch-up here is instant, so never under way)."""
+        return f.mirror.coordination.coordinator == agent.peer and self._past_grace(f)
+
+    def _check_coordinating(self, agent: SimAgent, f: Followed) -> None:
+        """Agent._tick_job: take the job over when we just became its coordinator; forget it when not."""
+        if not self._is_coordinator(agent, f):
+            agent.coordinating.discard(f.job.index)
+        elif f.job.index not in agent.coordinating and not f.mirror.state.terminal:
+            agent.coordinating.add(f.job.index)
+            self._take_over(agent, f)
 
     def _elect(self, index: int, epoch: int, job_index: int) -> None:
-        """Agent.update_election, then take_over if we just became the coordinator (Agent._ticks)."""
+        """Agent.update_election (its view moved, what it held is tried again: Agent._retry_held), then
+        take_over if we just became the coordinator (Agent._tick_job)."""
         agent = self.agents[index]
-        mirror = agent.mirrors.get(job_index)
-        if agent.epoch != epoch or mirror is None:
+        f = agent.mirrors.get(job_index)
+        if agent.epoch != epoch or f is None:
             return
-        if not self._past_grace(mirror) or mirror.state.terminal:
+        mirror = f.mirror
+        if not self._past_grace(f) or mirror.state.terminal:
             return
-        was = self._is_coordinator(agent, mirror)
-        view = keep_or_elect(mirror.view, self._eligible(agent, mirror))
-        if view != mirror.view:
-            self._set_view(agent, mirror, view)
-        if self._is_coordinator(agent, mirror) and not was:
-            self._take_over(agent, mirror)
+        view = keep_or_elect(mirror.coordination, self._eligible(agent, f))
+        if view is not mirror.coordination:
+            mirror.coordination = view
+            self._sync_view(agent, f)
+            if mirror.pending:
+                self._commit(agent, f, mirror.retry(self.now, self._live_set(index)))
+        self._check_coordinating(agent, f)
         self._wake(agent)
 
     def _silent(self, index: int, epoch: int) -> None:
         """``index`` left ``silence`` seconds ago and has not returned: views naming it re-elect."""
         if self.agents[index].epoch != epoch:
             return
+        self._liveness_changed()
         for viewer, job in list(self._viewers.get(index, {})):
             self._elect(viewer, self.agents[viewer].epoch, job)
 
@@ -492,10 +631,11 @@ class Simulation:
         side = partition.members
         if partition.coordinator_of is not None:
             job = self.jobs[partition.coordinator_of]
-            mirror = self.agents[job.submitter].mirrors.get(job.index)
-            coordinator = mirror.view.coordinator if mirror else None
+            f = self.agents[job.submitter].mirrors.get(job.index)
+            coordinator = f.mirror.coordination.coordinator if f else None
             side = frozenset({self.by_peer[coordinator]}) if coordinator else frozenset()
         self.partitions.append((partition.start, partition.end, side))
+        self._liveness_changed()
         self._at(self.now + self.cfg.silence, self._partition_noticed)
         self._at(partition.end + self.cfg.heartbeat_seconds, self._heartbeat_terms)
 
@@ -504,32 +644,42 @@ class Simulation:
             for job in list(agent.mirrors):
                 self._elect(agent.index, agent.epoch, job)
 
-    def _heartbeat_terms(self) -> None:
-        """After a heal, heartbeats carry each coordinator's (job, term) claims to everyone
-        (Agent._read_jobs_topic -> JobView.check_coordinator): a deposed coordinator learns the
-        higher term and steps down."""
-        for job in self.jobs:
-            claims = [(a, a.mirrors[job.index].view.term) for a in self.agents
-                      if a.online and job.index in a.mirrors and self._is_coordinator(a, a.mirrors[job.index])]
-            for follower in list(job.subscribers):
-                agent = self.agents[follower]
-                for coordinator, term in claims:
-                    if coordinator is not agent and not self._separated(coordinator.index, follower, self.now):
-                        self._check_coordinator(agent, agent.mirrors[job.index], coordinator.index, term)
+    # -- coordinator terms in heartbeats (Agent._heartbeats, Agent._read_jobs_topic) ---------------
 
-    def _check_coordinator(self, agent: SimAgent, mirror: Mirror, signer: int, term: int) -> bool:
-        """JobView.check_coordinator: does a coordinator message pass our election view?"""
-        signer_peer = self.agents[signer].peer
-        live = frozenset({signer_peer}) if self._live(agent.index, signer) else frozenset()
-        try:
-            view = mirror.view.check_message(signer_peer, term, live)
-        except StateError:
-            self.refused["coordinator"] += 1
-            return False
-        if view != mirror.view:
-            self._set_view(agent, mirror, view)
-            self._wake(agent)
-        return True
+    def _heartbeat_terms(self) -> None:
+        """After a heal, heartbeats carry each coordinator's (job, term) claims to everyone: a deposed
+        coordinator learns the higher term and steps down."""
+        for job in self.jobs:
+            self._hear_terms(job, list(job.subscribers))
+
+    def _announce_term(self, index: int, epoch: int, job_index: int) -> None:
+        """A heartbeat after a take-over: the followers hear the coordinator's term."""
+        agent = self.agents[index]
+        f = agent.mirrors.get(job_index)
+        if agent.epoch == epoch and f is not None and self._is_coordinator(agent, f):
+            self._hear_terms(f.job, list(f.job.subscribers), (agent,))
+
+    def _first_heartbeats(self, index: int, epoch: int, job_index: int) -> None:
+        """A heartbeat after we followed a job: we hear its coordinators' terms."""
+        agent = self.agents[index]
+        if agent.epoch == epoch and job_index in agent.mirrors:
+            self._hear_terms(self.jobs[job_index], [index])
+
+    def _hear_terms(self, job: SimJob, followers: list[int], coordinators: tuple[SimAgent, ...] | None = None) -> None:
+        if coordinators is None:
+            coordinators = tuple(a for a in (self.agents[i] for i in job.subscribers)
+                                 if self._is_coordinator(a, a.mirrors[job.index]))
+        claims = [(c, c.mirrors[job.index].mirror.coordination.term) for c in coordinators
+                  if not c.mirrors[job.index].mirror.state.terminal]
+        for follower in followers:
+            agent = self.agents[follower]
+            f = agent.mirrors.get(job.index)
+            if f is None:
+                continue
+            for coordinator, term in claims:
+                if coordinator is not agent and not self._separated(coordinator.index, follower, self.now):
+                    self._commit(agent, f, f.mirror.observe_term(coordinator.peer, term, self.now,
+                                                                 self._live_set(follower)))
 
     # -- following jobs (Agent.follow_job, SubmitterRole.announce/_reannounce) ------------------
 
@@ -548,37 +698,91 @@ class Simulation:
         job = self.jobs[job_index]
         if late and job.outcome != "RUNNING":
             return  # the submitter stopped re-announcing
-        mirror = agent.mirrors[job_index] = Mirror(job, self.now, late)
+        f = agent.mirrors[job_index] = Followed(job, JobMirror(job.terms, self.now, agent.peer), late)
         job.subscribers[index] = None
-        if late and self.cfg.catch_up:  # the remedy: a returning agent fetches the state from a peer
-            record = self.agents[job.submitter].mirrors.get(job_index)
-            if record is not None and record.view.coordinator is not None:
-                self._set_view(agent, mirror, record.view)  # where to ask: the coordinator it names
-                self._sync(agent, mirror)
-        self._schedule_tick(agent, mirror)
+        if index != job.submitter and self.cfg.catch_up:
+            self._catch_up(agent, f)
+        self._schedule_tick(agent, f)
+        self._at(self.now + self.cfg.heartbeat_seconds, self._first_heartbeats, index, epoch, job_index)
         self._at(self.now + self.cfg.grace_seconds, self._elect, index, epoch, job_index)
+        if index == job.submitter and self.cfg.catch_up:
+            self._check_later(agent, f, self.now + self._stall_seconds() + TICK_SECONDS)
 
-    # -- the state machine (JobView.step / apply / apply_decision, Agent.apply_actions) --------
+    # -- committing what a mirror did (Agent.commit, apply_actions, react) -------------------------
 
-    def _step(self, agent: SimAgent, mirror: Mirror, event: Any) -> tuple | None:
-        try:
-            mirror.state, actions = st.step(mirror.state, event, self.now)
-        except StateError:
-            self.refused[type(event).__name__] += 1
-            self._state_refusals += 1
-            return None
-        self._schedule_tick(agent, mirror)
-        job = mirror.job
-        if job.ignored_claimants and (actions or not isinstance(event, st.Tick)):
+    def _commit(self, agent: SimAgent, f: Followed, outcome: Outcome, *, act: bool = True) -> None:
+        """Agent.commit: store the evidence, publish what goes out, then carry out the actions and the
+        roles' reactions (``act=False``: history, only stored)."""
+        if outcome.evidence:
+            stored = f.stored
+            for envelope in outcome.evidence:
+                if id(envelope) not in stored:
+                    stored.add(id(envelope))
+                    f.store.append(envelope)
+        if outcome.outgoing is not None:
+            self._gossip(agent, outcome.outgoing)
+        if not self.cfg.reorder_buffer and f.mirror.pending:
+            f.mirror.pending.clear()  # the what-if: the agent before it held refused messages
+        if f.mirror.coordination is not f.view:
+            self._sync_view(agent, f)
+        actions = outcome.actions
+        if actions is None:
+            return
+        if not (actions and f.tick_at is not None and f.tick_at >= self.now
+                and all(type(a) is st.ExtendLease for a in actions)):
+            self._schedule_tick(agent, f)  # (a lease extended never brings the next timer closer)
+        job = f.job
+        if agent.index == job.submitter:
+            self._record(job, f, actions if act else ())
+        if not act:
+            self._wake(agent)
+            return
+        self._apply_actions(agent, f, actions)
+        for msg, _by in outcome.applied:  # Agent.react: a lease for us starts training (WorkerRole.on_lease)
+            if type(msg) is m.ShardLease and msg.worker == agent.peer and agent.worker:
+                self._on_lease(agent, f, msg)
+        if any(type(a) is st.StartVerification for a in actions):
+            self._judge_reports(agent, f)  # a report of the coordinator's own may fall to us
+        if job.ignored_claimants:
             if agent.index in job.ignored_claimants:
-                self._resume_claims(job, agent.index)  # its own view changed: it may claim elsewhere
-            elif not isinstance(event, (st.CheckpointSeen, st.LeaseGranted)) and self._is_coordinator(agent, mirror):
+                if outcome.applied or outcome.actions:
+                    self._resume_claims(job, agent.index)  # its own view changed: it may claim elsewhere
+            elif self._is_coordinator(agent, f) and (
+                    any(type(msg) not in (m.CheckpointCommit, m.ShardLease) for msg, _ in outcome.applied)
+                    or (not outcome.applied and outcome.actions)):
                 for worker in list(job.ignored_claimants):  # the coordinator's view changed: it may grant now
                     self._resume_claims(job, worker)
-        return actions
 
-    def _schedule_tick(self, agent: SimAgent, mirror: Mirror) -> None:
-        state = mirror.state
+    def _apply_actions(self, agent: SimAgent, f: Followed, actions: tuple) -> None:
+        """Agent.apply_actions: the coordinator acts (CoordinatorRole.on_actions), workers look for work."""
+        if actions and self._is_coordinator(agent, f):
+            for action in actions:
+                if isinstance(action, st.StartVerification):
+                    if f.mirror.shard(action.shard).worker != agent.peer:  # our own: another peer judges it
+                        self._start_verification(agent, f, (action.round, action.shard, action.attempt))
+                elif isinstance(action, st.Aggregate):
+                    self._start_aggregation(agent, f, action.round)
+        if agent.worker and any(isinstance(a, (st.ReopenShard, st.StartRound, st.Done, st.FailJob)) for a in actions):
+            self._wake(agent)  # a shard to claim, or (coordinators_train off) a job no longer ours
+
+    def _record(self, job: SimJob, f: Followed, actions: tuple) -> None:
+        """The submitter's record: reassignments as its mirror reopens shards, the outcome once it ends."""
+        if job.outcome != "RUNNING":
+            return
+        for action in actions:
+            if isinstance(action, st.ReopenShard):
+                job.reassignments += 1
+                job.reopen_reasons[_reason_kind(action.reason)] += 1
+        state = f.mirror.state
+        if state.terminal:
+            done = state.phase is st.JobPhase.DONE
+            job.outcome, job.reason, job.ended_at = ("DONE" if done else "FAILED"), state.reason, self.now
+            self._running_jobs -= 1
+
+    # -- the state machine's timers (Agent._ticks) --------------------------------------------
+
+    def _schedule_tick(self, agent: SimAgent, f: Followed) -> None:
+        state = f.mirror.state
         if state.terminal:
             return
         timers = [s.expires_at for s in state.shards if s.expires_at is not None]
@@ -586,164 +790,195 @@ class Simulation:
         if not timers:
             return
         when = min(timers)
-        if mirror.tick_at is None or when < mirror.tick_at or mirror.tick_at < self.now:
-            mirror.tick_at = when
-            self._at(when, self._tick, agent.index, agent.epoch, mirror.job.index)
+        if f.tick_at is None or when < f.tick_at or f.tick_at < self.now:
+            f.tick_at = when
+            self._at(when, self._tick, agent.index, agent.epoch, f.job.index)
 
     def _tick(self, index: int, epoch: int, job_index: int) -> None:
         agent = self.agents[index]
-        mirror = agent.mirrors.get(job_index)
-        if agent.epoch != epoch or mirror is None:
+        f = agent.mirrors.get(job_index)
+        if agent.epoch != epoch or f is None:
             return
-        if mirror.tick_at is not None and mirror.tick_at <= self.now:
-            mirror.tick_at = None
-        actions = self._step(agent, mirror, st.Tick())
-        if actions:
-            self._after(agent, mirror, actions)
-            self._retry_pending(agent, mirror)
-
-    def _apply(self, agent: SimAgent, mirror: Mirror, msg: Msg) -> tuple | None:
-        """JobView.apply: worker messages by everyone, coordinator messages if the view passes them."""
-        signer = self.agents[msg.sender].peer
-        if msg.kind == CKPT:
-            return self._step(agent, mirror, st.CheckpointSeen(msg.round, msg.shard, signer, msg.attempt))
-        if msg.kind == REPORT:
-            actions = self._step(agent, mirror, st.ReportReceived(msg.round, msg.shard, signer, msg.attempt))
-            if actions is not None:
-                mirror.reports[(msg.round, msg.shard, msg.attempt)] = (msg.sender, msg.faked)
-            return actions
-        if msg.kind == RELEASE:
-            return self._step(agent, mirror, st.Released(msg.round, msg.shard, signer, msg.attempt))
-        if msg.sender == agent.index or not self._check_coordinator(agent, mirror, msg.sender, msg.term):
-            return None
-        return self._apply_decision(agent, mirror, msg)
-
-    def _apply_decision(self, agent: SimAgent, mirror: Mirror, msg: Msg) -> tuple | None:
-        if msg.kind == LEASE:
-            return self._step(agent, mirror, st.LeaseGranted(msg.round, msg.shard, self.agents[msg.worker].peer))
-        if msg.kind == VERDICT:
-            return self._step(agent, mirror, st.VerdictGiven(msg.round, msg.shard, msg.attempt, msg.accepted,
-                                                             msg.reason))
-        return self._step(agent, mirror, st.AggregatePublished(msg.round, f"sim-aggregate-{msg.job}-{msg.round}"))
-
-    def _after(self, agent: SimAgent, mirror: Mirror, actions: tuple) -> None:
-        """Agent.apply_actions: the coordinator acts, the submitter records, workers look for work."""
-        if self._is_coordinator(agent, mirror):
-            for action in actions:
-                if isinstance(action, st.StartVerification):
-                    self._start_verification(agent, mirror, (action.round, action.shard, action.attempt))
-                elif isinstance(action, st.Aggregate):
-                    self._start_aggregation(agent, mirror, action.round)
-        if agent.index == mirror.job.submitter:
-            self._record(mirror.job, actions)
-        if agent.worker and any(isinstance(a, (st.ReopenShard, st.StartRound, st.Done, st.FailJob)) for a in actions):
-            self._wake(agent)  # a shard to claim, or (coordinators_train off) a job no longer ours
-
-    def _record(self, job: SimJob, actions: tuple) -> None:
-        if job.outcome != "RUNNING":
-            return
-        for action in actions:
-            if isinstance(action, st.ReopenShard):
-                job.reassignments += 1
-                job.reopen_reasons[_reason_kind(action.reason)] += 1
-            elif isinstance(action, (st.FailJob, st.CancelJob)):
-                job.outcome, job.reason, job.ended_at = "FAILED", action.reason, self.now
-                self._running_jobs -= 1
-            elif isinstance(action, st.Done):
-                job.outcome, job.ended_at = "DONE", self.now
-                self._running_jobs -= 1
+        if f.tick_at is not None and f.tick_at <= self.now:
+            f.tick_at = None
+        self._commit(agent, f, f.mirror.tick(self.now))
 
     # -- messages -------------------------------------------------------------------------------
 
-    def _publish(self, agent: SimAgent, msg: Msg) -> None:
-        """Gossip ``msg`` on its job's topic; our own worker messages reach our own mirror at once."""
-        job = self.jobs[msg.job]
-        job.messages[msg.kind] += 1
-        mirror = agent.mirrors.get(msg.job)
-        if msg.kind in (CKPT, REPORT, RELEASE) and mirror is not None:
-            actions = self._apply(agent, mirror, msg)
-            if actions:
-                self._after(agent, mirror, actions)
+    def _publish(self, agent: SimAgent, job: SimJob, msg: Any) -> None:
+        """Gossip a message of ours (a claim, a worker message); our own worker messages reach our own
+        mirror at once (the echo)."""
+        envelope = Envelope(job.index, msg, agent.peer, agent.index, self.now)
+        f = agent.mirrors.get(job.index)
+        if f is not None and type(msg) in WORKER_MESSAGES:
+            self._commit(agent, f, f.mirror.receive(msg, agent.peer, self.now, self._live_set(agent.index), envelope))
+        self._gossip(agent, envelope)
+
+    def _decide(self, agent: SimAgent, f: Followed, decision: Any) -> bool:
+        """Agent.decide: our decision applied to our mirror, stored, published, carried out; False if the
+        mirror refused it (it moved on meanwhile)."""
+        envelope = Envelope(f.job.index, decision, agent.peer, agent.index, self.now)
+        outcome = f.mirror.decide(decision, self.now, envelope)
+        if not outcome.changed:
+            return False
+        self._commit(agent, f, outcome)
+        return True
+
+    def _gossip(self, agent: SimAgent, envelope: Envelope) -> None:
+        """Gossip on the job's topic to every subscribed follower but us (our decisions' echoes are skipped)."""
+        job = self.jobs[envelope.job]
+        kind = envelope.msg.TYPE
+        job.messages[kind] += 1
         loss = self.cfg.loss
         for index in job.subscribers:
             if index == agent.index or self._separated(agent.index, index, self.now):
                 continue
-            if msg.kind == CLAIM:  # only a coordinator acts on a claim (Agent._read_job_topic)
+            if kind == CLAIM:  # only a coordinator acts on a claim (Agent._read_job_topic)
                 other = self.agents[index]
-                if not self._is_coordinator(other, other.mirrors[msg.job]):
+                if not self._is_coordinator(other, other.mirrors[envelope.job]):
                     continue
             if loss and self.rng.random() < loss:
                 continue
-            self._at(self.now + self._latency(), self._deliver, index, self.agents[index].epoch, msg)
+            self._at(self.now + self._latency(), self._deliver, index, self.agents[index].epoch, envelope)
 
-    def _deliver(self, index: int, epoch: int, msg: Msg) -> None:
-        """Agent._read_job_topic."""
+    def _deliver(self, index: int, epoch: int, envelope: Envelope) -> None:
+        """Agent.on_job_message: a claim goes to the coordinator role, anything else to the mirror."""
         agent = self.agents[index]
-        mirror = agent.mirrors.get(msg.job)
-        if agent.epoch != epoch or mirror is None:
+        f = agent.mirrors.get(envelope.job)
+        if agent.epoch != epoch or f is None:
             return
-        if msg.kind == CLAIM:
-            self._on_claim(agent, mirror, msg)
+        msg = envelope.msg
+        if type(msg) is m.ShardClaim:
+            self._on_claim(agent, f, envelope)
             return
-        refusals = self._state_refusals
-        if self._apply_message(agent, mirror, msg):
-            self._retry_pending(agent, mirror)
-        elif self.cfg.reorder_buffer and self._state_refusals > refusals:
-            mirror.pending.append((self.now, msg))  # perhaps early: its predecessor may still come
-            if self.cfg.catch_up:
-                self._at(self.now + self.cfg.sync_after, self._sync_if_behind, index, epoch, msg.job)
+        mirror = f.mirror
+        self._commit(agent, f, mirror.receive(msg, envelope.signer, self.now, self._live_set(index), envelope))
+        if self.cfg.catch_up and isinstance(msg, DECISIONS) and mirror.pending and mirror.pending[-1][1] is msg:
+            self._check_later(agent, f, self.now + self.cfg.sync_after + TICK_SECONDS)  # held: we may be behind
 
-    def _sync_if_behind(self, index: int, epoch: int, job_index: int) -> None:
-        """catch_up remedy: a message still refused ``sync_after`` seconds on means we missed something."""
-        agent = self.agents[index]
-        mirror = agent.mirrors.get(job_index)
-        if agent.epoch == epoch and mirror is not None and mirror.pending \
-                and self.now - mirror.pending[0][0] >= self.cfg.sync_after - 1e-6:
-            self._sync(agent, mirror)
+    # -- catching up (agent/roles/sync.py) ------------------------------------------------------
 
-    def _sync(self, agent: SimAgent, mirror: Mirror) -> bool:
-        """catch_up remedy: take the job's state from a peer that holds it, the coordinator if we
-        can reach it, else the submitter (a request/response the protocol does not have yet)."""
-        job = mirror.job
-        sources = [self.by_peer[mirror.view.coordinator]] if mirror.view.coordinator else []
-        sources.append(job.submitter)
-        for index in sources:
-            source = self.agents[index].mirrors.get(job.index)
-            if index == agent.index or source is None or not self.agents[index].online \
-                    or self._separated(agent.index, index, self.now):
+    def _stall_seconds(self) -> float:
+        return max(STALL_SECONDS, 2.0 * float(self.jobs[0].terms.lease_seconds)) if self.jobs else STALL_SECONDS
+
+    def _catch_up(self, agent: SimAgent, f: Followed) -> None:
+        """sync.catch_up: replay the submitter's history that is not in our store (history: stored,
+        nothing carried out)."""
+        job = f.job
+        source = self.agents[job.submitter]
+        held = source.mirrors.get(job.index)
+        if held is None or not source.online or self._separated(agent.index, source.index, self.now):
+            return
+        replayed = 0
+        for envelope in list(held.store):
+            if id(envelope) in f.stored:
                 continue
-            mirror.state, mirror.reports, mirror.late, mirror.pending = source.state, dict(source.reports), False, []
-            if source.view.term >= mirror.view.term:
-                self._set_view(agent, mirror, source.view)
+            self._commit(agent, f, f.mirror.replay(envelope.msg, envelope.signer, envelope.at, envelope),
+                         act=False)
+            replayed += 1
+        f.late = False  # it holds the job's history now
+        if replayed:
             self.syncs += 1
-            if agent.index == job.submitter and source.state.terminal:  # the record learns the end
-                done = source.state.phase is st.JobPhase.DONE
-                self._record(job, (st.Done(source.state.published[-1]) if done else st.FailJob(source.state.reason),))
-            self._schedule_tick(agent, mirror)
-            self._wake(agent)
-            return True
-        return False
+            self._rebuilt(agent, f)
 
-    def _apply_message(self, agent: SimAgent, mirror: Mirror, msg: Msg) -> bool:
-        actions = self._apply(agent, mirror, msg)
-        if actions is None:
+    def _rebuilt(self, agent: SimAgent, f: Followed) -> None:
+        """The mirror took in a peer's history: a claimant whose claims were ignored sees it anew."""
+        if agent.index in f.job.ignored_claimants:
+            self._resume_claims(f.job, agent.index)
+
+    def _check_later(self, agent: SimAgent, f: Followed, when: float) -> None:
+        if f.check_at is None or when < f.check_at:
+            f.check_at = when
+            self._at(when, self._resync_check, agent.index, agent.epoch, f.job.index)
+
+    def _needs_resync(self, f: Followed, eligible: frozenset[str]) -> bool:
+        """sync.needs_resync: an eligible coordinator's decision held over ``sync_after`` (since the last
+        rebuild); or, for the submitter, sync.stalled: nothing applied for a long while."""
+        view, now = f.mirror, self.now
+        if view.state.terminal:
             return False
-        self._after(agent, mirror, actions)
-        if msg.kind == LEASE and msg.worker == agent.index and agent.worker:
-            self._on_lease(agent, mirror, msg)
-        return True
+        if view.terms.submitter == view.me and now - view.last_applied > self._stall_seconds():
+            return True
+        since = view.resynced_at
+        return any(isinstance(msg, DECISIONS) and signer in eligible and signer != view.me
+                   and now - seen > self.cfg.sync_after and (since is None or seen > since)
+                   for seen, msg, signer, _ in view.pending)
 
-    def _retry_pending(self, agent: SimAgent, mirror: Mirror) -> None:
-        """reorder_buffer remedy: after the mirror moved, apply what it refused before, until nothing
-        more applies; a message waits at most lease_seconds."""
-        progress = True
-        while progress and mirror.pending:
-            progress = False
-            mirror.pending = [(t, m) for t, m in mirror.pending if self.now - t < self.cfg.lease_seconds][-64:]
-            for entry in list(mirror.pending):
-                if self._apply_message(agent, mirror, entry[1]):
-                    mirror.pending.remove(entry)
-                    progress = True
+    def _resync_check(self, index: int, epoch: int, job_index: int) -> None:
+        """Agent._tick_job's resync rule, checked when it may hold: a rebuild from the submitter's history
+        (sync.resync), or for the submitter a catch-up from its live peers (sync.submitter_catch_up)."""
+        agent = self.agents[index]
+        f = agent.mirrors.get(job_index)
+        if agent.epoch != epoch or f is None or f.check_at is None or f.check_at > self.now:
+            return
+        f.check_at = None
+        mirror = f.mirror
+        if mirror.state.terminal:
+            return
+        if self._needs_resync(f, self._live_set(index)):
+            if self.now - f.resynced <= self.cfg.resync_interval:
+                self._check_later(agent, f, f.resynced + self.cfg.resync_interval + TICK_SECONDS)
+                return
+            f.resynced = mirror.resynced_at = self.now
+            if index == f.job.submitter:
+                self._submitter_catch_up(agent, f)
+            else:
+                self._resync(agent, f)
+        if agent.epoch != epoch or f.mirror.state.terminal:
+            return
+        # when the rule may hold next: a held decision comes of age, or the submitter's job stalls
+        since = mirror.resynced_at
+        due = [seen + self.cfg.sync_after + TICK_SECONDS for seen, msg, _, _ in mirror.pending
+               if isinstance(msg, DECISIONS) and (since is None or seen > since)
+               and seen + self.cfg.sync_after + TICK_SECONDS > self.now]
+        if index == f.job.submitter:
+            due.append(max(mirror.last_applied + self._stall_seconds(), self.now) + TICK_SECONDS)
+        if due:
+            self._check_later(agent, f, min(due))
+
+    def _resync(self, agent: SimAgent, f: Followed) -> None:
+        """sync.resync: rebuild the mirror from the submitter's whole history and adopt it in place, then
+        commit what that did (reactions included); a coordinator resumes the rebuilt mirror's work."""
+        job = f.job
+        source = self.agents[job.submitter]
+        held = source.mirrors.get(job.index)
+        if held is None or not source.online or self._separated(agent.index, source.index, self.now) \
+                or not held.store:
+            return
+        fresh = JobMirror(job.terms, f.mirror.first_seen, agent.peer)
+        for envelope in held.store:
+            fresh.replay(envelope.msg, envelope.signer, envelope.at, envelope)
+        self._commit(agent, f, f.mirror.adopt(fresh, self.now, self._live_set(agent.index)))
+        self.syncs += 1
+        self._rebuilt(agent, f)
+        if self._is_coordinator(agent, f) and job.index in agent.coordinating:
+            self._resume(agent, f)
+
+    def _submitter_catch_up(self, agent: SimAgent, f: Followed) -> None:
+        """sync.submitter_catch_up: the submitter receives, as live messages at their signed time, what
+        up to PEERS_ASKED live followers of the job (its coordinator first) stored and it did not; their
+        actions are nobody's to carry out, only the reactions."""
+        job, mirror = f.job, f.mirror
+        live = [i for i in job.subscribers if i != agent.index and self._live(agent.index, i)
+                and not self._separated(agent.index, i, self.now)]
+        self.rng.shuffle(live)
+        coordinator = self.by_peer.get(mirror.coordination.coordinator or "")
+        live.sort(key=lambda i: i != coordinator)
+        caught = 0
+        for peer in live[:PEERS_ASKED]:
+            held = self.agents[peer].mirrors.get(job.index)
+            for envelope in list(held.store) if held is not None else ():
+                if id(envelope) in f.stored:
+                    continue
+                outcome = mirror.receive(envelope.msg, envelope.signer, envelope.at, self._live_set(agent.index),
+                                         envelope)
+                if outcome.changed:
+                    caught += 1
+                    outcome = Outcome((), outcome.applied, outcome.evidence, outcome.outgoing)
+                self._commit(agent, f, outcome)
+        if caught:
+            self.syncs += 1
+            self._rebuilt(agent, f)
 
     # -- the worker (WorkerRole) --------------------------------------------------------------
 
@@ -761,25 +996,26 @@ class Simulation:
         if agent.lease is not None:
             return
         if not self.cfg.coordinators_train and any(
-                not m.state.terminal and self._is_coordinator(agent, m) for m in agent.mirrors.values()):
-            return  # the remedy: a coordinator keeps its lock for replays (woken when it steps down)
+                not f.mirror.state.terminal and self._is_coordinator(agent, f) for f in agent.mirrors.values()):
+            return  # the what-if: a coordinator keeps its lock for replays (woken when it steps down)
         waiting = False
-        for job_index, mirror in agent.mirrors.items():
+        for job_index, f in agent.mirrors.items():
+            mirror = f.mirror
             state = mirror.state
-            if job_index not in agent.trains or index in mirror.job.ignored_claimants \
+            if job_index not in agent.trains or index in f.job.ignored_claimants \
                     or state.phase not in (st.JobPhase.ANNOUNCED, st.JobPhase.TRAINING):
                 continue
-            coordinator = mirror.view.coordinator
-            if coordinator in (None, agent.peer) or _held_by(state, agent.peer):
+            coordinator = mirror.coordination.coordinator
+            if coordinator in (None, agent.peer) or mirror.training_by(agent.peer):
                 continue
-            open_shards = [s.index for s in state.shards if s.phase is st.ShardPhase.OPEN]
+            open_shards = mirror.open_shards()
             if not open_shards:
                 continue
             waiting = True
             if self.now - agent.last_claim.get(job_index, -math.inf) < 2 * self.cfg.claim_interval:
                 continue
             agent.last_claim[job_index] = self.now
-            self._publish(agent, Msg(CLAIM, job_index, index, state.round, self.rng.choice(open_shards)))
+            self._publish(agent, f.job, m.ShardClaim(f.job.job_id, state.round, self.rng.choice(open_shards)))
             break
         if waiting:  # the loop goes round again while there is something to claim
             agent.poll_pending = True
@@ -797,81 +1033,127 @@ class Simulation:
         job.messages[CLAIM] += int((self.now - since) / (2 * self.cfg.claim_interval))
         self._wake(self.agents[worker])
 
-    def _on_lease(self, agent: SimAgent, mirror: Mirror, lease: Msg) -> None:
+    def _on_lease(self, agent: SimAgent, f: Followed, lease: m.ShardLease) -> None:
         """WorkerRole.on_lease and _train_and_report: fetch, train under the lock, commit, report."""
         if agent.lease is not None:
             return
         cfg, rng = self.cfg, self.rng
-        key = (lease.job, lease.round, lease.shard, lease.attempt)
+        key = (f.job.index, lease.round, lease.shard, lease.attempt)
         agent.lease = key
         start = max(self.now + cfg.fetch_seconds * rng.lognormvariate(0.0, 0.3), agent.torch_free)
         duration = cfg.shard_minutes * 60 * agent.speed * rng.lognormvariate(0.0, 0.1)
-        faked: frozenset[int] = frozenset()
         if agent.byzantine:
             faked = frozenset(rng.sample(range(cfg.checkpoints), faked_segments(cfg.checkpoints, cfg.fake_fraction)))
+            self.faked[key + (agent.peer,)] = faked  # the model's truth, fixed before any verifier draws
             duration = duration * (1 - len(faked) / cfg.checkpoints) + 60.0  # faking saves the work
         agent.torch_free = start + duration
         fails_at = math.inf
         if not agent.byzantine and cfg.worker_failure and rng.random() < cfg.worker_failure:
             fails_at = start + rng.uniform(0.0, duration)
-            self._at(fails_at, self._worker_message, agent.index, agent.epoch, key, RELEASE, faked)
+            self._at(fails_at, self._worker_message, agent.index, agent.epoch, key, RELEASE, 0)
         for i in range(1, cfg.checkpoints + 1):
             if start + duration * i / cfg.checkpoints < fails_at:
                 self._at(start + duration * i / cfg.checkpoints, self._worker_message, agent.index, agent.epoch,
-                         key, CKPT, faked)
+                         key, CKPT, i)
         if fails_at == math.inf:
-            self._at(start + duration + 5.0, self._worker_message, agent.index, agent.epoch, key, REPORT, faked)
+            self._at(start + duration + 5.0, self._worker_message, agent.index, agent.epoch, key, REPORT, 0)
 
-    def _worker_message(self, index: int, epoch: int, key: tuple, kind: str, faked: frozenset[int]) -> None:
+    def _worker_message(self, index: int, epoch: int, key: tuple, kind: str, i: int) -> None:
         agent = self.agents[index]
         if agent.epoch != epoch:
             return
-        job, rnd, shard, attempt = key
-        self._publish(agent, Msg(kind, job, index, rnd, shard, attempt, faked=faked,
-                                 reason="training failed" if kind == RELEASE else ""))
+        job_index, rnd, shard, attempt = key
+        job = self.jobs[job_index]
+        if kind == CKPT:
+            msg: Any = m.CheckpointCommit(job.job_id, rnd, shard, attempt, i * CHECKPOINT_EVERY, i, NO_HASH, NO_HASH,
+                                          1.0, None)
+        elif kind == REPORT:
+            msg = m.ShardReport(job.job_id, rnd, shard, attempt, CID, CID, _chain_head(job.job_id, key, agent.peer),
+                                self.cfg.checkpoints, self.cfg.checkpoints * CHECKPOINT_EVERY, 12, 1.0, {})
+        else:
+            msg = m.ShardRelease(job.job_id, rnd, shard, attempt, "training failed")
+        self._publish(agent, job, msg)
         if kind in (REPORT, RELEASE):
             agent.lease = None
             self._wake(agent)
 
     # -- the coordinator (CoordinatorRole) ------------------------------------------------------
 
-    def _on_claim(self, agent: SimAgent, mirror: Mirror, claim: Msg) -> None:
-        """CoordinatorRole.on_claim: never to ourselves, a rejected worker, or one holding a lease."""
-        state, job, worker = mirror.state, mirror.job, claim.sender
-        if not self._is_coordinator(agent, mirror):
+    def _on_claim(self, agent: SimAgent, f: Followed, envelope: Envelope) -> None:
+        """CoordinatorRole.on_claim, _may_lease and _grant: never to a peer the job's signed history
+        forbids (ourselves, a worker a verdict rejected, one training a shard of it:
+        protocol.leasing.history_refusal), nor to one that is not live; the lease is the mirror's
+        (``lease_for``), decided (``decide``)."""
+        claim, worker, peer = envelope.msg, envelope.sender, envelope.signer
+        mirror, job = f.mirror, f.job
+        if not self._is_coordinator(agent, f):
             return
-        open_shards = [s.index for s in state.shards if s.phase is st.ShardPhase.OPEN]
+        state = mirror.state
+        open_shards = mirror.open_shards()
         if claim.round != state.round or state.phase not in (st.JobPhase.ANNOUNCED, st.JobPhase.TRAINING) \
-                or worker == agent.index or worker in agent.banned.get(claim.job, ()) \
-                or _held_by(state, self.agents[worker].peer) or not open_shards:
+                or not open_shards or not self._live(agent.index, worker) \
+                or history_refusal(peer, agent.peer, mirror.verdicts.values(), state.shards) is not None:
             self._ignore_claims(job, worker)
             return
         shard = claim.shard if claim.shard in open_shards else open_shards[0]
-        actions = self._step(agent, mirror, st.LeaseGranted(state.round, shard, self.agents[worker].peer))
-        grant = next((a for a in actions or () if isinstance(a, st.PublishLease)), None)
-        if grant is None:
-            return
-        self._after(agent, mirror, actions)
-        self._publish(agent, Msg(LEASE, claim.job, agent.index, grant.round, grant.shard, grant.attempt, worker,
-                                 mirror.view.term))
+        lease = mirror.lease_for(shard, peer, self.now)
+        if lease is not None:
+            self._decide(agent, f, lease)
 
-    def _take_over(self, agent: SimAgent, mirror: Mirror) -> None:
-        """CoordinatorRole.take_over: resume what the mirror says is pending."""
-        job, state = mirror.job, mirror.state
+    def _take_over(self, agent: SimAgent, f: Followed) -> None:
+        """CoordinatorRole.take_over: resume what the mirror says is pending; our heartbeats carry the term."""
+        job = f.job
         for worker in list(job.ignored_claimants):  # a new coordinator may grant what the old one ignored
             self._resume_claims(job, worker)
-        if mirror.view.term > 1:  # a failover, not the job's first coordinator
+        if f.mirror.coordination.term > 1:  # a failover, not the job's first coordinator
             job.takeovers += 1
-            job.late_takeovers += mirror.late
-        for shard in state.shards:
-            if shard.phase is st.ShardPhase.REPORTED:
-                self._start_verification(agent, mirror, (state.round, shard.index, shard.attempt))
-        if state.phase is st.JobPhase.AGGREGATING:
-            self._start_aggregation(agent, mirror, state.round)
+            job.late_takeovers += f.late
+        self._at(self.now + self.cfg.heartbeat_seconds, self._announce_term, agent.index, agent.epoch, job.index)
+        self._resume(agent, f)
 
-    def _start_verification(self, agent: SimAgent, mirror: Mirror, key: tuple[int, int, int]) -> None:
-        task = ("verify", mirror.job.index) + key
-        if task in agent.running or key not in mirror.reports:
+    def _resume(self, agent: SimAgent, f: Followed) -> None:
+        """CoordinatorRole.resume: verify each REPORTED shard (not ours), aggregate an AGGREGATING round."""
+        state = f.mirror.state
+        for shard in state.shards:
+            if shard.phase is st.ShardPhase.REPORTED and shard.worker != agent.peer:
+                self._start_verification(agent, f, (state.round, shard.index, shard.attempt))
+        if state.phase is st.JobPhase.AGGREGATING:
+            self._start_aggregation(agent, f, state.round)
+
+    def _judge(self, agent: SimAgent, f: Followed, worker: str) -> bool:
+        """protocol.election.judge_of, as ``agent`` sees it, for a report of the job's coordinator: the
+        first live peer by rank other than the worker (the job's ranking is the whole set's)."""
+        worker_index = self.by_peer[worker]
+        for peer in f.job.ranking:
+            if peer != worker_index and self._live(agent.index, peer):
+                return peer == agent.index
+        return False
+
+    def _may_verify(self, agent: SimAgent, f: Followed, worker: str) -> bool:
+        """CoordinatorRole.may_verify: we coordinate and the report is not ours, or it is the
+        coordinator's own and we are its judge."""
+        if worker == agent.peer:
+            return False
+        if worker != f.mirror.coordination.coordinator:
+            return self._is_coordinator(agent, f)
+        return self._past_grace(f) and self._judge(agent, f, worker)
+
+    def _judge_reports(self, agent: SimAgent, f: Followed) -> None:
+        """CoordinatorRole.judge_reports: verify the coordinator's own reports that fall to us."""
+        mirror = f.mirror
+        coordinator = mirror.coordination.coordinator
+        if coordinator is None or coordinator == agent.peer or mirror.state.terminal:
+            return
+        state = mirror.state
+        for shard in state.shards:
+            if shard.phase is st.ShardPhase.REPORTED and shard.worker == coordinator:
+                key = (state.round, shard.index, shard.attempt)
+                if key in mirror.reports and self._may_verify(agent, f, coordinator):
+                    self._start_verification(agent, f, key)
+
+    def _start_verification(self, agent: SimAgent, f: Followed, key: tuple[int, int, int]) -> None:
+        task = ("verify", f.job.index) + key
+        if task in agent.running or key not in f.mirror.reports:
             return
         agent.running.add(task)
         cfg = self.cfg
@@ -879,69 +1161,72 @@ class Simulation:
         replay = cfg.shard_minutes * 60 * agent.speed * min(cfg.verify_segments, cfg.checkpoints) / cfg.checkpoints
         agent.torch_free = start + replay
         nonce = self.rng.randbytes(16)  # drawn after the report: the worker could not know it
-        self._at(start + replay, self._verified, agent.index, agent.epoch, mirror.job.index, key, nonce)
+        report, worker = f.mirror.reports[key]  # (read when the verification starts, as _verify does)
+        self._at(start + replay, self._verified, agent.index, agent.epoch, f.job.index, key, report, worker, nonce)
 
-    def _verified(self, index: int, epoch: int, job_index: int, key: tuple[int, int, int], nonce: bytes) -> None:
+    def _verified(self, index: int, epoch: int, job_index: int, key: tuple[int, int, int], report: m.ShardReport,
+                  worker: str, nonce: bytes) -> None:
+        """The end of CoordinatorRole._verify: a verdict in our term, decided if the report is still ours to judge."""
         agent = self.agents[index]
         if agent.epoch != epoch:
             return
         agent.running.discard(("verify", job_index) + key)
-        mirror = agent.mirrors[job_index]
-        if not self._is_coordinator(agent, mirror):
+        f = agent.mirrors[job_index]
+        mirror = f.mirror
+        if not self._may_verify(agent, f, worker):
             return
-        worker, faked = mirror.reports[key]
-        head = hashlib.sha256(repr((mirror.job.job_id, key, worker)).encode()).digest()  # the report's chain head
-        segments, caught = replay_check(head, nonce, self.cfg.checkpoints, self.cfg.verify_segments, faked)
+        faked = self.faked.get((job_index,) + key + (worker,), frozenset())
+        segments, caught = replay_check(report.chain_head, nonce, self.cfg.checkpoints, self.cfg.verify_segments,
+                                        faked)
         accepted = not caught
         reason = (f"replayed segments {list(segments)} within the proof rules" if accepted
                   else f"segment {caught[0]} does not replay")
-        if not accepted:
-            agent.banned.setdefault(job_index, set()).add(worker)
         rnd, shard, attempt = key
         expires = mirror.state.shards[shard].expires_at
         if self.cfg.verdict_margin and expires is not None and self.now > expires - self.cfg.verdict_margin:
-            self.refused["verdict withheld"] += 1  # the remedy: others' windows may already have closed
+            self.refused["verdict withheld"] += 1  # the what-if: others' windows may already have closed
             return
-        actions = self._step(agent, mirror, st.VerdictGiven(rnd, shard, attempt, accepted, reason))
-        if actions is None:
+        verdict = m.Verdict(f.job.job_id, rnd, shard, attempt, worker, mirror.coordination.term, accepted, reason,
+                            segments)
+        if not self._decide(agent, f, verdict):
             return  # too late: the verification window closed and the shard moved on
-        job = mirror.job
+        job = f.job
         if faked and accepted:
             job.byzantine_accepted += 1
         elif faked:
             job.byzantine_rejected += 1
         else:
             job.honest_accepted += 1
-        self._after(agent, mirror, actions)
-        self._publish(agent, Msg(VERDICT, job_index, index, rnd, shard, attempt, worker, mirror.view.term,
-                                 accepted, reason))
 
-    def _start_aggregation(self, agent: SimAgent, mirror: Mirror, rnd: int) -> None:
-        task = ("aggregate", mirror.job.index, rnd)
+    def _start_aggregation(self, agent: SimAgent, f: Followed, rnd: int) -> None:
+        task = ("aggregate", f.job.index, rnd)
         if task in agent.running:
             return
         agent.running.add(task)
         cfg = self.cfg
         start = max(self.now + cfg.fetch_seconds * self.rng.lognormvariate(0.0, 0.3), agent.torch_free)
         agent.torch_free = start + cfg.aggregate_seconds * agent.speed
-        self._at(agent.torch_free, self._aggregated, agent.index, agent.epoch, mirror.job.index, rnd)
+        self._at(agent.torch_free, self._aggregated, agent.index, agent.epoch, f.job.index, rnd)
 
     def _aggregated(self, index: int, epoch: int, job_index: int, rnd: int) -> None:
+        """The end of CoordinatorRole._aggregate: the aggregate, decided if the round is still ours to publish."""
         agent = self.agents[index]
         if agent.epoch != epoch:
             return
         agent.running.discard(("aggregate", job_index, rnd))
-        mirror = agent.mirrors[job_index]
-        if not self._is_coordinator(agent, mirror):
+        f = agent.mirrors[job_index]
+        mirror, job = f.mirror, f.job
+        state = mirror.state
+        if not self._is_coordinator(agent, f) or state.phase is not st.JobPhase.AGGREGATING or state.round != rnd:
             return
-        msg = Msg(AGGREGATE, job_index, index, rnd, term=mirror.view.term)
-        actions = self._apply_decision(agent, mirror, msg)
-        if actions is None:
+        accepted = tuple(s.index for s in state.shards if s.phase is st.ShardPhase.ACCEPTED)
+        final = mirror.ends_with(rnd, None)
+        published = m.AggregatePublished(job.job_id, rnd, mirror.coordination.term, CID, job.terms.aggregation,
+                                         accepted, 12 * len(accepted), final)
+        if not self._decide(agent, f, published):
             return
-        if rnd == self.cfg.rounds and mirror.job.published_at is None:
-            mirror.job.published_at = self.now
-        self._after(agent, mirror, actions)
-        self._publish(agent, msg)
+        if final and job.published_at is None:
+            job.published_at = self.now
 
     # -- churn ----------------------------------------------------------------------------------
 
@@ -950,22 +1235,27 @@ class Simulation:
         if agent.epoch != epoch:
             return
         if agent.lease is not None and self.rng.random() < self.cfg.graceful_fraction:
-            job, rnd, shard, attempt = agent.lease  # WorkerRole.release_all on a clean shutdown
-            self._publish(agent, Msg(RELEASE, job, index, rnd, shard, attempt, reason="the agent is shutting down"))
+            job_index, rnd, shard, attempt = agent.lease  # WorkerRole.release_all on a clean shutdown
+            job = self.jobs[job_index]
+            self._publish(agent, job, m.ShardRelease(job.job_id, rnd, shard, attempt, "the agent is shutting down"))
         agent.online = False
         agent.left_at = self.now
         agent.online_seconds += self.now - agent.joined_at
         agent.epoch += 1
-        for job_index, mirror in agent.mirrors.items():
-            self.jobs[job_index].subscribers.pop(index, None)
-            if index in self.jobs[job_index].ignored_claimants:
-                self._resume_claims(self.jobs[job_index], index)
-            self._set_view(agent, mirror, Coordination(mirror.job.job_id))
+        self._left[index] = self.now
+        self._liveness_changed()
+        for job_index, f in agent.mirrors.items():
+            job = self.jobs[job_index]
+            job.subscribers.pop(index, None)
+            if index in job.ignored_claimants:
+                self._resume_claims(job, index)
+            self._unindex(agent, f)
+            self.refused.update(f.mirror.refused)
         agent.mirrors = {}
         agent.lease = None
         agent.torch_free = 0.0
-        agent.banned = {}
         agent.running = set()
+        agent.coordinating = set()
         agent.last_claim = {}
         agent.poll_pending = False
         self._at(self.now + self.cfg.silence, self._silent, index, agent.epoch)
@@ -978,6 +1268,8 @@ class Simulation:
         agent.online = True
         agent.joined_at = self.now
         agent.epoch += 1
+        self._left.pop(index, None)
+        self._liveness_changed()
         period = self.cfg.reannounce_seconds
         for job_index in agent.follows:  # followed again at the job's next re-announcement
             job = self.jobs[job_index]
@@ -996,9 +1288,24 @@ def replay_check(head: bytes, nonce: bytes, n_segments: int, k: int,
     return segments, sorted(faked.intersection(segments))
 
 
-def _held_by(state: st.JobState, peer: str) -> bool:
-    """JobView.held_by: the worker holds a lease (or awaits a verdict) in this job."""
-    return any(s.worker == peer and s.phase in (st.ShardPhase.LEASED, st.ShardPhase.REPORTED) for s in state.shards)
+class _CountWarnings(logging.Filter):
+    """Counts the warnings a logger would emit, by their text with the numbers and job IDs left out, and
+    drops them (a thousand mirrors would print thousands of lines)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        self.counts[re.sub(r"%[sdrf]|%\.\d+f", "#", str(record.msg))] += 1
+        return False
+
+
+def _chain_head(job_id: bytes, key: tuple, worker: str) -> bytes:
+    """A report's chain head (the model's: unique per attempt and worker)."""
+    return hashlib.sha256(repr((job_id, key, worker)).encode()).digest()
 
 
 def simulate(config: SimConfig) -> Result:

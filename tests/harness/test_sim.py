@@ -43,6 +43,29 @@ def test_byzantine_workers_faking_everything_never_get_work_accepted():
     assert summary["byzantine_escape_expected"] == 0.0
 
 
+def test_the_mirrors_are_the_agents_and_no_coordinator_leases_to_a_worker_the_history_rejected():
+    """Every copy of a job is protocol.mirror.JobMirror; a rejected worker gets no lease again in its job,
+    from any coordinator of any term (the rule reads the signed verdicts, protocol/leasing.py)."""
+    from protocol import messages as m
+    from protocol.mirror import JobMirror
+
+    sim = Simulation(SimConfig(**SMALL, churn=0.5, byzantine=0.3, seed=5))
+    result = sim.run()
+    assert result.summary()["byzantine_rejected"] > 0 and result.summary()["failovers"] > 0
+    leases_after_rejection = 0
+    for job in result.jobs:
+        followed = sim.agents[job.submitter].mirrors[job.index]
+        assert isinstance(followed.mirror, JobMirror)
+        rejected: set[str] = set()
+        for envelope in followed.store:  # the submitter's evidence, in the order it applied
+            msg = envelope.msg
+            if isinstance(msg, m.Verdict) and not msg.accepted:
+                rejected.add(msg.worker)
+            elif isinstance(msg, m.ShardLease) and msg.worker in rejected:
+                leases_after_rejection += 1
+    assert leases_after_rejection == 0
+
+
 def test_partial_faking_escapes_at_one_minus_the_catch_probability():
     # The verifier's draw is protocol.proof.select_segments from a seed fixed after the report.
     n, k, m = 6, 2, faked_segments(6, 0.34)
@@ -71,7 +94,7 @@ def test_churn_causes_failovers_and_jobs_still_complete():
 
 def test_a_partition_isolating_the_coordinator_fails_over_and_the_job_completes_after_healing():
     start, end = 20 * 60.0, 40 * 60.0
-    sim = Simulation(SimConfig(**SMALL, churn=0.0, seed=4, partitions=(Partition(start, end, coordinator_of=0),),
+    sim = Simulation(SimConfig(**SMALL, churn=0.0, seed=1, partitions=(Partition(start, end, coordinator_of=0),),
                                **REMEDIES))
     result = sim.run()
     job = result.jobs[0]
@@ -80,7 +103,7 @@ def test_a_partition_isolating_the_coordinator_fails_over_and_the_job_completes_
     assert job.failovers >= 1
     assert job.outcome == "DONE"
     # after the heal the old coordinator learned the higher term and stepped down
-    view = sim.agents[old].mirrors[0].view
+    view = sim.agents[old].mirrors[0].mirror.coordination
     assert view.coordinator != sim.agents[old].peer
     assert view.term >= 2
 
@@ -98,9 +121,11 @@ def test_the_election_shortcut_equals_keep_or_elect_over_the_whole_live_set():
     sim.run()
     checked = 0
     for agent in sim.agents:
-        for mirror in agent.mirrors.values():
+        for followed in agent.mirrors.values():
+            view = followed.mirror.coordination
             full = frozenset(other.peer for other in sim.agents if sim._live(agent.index, other.index))
-            assert keep_or_elect(mirror.view, sim._eligible(agent, mirror)) == keep_or_elect(mirror.view, full)
+            assert keep_or_elect(view, sim._eligible(agent, followed)) == keep_or_elect(view, full)
+            assert sim._live_set(agent.index) == full  # what the mirror's doors are given as the eligible set
             checked += 1
     assert checked > 20
 
