@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import __version__
+from agent.errors import UserError
 from agent.files import input_file
 from protocol import PROTOCOL_VERSION
 
@@ -250,10 +251,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 # -- main ---------------------------------------------------------------------------------------------
 
-class UserError(Exception):
-    """A mistake the user can fix; the message is the one line to show."""
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -277,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-_USER_ERRORS = (("agent.files", "FileInputError"), ("agent.bundle", "BundleError"), ("agent.config", "ConfigError"), ("agent.control", "ControlError"),
+_USER_ERRORS = (("agent.files", "FileInputError"), ("agent.bundle", "BundleError"), ("agent.config", "ConfigError"), ("agent.channel", "ControlError"),
                 ("agent.net.errors", "NetError"), ("agent.store", "StoreError"), ("agent.train.config", "TrainError"),
                 ("agent.train.data", "DataError"), ("agent.demo", "DemoError"), ("agent.data", "DataSourceError"),
                 ("agent.pipeline.source", "PipelineError"))
@@ -428,7 +425,7 @@ def _disk_lines(d: dict | None) -> list[str]:
 
 
 def cmd_agent_status(args: argparse.Namespace) -> int:
-    from agent.control import request
+    from agent.channel import request
 
     s = request(_home(args), "status")
     jobs = ", ".join(f"{n} {state.lower()}" for state, n in sorted(s["jobs"].items())) or "none"
@@ -461,7 +458,7 @@ def _reach_lines(reach: dict | None) -> list[str]:
 
 
 def cmd_agent_stop(args: argparse.Namespace) -> int:
-    from agent.control import request
+    from agent.channel import request
 
     request(_home(args), "stop")
     print("stopping")
@@ -469,7 +466,7 @@ def cmd_agent_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_peers(args: argparse.Namespace) -> int:
-    from agent.control import request
+    from agent.channel import request
 
     peers = request(_home(args), "peers")
     _emit(args, peers, peers_table(peers) if peers else "no peers yet")
@@ -494,7 +491,7 @@ def peers_table(peers: list[dict]) -> str:
 
 
 def cmd_providers(args: argparse.Namespace) -> int:
-    from agent.control import request
+    from agent.channel import request
 
     rows = request(_home(args), "providers")
     _emit(args, rows, providers_table(rows) if rows else "no provider's capability heard yet")
@@ -521,7 +518,7 @@ def providers_table(rows: list[dict]) -> str:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from agent.control import request
+    from agent.channel import request
 
     rows = request(_home(args), "models")
     lines = [f"{'model':<40} {'sha256':<16} {'providers':>9} {'training':>8}  tokens/s"]
@@ -533,7 +530,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_job_bill(args: argparse.Namespace) -> int:
-    from agent.control import request
+    from agent.channel import request
     from agent.market import bill_text
 
     result = request(_home(args), "job.bill", job=args.id)
@@ -566,7 +563,7 @@ def _spec_and_dataset(args: argparse.Namespace) -> tuple[Path, Any, Path | None]
 
 
 def _estimate(home: Path, spec_path: Path, dataset: Path | None, args: argparse.Namespace) -> dict:
-    from agent.control import request
+    from agent.channel import request
 
     return request(home, "job.estimate", timeout=300, spec=str(spec_path),
                    dataset=str(dataset) if dataset else None,  # None: the agent fetches the spec's CID
@@ -585,7 +582,7 @@ def cmd_job_estimate(args: argparse.Namespace) -> int:
 def cmd_job_announce(args: argparse.Namespace) -> int:
     """Announce a job. Unless ``--yes``: at a terminal, show the estimate and ask; without a terminal,
     a paid job (budget.price_per_hour > 0) is refused (nobody saw its cost) and a volunteer job goes ahead."""
-    from agent.control import request
+    from agent.channel import request
     from agent.market import estimate_text
 
     spec_path, spec, dataset = _spec_and_dataset(args)
@@ -613,7 +610,7 @@ def cmd_job_announce(args: argparse.Namespace) -> int:
 
 
 def cmd_job_list(args: argparse.Namespace) -> int:
-    from agent.control import request
+    from agent.channel import request
 
     jobs = request(_home(args), "job.list")
     lines = [f"{'id':<16} {'name':<20} {'role':<10} {'state':<11} round  accepted"]
@@ -628,7 +625,7 @@ def cmd_job_list(args: argparse.Namespace) -> int:
 def cmd_job_show(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from agent.control import request
+    from agent.channel import request
     from agent.progress import JobProgress
 
     job = request(_home(args), "job.show", job=args.id)
@@ -643,7 +640,7 @@ def cmd_job_show(args: argparse.Namespace) -> int:
 
 
 def cmd_job_watch(args: argparse.Namespace) -> int:
-    from agent.control import request
+    from agent.channel import request
     from agent.progress import JobProgress
 
     home = _home(args)
@@ -664,7 +661,7 @@ def cmd_job_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_job_fetch(args: argparse.Namespace) -> int:
-    from agent.control import request
+    from agent.channel import request
 
     result = request(_home(args), "job.fetch", timeout=300, job=args.id, out=str(args.out.expanduser().resolve()),
                      round=args.round)
@@ -679,7 +676,7 @@ def cmd_job_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_job_cancel(args: argparse.Namespace) -> int:
-    from agent.control import request
+    from agent.channel import request
 
     job = request(_home(args), "job.cancel", job=args.id, reason=args.reason)
     _emit(args, job, f"job {job['id'][:16]}: {job['state']}")
@@ -702,22 +699,6 @@ def cmd_data_get(args: argparse.Namespace) -> int:
     from agent.jobdata import cmd_data_get as run
 
     return run(args, _home(args), _emit)
-
-
-def _job_ledger_text(ledger: dict) -> list[str]:
-    lines = []
-    for e in ledger["entries"]:
-        data = ", ".join(f"{k}={_short(v)}" for k, v in e["data"].items() if k not in ("parameters",))
-        lines.append(f"{e['seq']:>4} {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['kind']:<11} "
-                     f"{e['peer'][-8:]} {data}")
-    lines.append(f"ledger of job {ledger['id'][:16]}: {ledger['length']} entries, "
-                 + ("chain and signatures verified" if ledger["verified"] else f"INVALID: {ledger['problem']}"))
-    return lines
-
-
-def _short(value: Any) -> str:
-    text = str(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # -- train and data (no network) ----------------------------------------------------------------------

@@ -4,8 +4,8 @@ Rules of this file:
 - Local only, never a network port: a Unix socket ``<home>/control.sock`` created with mode 0600
   (bound under a 0177 umask, then chmod), so only the agent's own user can connect. A socket file
   left by a dead agent is replaced; one that still answers means an agent already runs there.
-- One request per connection: the client sends one JSON object on one line, at most
-  ``MAX_REQUEST`` bytes: ``{"cmd": NAME, "args": {...}}``; the daemon answers one line
+- One request per connection: the client (agent/channel.py ``request``) sends one JSON object on one
+  line, at most ``MAX_REQUEST`` bytes: ``{"cmd": NAME, "args": {...}}``; the daemon answers one line
   ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": ONE LINE}`` and closes. Reading the
   request has a deadline; each command has its own (fetching an adapter takes longer than a status).
 - Handlers only read the agent's state or call its roles; they never decide protocol questions.
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from agent import __version__
+from agent.channel import ControlError, find_job
 
 if TYPE_CHECKING:
     from agent.node import Agent
@@ -31,16 +32,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_REQUEST = 64 * 1024
-MAX_RESPONSE = 16 << 20
 REQUEST_READ_TIMEOUT = 10.0
 CAPABILITY_WAIT = 10.0  # seconds `job announce` waits to hear a peer that can train the job (a peer tells its
 # capability to one it hears arrive: agent/node.py CAPABILITY_TELL_GAP)
 BILL_SYNC_SECONDS = 15.0  # `job bill` pulls the job's ledger chains for at most this long (the CLI waits 30 s)
 MAX_SOCKET_PATH = 100  # sun_path is 108 bytes on Linux, 104 on macOS
-
-
-class ControlError(Exception):
-    """The control channel failed or the agent refused a request; ``str()`` is the one line to show."""
 
 
 # -- the daemon's side -------------------------------------------------------------------------------
@@ -115,58 +111,7 @@ async def _read_line(stream: trio.abc.ReceiveStream, limit: int) -> bytes:
     return bytes(data).split(b"\n", 1)[0]
 
 
-# -- the CLI's side ----------------------------------------------------------------------------------
-
-def request(home: Path, cmd: str, timeout: float = 30.0, **args: Any) -> Any:
-    """Send one request to the agent in ``home``; its result, or ControlError with the agent's one line."""
-    path = home / "control.sock"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    try:
-        try:
-            sock.connect(str(path))
-        except (FileNotFoundError, ConnectionRefusedError):
-            raise ControlError(f"no agent is running in {home} (start one with `infernet agent run --home {home}`)") from None
-        except OSError as exc:
-            raise ControlError(f"{path}: cannot connect: {exc.strerror or exc}") from None
-        sock.sendall(json.dumps({"cmd": cmd, "args": args}).encode() + b"\n")
-        data = bytearray()
-        while b"\n" not in data:
-            chunk = sock.recv(1 << 20)
-            if not chunk:
-                break
-            data += chunk
-            if len(data) > MAX_RESPONSE:
-                raise ControlError(f"the agent's answer is larger than {MAX_RESPONSE} bytes")
-    except socket.timeout:
-        raise ControlError(f"the agent in {home} did not answer {cmd!r} within {timeout:.0f} s") from None
-    finally:
-        sock.close()
-    try:
-        answer = json.loads(bytes(data).split(b"\n", 1)[0])
-    except ValueError:
-        raise ControlError(f"the agent in {home} closed the connection without an answer") from None
-    if not answer.get("ok"):
-        raise ControlError(answer.get("error") or "the agent refused the request")
-    return answer["result"]
-
-
 # -- handlers ------------------------------------------------------------------------------------------
-
-async def _find_job(agent: "Agent", job: str) -> Any:
-    """The view of the job whose hex ID starts with ``job`` (live, or rebuilt from the store in a
-    worker thread: agent/node.py ``load_job_view``)."""
-    text = str(job).lower()
-    if len(text) < 4 or any(c not in "0123456789abcdef" for c in text):
-        raise ControlError(f"{str(job)[:70]!r} is not a job ID (hex, at least 4 characters; see `infernet job list`)")
-    matches = [r.job_id for r in agent.store.jobs() if r.job_id.hex().startswith(text)]
-    matches += [j for j in agent.jobs if j.hex().startswith(text) and j not in matches]
-    if not matches:
-        raise ControlError(f"unknown job {text[:16]} (see `infernet job list`)")
-    if len(matches) > 1:
-        raise ControlError(f"job ID prefix {text} is ambiguous: {len(matches)} jobs match; give more characters")
-    return await agent.load_job_view(matches[0])
-
 
 async def _status(agent: "Agent") -> dict:
     jobs: dict[str, int] = {}
@@ -299,7 +244,7 @@ async def _job_estimate(agent: "Agent", spec: str, dataset: str | None = None, m
 async def _job_bill(agent: "Agent", job: str) -> dict:
     from agent.market import bill
 
-    view = await _find_job(agent, job)
+    view = await find_job(agent, job)
     if view.terms.submitter != agent.peer_id:
         raise ControlError(f"job {view.job_id.hex()[:16]} was submitted by {view.terms.submitter}, not this agent; "
                            "only its submitter bills it")
@@ -340,11 +285,11 @@ async def _job_list(agent: "Agent") -> list[dict]:
 
 
 async def _job_show(agent: "Agent", job: str) -> dict:
-    return job_detail(agent, await _find_job(agent, job))
+    return job_detail(agent, await find_job(agent, job))
 
 
 async def _job_cancel(agent: "Agent", job: str, reason: str = "cancelled by the submitter") -> dict:
-    view = await _find_job(agent, job)
+    view = await find_job(agent, job)
     if view.terms.submitter != agent.peer_id:
         raise ControlError(f"job {view.job_id.hex()[:16]} was submitted by {view.terms.submitter}, not this agent; "
                            "only its submitter can cancel it")
@@ -357,7 +302,7 @@ async def _job_cancel(agent: "Agent", job: str, reason: str = "cancelled by the 
 async def _job_fetch(agent: "Agent", job: str, out: str, round: int | None = None) -> dict:
     from agent.bundle import AGGREGATE_FILES, bundle_size_bound
 
-    view = await _find_job(agent, job)
+    view = await find_job(agent, job)
     if not view.aggregates:
         raise ControlError(f"job {view.job_id.hex()[:16]} has no published aggregate yet "
                            f"({view.state.phase.value}, round {view.state.round}); try again when it is DONE")
@@ -470,12 +415,3 @@ def job_detail(agent: "Agent", view: Any) -> dict:
     out.update(job_facts(agent, view))
     return out
 
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return value.hex()
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value

@@ -31,7 +31,7 @@ from pathlib import Path
 from rich.console import Console
 
 from agent.config import CONFIG_FILE, IDENTITY_FILE
-from agent.control import ControlError, request
+from agent.channel import ControlError, request
 from agent.keyfile import save_identity
 from protocol.identity import Identity
 
@@ -160,7 +160,7 @@ class DemoNetwork:
         stderr = open(home / "stderr.log", "wb")  # noqa: SIM115 - handed to the child
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=env,
                                    start_new_session=True,  # our Ctrl-C is ours to relay, in order
-                                   preexec_fn=_die_with(os.getpid()))  # ... and our death (SIGKILL, SIGHUP) theirs
+                                   preexec_fn=die_with(os.getpid()))  # ... and our death (SIGKILL, SIGHUP) theirs
         stderr.close()
         self.processes.append((name, process))
         return home
@@ -208,7 +208,7 @@ class DemoNetwork:
                 process.wait()
 
 
-def _die_with(parent: int):
+def die_with(parent: int):
     """A preexec_fn tying the child to ``parent``: when the demo dies however it dies (SIGKILL, a
     SIGHUP from a closed terminal), the kernel sends each agent SIGTERM (Linux PR_SET_PDEATHSIG), so
     it releases its leases and stops instead of running on in its own session. Elsewhere: nothing."""

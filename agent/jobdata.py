@@ -3,7 +3,8 @@ offline verification), datasets by CID, and the facts ``job show`` prints.
 
 Rules of this file:
 - Handlers (``HANDLERS``, merged into agent/control.py's) only read the agent's store and state or
-  call its content service and agent/ledger_sync.py; they decide nothing.
+  call its content service and agent/ledger_sync.py; they decide nothing. This file imports neither
+  agent/control.py (which imports it) nor the CLI: the channel's shared half is agent/channel.py.
 - ``infernet ledger verify FILE`` needs no agent: it reads the export file (IPIP-0008 §6) and checks it
   with protocol/ledger.verify_export; any problem is one line naming the entry's place, exit 1.
 - Cost so far is the IPIP-0008 §2 rule over the report entries of every chain we hold, each
@@ -18,6 +19,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agent.channel import ControlError, find_job, request
+from agent.jsonable import plain
+
 if TYPE_CHECKING:
     from agent.node import Agent
 
@@ -25,22 +29,6 @@ MAX_EXPORT_FILE = 256 << 20  # bytes of an export file ``ledger verify`` reads
 
 
 # -- facts of a job ------------------------------------------------------------------------------------
-
-def readable_chains(store: Any, job_id: bytes) -> tuple[dict[bytes, list[Any]], dict[bytes, str]]:
-    """The chains we hold that verify (protocol/ledger.verify_chain), and for each other one why not."""
-    from protocol.ledger import LedgerEntry, LedgerError, verify_chain
-
-    good, bad = {}, {}
-    for author, rows in store.chain_rows(job_id).items():
-        try:
-            entries = [LedgerEntry.decode(e, sig) for e, sig in rows]
-            verify_chain(entries, job_id, author)
-        except LedgerError as exc:
-            bad[author] = str(exc)
-            continue
-        good[author] = entries
-    return good, bad
-
 
 def job_facts(agent: "Agent", view: Any) -> dict:
     """What ``job show`` adds to a job's detail: when and what was asked, at what price, what it cost."""
@@ -74,12 +62,11 @@ def job_facts(agent: "Agent", view: Any) -> dict:
 async def _job_ledger(agent: "Agent", job: str, export: str | None = None, sync: bool = False) -> dict:
     """Our own chain of the job (entries, verified), every chain we hold, the conflicts found; with
     ``sync`` a pull from the job's live peers first; with ``export`` the export file written there."""
-    from agent.control import _find_job, _plain
-    from agent.ledger_sync import sync_job
+    from agent.ledger_sync import readable_chains, sync_job
     from protocol.codec import canonical_encode
     from protocol.ledger import export_document
 
-    view = await _find_job(agent, job)
+    view = await find_job(agent, job)
     synced = await sync_job(agent, view) if sync else None
     if export:  # the file carries our signed statement of every chain it holds (IPIP-0008 §6.1)
         from agent.ledger_sync import write_heads
@@ -102,17 +89,13 @@ async def _job_ledger(agent: "Agent", job: str, export: str | None = None, sync:
     conflicts = agent.store.conflicts(view.job_id)
     out = {"id": view.job_id.hex(), "verified": problem is None, "problem": problem, "length": len(entries),
            "entries": [{"seq": e.seq, "time": e.time, "peer": e.peer, "kind": e.kind, "signer": e.signer_peer_id,
-                        "hash": e.hash.hex(), "data": _plain(e.data)} for e in entries],
+                        "hash": e.hash.hex(), "data": plain(e.data)} for e in entries],
            "chains": summary, "conflicts": conflicts, "synced": synced}
     if export:
         if bad:
-            from agent.control import ControlError
-
             raise ControlError(f"not exported: a chain we hold does not verify: {next(iter(bad.values()))}")
         target = Path(export)
         if target.exists():  # as `data get` and `job fetch` do: an existing file is never overwritten (issue 25)
-            from agent.control import ControlError
-
             raise ControlError(f"{target}: already exists; choose a new --export file")
         document = export_document(view.job_id, canonical_encode(view.terms.to_wire()), chains, conflicts)
         _write_atomically(target, json.dumps(document, indent=1).encode() + b"\n")
@@ -123,7 +106,6 @@ async def _job_ledger(agent: "Agent", job: str, export: str | None = None, sync:
 
 async def _data_get(agent: "Agent", cid: str, out: str, max_size: int | None = None) -> dict:
     """Fetch any CID through our content service into ``out`` (a new file): every block is checked."""
-    from agent.control import ControlError
     from protocol.cid import parse_cid
 
     text = cid[len("ipfs://"):].rstrip("/") if cid.startswith("ipfs://") else cid
@@ -174,13 +156,10 @@ def verify_export_file(path: Path) -> Any:
 def cmd_job_ledger(args: Any, home: Path, emit: Any) -> int:
     """``infernet job ledger ID [--sync] [--export FILE]``: exit 1 if our chain does not verify or a
     conflict was found between the chains of the job."""
-    from agent.cli import _job_ledger_text
-    from agent.control import request
-
     export = str(args.export.expanduser().resolve()) if args.export else None
     ledger = request(home, "job.ledger", timeout=120 if args.sync else 30, job=args.id, export=export,
                      sync=bool(args.sync))
-    lines = _job_ledger_text(ledger)
+    lines = job_ledger_text(ledger)
     for chain in ledger["chains"]:
         lines.append(f"  chain of {chain['author'][-8:]}: {chain['entries']} entries"
                      + (f", INVALID: {chain['problem']}" if chain["problem"] else ""))
@@ -196,7 +175,7 @@ def cmd_job_ledger(args: Any, home: Path, emit: Any) -> int:
 
 def cmd_ledger_verify(args: Any, emit: Any) -> int:
     """``infernet ledger verify FILE``: no agent needed."""
-    from agent.cli import UserError
+    from agent.errors import UserError
 
     path = args.file.expanduser()
     try:
@@ -216,8 +195,6 @@ def cmd_ledger_verify(args: Any, emit: Any) -> int:
 
 def cmd_data_get(args: Any, home: Path, emit: Any) -> int:
     """``infernet data get CID --out FILE`` through the running agent."""
-    from agent.control import request
-
     result = request(home, "data.get", timeout=600, cid=args.cid, out=str(args.out.expanduser().resolve()),
                      max_size=args.max_size)
     emit(args, result, f"ok: {result['cid']} -> {result['path']} ({result['size']} bytes, verified)")
@@ -242,3 +219,20 @@ def facts_text(job: dict) -> list[str]:
                  f"  ledger: {job['ledger']['chains']} chains, {job['ledger']['entries']} entries"
                  + (f", {job['ledger']['conflicts']} CONFLICTS" if job["ledger"]["conflicts"] else ""))
     return lines
+
+
+def job_ledger_text(ledger: dict) -> list[str]:
+    """``job ledger``'s lines for our own chain of the job: one per entry, then whether it verified."""
+    lines = []
+    for e in ledger["entries"]:
+        data = ", ".join(f"{k}={_short(v)}" for k, v in e["data"].items() if k not in ("parameters",))
+        lines.append(f"{e['seq']:>4} {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['kind']:<11} "
+                     f"{e['peer'][-8:]} {data}")
+    lines.append(f"ledger of job {ledger['id'][:16]}: {ledger['length']} entries, "
+                 + ("chain and signatures verified" if ledger["verified"] else f"INVALID: {ledger['problem']}"))
+    return lines
+
+
+def _short(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -182,6 +182,21 @@ def absorb(store: Any, job_id: bytes, chains: dict[bytes, list[LedgerEntry]], se
     return added, found
 
 
+def readable_chains(store: Any, job_id: bytes) -> tuple[dict[bytes, list[LedgerEntry]], dict[bytes, str]]:
+    """The chains we hold that verify (protocol/ledger.verify_chain), and for each other one why not:
+    what ``job ledger`` lists and exports (agent/jobdata.py) and a bill is checked against (agent/market.py)."""
+    good, bad = {}, {}
+    for author, rows in store.chain_rows(job_id).items():
+        try:
+            entries = [LedgerEntry.decode(e, sig) for e, sig in rows]
+            verify_chain(entries, job_id, author)
+        except LedgerError as exc:
+            bad[author] = str(exc)
+            continue
+        good[author] = entries
+    return good, bad
+
+
 def job_authors(store: Any, view: Any) -> set[bytes]:
     """Public keys whose chains of the job we keep: its submitter and whoever signed a stored message of it."""
     from protocol.identity import public_key_from_peer_id

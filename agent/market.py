@@ -42,10 +42,13 @@ from protocol import messages as m
 from protocol import state as st
 
 if TYPE_CHECKING:
-    from agent.node import Agent
-    from agent.roles.job import JobView
+    from protocol.mirror import JobMirror
 
 log = logging.getLogger(__name__)
+
+# ``agent`` below is the running agent (agent/node.py ``Agent``; its roles hand in their RolePort), typed
+# loosely: the node imports this module, so this one does not import the node back (issue 23)
+Agent = Any
 
 SPEEDS_FILE = "speeds.json"
 BURST_STEPS = 6
@@ -151,7 +154,7 @@ def record_shard_speed(agent: "Agent", terms: m.JobTerms, tokens_per_s: float) -
 
 # -- budget -------------------------------------------------------------------------------------------
 
-def accepted_attempts(view: "JobView") -> list[mk.Attempt]:
+def accepted_attempts(view: "JobMirror") -> list[mk.Attempt]:
     """Every judged attempt of the job whose report we hold, as its signed messages state it."""
     out = []
     for key, verdict in sorted(view.verdicts.items()):
@@ -163,13 +166,13 @@ def accepted_attempts(view: "JobView") -> list[mk.Attempt]:
     return out
 
 
-def spent(view: "JobView") -> float:
+def spent(view: "JobMirror") -> float:
     """What the job's accepted attempts cost."""
     terms = view.terms
     return mk.accepted_cost(terms.price_per_hour, [a.train_seconds for a in accepted_attempts(view) if a.accepted])
 
 
-def committed(view: "JobView") -> float:
+def committed(view: "JobMirror") -> float:
     """``spent`` plus what the reported attempts awaiting their verdict would cost (protocol/market.py)."""
     pending = []
     for shard in view.state.shards:
@@ -180,11 +183,11 @@ def committed(view: "JobView") -> float:
     return spent(view) + mk.accepted_cost(view.terms.price_per_hour, pending)
 
 
-def budget_reason(view: "JobView") -> str | None:
+def budget_reason(view: "JobMirror") -> str | None:
     return mk.budget_refusal(view.terms.price_per_hour, view.terms.budget, committed(view))
 
 
-def lease_refusal(view: "JobView", worker: str) -> str | None:
+def lease_refusal(view: "JobMirror", worker: str) -> str | None:
     terms = view.terms
     return mk.lease_refusal(worker, price_per_hour=terms.price_per_hour, budget=terms.budget, spent=committed(view),
                             max_nodes=terms.max_nodes, providers=terms.providers,
@@ -200,7 +203,7 @@ def worker_refusal(agent: "Agent", view_or_terms: Any) -> str | None:
                              ask=agent.config.price_per_hour)
 
 
-def budget_json(view: "JobView") -> dict:
+def budget_json(view: "JobMirror") -> dict:
     terms = view.terms
     return {"paid": mk.is_paid(terms.price_per_hour), "price_per_hour": terms.price_per_hour,
             "total": terms.budget, "spent": round(spent(view), 6), "committed": round(committed(view), 6),
@@ -210,7 +213,7 @@ def budget_json(view: "JobView") -> dict:
 
 # -- reputation ---------------------------------------------------------------------------------------
 
-def view_outcomes(view: "JobView") -> dict[str, mk.Reputation]:
+def view_outcomes(view: "JobMirror") -> dict[str, mk.Reputation]:
     leases = {key: lease.worker for key, lease in view.leases.items()}
     verdicts = {key: (v.worker, v.accepted) for key, v in view.verdicts.items()}
     # the shards' current attempts, also when the job ended: work a cancel cut short is nobody's fault
@@ -416,7 +419,7 @@ def estimate_text(e: dict) -> str:
 
 # -- bills --------------------------------------------------------------------------------------------
 
-def bill(agent: "Agent", view: "JobView") -> dict:
+def bill(agent: "Agent", view: "JobMirror") -> dict:
     """The job's bill, signed by this agent (the submitter), appended to the ledger, checked against it."""
     from protocol.identity import verify_signature
 
@@ -435,21 +438,21 @@ def bill(agent: "Agent", view: "JobView") -> dict:
     last = [e for e in agent.store.ledger(view.job_id) if e.kind == "bill"]
     if not last or last[-1].data.get("total") != doc["total"] or last[-1].data.get("workers") != entry["workers"]:
         agent.ledger(view.job_id, "bill", entry)  # a new bill only when the amounts changed
-    from agent.control import _plain
+    from agent.jsonable import plain
 
-    out = _plain(doc)
+    out = plain(doc)
     out.update(state=view.state.phase.value, signature=signature.hex(), signer=agent.peer_id,
                bill_sha256=digest.hex(), ledger=ledger_check(agent, view, doc))
     return out
 
 
-def ledger_check(agent: "Agent", view: "JobView", doc: dict) -> dict:
+def ledger_check(agent: "Agent", view: "JobMirror", doc: dict) -> dict:
     """Compare the bill with the ``report`` and ``verdict`` entries of every ledger chain of the job this
     agent holds: its own and its copies of the others' (IPIP-0008 §5; the workers write the reports,
     the coordinators the verdicts, so a submitter that does not coordinate holds them only as copies:
     ``job bill`` pulls them first). A verdict entry counts only when its author signed the Verdict our
     mirror applied for that attempt (``verdict_signers``). The rule: protocol/market.compare_bill_with_ledger."""
-    from agent.jobdata import readable_chains
+    from agent.ledger_sync import readable_chains
 
     chains, bad = readable_chains(agent.store, view.job_id)
     out = mk.compare_bill_with_ledger(doc, [e for chain in chains.values() for e in chain], verdict_signers(agent, view))
@@ -459,7 +462,7 @@ def ledger_check(agent: "Agent", view: "JobView", doc: dict) -> dict:
     return out
 
 
-def verdict_signers(agent: "Agent", view: "JobView") -> dict[tuple, str]:
+def verdict_signers(agent: "Agent", view: "JobMirror") -> dict[tuple, str]:
     """(round, shard, attempt) -> the peer that signed the Verdict our mirror applied for it: the
     stored verdict envelope (the store keeps the envelopes that changed the mirror) whose message is
     the view's verdict for that attempt."""

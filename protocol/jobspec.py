@@ -350,7 +350,7 @@ class JobSpec:
     @classmethod
     def from_dict(cls, data: Any) -> JobSpec:
         """Validate a plain dict (missing keys take defaults) by the same rules as the YAML file."""
-        return _read_job(data, _Where("", {}, {}))
+        return _read_job(data, Where("", {}, {}))
 
 
 def _to_plain(spec: Any) -> dict[str, Any]:
@@ -472,7 +472,7 @@ def _dotted(path: _Path) -> str:
 
 
 @dataclass
-class _Where:
+class Where:
     """Turns a field path into a SpecError located at the right line of the source."""
 
     source: str
@@ -518,7 +518,7 @@ def _unknown_key_message(key: str, cls: type) -> str:
     return "unknown key (expected one of: " + ", ".join(sorted(here)) + ")"
 
 
-def _read_section(cls: type, value: Any, path: _Path, where: _Where,
+def _read_section(cls: type, value: Any, path: _Path, where: Where,
                   defaults: dict[str, Any] | None = None) -> Any:
     if value is None:
         value = {}  # a section whose keys are all commented out: all defaults
@@ -548,7 +548,7 @@ def _read_section(cls: type, value: Any, path: _Path, where: _Where,
     return cls(**kwargs)
 
 
-def _read_value(rule: _Rule, value: Any, path: _Path, where: _Where) -> Any:
+def _read_value(rule: _Rule, value: Any, path: _Path, where: Where) -> Any:
     try:
         checked = rule.check(value)
         if isinstance(rule, _TextList):
@@ -563,7 +563,7 @@ def _read_value(rule: _Rule, value: Any, path: _Path, where: _Where) -> Any:
         raise where.bad_value(path, mismatch.message) from None
 
 
-def _read_job(data: Any, where: _Where) -> JobSpec:
+def _read_job(data: Any, where: Where) -> JobSpec:
     # freeze_a's default follows the aggregation, which is read before the sections are
     aggregation = "exact"
     if isinstance(data, dict) and "aggregation" in data:
@@ -594,7 +594,7 @@ def dataset_cid(dataset: str) -> str | None:
         return None
 
 
-def _check_across_fields(spec: JobSpec, where: _Where) -> None:
+def _check_across_fields(spec: JobSpec, where: Where) -> None:
     """Rules that tie two keys together (ipips/0007, "Rules across keys")."""
     if spec.input.dataset.strip().startswith("ipfs://"):
         from protocol.errors import CIDError
@@ -710,7 +710,7 @@ def _short_tag(tag: str) -> str:
     return "!!" + tag[len(_YAML):] if tag.startswith(_YAML) else tag
 
 
-def _node_value(node: yaml.Node, path: _Path, where: _Where) -> Any:
+def _node_value(node: yaml.Node, path: _Path, where: Where) -> Any:
     """Plain Python value of a node, recording the line of every value and key on the way."""
     where.value_lines[path] = node.start_mark.line + 1
     if isinstance(node, yaml.ScalarNode):
@@ -749,13 +749,13 @@ def parse_spec(text: str, source: str = "<string>") -> JobSpec:
     return _read_job(data, where)
 
 
-def read_yaml(text: str, source: str = "<string>", what: str = "job settings") -> tuple[Any, _Where]:
+def read_yaml(text: str, source: str = "<string>", what: str = "job settings") -> tuple[Any, Where]:
     """The plain value of a YAML document under this file's rules (YAML 1.2 scalars, no aliases,
     no tags, no duplicate keys, bounded), and where each key and value is: ``where.bad_value(path,
     message)`` makes a SpecError located at its line. Used for job specs and harness scenarios."""
     if len(text) > MAX_SPEC_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
         raise SpecError("", f"larger than {MAX_SPEC_BYTES} bytes", source)
-    where = _Where(source, {}, {})
+    where = Where(source, {}, {})
     loader = None
     try:
         loader = _SpecLoader(text)  # the reader rejects unprintable characters right here
@@ -779,7 +779,7 @@ def read_yaml(text: str, source: str = "<string>", what: str = "job settings") -
     return _node_value(root, (), where), where
 
 
-def read_job(data: Any, where: _Where) -> JobSpec:
+def read_job(data: Any, where: Where) -> JobSpec:
     """Validate the plain value of a job spec (from ``read_yaml``); errors located through ``where``."""
     return _read_job(data, where)
 

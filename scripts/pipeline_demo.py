@@ -39,7 +39,7 @@ if str(REPO) not in sys.path:
 
 from agent.config import CONTROL_SOCKET  # noqa: E402 - after the path fix above
 from agent.control import MAX_SOCKET_PATH  # noqa: E402
-from agent.demo import _die_with  # noqa: E402
+from agent.demo import die_with  # noqa: E402
 from scripts.demo_site import DemoSite  # noqa: E402
 
 PROMPT = 'What does "The Danube" say about Capitals?'  # a question of the dataset (its answer: the passage)
@@ -64,7 +64,7 @@ def infernet(*args: str, timeout: float, log: Path, show: bool = True) -> str:
     with open(log, "wb") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, env=cli_env(),
                                    start_new_session=True,  # our Ctrl-C is ours to relay, in order
-                                   preexec_fn=_die_with(os.getpid()))  # ... and our death its own
+                                   preexec_fn=die_with(os.getpid()))  # ... and our death its own
         try:
             code = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

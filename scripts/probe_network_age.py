@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent.config import CONFIG_FILE, IDENTITY_FILE  # noqa: E402
 from agent.keyfile import save_identity  # noqa: E402
 from protocol.identity import Identity  # noqa: E402
-from agent.control import request  # noqa: E402
+from agent.channel import request  # noqa: E402
 from agent.demo import DemoNetwork, DemoOptions, agent_config, demo_dataset, demo_spec  # noqa: E402
 
 

@@ -83,11 +83,11 @@ def check_file(path: Path, *, tokenizer: Any = None, max_seq_len: int | None = N
 
 
 def token_stats(tokenizer: Any, records: list, max_seq_len: int | None) -> dict[str, Any]:
-    from agent.train.data import _assistant_mask
+    from agent.train.data import assistant_mask
 
     lengths, labels, cut, dropped = [], 0, 0, 0
     for record in records:
-        ids, mask = _assistant_mask(tokenizer, record.messages)
+        ids, mask = assistant_mask(tokenizer, record.messages)
         lengths.append(len(ids))
         labels += sum(mask)
         if max_seq_len is not None and len(ids) > max_seq_len:

@@ -195,9 +195,9 @@ def _nfqueue_problem() -> str | None:
     name = f"{PREFIX}{os.getpid()}x0-dprobe"
     delayer = None
     try:
-        _run(["ip", "netns", "add", name])
+        run_command(["ip", "netns", "add", name])
         delayer = _start_delayer(["ip", "netns", "exec", name], {0: (1.0, 0.0)})
-        _run(["ip", "netns", "exec", name, "iptables", "-t", "mangle", "-A", "POSTROUTING", "-o", "lo",
+        run_command(["ip", "netns", "exec", name, "iptables", "-t", "mangle", "-A", "POSTROUTING", "-o", "lo",
               "-j", "NFQUEUE", "--queue-num", "0"])
         return None
     except HostsError as exc:
@@ -261,7 +261,7 @@ def netem_available() -> bool:
     if _netem is None:
         name = f"{PREFIX}{os.getpid()}x0-probe"
         try:
-            _run(["ip", "netns", "add", name])
+            run_command(["ip", "netns", "add", name])
             probe = subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root",
                                     "netem", "delay", "1ms"], capture_output=True, text=True)
             _netem = probe.returncode == 0
@@ -295,7 +295,8 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _run(args: list[str]) -> str:
+def run_command(args: list[str]) -> str:
+    """Run one host command (``ip``, ``iptables``, ``tc``); its stdout, or HostsError with its one line."""
     done = subprocess.run(args, capture_output=True, text=True)
     if done.returncode != 0:
         raise HostsError(f"{' '.join(args)}: {(done.stderr or done.stdout).strip()}")
@@ -337,9 +338,9 @@ class Hosts:
             raise HostsUnavailable(reason)
         try:
             inet = self._namespace(INET)
-            _run(["ip", "-n", inet, "link", "add", "br0", "type", "bridge"])
-            _run(["ip", "-n", inet, "addr", "add", f"{PUBLIC_NET}.1/16", "dev", "br0"])
-            _run(["ip", "-n", inet, "link", "set", "br0", "up"])
+            run_command(["ip", "-n", inet, "link", "add", "br0", "type", "bridge"])
+            run_command(["ip", "-n", inet, "addr", "add", f"{PUBLIC_NET}.1/16", "dev", "br0"])
+            run_command(["ip", "-n", inet, "link", "set", "br0", "up"])
             for index, spec in enumerate(self.specs.values(), start=1):
                 self._host(index, spec)
         except BaseException:
@@ -349,17 +350,17 @@ class Hosts:
 
     def _namespace(self, name: str) -> str:
         ns = self.ns(name)
-        _run(["ip", "netns", "add", ns])
+        run_command(["ip", "netns", "add", ns])
         self.made.append(ns)
-        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        run_command(["ip", "-n", ns, "link", "set", "lo", "up"])
         return ns
 
     def _attach(self, ns: str, bridge_ns: str, bridge: str, outside: str) -> None:
         """A veth from ``ns`` (its end: eth0) to ``bridge`` in ``bridge_ns`` (its end: ``outside``)."""
-        _run(["ip", "-n", bridge_ns, "link", "add", outside, "type", "veth", "peer", "name", "eth0", "netns", ns])
-        _run(["ip", "-n", bridge_ns, "link", "set", outside, "master", bridge])
-        _run(["ip", "-n", bridge_ns, "link", "set", outside, "up"])
-        _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+        run_command(["ip", "-n", bridge_ns, "link", "add", outside, "type", "veth", "peer", "name", "eth0", "netns", ns])
+        run_command(["ip", "-n", bridge_ns, "link", "set", outside, "master", bridge])
+        run_command(["ip", "-n", bridge_ns, "link", "set", outside, "up"])
+        run_command(["ip", "-n", ns, "link", "set", "eth0", "up"])
 
     def _host(self, index: int, spec: HostSpec) -> None:
         inet = self.ns(INET)
@@ -368,34 +369,34 @@ class Hosts:
         if not spec.nat:
             address = f"{PUBLIC_NET}.{10 + index}"
             self._attach(ns, inet, "br0", outside)
-            _run(["ip", "-n", ns, "addr", "add", f"{address}/16", "dev", "eth0"])
+            run_command(["ip", "-n", ns, "addr", "add", f"{address}/16", "dev", "eth0"])
             self.addresses[spec.name] = self.public[spec.name] = address
             self._shape(ns, "eth0", inet, outside, spec.link)
             return
         router = self._namespace(f"nat-{spec.name}")
         router_ip = f"{PUBLIC_NET}.{100 + index}"
         self._attach(router, inet, "br0", outside)
-        _run(["ip", "-n", router, "addr", "add", f"{router_ip}/16", "dev", "eth0"])
-        _run(["ip", "-n", router, "link", "add", "lan", "type", "bridge"])
-        _run(["ip", "-n", router, "addr", "add", f"192.168.{index}.1/24", "dev", "lan"])
-        _run(["ip", "-n", router, "link", "set", "lan", "up"])
+        run_command(["ip", "-n", router, "addr", "add", f"{router_ip}/16", "dev", "eth0"])
+        run_command(["ip", "-n", router, "link", "add", "lan", "type", "bridge"])
+        run_command(["ip", "-n", router, "addr", "add", f"192.168.{index}.1/24", "dev", "lan"])
+        run_command(["ip", "-n", router, "link", "set", "lan", "up"])
         self._attach(ns, router, "lan", "h0")
         address = f"192.168.{index}.2"
-        _run(["ip", "-n", ns, "addr", "add", f"{address}/24", "dev", "eth0"])
-        _run(["ip", "-n", ns, "route", "add", "default", "via", f"192.168.{index}.1"])
-        _run(["ip", "netns", "exec", router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+        run_command(["ip", "-n", ns, "addr", "add", f"{address}/24", "dev", "eth0"])
+        run_command(["ip", "-n", ns, "route", "add", "default", "via", f"192.168.{index}.1"])
+        run_command(["ip", "netns", "exec", router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
         iptables = ["ip", "netns", "exec", router, "iptables"]
-        _run(iptables + ["-t", "nat", "-A", "POSTROUTING", "-o", "eth0", "-j", "MASQUERADE"])
+        run_command(iptables + ["-t", "nat", "-A", "POSTROUTING", "-o", "eth0", "-j", "MASQUERADE"])
         # a home router: replies to what went out come back; nothing new comes in
-        _run(iptables + ["-A", "FORWARD", "-i", "eth0", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
+        run_command(iptables + ["-A", "FORWARD", "-i", "eth0", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
                          "-j", "ACCEPT"])
-        _run(iptables + ["-A", "FORWARD", "-i", "eth0", "-j", "DROP"])
+        run_command(iptables + ["-A", "FORWARD", "-i", "eth0", "-j", "DROP"])
         # and it drops (not resets) what comes in unasked for the router itself: a SYN to a port no
         # mapping holds yet is silently lost, as home routers do. A reset here would kill the first
         # SYN of a TCP simultaneous open (hole punching, agent/net/reach.py ``_DCUtR``) for good.
-        _run(iptables + ["-A", "INPUT", "-i", "eth0", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
+        run_command(iptables + ["-A", "INPUT", "-i", "eth0", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
                          "-j", "ACCEPT"])
-        _run(iptables + ["-A", "INPUT", "-i", "eth0", "-j", "DROP"])
+        run_command(iptables + ["-A", "INPUT", "-i", "eth0", "-j", "DROP"])
         self.addresses[spec.name] = address
         self.public[spec.name] = router_ip
         self._shape(router, "eth0", inet, outside, spec.link)
@@ -415,14 +416,14 @@ class Hosts:
                     args += ["loss", f"{link.loss:g}%"]
                 if link.rate_mbit:
                     args += ["rate", f"{link.rate_mbit * 1000:g}kbit"]
-                _run(args)
+                run_command(args)
                 continue
             if link.rate_mbit:
-                _run(["ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", name, "root", "tbf",
+                run_command(["ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", name, "root", "tbf",
                       "rate", f"{link.rate_mbit * 1000:g}kbit", "burst", "32kb", "latency", "400ms"])
         if link.loss and not _use_netem():  # both directions, at the host end of the link
             for chain, flag in (("OUTPUT", "-o"), ("INPUT", "-i"), ("FORWARD", "-o"), ("FORWARD", "-i")):
-                _run(["ip", "netns", "exec", ns, "iptables", "-I", chain, "1", flag, dev, "-m", "statistic",
+                run_command(["ip", "netns", "exec", ns, "iptables", "-I", chain, "1", flag, dev, "-m", "statistic",
                       "--mode", "random", "--probability", f"{link.loss / 100:.6f}", "-j", "DROP"])
         if (link.delay_ms or link.jitter_ms) and not _use_netem():
             self._delay(ns, dev, link)
@@ -440,7 +441,7 @@ class Hosts:
         if delay_method() != "nfqueue":
             raise HostsUnavailable(f"link delay/jitter: {_delay_reason}")
         self.delayers.append(_start_delayer(["ip", "netns", "exec", ns], {0: (link.delay_ms, link.jitter_ms)}))
-        _run(["ip", "netns", "exec", ns, "iptables", "-t", "mangle", "-A", "PREROUTING", "-i", dev,
+        run_command(["ip", "netns", "exec", ns, "iptables", "-t", "mangle", "-A", "PREROUTING", "-i", dev,
               "-j", "NFQUEUE", "--queue-num", "0"])
 
     def close(self) -> None:

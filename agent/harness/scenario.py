@@ -35,7 +35,7 @@ import trio
 
 from agent.specfile import read_text
 from protocol.errors import SpecError
-from protocol.jobspec import _Where, read_job, read_yaml
+from protocol.jobspec import Where, read_job, read_yaml
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
         config[key] = {k: r.typed(v, ("agents", "config", key, k), AGENT_KEYS[k]) for k, v in values.items()}
     job = _merge(copy.deepcopy(BASE_JOB), {"name": name, **r.mapping(root.get("job", {}), ("job",))})
     try:  # the job keys are a job spec's: its own rules and messages, located in this file
-        shifted = _Where(where.source, {p[1:]: ln for p, ln in where.value_lines.items() if p[:1] == ("job",)},
+        shifted = Where(where.source, {p[1:]: ln for p, ln in where.value_lines.items() if p[:1] == ("job",)},
                          {p[1:]: ln for p, ln in where.key_lines.items() if p[:1] == ("job",)})
         read_job(job, shifted)
     except SpecError as exc:
@@ -197,7 +197,7 @@ HOST_NAME = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 class _Reader:
     """Type checks on the plain value, each error located at the value's line."""
 
-    def __init__(self, where: _Where) -> None:
+    def __init__(self, where: Where) -> None:
         self.where = where
 
     def fail(self, path: tuple, message: str) -> SpecError:

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from agent.config import CONFIG_FILE, IDENTITY_FILE
-from agent.control import ControlError, request
+from agent.channel import ControlError, request
 from agent.demo import agent_config
 from agent.keyfile import save_identity
 from agent.loopwatch import STALL
@@ -254,12 +254,12 @@ class Soak:
             command = self.hosts.exec_prefix(agent.name) + command
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                    PYTHONUNBUFFERED="1")
-        from agent.demo import _die_with
+        from agent.demo import die_with
 
         with open(logs / "stderr.log", "ab") as stderr:
             agent.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=env,
                                              start_new_session=True,
-                                             preexec_fn=_die_with(os.getpid()))  # none outlives a killed soak
+                                             preexec_fn=die_with(os.getpid()))  # none outlives a killed soak
         agent.down = agent.frozen = False
 
     def _wait_ready(self, agent: AgentProc, timeout: float = 90.0) -> bool:
@@ -554,10 +554,10 @@ class Soak:
         self.undo.append((time.monotonic() + seconds, f"thaw {agent.name}", thaw))
 
     def _link(self, agent: AgentProc, state: str) -> None:
-        from agent.harness.hosts import _run
+        from agent.harness.hosts import run_command
 
         index = list(self.hosts.specs).index(agent.name) + 1
-        _run(["ip", "-n", self.inet, "link", "set", f"v{index}", state])
+        run_command(["ip", "-n", self.inet, "link", "set", f"v{index}", state])
 
     def _partition(self, group: list[AgentProc], seconds: float) -> None:
         for agent in group:

@@ -178,7 +178,7 @@ def _spec_base_name(spec_text: str | None) -> str | None:
 
 def _from_job(job: str, home: Path | None) -> Source:
     from agent.config import default_home
-    from agent.control import request
+    from agent.channel import request
 
     home = (home or default_home()).expanduser().resolve()
     detail = request(home, "job.show", job=job)
@@ -240,7 +240,7 @@ def keep_job_record(home: Path, detail: dict, fetched: dict) -> None:
     """Beside an aggregate fetched by the agent in ``home`` (``job.fetch``'s answer), the job it came
     from: terms, signed losses, the base model's hash, the ledger head. `infernet publish` states it in
     the card once the agents are gone, and `infer --base` refuses a base model of another hash."""
-    from agent.control import request
+    from agent.channel import request
 
     try:
         ledger = request(home, "job.ledger", job=detail["id"])

@@ -8,7 +8,7 @@ Rules of this file:
   its own torch/transformers, so it runs as a child process (``unsloth_runner``) with the Python
   of its own environment (``INFERNET_UNSLOTH_PYTHON``, default this interpreter). The child
   writes checkpoint events and the result as ``EVENT_PREFIX``/``RESULT_PREFIX`` JSON lines on
-  stdout; anything else it prints is passed through to our stderr.
+  stdout (agent/train/child.py); anything else it prints is passed through to our stderr.
 - Selecting unsloth without a GPU fails at once with one line, before any work (``cuda_available``,
   the one place that asks torch; tests stand in for it to run the worker's unsloth path on a CPU).
 - ``select_backend(runtime, processes)`` with ``processes`` > 1 and peft: data parallel over that many
@@ -29,13 +29,10 @@ from typing import Protocol
 
 import torch
 
+from agent.train.child import read_child
 from agent.train.config import TrainError
-from agent.train.recorder import CheckpointEvent, OnCheckpoint
+from agent.train.recorder import OnCheckpoint
 from agent.train.run import TrainRequest, TrainResult, train_shard
-
-EVENT_PREFIX = "INFERNET-EVENT "
-RESULT_PREFIX = "INFERNET-RESULT "
-ERROR_PREFIX = "INFERNET-ERROR "
 
 
 class Backend(Protocol):
@@ -82,24 +79,6 @@ class UnslothBackend:
         if result is None:
             raise TrainError(error or f"unsloth runner exited with status {child.returncode} and no result")
         return result
-
-
-def read_child(child: subprocess.Popen, on_checkpoint: OnCheckpoint | None) -> tuple[TrainResult | None, str | None]:
-    """Read a training child's stdout to its end: checkpoint events to ``on_checkpoint``, then its
-    result or its error line; anything else it prints goes to our stderr."""
-    result, error = None, None
-    assert child.stdout is not None
-    for line in child.stdout:
-        if line.startswith(EVENT_PREFIX):
-            if on_checkpoint is not None:
-                on_checkpoint(CheckpointEvent.from_json(json.loads(line[len(EVENT_PREFIX):])))
-        elif line.startswith(RESULT_PREFIX):
-            result = TrainResult.from_json(json.loads(line[len(RESULT_PREFIX):]))
-        elif line.startswith(ERROR_PREFIX):
-            error = line[len(ERROR_PREFIX):].strip()
-        else:
-            sys.stderr.write(line)
-    return result, error
 
 
 def cuda_available() -> bool:

@@ -157,7 +157,9 @@ class Example:
         return sum(1 for label in self.labels if label != IGNORE_INDEX)
 
 
-def _assistant_mask(tokenizer: Any, messages: Sequence[dict[str, str]]) -> tuple[list[int], list[int]]:
+def assistant_mask(tokenizer: Any, messages: Sequence[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """A conversation's token IDs under the chat template, and 1 for each token an assistant turn wrote
+    (what ``tokenize`` trains on; agent/data/check.py counts them)."""
     if GENERATION_BLOCK.search(tokenizer.chat_template or ""):
         out = tokenizer.apply_chat_template(
             list(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
@@ -180,7 +182,7 @@ def tokenize(tokenizer: Any, records: Sequence[Record], max_seq_len: int) -> tup
     """Examples with assistant-only labels, cut at ``max_seq_len``; and how many were dropped empty."""
     examples, dropped = [], 0
     for record in records:
-        ids, mask = _assistant_mask(tokenizer, record.messages)
+        ids, mask = assistant_mask(tokenizer, record.messages)
         ids, mask = ids[:max_seq_len], mask[:max_seq_len]
         labels = tuple(token if keep else IGNORE_INDEX for token, keep in zip(ids, mask))
         if all(label == IGNORE_INDEX for label in labels):

@@ -96,7 +96,7 @@ class DataParallelBackend:
             rendezvous.unlink(missing_ok=True)
 
     def _run(self, request_path: Path, rendezvous: Path, on_checkpoint: OnCheckpoint | None) -> TrainResult:
-        from agent.train.backends import read_child
+        from agent.train.child import read_child
 
         env = dict(os.environ)
         if sys.platform.startswith("linux"):
@@ -152,7 +152,7 @@ def main(argv: list[str]) -> int:
     import torch
     import torch.distributed as dist
 
-    from agent.train.backends import ERROR_PREFIX, EVENT_PREFIX, RESULT_PREFIX
+    from agent.train.child import ERROR_PREFIX, EVENT_PREFIX, RESULT_PREFIX
     from agent.train.model import FILE_HASHES
     from agent.train.run import train_replica, train_shard
 

@@ -6,7 +6,7 @@ Rules of this file:
 - It then runs the same ``train_shard`` as the peft backend, with the unsloth model builder, and
   reports on stdout, one JSON object per line: ``INFERNET-EVENT {checkpoint event}`` after each
   checkpoint, ``INFERNET-RESULT {train result}`` at the end, or ``INFERNET-ERROR message`` and
-  exit status 1 on failure. The parent (backends.UnslothBackend) reads those lines.
+  exit status 1 on failure. The parent (backends.UnslothBackend) reads those lines (child.read_child).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def main(argv: list[str]) -> int:
     except (ImportError, NotImplementedError) as error:
         print(f"INFERNET-ERROR runtime unsloth is not usable here: {error}", flush=True)
         return 1
-    from agent.train.backends import ERROR_PREFIX, EVENT_PREFIX, RESULT_PREFIX
+    from agent.train.child import ERROR_PREFIX, EVENT_PREFIX, RESULT_PREFIX
     from agent.train.config import TrainError
     from agent.train.model import FILE_HASHES
     from agent.train.run import TrainRequest, train_shard

@@ -56,7 +56,7 @@ def test_agents_do_not_outlive_a_killed_demo_and_homes_are_private(tmp_path, tin
     import sys
     import time
 
-    from agent.control import ControlError, request
+    from agent.channel import ControlError, request
     from tests.cli.conftest import REPO
 
     root = tmp_path / "demo"

@@ -1,0 +1,39 @@
+"""What a training child process says on its stdout, and how its parent reads it.
+
+A shard trained outside this process (the unsloth runner, agent/train/unsloth_runner.py; rank 0 of a
+data-parallel group, agent/train/parallel.py) reports on stdout, one line each: ``EVENT_PREFIX`` and a
+checkpoint event (JSON) after each checkpoint, ``RESULT_PREFIX`` and the train result (JSON) at the end,
+or ``ERROR_PREFIX`` and one line on failure. Both parents (agent/train/backends.py, parallel.py) read
+it with ``read_child``. Here, below both, so neither imports the other back (issue 23).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from agent.train.recorder import CheckpointEvent, OnCheckpoint
+from agent.train.run import TrainResult
+
+EVENT_PREFIX = "INFERNET-EVENT "
+RESULT_PREFIX = "INFERNET-RESULT "
+ERROR_PREFIX = "INFERNET-ERROR "
+
+
+def read_child(child: subprocess.Popen, on_checkpoint: OnCheckpoint | None) -> tuple[TrainResult | None, str | None]:
+    """Read a training child's stdout to its end: checkpoint events to ``on_checkpoint``, then its
+    result or its error line; anything else it prints goes to our stderr."""
+    result, error = None, None
+    assert child.stdout is not None
+    for line in child.stdout:
+        if line.startswith(EVENT_PREFIX):
+            if on_checkpoint is not None:
+                on_checkpoint(CheckpointEvent.from_json(json.loads(line[len(EVENT_PREFIX):])))
+        elif line.startswith(RESULT_PREFIX):
+            result = TrainResult.from_json(json.loads(line[len(RESULT_PREFIX):]))
+        elif line.startswith(ERROR_PREFIX):
+            error = line[len(ERROR_PREFIX):].strip()
+        else:
+            sys.stderr.write(line)
+    return result, error
