@@ -135,7 +135,7 @@ async def measure_speeds(agent: "Agent") -> None:
             log.info("model %s: %.0f tokens/s on %s (%d threads)", name, speed, device, agent.config.threads)
             measured = True
     if measured:
-        agent.speeds = advertised_speeds(agent)
+        agent.reload_speeds()
         with trio.move_on_after(10):
             await agent.publish_capability()
 
@@ -147,7 +147,7 @@ def record_shard_speed(agent: "Agent", terms: m.JobTerms, tokens_per_s: float) -
     try:
         save_speed(agent.config.home, terms.base_model_sha256.hex(), device_name(agent), agent.config.threads,
                    tokens_per_s, "shard")
-        agent.speeds = advertised_speeds(agent)
+        agent.reload_speeds()
     except OSError as exc:
         log.info("speed not saved: %s", exc)
 

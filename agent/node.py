@@ -61,7 +61,7 @@ import logging
 import math
 import time
 from contextlib import AsyncExitStack
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -90,6 +90,7 @@ from agent.roles.sync import (
 from agent.roles.worker import WorkerRole
 from agent.store import Store, StoreFullError
 from agent.peers import PeerInfo, PeerTable  # noqa: F401 - PeerInfo re-exported (tests, harness)
+from agent.jobbook import REBUILT_VIEWS, TERMINAL_STATES, JobBook  # noqa: F401 - REBUILT_VIEWS re-exported
 from agent.tasks import Tasks
 from agent.writer import StoreWriter
 from agent.supervise import supervised
@@ -105,7 +106,6 @@ log = logging.getLogger(__name__)
 MAX_JOBS_FOLLOWED = 256  # jobs followed at once; an ended job makes room for a new one
 # jobs not yet ended followed per announcing peer; we announce no more of our own (IPIP-0004 §13)
 MAX_LIVE_JOBS_PER_SUBMITTER = st.MAX_LIVE_JOBS_PER_SUBMITTER
-REBUILT_VIEWS = 8  # ended jobs' mirrors rebuilt from the store (job show/watch/bill of a forgotten job), kept
 
 
 STORE_OPEN_WAIT = 120  # seconds an agent starting on a full disk waits for room to open its store
@@ -116,6 +116,8 @@ class AgentStopped(Exception):
 
 
 CAPABILITY_TELL_GAP = 2.0  # seconds: at most one capability published this way per gap
+CAPABILITY_EARLY, CAPABILITY_EARLY_GAP = 10.0, 2.0  # our first seconds, when our capability goes out more often
+FIRST_VIEW_WAIT = 5.0  # seconds past the grace a job's first election view waits for live peers' capabilities
 
 
 class Agent:
@@ -133,7 +135,6 @@ class Agent:
         self.peers = self.peer_table.peers
         self.live_peers, self.eligible_coordinators = self.peer_table.live_peers, self.peer_table.eligible_coordinators
         self.hears_submitter = self.peer_table.hears_submitter
-        self.jobs: dict[bytes, JobMirror] = {}
         self.net: Network | None = None
         self.content: ContentService | None = None
         self.started_at = 0.0
@@ -146,6 +147,11 @@ class Agent:
         self.write_soon, self.flush_writes, self.stored = self.writer.write_soon, self.writer.flush, self.writer.stored
         self.refuse_work, self.can_take_work = self.writer.refuse_work, self.writer.can_take_work
         self.ledger, self.save_job_row = self.writer.ledger, self.writer.save_job_row
+        # the jobs we follow (their live mirrors) and those rebuilt from the store (agent/jobbook.py)
+        self.book = JobBook(self.peer_id, clock, lambda: self.writer.store, self.writer.limiter)
+        self.jobs = self.book.jobs
+        self.job_view, self.load_job_view, self.rebuild_view = self.book.view, self.book.load, self.book.rebuild
+        self.followed_view, self.unended_jobs = self.book.followed, self.book.unended
         self.loopwatch = LoopWatch()  # how long our event loop was blocked, and by what (agent/loopwatch.py)
         # the test harness's injections (agent/hooks.py): an observer tap, a Byzantine worker; never in production
         self.hooks = hooks or AgentHooks()
@@ -157,8 +163,6 @@ class Agent:
         self.keep = KeepService(self, self.jobs.get, self.submitter.keep_once)
         self.ledger_service = LedgerService(self)  # copies of the job's other chains (agent/ledger_sync.py)
         self.job_events = trio.Event()  # set (and replaced) whenever a job's state changes
-        self._leaving: set[bytes] = set()  # forgotten jobs whose topic is being left (not followed again until done)
-        self._rebuilt: OrderedDict[bytes, JobMirror] = OrderedDict()  # ended jobs' rebuilt mirrors, least recent first
         self._stopping = trio.Event()
         self._heartbeat_seq = 0
         self.counters: Counter[str] = Counter()  # shards_trained, verdicts_accepted, ... (metrics, status)
@@ -337,9 +341,14 @@ class Agent:
             held.append(m.ModelHeld(name[:m.MAX_STR], bytes.fromhex(digest)))
         self.models_held = tuple(held)
         self.save_file_hashes()
+        self.reload_speeds()  # measured before (cached in the home); measure_speeds adds the rest
+
+    def reload_speeds(self) -> None:
+        """Our speeds per held model as cached in our home (agent/market.py): a worker that measured one
+        saves it there and asks us to read them again; our next capability carries them."""
         from agent.market import advertised_speeds
 
-        self.speeds = advertised_speeds(self)  # measured before (cached in the home); measure_speeds adds the rest
+        self.speeds = advertised_speeds(self)
 
     async def base_model_hash(self, path: str) -> str:
         """A base model's content hash (agent/train/model.base_model_sha256), each file read once per
@@ -395,8 +404,14 @@ class Agent:
         return None
 
     def update_election(self, view: JobMirror, now: float) -> None:
-        """Elect after the grace period; replace a coordinator that fell silent (term + 1)."""
+        """Elect after the grace period; replace a coordinator that fell silent (term + 1). The first view
+        also waits (at most ``FIRST_VIEW_WAIT`` s more) for the capability of every live peer: a peer whose
+        capability we lack is not eligible in our view, and two peers that each lacked the other's both
+        elected themselves in term 1 (the CLI job test under load; IPIP-0006 §1.3 rule 8 resolves it)."""
         if now - view.first_seen < self.config.grace_seconds or view.state.terminal:
+            return
+        if view.coordination.term == 0 and now - view.first_seen < self.config.grace_seconds + FIRST_VIEW_WAIT and \
+                any(self.peer_table.capability_of(p) is None for p in self.live_peers()):
             return
         if not self.hears_submitter(view, settled=True):
             return  # cut off from the submitter (or just back): its side decides; we wait
@@ -431,14 +446,17 @@ class Agent:
 
     async def _heartbeats(self) -> None:
         await self.publish_capability()
-        last_cap = self.clock()
+        started = last_cap = self.clock()
         while True:
             self._heartbeat_seq += 1
             coordinating = tuple(m.CoordinatorTerm(v.job_id, v.coordination.term) for v in self.jobs.values()
                                  if self.is_coordinator(v) and not v.state.terminal)
             active = len(self.worker.active) if self.worker else 0
             await self.publish(m.Heartbeat(self._heartbeat_seq, active, coordinating[:32]))
-            if self.clock() - last_cap > 30:
+            # every 30 s; every CAPABILITY_EARLY_GAP s in our first CAPABILITY_EARLY s, while the gossip mesh
+            # forms (a capability published before a peer joined our mesh never reaches it)
+            gap = CAPABILITY_EARLY_GAP if self.clock() - started < CAPABILITY_EARLY else 30
+            if self.clock() - last_cap > gap:
                 await self.publish_capability()
                 last_cap = self.clock()
             await trio.sleep(self.config.heartbeat_seconds)
@@ -480,11 +498,11 @@ class Agent:
         arrive; lease expiry and take-over then follow from the ticks as for any job.
         """
         for record in self.store.jobs():
-            if record.state in _TERMINAL_STATES:
+            if record.state in TERMINAL_STATES:
                 continue
             view = self.rebuild_view(record)
             view.catching_up = record.terms.submitter != self.peer_id  # until the submitter's history is in
-            self.jobs[record.job_id] = view
+            self.book.add(view)
             await self.nursery.start(self.tasks.own_job, record.job_id)
             log.info("job %s: resumed from the store: %s, round %d, term %d", record.job_id.hex()[:8],
                      view.state.phase.value, view.state.round, view.coordination.term)
@@ -512,56 +530,6 @@ class Agent:
                 with trio.move_on_after(30):
                     await self.net.discovery.provide(cid)
 
-    def rebuild_view(self, record: Any) -> JobMirror:
-        """A job's mirror rebuilt from the store: its stored envelopes replayed in stored order."""
-        view = JobMirror(record.terms, self.clock(), self.peer_id)
-        for stored in self.store.envelopes(record.job_id, stored_order=True):
-            view.replay(stored.message, stored.signer, stored.timestamp_ms / 1000.0)  # stored: nothing to do
-        return view
-
-    def job_view(self, job_id: bytes) -> JobMirror:
-        """The live mirror of a job we follow, or one rebuilt from the store (a job that ended before a
-        restart, or was forgotten), here and now: ``load_job_view`` does it off the event loop."""
-        view = self._known_view(job_id)
-        return view if view is not None else self._keep_rebuilt(job_id, self._stored_view(job_id))
-
-    async def load_job_view(self, job_id: bytes) -> JobMirror:
-        """``job_view`` for the control commands (``job show``, ``watch``, ``bill``...): a job we do not
-        follow is rebuilt from the store in the store's worker thread (every stored envelope replayed,
-        each signature checked again), so the event loop runs on; the last ``REBUILT_VIEWS`` ended
-        ones are kept, so ``job watch`` polling a forgotten job rebuilds it once."""
-        view = self._known_view(job_id)
-        if view is not None:
-            return view
-        rebuilt = await trio.to_thread.run_sync(self._stored_view, job_id, limiter=self.store_limiter)
-        view = self._known_view(job_id)  # followed again meanwhile: the live mirror
-        return view if view is not None else self._keep_rebuilt(job_id, rebuilt)
-
-    def _known_view(self, job_id: bytes) -> JobMirror | None:
-        view = self.jobs.get(job_id)
-        if view is None and job_id in self._rebuilt:
-            self._rebuilt.move_to_end(job_id)
-            view = self._rebuilt[job_id]
-        return view
-
-    def _stored_view(self, job_id: bytes) -> JobMirror:
-        """A job's mirror rebuilt from the store, its state the stored one if that ended (any thread)."""
-        record = self.store.job(job_id)
-        if record is None:
-            raise LookupError(f"job {job_id.hex()[:16]} is not in the store")
-        view = self.rebuild_view(record)
-        if record.state in _TERMINAL_STATES and not view.state.terminal:  # a cancel is not a job-topic message
-            view.state = replace(view.state, phase=st.JobPhase(record.state))
-        return view
-
-    def _keep_rebuilt(self, job_id: bytes, view: JobMirror) -> JobMirror:
-        if view.state.terminal:  # an ended job's history no longer changes: kept, least recently used dropped
-            self._rebuilt[job_id] = view
-            self._rebuilt.move_to_end(job_id)
-            while len(self._rebuilt) > REBUILT_VIEWS:
-                self._rebuilt.popitem(last=False)
-        return view
-
     async def follow_job(self, terms: m.JobTerms, signer: str, envelope: bytes | None = None) -> JobMirror | None:
         """Start following a job we saw announced (once); subscribe to its topic."""
         job_id = terms.job_id()
@@ -570,11 +538,11 @@ class Agent:
         if signer != terms.submitter:
             log.warning("job %s announced by %s, not its submitter; ignored", job_id.hex()[:8], signer[-8:])
             return None
-        if job_id in self._leaving:  # forgotten a moment ago: its topic is still being left (forget_job)
+        if job_id in self.book.leaving:  # forgotten a moment ago: its topic is still being left (forget_job)
             if signer != self.peer_id:  # the jobs topic's reader waits for nobody: its next announcement will do
                 log.debug("job %s: its topic is still being left; not followed again yet", job_id.hex()[:8])
                 return None
-            await self.wait_until(lambda: job_id not in self._leaving, 15)  # leave() gives up after 10 s
+            await self.wait_until(lambda: job_id not in self.book.leaving, 15)  # leave() gives up after 10 s
             if job_id in self.jobs:
                 return self.jobs[job_id]
         if signer != self.peer_id and self.store.pending():
@@ -593,8 +561,7 @@ class Agent:
             self.stored(self.store.record, envelope, now)
         view = JobMirror(terms, now, self.peer_id)
         view.catching_up = signer != self.peer_id  # until the submitter's history is in (_read_job_topic)
-        self.jobs[job_id] = view
-        self._rebuilt.pop(job_id, None)
+        self.book.add(view)
         await self.nursery.start(self.tasks.own_job, job_id)
         subscription = await self.net.gossip.subscribe(m.job_topic(job_id))
         # the job may have a history we missed (we joined late, or were down): ask its submitter
@@ -603,17 +570,13 @@ class Agent:
             self.worker.consider(view)
         return view
 
-    def unended_jobs(self, submitter: str) -> list[bytes]:
-        """The jobs of ``submitter`` we follow that have not ended (MAX_LIVE_JOBS_PER_SUBMITTER)."""
-        return [j for j, v in self.jobs.items() if v.terms.submitter == submitter and not v.state.terminal]
-
     def _room_to_follow(self, job_id: bytes, signer: str) -> bool:
         """May we follow a job ``signer`` (not us) announced? Not if our store holds it as ended (we
         forgot it: an old announcement came again), nor past ``MAX_LIVE_JOBS_PER_SUBMITTER`` unended
         jobs of that signer, nor past ``MAX_JOBS_FOLLOWED`` unended jobs; an ended job, the one that
         ended first, is forgotten to make room, never one whose tasks still run (its end grace)."""
         record = self.store.job(job_id)
-        if record is not None and record.state in _TERMINAL_STATES:
+        if record is not None and record.state in TERMINAL_STATES:
             return False
         live = [v for v in self.jobs.values() if not v.state.terminal]
         if len(self.unended_jobs(signer)) >= MAX_LIVE_JOBS_PER_SUBMITTER:
@@ -656,14 +619,14 @@ class Agent:
             self.worker.forget(job_id)
         self.ledger_service.forget(job_id)
         log.info("job %s: ended (%s); no longer followed", job_id.hex()[:8], view.state.phase.value)
-        self._leaving.add(job_id)  # not followed again until its topic is left (a new subscription would be closed)
+        self.book.leaving.add(job_id)  # not followed again until its topic is left (a new subscription would be closed)
 
         async def leave() -> None:
             try:
                 with trio.move_on_after(10):
                     await self.net.gossip.unsubscribe(m.job_topic(job_id))
             finally:
-                self._leaving.discard(job_id)
+                self.book.leaving.discard(job_id)
                 self._notify()
 
         self.nursery.start_soon(leave)
@@ -765,11 +728,6 @@ class Agent:
         self.job_events.set()
         self.job_events = trio.Event()
         self._notify()
-
-    def followed_view(self, job_id: bytes) -> JobMirror | None:
-        """Our live mirror of a job we follow now (a rebuild replaces it), or None: nothing is rebuilt
-        (``job_view`` rebuilds a job we do not follow from the store)."""
-        return self.jobs.get(job_id)
 
     def hold(self, job_id: bytes, rnd: int, cid: Any) -> None:
         """Keep ``cid``, added for round ``rnd`` of the job, from disk collection while that round is
@@ -891,7 +849,6 @@ class Agent:
                     await self.job_events.wait()
 
 
-_TERMINAL_STATES = frozenset({"DONE", "FAILED", "CANCELLED"})
 _LEDGER_KIND = {"FailJob": "failed", "Done": "done", "CancelJob": "cancel"}
 
 

@@ -213,9 +213,14 @@ class Coordination:
         if term < self.term:
             raise StateError(f"stale term {term}: the job is in term {self.term} (coordinator {self.coordinator})")
         if term == self.term:
-            if signer != self.coordinator:
-                raise StateError(f"term {term} belongs to {self.coordinator}, not {signer}")
-            return self
+            if signer == self.coordinator:
+                return self
+            if adopt and self.coordinator is not None and signer in set(live) and \
+                    rank_peers(self.job_id, (signer, self.coordinator))[0] == signer:
+                # two peers claim one term (each elected itself while it lacked the other's capability):
+                # the first of the two by rank coordinates it, in every view (IPIP-0006 §1.3 rule 8)
+                return replace(self, coordinator=signer)
+            raise StateError(f"term {term} belongs to {self.coordinator}, not {signer}")
         if not adopt:
             raise StateError(f"term {term} is ahead of our view (term {self.term}); a verdict does not move "
                              "the view (its signer may be the term's judge, not its coordinator)")

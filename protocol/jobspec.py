@@ -801,3 +801,36 @@ def decode_text(data: bytes, source: str = "<bytes>") -> str:
 def parse_spec_bytes(data: bytes, source: str = "<bytes>") -> JobSpec:
     """Parse and validate a job spec file's bytes; ``source`` names it in error messages."""
     return parse_spec(decode_text(data, source), source)
+
+
+def to_terms(spec: JobSpec, *, submitter: str, base_model_sha256: bytes, shards: tuple = (),
+             validation_cid: str | None = None, created: int = 0, deadline: int | None = None,
+             dataset_cid: str | None = None, max_nodes: int = 0, providers: tuple[str, ...] = ()) -> Any:
+    """The job's terms (protocol/messages.JobTerms) for ``spec``: every field of the spec that the terms
+    carry, mapped here once (issue 23). The submitter announces these (with its shards and hashes);
+    workers, verifiers, local runs and estimates all train from terms (agent/train/config.py
+    ``TrainConfig.from_terms``), so no copy of the mapping can drift. ``deadline``: by default
+    ``created`` plus ``resources.max_runtime_hours``."""
+    from protocol import messages as m
+
+    t, lora, proof = spec.training, spec.lora, spec.proof
+    stop = spec.stop_when
+    return m.JobTerms(
+        name=spec.name, submitter=submitter, base_model=spec.base_model, base_model_sha256=base_model_sha256,
+        method=spec.method, runtime=spec.runtime, seed=spec.seed, shards=tuple(shards),
+        validation_cid=validation_cid,
+        training=m.TrainingTerms(t.epochs, t.learning_rate, t.batch_size, t.gradient_accumulation_steps,
+                                 t.max_seq_len, t.max_steps, t.schedule, t.warmup_rounds, t.optimizer_state),
+        lora=m.LoraTerms(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules), lora.freeze_a),
+        proof=m.ProofTerms(proof.checkpoint_every, proof.verify_segments, proof.tolerance),
+        rounds=spec.rounds, aggregation=spec.aggregation, min_accepted_fraction=spec.min_accepted_fraction,
+        max_retries=spec.max_retries, lease_seconds=spec.lease_seconds, min_vram_gb=spec.resources.min_vram_gb,
+        deadline=deadline if deadline is not None else created + int(spec.resources.max_runtime_hours * 3600),
+        price_per_hour=spec.budget.price_per_hour, budget=spec.budget.total, created=created,
+        stop=m.StopTerms(stop.validation_loss_below, stop.patience_rounds)
+        if stop.validation_loss_below > 0 or stop.patience_rounds > 0 else None,
+        outer=None if spec.outer.optimizer == "none" else m.OuterTerms(
+            spec.outer.optimizer, spec.outer.lr, spec.outer.momentum, spec.outer.beta1, spec.outer.beta2),
+        description=getattr(spec, "description", ""), private=getattr(spec, "private", False), dataset_cid=dataset_cid,
+        max_nodes=max_nodes, providers=tuple(providers),
+    )

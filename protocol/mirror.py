@@ -99,6 +99,22 @@ class Outcome:
     def changed(self) -> bool:
         return self.actions is not None
 
+    @staticmethod
+    def join(outcomes: "list[Outcome]") -> "Outcome":
+        """Many outcomes as one, in order (linear in their size: for a history of thousands)."""
+        actions: list[Any] | None = None
+        applied: list[tuple[Any, str]] = []
+        evidence: list[bytes] = []
+        outgoing = None
+        for o in outcomes:
+            if o.actions is not None:
+                actions = [] if actions is None else actions
+                actions.extend(o.actions)
+            applied.extend(o.applied)
+            evidence.extend(o.evidence)
+            outgoing = o.outgoing if o.outgoing is not None else outgoing
+        return Outcome(None if actions is None else tuple(actions), tuple(applied), tuple(evidence), outgoing)
+
     def __add__(self, other: "Outcome") -> "Outcome":
         actions = None if self.actions is None and other.actions is None else \
             (self.actions or ()) + (other.actions or ())
@@ -255,13 +271,13 @@ class JobMirror:
         """The submitter cancels the job."""
         return self._collect(self._step(st.Cancel(reason), now))
 
-    def adopt(self, fresh: "JobMirror", now: float, eligible: frozenset[str]) -> Outcome:
+    def adopt(self, fresh: "JobMirror", history: Outcome, now: float, eligible: frozenset[str]) -> Outcome:
         """Take the state of ``fresh``, this job's mirror rebuilt from the submitter's history (the
         submitter's record wins even with a lower term: decisions count only on its side, IPIP-0006
-        §1.3, so a higher term it never saw was ours alone). Still-held live messages may apply on it,
-        except our own and decisions of a term before its. The outcome's evidence is ``fresh``'s
-        (uncollected) history, then what applied here."""
-        history = fresh._collect(None)
+        §1.3, so a higher term it never saw was ours alone); ``history``: the outcomes of ``fresh``'s
+        replays, added up. Still-held live messages may apply on it, except our own and decisions of a
+        term before its. The outcome's evidence is the history's, then what applied here (so the store
+        holds what the rebuilt mirror holds)."""
         for name in ("state", "coordination", "term_from_verdict", "leases", "commits", "reports", "verdicts",
                      "aggregates"):
             setattr(self, name, getattr(fresh, name))
@@ -287,6 +303,9 @@ class JobMirror:
             return False
         if self.coordination.term != before.term:
             self.term_from_verdict = (term, signer, judged) if judged is not None else None
+        elif self.coordination.coordinator != before.coordinator:
+            log.info("job %s: %s and %s both claimed term %d; %s ranks first and coordinates it (IPIP-0006 §1.3 "
+                     "rule 8)", self.job_id.hex()[:8], (before.coordinator or "?")[-8:], signer[-8:], term, signer[-8:])
         return True
 
     def _settle_term(self, msg: Any, signer: str, eligible: frozenset[str]) -> None:

@@ -48,6 +48,12 @@ steps = [
     ("message", everyone, outsider, 6),
     ("message", everyone, R[2], 4),
     ("view", everyone, None, None),
+    # rule 8: two peers claim one term; the first of the two by rank coordinates it (the view's term stays)
+    ("view", [p for p in five if p != R[0]], None, None),
+    ("message", [p for p in five if p != R[0]], R[0], 7),
+    ("message", everyone, R[0], 7),
+    ("message", everyone, R[1], 7),
+    ("message", everyone, R[2], 7),
 ]
 c = Coordination(job)
 out = []
@@ -67,7 +73,7 @@ for kind, live, signer, term in steps:
     item["expect_coordinator"] = c.coordinator
     out.append(item)
 terms = {
-    "description": "Term rules for one job, replayed from Coordination(job_id) at term 0. 'view' re-elects over the live peers (a new winner starts term + 1); 'message' checks a coordinator message signed by 'signer' in 'term' (error: ignored, view unchanged; 'why' is not normative). The ranking of the five eligible peers for this job is given; the sixth peer is not eligible.",
+    "description": "Term rules for one job, replayed from Coordination(job_id) at term 0. 'view' re-elects over the live peers (a new winner starts term + 1); 'message' checks a coordinator message (a lease, an aggregate or a heartbeat's term: one that may move the view) signed by 'signer' in 'term' (error: ignored, view unchanged; 'why' is not normative). A message in the view's own term from an eligible live peer that ranks before the view's coordinator makes it the term's coordinator (rule 8: two peers claimed one term). The ranking of the five eligible peers for this job is given; the sixth peer is not eligible.",
     "job_id_hex": job.hex(),
     "ranking": list(R),
     "outsider": outsider,

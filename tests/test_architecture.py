@@ -143,3 +143,22 @@ def test_no_private_name_of_another_module_is_imported():
     found = sorted(set(private) - ALLOWED_PRIVATE)
     assert not found, "private names imported from another module (make them public or move them): " + ", ".join(
         f"{importer} imports {module}.{name}" for importer, module, name in found)
+
+
+def test_no_role_writes_the_agents_state():
+    """Issue 23: the roles (and the market functions they call with the agent) read the agent through
+    their port and ask it to change (``refresh_machine``, ``reload_speeds``); none assigns an attribute
+    of it (the worker set ``agent.machine``, the market ``agent.speeds``)."""
+    files = sorted((ROOT / "agent" / "roles").glob("*.py")) + [ROOT / "agent" / "market.py"]
+    writes = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:  # (counting a metric, ``agent.counters[...] += 1``, is the port's counters)
+                for part in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if isinstance(part, ast.Attribute) and (
+                            isinstance(part.value, ast.Name) and part.value.id == "agent" or
+                            isinstance(part.value, ast.Attribute) and part.value.attr == "agent"):
+                        writes.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(target)}")
+    assert not writes, writes

@@ -60,8 +60,9 @@ PINNED_DEADLINE = 4_000_000_000  # far away: a scenario's job ends by its own fa
 # "aggregating": the coordinator computed a round's aggregate and asked the submitter to keep it; nothing
 # is published yet (the harness then slows the submitter's answer by KEEP_ANSWER_DELAY, so that a kill
 # lands between the two);
+# "rejected": a verdict rejected some work;
 # "aggregate": the first aggregate is published, "aggregate-2" round 2's
-TRIGGERS = ("training", "all-training", "checkpoint", "report", "accepted", "aggregating", "aggregate", "aggregate-2",
+TRIGGERS = ("training", "all-training", "checkpoint", "report", "accepted", "rejected", "aggregating", "aggregate", "aggregate-2",
             "aggregate-3", "round-2", "round-3")
 ACTIONS = ("kill", "restart", "start", "partition", "heal", "gossip", "attack", "tamper")
 ATTACKS = ("replay", "spoof", "stale", "malformed", "oversize", "claim_flood", "flood")
@@ -663,6 +664,8 @@ class _Run:
             return bool(view.reports)
         if when == "accepted":
             return any(v.accepted for v in view.verdicts.values())
+        if when == "rejected":
+            return any(not v.accepted for v in view.verdicts.values())
         if when == "aggregating":  # the coordinator computed the aggregate and asked the submitter to keep it
             if view.state.phase.value != "AGGREGATING":
                 return False

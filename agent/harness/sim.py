@@ -946,9 +946,9 @@ class Simulation:
                 or not held.store:
             return
         fresh = JobMirror(job.terms, f.mirror.first_seen, agent.peer)
-        for envelope in held.store:
-            fresh.replay(envelope.msg, envelope.signer, envelope.at, envelope)
-        self._commit(agent, f, f.mirror.adopt(fresh, self.now, self._live_set(agent.index)))
+        history = Outcome.join([fresh.replay(envelope.msg, envelope.signer, envelope.at, envelope)
+                                for envelope in held.store])
+        self._commit(agent, f, f.mirror.adopt(fresh, history, self.now, self._live_set(agent.index)))
         self.syncs += 1
         self._rebuilt(agent, f)
         if self._is_coordinator(agent, f) and job.index in agent.coordinating:

@@ -33,14 +33,15 @@ class RolePort(Protocol):
     @property
     def work_dir(self) -> Path: ...
 
-    # the base models we hold and our measured speed on each (a worker records a shard's speed:
-    # agent/market.record_shard_speed replaces ``speeds``, advertised in the next capability)
+    # the base models we hold and our measured speed on each (read only: a worker records a shard's speed
+    # with agent/market.record_shard_speed, which saves it and asks ``reload_speeds``)
     models_held: tuple["m.ModelHeld", ...]
     speeds: tuple["m.ModelSpeed", ...]
 
     def local_model(self, terms: "m.JobTerms") -> str | None: ...
     async def base_model_hash(self, path: str) -> str: ...
     def capability(self) -> "m.Capability": ...
+    def reload_speeds(self) -> None: ...
     def refresh_machine(self) -> Any: ...  # the GPUs' free memory measured again (off the event loop)
 
     # -- peers and election --------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from protocol import market as mk
 from protocol import messages as m
 from protocol import state as st
 from protocol.cid import parse_cid
+from protocol.jobspec import to_terms
 
 if TYPE_CHECKING:
     from agent.roles.port import RolePort
@@ -113,30 +114,10 @@ class SubmitterRole:
             agent.provide_soon(cid)
             validation_cid = str(cid)
         model_hash = await trio.to_thread.run_sync(base_model_sha256, base_model_path)
-        now = int(agent.clock()) if created is None else created
-        t, lora, proof = spec.training, spec.lora, spec.proof
-        return m.JobTerms(
-            name=spec.name, submitter=agent.peer_id, base_model=spec.base_model,
-            base_model_sha256=bytes.fromhex(model_hash), method=spec.method, runtime=spec.runtime, seed=spec.seed,
-            shards=tuple(shards), validation_cid=validation_cid,
-            training=m.TrainingTerms(t.epochs, t.learning_rate, t.batch_size, t.gradient_accumulation_steps,
-                                     t.max_seq_len, t.max_steps, t.schedule, t.warmup_rounds,
-                                     t.optimizer_state),
-            lora=m.LoraTerms(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules), lora.freeze_a),
-            proof=m.ProofTerms(proof.checkpoint_every, proof.verify_segments, proof.tolerance),
-            rounds=spec.rounds, aggregation=spec.aggregation, min_accepted_fraction=spec.min_accepted_fraction,
-            max_retries=spec.max_retries, lease_seconds=spec.lease_seconds,
-            min_vram_gb=spec.resources.min_vram_gb,
-            deadline=deadline if deadline is not None else now + int(spec.resources.max_runtime_hours * 3600),
-            price_per_hour=spec.budget.price_per_hour, budget=spec.budget.total, created=now,
-            stop=m.StopTerms(spec.stop_when.validation_loss_below, spec.stop_when.patience_rounds)
-            if spec.stop_when.validation_loss_below > 0 or spec.stop_when.patience_rounds > 0 else None,
-            outer=None if spec.outer.optimizer == "none" else m.OuterTerms(
-                spec.outer.optimizer, spec.outer.lr, spec.outer.momentum, spec.outer.beta1, spec.outer.beta2),
-            description=getattr(spec, "description", ""), private=getattr(spec, "private", False),
-            dataset_cid=dataset_cid,
-            max_nodes=max_nodes, providers=tuple(providers),
-        )
+        return to_terms(spec, submitter=agent.peer_id, base_model_sha256=bytes.fromhex(model_hash),
+                        shards=tuple(shards), validation_cid=validation_cid,
+                        created=int(agent.clock()) if created is None else created, deadline=deadline,
+                        dataset_cid=dataset_cid, max_nodes=max_nodes, providers=tuple(providers))
 
     def check_room(self, job_id: bytes | None = None) -> None:
         """SubmitRefused while ``MAX_LIVE_JOBS_PER_SUBMITTER`` of our jobs have not ended (IPIP-0004 §13:

@@ -36,7 +36,7 @@ from agent.net.errors import NetError, PeerProtocolError
 from agent.net.streams import FrameReader, frame, remote_peer, request_frames
 from agent.store import StoreFullError, reopen
 from protocol import messages as m
-from protocol.mirror import NOTHING, JobMirror, Outcome
+from protocol.mirror import JobMirror, Outcome
 from protocol.cid import varint_encode
 from protocol.envelope import MAX_ENVELOPE_BYTES
 
@@ -175,13 +175,14 @@ async def submitter_catch_up(agent: RolePort, view: Any, timeout: float = TIMEOU
     applied: set[bytes] = set()
     for peer in peers:
         verified = histories.get(peer)
-        outcome = NOTHING
+        outcomes = []
         for data, opened in verified or ():
             if agent.store.has_envelope(opened.envelope.message_id):
                 continue
             signer, at = opened.envelope.signer, opened.envelope.timestamp_ms / 1000.0
-            outcome += view.receive(opened.message, signer, at, agent.eligible_coordinators(view.terms), data)
+            outcomes.append(view.receive(opened.message, signer, at, agent.eligible_coordinators(view.terms), data))
             applied.add(opened.envelope.message_id)
+        outcome = Outcome.join(outcomes)
         # what applied, in the order it did; then our copies of the accepted work and aggregates we missed
         # (the state machine's actions of the past are nobody's to carry out: only the reactions)
         await _commit(agent, view, replace(outcome, actions=() if outcome.changed else None))
@@ -208,12 +209,13 @@ async def catch_up(agent: RolePort, view: Any, timeout: float = TIMEOUT) -> set[
     Returns the message IDs applied (the live reader skips them); failures are logged, not raised."""
     verified = await _fetch_verified(agent, view, timeout, "catch up")
     applied: set[bytes] = set()
-    outcome = NOTHING
+    outcomes = []
     for data, opened in verified or ():
         if agent.store.has_envelope(opened.envelope.message_id):
             continue
-        outcome += _replay(view, opened, data)
+        outcomes.append(_replay(view, opened, data))
         applied.add(opened.envelope.message_id)
+    outcome = Outcome.join(outcomes)
     await _commit(agent, view, outcome, act=False)  # history: stored, nothing to carry out
     if applied:
         log.info("job %s: caught up on %d messages from the submitter: %s, round %d, term %d",
@@ -265,11 +267,10 @@ async def resync(agent: RolePort, view: JobMirror, timeout: float = TIMEOUT) -> 
     if not verified:
         return False
     fresh = JobMirror(view.terms, view.first_seen, view.me)
-    for data, opened in verified:
-        _replay(fresh, opened, data)  # (its evidence is collected by adopt)
+    history = Outcome.join([_replay(fresh, opened, data) for data, opened in verified])
     before = (view.state.phase.value, view.state.round, len(view.pending))
     # nothing may run on the old mirror between the rebuild and the swap: no await until adopt
-    outcome = view.adopt(fresh, agent.clock(), agent.eligible_coordinators(view.terms))
+    outcome = view.adopt(fresh, history, agent.clock(), agent.eligible_coordinators(view.terms))
     await _commit(agent, view, outcome)
     log.warning("job %s: mirror rebuilt from the submitter's history (%d messages): was %s round %d with %d held, "
                 "now %s round %d, term %d", view.job_id.hex()[:8], len(verified), *before,

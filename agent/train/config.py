@@ -1,7 +1,8 @@
 """TrainConfig: every setting one shard's training reads, in one frozen dataclass.
 
 Rules of this file:
-- Field names are the job spec's (protocol/jobspec.py) so ``from_spec`` is a plain copy; the spec
+- Field names are the job spec's (protocol/jobspec.py); ``from_terms`` is the one mapping from a job's terms
+  (``from_spec`` goes through the terms too: protocol/jobspec.to_terms); the spec
   decides what a job trains, these fields only carry it into agent/train.
 - Settings that are the worker's own choice (threads, device, dtype, packing, logging) live here
   too, with defaults; they never change which samples a step sees, only how fast and on what.
@@ -109,32 +110,40 @@ class TrainConfig:
         return shard_steps(self.max_steps, self.epochs, n_examples, self.samples_per_step)
 
     @classmethod
-    def from_spec(cls, spec: Any, **local: Any) -> "TrainConfig":
-        """Copy the training settings of a JobSpec (read duck-typed); ``local`` sets worker choices."""
+    def from_terms(cls, terms: Any, base_model_path: str, *, round: int = 1, **local: Any) -> "TrainConfig":
+        """What agent/train needs from a job's terms (protocol/messages.JobTerms) to train (or replay)
+        round ``round``; ``base_model_path`` is this peer's local copy; ``local`` sets worker choices.
+        The round's learning rate follows the job's schedule (protocol/schedule.py). The one mapping
+        terms -> config (issue 23): workers, verifiers, local runs and estimates all use it."""
+        from protocol.schedule import round_learning_rate
+
+        t, lora, proof = terms.training, terms.lora, terms.proof
+        learning_rate = round_learning_rate(t.learning_rate, round, terms.rounds, schedule=t.schedule,
+                                            warmup_rounds=t.warmup_rounds)
         return cls(
-            base_model=spec.base_model,
-            base_model_sha256=spec.base_model_sha256,
-            method=spec.method,
-            runtime=spec.runtime,
-            seed=spec.seed,
-            validation_split=spec.input.validation_split,
-            epochs=spec.training.epochs,
-            learning_rate=spec.training.learning_rate,
-            batch_size=spec.training.batch_size,
-            gradient_accumulation_steps=spec.training.gradient_accumulation_steps,
-            max_seq_len=spec.training.max_seq_len,
-            max_steps=spec.training.max_steps,
-            carry_optimizer=spec.training.optimizer_state == "carried",
-            rank=spec.lora.rank,
-            alpha=spec.lora.alpha,
-            dropout=spec.lora.dropout,
-            target_modules=tuple(spec.lora.target_modules),
-            freeze_a=spec.lora.freeze_a,
-            checkpoint_every=spec.proof.checkpoint_every,
-            verify_segments=spec.proof.verify_segments,
-            tolerance=spec.proof.tolerance,
-            **local,
+            base_model=base_model_path, base_model_sha256=terms.base_model_sha256.hex(), method=terms.method,
+            runtime=terms.runtime, seed=terms.seed, epochs=t.epochs, learning_rate=learning_rate, round=round,
+            carry_optimizer=t.optimizer_state == "carried",
+            batch_size=t.batch_size, gradient_accumulation_steps=t.gradient_accumulation_steps,
+            max_seq_len=t.max_seq_len, max_steps=t.max_steps, rank=lora.rank, alpha=lora.alpha,
+            dropout=lora.dropout, target_modules=tuple(lora.target_modules), freeze_a=lora.freeze_a,
+            checkpoint_every=proof.checkpoint_every, verify_segments=proof.verify_segments,
+            tolerance=proof.tolerance, **local,
         )
+
+    @classmethod
+    def from_spec(cls, spec: Any, **local: Any) -> "TrainConfig":
+        """The training settings of a JobSpec for a run on this machine (``train run --local``, estimates):
+        the spec as terms (protocol/jobspec.to_terms), then ``from_terms``, with what only the spec has:
+        its base model as written, its sha256 if given, its validation split and its learning rate as
+        written (a local run is one run, not a job's round)."""
+        from protocol.jobspec import to_terms
+
+        sha256 = spec.base_model_sha256
+        terms = to_terms(spec, submitter="", base_model_sha256=bytes.fromhex(sha256) if sha256 else bytes(32))
+        return cls.from_terms(terms, spec.base_model, **local).with_(
+            base_model_sha256=sha256, validation_split=spec.input.validation_split,
+            learning_rate=spec.training.learning_rate)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

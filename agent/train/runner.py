@@ -31,20 +31,5 @@ def run_torch(fn, *args):
 
 
 def train_config(terms: m.JobTerms, base_model_path: str, *, round: int = 1, **local: Any) -> TrainConfig:
-    """What agent/train needs from the terms to train (or replay) round ``round``; ``base_model_path``
-    is this peer's local copy. The round's learning rate follows the job's schedule."""
-    from protocol.schedule import round_learning_rate
-
-    t, lora, proof = terms.training, terms.lora, terms.proof
-    learning_rate = round_learning_rate(t.learning_rate, round, terms.rounds, schedule=t.schedule,
-                                        warmup_rounds=t.warmup_rounds)
-    return TrainConfig(
-        base_model=base_model_path, base_model_sha256=terms.base_model_sha256.hex(), method=terms.method,
-        runtime=terms.runtime, seed=terms.seed, epochs=t.epochs, learning_rate=learning_rate, round=round,
-        carry_optimizer=t.optimizer_state == "carried",
-        batch_size=t.batch_size, gradient_accumulation_steps=t.gradient_accumulation_steps,
-        max_seq_len=t.max_seq_len, max_steps=t.max_steps, rank=lora.rank, alpha=lora.alpha,
-        dropout=lora.dropout, target_modules=lora.target_modules, freeze_a=lora.freeze_a,
-        checkpoint_every=proof.checkpoint_every, verify_segments=proof.verify_segments,
-        tolerance=proof.tolerance, **local,
-    )
+    """What agent/train needs from the terms to train (or replay) round ``round`` (TrainConfig.from_terms)."""
+    return TrainConfig.from_terms(terms, base_model_path, round=round, **local)

@@ -18,7 +18,7 @@ from protocol.errors import SpecError
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = {p.stem: p for p in shipped()}
 REQUIRED = {"happy-path", "worker-crash", "coordinator-crash", "partition-heal", "byzantine-adapter", "forged-proof",
-            "tampered-dataset", "gossip-flood", "late-joiner", "all-workers-fail"}
+            "tampered-dataset", "gossip-flood", "late-joiner", "all-workers-fail", "failover-ban"}
 
 
 def _params():

@@ -298,3 +298,38 @@ def test_edited_template_text_raises_nothing_but_spec_error(edits):
     for at, cut, noise in edits:
         text = text[:at] + noise + text[at + cut:]
     check_outcome(lambda: parse_spec(text, SOURCE))
+
+
+def test_one_mapping_from_spec_to_terms_to_training_config():
+    """Issue 23: the spec's fields reach the terms in one place (to_terms) and the terms reach training
+    in one place (TrainConfig.from_terms); a local run's config (from_spec) is the same mapping, with the
+    spec's own learning rate, hash and validation split. Every field that differs from its default in the
+    spec below must arrive in both."""
+    from agent.train.config import TrainConfig
+    from protocol.jobspec import parse_spec, to_terms
+
+    spec = parse_spec("""
+name: mapping
+base_model: /models/x
+base_model_sha256: "%s"
+seed: 9
+input: {dataset: d.jsonl, validation_split: 0.2}
+training: {epochs: 2, learning_rate: 0.003, batch_size: 4, gradient_accumulation_steps: 3, max_seq_len: 77,
+           max_steps: 40, schedule: cosine, warmup_rounds: 1, optimizer_state: carried}
+lora: {rank: 5, alpha: 11, dropout: 0.05, target_modules: [q_proj, k_proj], freeze_a: true}
+proof: {checkpoint_every: 5, verify_segments: 2, tolerance: 0.001}
+rounds: 3
+""" % ("ab" * 32))
+    terms = to_terms(spec, submitter="", base_model_sha256=bytes.fromhex("ab" * 32), created=100)
+    assert terms.deadline == 100 + int(spec.resources.max_runtime_hours * 3600)
+    worker = TrainConfig.from_terms(terms, "/local/x", round=1, threads=1)
+    local = TrainConfig.from_spec(spec, threads=1)
+    expected = dict(seed=9, epochs=2, batch_size=4, gradient_accumulation_steps=3, max_seq_len=77, max_steps=40,
+                    carry_optimizer=True, rank=5, alpha=11, dropout=0.05, target_modules=("q_proj", "k_proj"),
+                    freeze_a=True, checkpoint_every=5, verify_segments=2, tolerance=0.001, base_model_sha256="ab" * 32)
+    for name, value in expected.items():
+        assert getattr(worker, name) == value, name
+        assert getattr(local, name) == value, name
+    assert worker.base_model == "/local/x" and local.base_model == "/models/x"
+    assert local.learning_rate == 0.003 and local.validation_split == 0.2
+    assert worker.learning_rate != local.learning_rate  # round 1 of a cosine schedule with a warm-up round

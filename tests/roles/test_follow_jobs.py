@@ -197,7 +197,9 @@ async def test_a_forgotten_job_is_rebuilt_off_the_event_loop_and_kept(tmp_path, 
     """Review finding 5 (a): `job show` (and watch, bill, ledger) of a forgotten job replayed its whole
     stored history on the event loop, every time. Now it is rebuilt in the store's worker thread, and
     the last REBUILT_VIEWS rebuilt ended jobs are kept."""
-    monkeypatch.setattr(node, "REBUILT_VIEWS", 2)
+    import agent.jobbook as jobbook
+
+    monkeypatch.setattr(jobbook, "REBUILT_VIEWS", 2)
     async with network(tmp_path, tiny_model_dir, workers=1) as net:
         (w0,) = net.workers
         views = [(await announce_to(w0, Identity.generate(), f"job-{i}"))[1] for i in range(3)]
@@ -205,13 +207,13 @@ async def test_a_forgotten_job_is_rebuilt_off_the_event_loop_and_kept(tmp_path, 
             await end(w0, view)
             w0.forget_job(view.job_id)
         loop, threads = threading.current_thread(), []
-        rebuild = w0.rebuild_view
+        rebuild = w0.book.rebuild
 
         def rebuild_view(record):  # the real rebuild, noting the thread it runs in
             threads.append(threading.current_thread())
             return rebuild(record)
 
-        monkeypatch.setattr(w0, "rebuild_view", rebuild_view)
+        monkeypatch.setattr(w0.book, "rebuild", rebuild_view)
         first = views[0].job_id.hex()[:12]
         for _ in range(3):  # `job watch` polls
             shown = await control.HANDLERS["job.show"](w0, first)
@@ -220,7 +222,7 @@ async def test_a_forgotten_job_is_rebuilt_off_the_event_loop_and_kept(tmp_path, 
         for view in views[1:]:
             assert (await control.HANDLERS["job.show"](w0, view.job_id.hex()[:12]))["state"] == "CANCELLED"
         assert len(threads) == 3 and loop not in threads
-        assert list(w0._rebuilt) == [v.job_id for v in views[1:]]  # the least recently shown went
+        assert list(w0.book.rebuilt) == [v.job_id for v in views[1:]]  # the least recently shown went
         await control.HANDLERS["job.show"](w0, first)
         assert len(threads) == 4
 
@@ -275,7 +277,7 @@ async def test_a_job_forgotten_a_moment_ago_is_followed_again_once_its_topic_is_
         w0.store.update_job(view.job_id, w0.clock(), state="TRAINING")
         w0.forget_job(view.job_id)
         assert (await announce_to(w0, announcer, "again"))[1] is None  # its topic is still being left
-        await wait_for(lambda: view.job_id not in w0._leaving and topic not in gossip._subscriptions)
+        await wait_for(lambda: view.job_id not in w0.book.leaving and topic not in gossip._subscriptions)
         again = (await announce_to(w0, announcer, "again"))[1]
         assert again is not None and again is not view and w0.jobs[view.job_id] is again
         await trio.sleep(0.5)  # anything left of the old subscription's leave would have run by now

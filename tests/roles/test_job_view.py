@@ -123,3 +123,43 @@ def test_an_aggregate_whose_final_flag_breaks_the_rounds_or_stop_rule_is_refused
         message = dataclasses.replace(message, job_id=stopping.job_id())
         assert (w.receive(message, COORD.peer_id, NOW + 1, ELIGIBLE).actions is not None) is applies
     assert w.state.phase is st.JobPhase.DONE and w.state.round == 1
+
+
+def test_two_coordinators_of_one_term_settle_on_the_first_by_rank():
+    """IPIP-0006 §1.3 rule 8: W1 and W2 each elected themselves in term 1 (each lacked the other's
+    capability). A heartbeat term of the one that ranks first moves every view to it; the other's
+    lease of the term is then refused, the first's applies."""
+    from protocol.election import Coordination, rank_peers
+
+    first, second = (p for p in rank_peers(JOB, (W1.peer_id, W2.peer_id)))
+    v = JobMirror(TERMS, NOW, me=second)  # the second's own view: it believes it coordinates term 1
+    v.coordination = Coordination(JOB, 1, second)
+    eligible = frozenset({first, second})
+    assert not v.observe_term(second, 1, NOW, eligible).changed
+    v.observe_term(first, 1, NOW + 1, eligible)
+    assert (v.coordination.term, v.coordination.coordinator) == (1, first)
+    v.observe_term(second, 1, NOW + 2, eligible)  # the second's claim no longer moves it back
+    assert v.coordination.coordinator == first
+    stale = m.ShardLease(JOB, 1, 0, 1, COORD.peer_id, 1, NOW + 120, None)  # (to a third peer)
+    assert v.receive(stale, second, NOW + 3, eligible).actions is None  # the term is the first's now
+    assert v.receive(stale, first, NOW + 4, eligible).actions is not None
+    w = JobMirror(TERMS, NOW, me=SUBMITTER.peer_id)  # a third view that held the second: it moves too
+    w.coordination = Coordination(JOB, 1, second)
+    assert w.observe_term(first, 1, NOW + 1, frozenset({second})).actions is None  # not eligible here: ignored
+    assert w.coordination.coordinator == second
+    w.observe_term(first, 1, NOW + 2, eligible)
+    assert w.coordination.coordinator == first
+
+
+def test_a_mirror_rebuilt_from_history_keeps_that_history_as_evidence():
+    """adopt's outcome carries the replayed history's envelopes (then what held messages did), so a
+    resync stores what the rebuilt mirror holds (the sim found it stored none)."""
+    from protocol.mirror import Outcome
+
+    live = view()
+    fresh = view()
+    history = Outcome.join([fresh.replay(lease(0, 1, W1), COORD.peer_id, NOW, b"lease-1"),
+                            fresh.replay(lease(1, 1, W2), COORD.peer_id, NOW + 1, b"lease-2")])
+    outcome = live.adopt(fresh, history, NOW + 2, ELIGIBLE)
+    assert outcome.evidence == (b"lease-1", b"lease-2")
+    assert live.shard(0).worker == W1.peer_id and live.shard(1).worker == W2.peer_id

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -137,6 +136,9 @@ proof: {{checkpoint_every: 5, verify_segments: 3, tolerance: 0.001}}
         4, 8.0, 0.1, ("q_proj", "k_proj"), True)
     assert (config.checkpoint_every, config.verify_segments, config.tolerance, config.threads) == (5, 3, 0.001, 3)
     assert config.total_steps(100) == 34  # 2 epochs x 100 examples / 6 per step, rounded up
-    duck = SimpleNamespace(**{k: getattr(spec, k) for k in ("base_model", "base_model_sha256", "method", "runtime",
-                                                            "seed", "input", "training", "lora", "proof")})
-    assert TrainConfig.from_spec(duck, threads=3) == config
+    # the same mapping a worker trains from (issue 23: spec -> terms -> config, once)
+    from protocol.jobspec import to_terms
+
+    worker = TrainConfig.from_terms(to_terms(spec, submitter="", base_model_sha256=bytes(32)), str(tiny_model_dir),
+                                    threads=3)
+    assert worker.with_(base_model_sha256=None, validation_split=0.1) == config
