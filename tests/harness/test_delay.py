@@ -123,7 +123,7 @@ def test_the_delayers_of_a_killed_run_exit_and_its_namespaces_are_swept(shim):
 def test_a_setup_failing_after_a_delayer_started_stops_it_and_removes_everything(shim, monkeypatch):
     before = _netns()
     started = []
-    real_start, real_run = hosts_module._start_delayer, hosts_module._run
+    real_start, real_run = hosts_module._start_delayer, hosts_module.run_command
 
     def start(*args, **kwargs):
         started.append(real_start(*args, **kwargs))
@@ -135,7 +135,7 @@ def test_a_setup_failing_after_a_delayer_started_stops_it_and_removes_everything
         return real_run(args)
 
     monkeypatch.setattr(hosts_module, "_start_delayer", start)
-    monkeypatch.setattr(hosts_module, "_run", run)
+    monkeypatch.setattr(hosts_module, "run_command", run)
     hosts = Hosts({"a": HostSpec("a", link=Link(delay_ms=20))})
     with pytest.raises(hosts_module.HostsError, match="refused"):
         hosts.create()
