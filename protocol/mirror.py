@@ -212,11 +212,14 @@ class JobMirror:
         return Outcome(actions, applied, evidence, outgoing)
 
     def receive(self, msg: Any, signer: str, now: float, eligible: frozenset[str],
-                envelope: bytes | None = None) -> Outcome:
+                envelope: bytes | None = None, *, history: bool = False) -> Outcome:
         """One verified job-topic message from the network (``eligible``: the job's live coordinators in
         our view); a refused one is held for a later try. The echo of our own decision is never applied
-        again (``decide`` applied and kept it)."""
-        return self._collect(self._apply(msg, signer, now, eligible, envelope))
+        again (``decide`` applied and kept it). ``history``: a message a peer stored, received at its
+        signed time ``now`` (a submitter catching up): the held live messages are not tried at that past
+        time (a held lease would start its clock then and expire early, found by the simulator); the
+        caller tries them once at the real now (``retry``)."""
+        return self._collect(self._apply(msg, signer, now, eligible, envelope, retry=not history))
 
     def lease_for(self, shard: int, worker: str, now: float) -> m.ShardLease | None:
         """The lease the state machine would grant ``worker`` on ``shard`` now, in our term (None: none
@@ -264,7 +267,12 @@ class JobMirror:
         return self.retry(now, eligible)
 
     def tick(self, now: float) -> Outcome:
-        """The timers due at ``now`` (leases, windows, the deadline)."""
+        """The timers due at ``now`` (leases, windows, the deadline); held messages past their
+        ``PENDING_SECONDS`` are dropped (a mirror to which nothing applies would hold them for hours)."""
+        kept = [p for p in self.pending if now - p[0] <= PENDING_SECONDS]
+        if len(kept) != len(self.pending):
+            self.refused["pending-expired"] += len(self.pending) - len(kept)
+            self.pending = kept
         return self._collect(self._step(st.Tick(), now))
 
     def cancel(self, reason: str, now: float) -> Outcome:
@@ -331,7 +339,7 @@ class JobMirror:
                      self.job_id.hex()[:8], term, coordinator[-8:], first[-8:])
 
     def _apply(self, msg: Any, signer: str, now: float, eligible: frozenset[str],
-              envelope: bytes | None = None) -> tuple[Any, ...] | None:
+               envelope: bytes | None = None, *, retry: bool = True) -> tuple[Any, ...] | None:
         """Apply one verified job-topic message, then any held message it unblocks; return the actions
         (None if this message was refused — it is then held for a later try). ``envelope``: its bytes,
         kept in ``evidence`` once it applies."""
@@ -342,7 +350,7 @@ class JobMirror:
                 return None  # past the attempt's cap: it will never apply, so it is not held either
             if signer != self.me or not isinstance(msg, DECISIONS):
                 self._hold(now, msg, signer, envelope, eligible)  # (echoes of our own decisions never are)
-            if self.coordination != before:  # it moved our view to its term: what waited for it may apply
+            if retry and self.coordination != before:  # it moved our view to its term: what waited may apply
                 more = self._retry_pending(now, eligible)
                 return more if self._applied else None
             return None
@@ -350,7 +358,7 @@ class JobMirror:
         self.last_applied = max(self.last_applied, now)
         if envelope is not None:
             self._evidence.append(envelope)
-        return actions + self._retry_pending(now, eligible)
+        return actions + self._retry_pending(now, eligible) if retry else actions
 
     def _hold(self, now: float, msg: Any, signer: str, envelope: bytes | None, eligible: frozenset[str]) -> None:
         """Hold a refused message for a later try, within the per-signer and total bounds (once)."""

@@ -971,11 +971,13 @@ class Simulation:
                 if id(envelope) in f.stored:
                     continue
                 outcome = mirror.receive(envelope.msg, envelope.signer, envelope.at, self._live_set(agent.index),
-                                         envelope)
+                                         envelope, history=True)
                 if outcome.changed:
                     caught += 1
                     outcome = Outcome((), outcome.applied, outcome.evidence, outcome.outgoing)
                 self._commit(agent, f, outcome)
+            outcome = mirror.retry(self.now, self._live_set(agent.index))  # held live ones, at the real now
+            self._commit(agent, f, Outcome((), outcome.applied, outcome.evidence) if outcome.changed else outcome)
         if caught:
             self.syncs += 1
             self._rebuilt(agent, f)

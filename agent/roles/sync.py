@@ -180,8 +180,11 @@ async def submitter_catch_up(agent: RolePort, view: Any, timeout: float = TIMEOU
             if agent.store.has_envelope(opened.envelope.message_id):
                 continue
             signer, at = opened.envelope.signer, opened.envelope.timestamp_ms / 1000.0
-            outcomes.append(view.receive(opened.message, signer, at, agent.eligible_coordinators(view.terms), data))
+            outcomes.append(view.receive(opened.message, signer, at, agent.eligible_coordinators(view.terms), data,
+                                         history=True))
             applied.add(opened.envelope.message_id)
+        if outcomes:  # the live messages held meanwhile, tried once at the real now (not at a stored time)
+            outcomes.append(view.retry(agent.clock(), agent.eligible_coordinators(view.terms)))
         outcome = Outcome.join(outcomes)
         # what applied, in the order it did; then our copies of the accepted work and aggregates we missed
         # (the state machine's actions of the past are nobody's to carry out: only the reactions)

@@ -163,3 +163,28 @@ def test_a_mirror_rebuilt_from_history_keeps_that_history_as_evidence():
     outcome = live.adopt(fresh, history, NOW + 2, ELIGIBLE)
     assert outcome.evidence == (b"lease-1", b"lease-2")
     assert live.shard(0).worker == W1.peer_id and live.shard(1).worker == W2.peer_id
+
+
+def test_history_received_at_its_signed_time_leaves_held_live_messages_for_the_real_now():
+    """A submitter catching up receives stored messages at their signed (past) times; a live lease held
+    meanwhile is tried at the real now, so its clock starts now, not at the history's time."""
+    v = view()
+    v.receive(lease(0, 1, W1), COORD.peer_id, NOW, ELIGIBLE)
+    live_now = NOW + 60  # (within attempt 1's lease)
+    held = v.receive(lease(0, 2, W2), COORD.peer_id, live_now, ELIGIBLE)  # live: waits for the release
+    assert held.actions is None and len(v.pending) == 1
+    past = v.receive(m.ShardRelease(JOB, 1, 0, 1, "bye"), W1.peer_id, NOW + 10, ELIGIBLE, history=True)
+    assert [type(x).__name__ for x, _ in past.applied] == ["ShardRelease"] and len(v.pending) == 1
+    later = v.retry(live_now + 1, ELIGIBLE)
+    assert [type(x).__name__ for x, _ in later.applied] == ["ShardLease"]
+    assert v.shard(0).attempt == 2 and v.shard(0).expires_at == live_now + 1 + float(TERMS.lease_seconds)
+
+
+def test_held_messages_past_their_window_are_dropped_at_a_tick():
+    v = view()
+    v.receive(m.ShardLease(JOB, 2, 0, 1, W2.peer_id, 1, NOW + 120, None), COORD.peer_id, NOW, ELIGIBLE)  # round 2
+    assert len(v.pending) == 1
+    v.tick(NOW + PENDING_SECONDS - 1)
+    assert len(v.pending) == 1
+    v.tick(NOW + PENDING_SECONDS + 1)
+    assert not v.pending and v.refused["pending-expired"] == 1
