@@ -305,7 +305,9 @@ def models(agent: "Agent") -> list[dict]:
 
 def trainers(agent: "Agent", terms: m.JobTerms) -> tuple[list[str], str]:
     """The live peers (ourselves included) whose signed capability lets a coordinator lease them a shard
-    of the job (protocol/fit.lease_refusals), and, when there are none, one line saying why."""
+    of the job (protocol/fit.lease_refusals), and, when there are none, one line saying why. None either
+    when no other peer could coordinate it: the only trainer would be elected and train nothing (helper
+    finding of the session: a lone worker with a submitter that does not coordinate sat ANNOUNCED)."""
     from collections import Counter
 
     from protocol.fit import lease_refusals
@@ -321,7 +323,16 @@ def trainers(agent: "Agent", terms: m.JobTerms) -> tuple[list[str], str]:
         else:
             why[reasons[0]] += 1
     if able:
-        return able, ""
+        # a coordinator trains nothing of its own job (IPIP-0006 §1.3): someone else must be able to coordinate
+        coordinators = agent.eligible_coordinators(terms)
+        if any(c != t for c in coordinators for t in able):
+            return able, ""
+        if not coordinators:
+            return [], (f"no live peer can coordinate it ({len(caps)} known, this agent included): a coordinator "
+                        f"must hold {terms.base_model} and have can_coordinate = true; it waits for one")
+        return [], (f"the only peer that can train it (…{able[0][-8:]}) is also the only one that can coordinate "
+                    "it, and a coordinator trains nothing of its own job: nobody would train it; start another "
+                    f"agent that holds {terms.base_model} (a worker, or one with can_coordinate = true)")
     detail = "; ".join(f"{n} peer{'s' if n != 1 else ''}: {reason}" for reason, n in why.most_common(3))
     return [], (f"no live peer can train it ({len(caps)} known, this agent included): {detail}; it waits for one "
                 f"that holds {terms.base_model} (sha256 {terms.base_model_sha256.hex()[:16]}…) and accepts training")

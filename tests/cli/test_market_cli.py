@@ -73,8 +73,11 @@ def test_providers_models_estimate_announce_and_bill(tmp_path, daemons, tiny_mod
                           "--provider", "not a peer ID")
     assert_one_line_error(cli("job", "announce", str(spec), "--home", home, "--yes", "--max-nodes", "0"),
                           "--max-nodes")
+    # one worker and a submitter that does not coordinate: the worker would coordinate and train nothing
+    assert_one_line_error(cli("job", "announce", str(spec), "--home", home, "--yes", timeout=180),
+                          "not announced", "also the only one that can coordinate")
     job = cli_json("job", "announce", str(spec), "--home", home, "--yes", "--max-nodes", "1",
-                   "--provider", worker_id, timeout=180)
+                   "--provider", worker_id, "--wait", timeout=180)
     shown = cli_json("job", "show", job["id"][:12], "--home", home)
     assert shown["budget"]["max_nodes"] == 1 and shown["budget"]["providers"] == [worker_id]
     assert shown["budget"]["paid"] and shown["budget"]["leasing_stopped"] is None
