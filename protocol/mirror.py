@@ -483,14 +483,29 @@ class JobMirror:
     def _apply_decision(self, msg: Any, now: float, *, count: bool = True) -> tuple[Any, ...] | None:
         """Apply a coordinator's decision (ours when we make it, or a verified one from the network)."""
         if isinstance(msg, m.ShardLease):
-            actions = self._step(st.LeaseGranted(msg.round, msg.shard, msg.worker), now, count=count)
-            if actions is not None:
-                granted = [a for a in actions if isinstance(a, st.PublishLease)]
-                if granted and granted[0].attempt != msg.attempt:
-                    log.warning("job %s: lease attempt %d, our mirror says %d", self.job_id.hex()[:8],
-                                msg.attempt, granted[0].attempt)
-                self.leases[(msg.round, msg.shard, msg.attempt)] = msg
-                self.applied_at[("lease", (msg.round, msg.shard, msg.attempt))] = now
+            # the lease must be the attempt this mirror would grant: a lease whose number differs means one
+            # of the two missed a lease (IPIP-0004 §5, "A lease's attempt"). Applied anyway (as this
+            # mirror's number), every report of its worker named another attempt and was refused for good:
+            # the simulator's job stalled to its deadline. Refused, it is held: a mirror that missed the lease rebuilds
+            # from the submitter's history (a held decision asks for it), and a coordinator that missed it
+            # sees its lease expire unapplied and grants the number every other mirror expects.
+            try:
+                state, actions = st.step(self.state, st.LeaseGranted(msg.round, msg.shard, msg.worker), now)
+            except StateError as exc:
+                if count:
+                    self.refused["ShardLease"] += 1
+                log.debug("job %s: refused %s: %s", self.job_id.hex()[:8], msg, exc)
+                return None
+            granted = [a for a in actions if isinstance(a, st.PublishLease)]
+            if granted and granted[0].attempt != msg.attempt:
+                if count:
+                    self.refused["lease-attempt"] += 1
+                log.debug("job %s: lease of attempt %d refused: our mirror's next attempt is %d",
+                          self.job_id.hex()[:8], msg.attempt, granted[0].attempt)
+                return None
+            self.state = state
+            self.leases[(msg.round, msg.shard, msg.attempt)] = msg
+            self.applied_at[("lease", (msg.round, msg.shard, msg.attempt))] = now
             return actions
         if isinstance(msg, m.Verdict):
             actions = self._step(st.VerdictGiven(msg.round, msg.shard, msg.attempt, msg.accepted, msg.reason), now,

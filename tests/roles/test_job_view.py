@@ -188,3 +188,16 @@ def test_held_messages_past_their_window_are_dropped_at_a_tick():
     assert len(v.pending) == 1
     v.tick(NOW + PENDING_SECONDS + 1)
     assert not v.pending and v.refused["pending-expired"] == 1
+
+
+def test_a_lease_naming_another_attempt_than_ours_is_held_not_renumbered():
+    """IPIP-0004 §5 "A lease's attempt": this mirror missed attempt 1's lease; attempt 2's is held (it
+    was applied as attempt 1 before, and its worker's reports were refused for good), and applies once
+    the missing lease and its release arrive."""
+    v = view()
+    held = v.receive(lease(0, 2, W2), COORD.peer_id, NOW, ELIGIBLE)
+    assert held.actions is None and len(v.pending) == 1 and v.refused["lease-attempt"] == 1
+    assert v.shard(0).attempt == 0 and (1, 0, 2) not in v.leases
+    v.receive(lease(0, 1, W1), COORD.peer_id, NOW + 1, ELIGIBLE)
+    v.receive(m.ShardRelease(JOB, 1, 0, 1, "bye"), W1.peer_id, NOW + 2, ELIGIBLE)
+    assert (v.shard(0).attempt, v.shard(0).worker) == (2, W2.peer_id) and not v.pending
