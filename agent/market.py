@@ -306,8 +306,8 @@ def models(agent: "Agent") -> list[dict]:
 def trainers(agent: "Agent", terms: m.JobTerms) -> tuple[list[str], str]:
     """The live peers (ourselves included) whose signed capability lets a coordinator lease them a shard
     of the job (protocol/fit.lease_refusals), and, when there are none, one line saying why. None either
-    when no other peer could coordinate it: the only trainer would be elected and train nothing (helper
-    finding of the session: a lone worker with a submitter that does not coordinate sat ANNOUNCED)."""
+    when no other peer could coordinate it: the only trainer would be elected and train nothing (a lone
+    worker with a submitter that does not coordinate sat ANNOUNCED)."""
     from collections import Counter
 
     from protocol.fit import lease_refusals
@@ -323,7 +323,7 @@ def trainers(agent: "Agent", terms: m.JobTerms) -> tuple[list[str], str]:
         else:
             why[reasons[0]] += 1
     if able:
-        # a coordinator trains nothing of its own job (IPIP-0006 §1.3): someone else must be able to coordinate
+        # a coordinator leases nothing to itself (protocol/leasing.py rule 1): another must be able to coordinate
         coordinators = agent.eligible_coordinators(terms)
         if any(c != t for c in coordinators for t in able):
             return able, ""

@@ -9,7 +9,7 @@ Rules of this file:
   satisfies. Each followed job has its own nursery (``job_tasks``, owned by agent/tasks.py ``own_job`` in
   the agent's nursery): the roles' tasks of a job (claim grants, verifications, aggregations, shard
   trainings, re-announcing, the budget watch) are started in it with ``spawn_in_job``; once the job
-  ends they have ``job_end_grace`` seconds to finish, then are cancelled. Waits on peers or a job
+  ends they have ``Tasks.end_grace`` seconds to finish, then are cancelled. Waits on peers or a job
   (``wait_until``) wake on job changes, heartbeats and ended job tasks, each with a deadline.
 - The test harness injects its hooks at construction (``hooks``: agent/hooks.py), never via the config.
 - Peers are known by their signed ``cap`` and ``heartbeat`` messages. A peer is *live* while its
@@ -20,7 +20,7 @@ Rules of this file:
   ``MAX_JOBS_FOLLOWED`` jobs in all and ``MAX_LIVE_JOBS_PER_SUBMITTER`` unended jobs per announcing
   peer (one identity cannot fill the room; IPIP-0004 §13). Our own jobs are held to the same limit
   when we announce them (agent/roles/submitter.py), so every follower can follow all of them. An
-  ended job is forgotten ``ended_job_retention`` seconds after its tasks ended, or at once when a new
+  ended job is forgotten ``Tasks.retention`` seconds after its tasks ended, or at once when a new
   job needs its room (the one that ended first goes first; never one whose tasks still run in their
   end grace: then the new job is refused): its mirror leaves ``jobs``, the roles drop what they kept
   for it (``forget``), its topic is left (``_leaving`` until done: it is not followed again before)
@@ -42,17 +42,18 @@ Rules of this file:
   and is held in memory within per-signer bounds (protocol/mirror.py). Our own decisions (leases,
   verdicts, aggregates) are recorded when we make them, before they are published; our own worker
   messages when they come back to us. All of it goes through one function, ``commit``: store the
-  outcome's evidence, publish what it sends, then carry out its actions and our roles' reactions. The writes (one fsync each) run in a worker thread, one at a time, so
-  heartbeats and gossip never wait on the disk. So do the other writes made from the event loop:
+  outcome's evidence, publish what it sends, then carry out its actions and our roles' reactions.
+  The writes (one fsync each) run in a worker thread (agent/writer.py), one at a time, so heartbeats
+  and gossip never wait on the disk. So do the other writes made from the event loop:
   ledger entries, job rows and file hashes are queued (``write_soon``, agent/store.py ``later``) and
   made in order by the store writer task in that thread; the store probe before a claim
   (``can_take_work``) runs there too. Queued writes are made when the agent stops, and before any
   read of the store except on the event loop: there a read never waits for more than one commit
   in flight and may lag the queue by a moment, so a read that must see what was just queued (the
   bill's last entry, the row of a job just forgotten, a control command) awaits ``flush_writes``
-  first. A full disk found by one makes us refuse new work, as for any write. Every decision we make is applied to our
-  mirror at once (``decide``), stored, then gossiped. With a full disk the mirror may run ahead of the store (we
-  then refuse new work); catch-up brings the rest back after a restart.
+  first. A full disk found by one makes us refuse new work, as for any write. Every decision we make
+  is applied to our mirror at once (``decide``), stored, then gossiped. With a full disk the mirror may
+  run ahead of the store (we then refuse new work); catch-up brings the rest back after a restart.
 """
 
 from __future__ import annotations
@@ -62,7 +63,6 @@ import math
 import time
 from contextlib import AsyncExitStack
 from collections import Counter
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -90,7 +90,7 @@ from agent.roles.sync import (
 from agent.roles.worker import WorkerRole
 from agent.store import Store, StoreFullError
 from agent.peers import PeerInfo, PeerTable  # noqa: F401 - PeerInfo re-exported (tests, harness)
-from agent.jobbook import REBUILT_VIEWS, TERMINAL_STATES, JobBook  # noqa: F401 - REBUILT_VIEWS re-exported
+from agent.jobbook import TERMINAL_STATES, JobBook
 from agent.tasks import Tasks
 from agent.writer import StoreWriter
 from agent.supervise import supervised
@@ -141,8 +141,7 @@ class Agent:
         self.disk = Disk(config.home, config.home / "work", config.home / "blocks", config.max_disk_gb,
                          config.disk_grace_seconds)  # use, collection and quota (agent/disk.py)
         # every write to our store, off the event loop, and what a full disk does (agent/writer.py)
-        self.writer = StoreWriter(clock, self.work_dir, self.disk, self.collect_disk, self._step_down,
-                                  lambda: self.one_shot("capability", self._publish_capability))
+        self.writer = StoreWriter(clock, self.work_dir, self.disk, self.collect_disk, self._tell_capability)
         self.store_limiter = self.writer.limiter
         self.write_soon, self.flush_writes, self.stored = self.writer.write_soon, self.writer.flush, self.writer.stored
         self.refuse_work, self.can_take_work = self.writer.refuse_work, self.writer.can_take_work
@@ -170,7 +169,8 @@ class Agent:
         self.tasks = Tasks(clock, self.counters, self.jobs.get, self.forget_job)
         self.job_tasks = self.tasks.job_tasks
         self.service, self.one_shot, self.spawn = self.tasks.service, self.tasks.one_shot, self.tasks.spawn
-        self.spawn_in_job, self.wait_until, self._notify = self.tasks.spawn_in_job, self.tasks.wait_until, self.tasks.notify
+        self.spawn_in_job, self.wait_until = self.tasks.spawn_in_job, self.tasks.wait_until
+        self._notify = self.tasks.notify
         self._coordinating: set[bytes] = set()  # jobs whose pending work we took over as coordinator
         self._resyncing: set[bytes] = set()  # jobs whose mirror is being rebuilt (agent/roles/sync.py)
         self._last_resync: dict[bytes, float] = {}
@@ -203,24 +203,6 @@ class Agent:
         self._stopping.set()
 
     @property
-    def job_end_grace(self) -> float:
-        """Seconds a job's tasks have to finish once it ended, before they are cancelled (agent/tasks.py)."""
-        return self.tasks.end_grace
-
-    @job_end_grace.setter
-    def job_end_grace(self, seconds: float) -> None:
-        self.tasks.end_grace = seconds
-
-    @property
-    def ended_job_retention(self) -> float:
-        """Seconds an ended job is still followed (its topic read), then forgotten."""
-        return self.tasks.retention
-
-    @ended_job_retention.setter
-    def ended_job_retention(self, seconds: float) -> None:
-        self.tasks.retention = seconds
-
-    @property
     def nursery(self) -> trio.Nursery | None:
         """The nursery every task of the agent lives in, while it runs (agent/tasks.py owns them)."""
         return self.tasks.nursery
@@ -243,8 +225,9 @@ class Agent:
         """Why we refuse new work (our store or work directory cannot be written), or None."""
         return self.writer.store_full
 
-    def _step_down(self) -> None:
-        """We start refusing work: tell the peers at once (our capability), so others coordinate our jobs."""
+    def _tell_capability(self) -> None:
+        """What we offer changed (we refuse work, or take it again): tell the peers at once, so that others
+        coordinate our jobs meanwhile (a capability is otherwise published every 30 s)."""
         if self.nursery is not None:
             self.one_shot("capability", self._publish_capability)
 
@@ -493,8 +476,9 @@ class Agent:
         """Rebuild the mirror of every unfinished job in our store, as if its messages arrived again.
 
         A restarted agent carries on where it was: the stored envelopes of each job's topic are
-        replayed in stored order (``JobMirror.replay``: our own decisions as when we made them), with each envelope's own timestamp as the clock. The election view starts
-        over with a fresh grace period, so we do not crown ourselves before the peers' heartbeats
+        replayed in stored order (``JobMirror.replay``: our own decisions as when we made them), with
+        each envelope's own timestamp as the clock. The election view starts over with a fresh grace
+        period, so we do not crown ourselves before the peers' heartbeats
         arrive; lease expiry and take-over then follow from the ticks as for any job.
         """
         for record in self.store.jobs():
@@ -692,9 +676,8 @@ class Agent:
         nothing carried out: the mirror moved, a restart catches up) if the disk is full."""
         if outcome.evidence and not await self.writer.store_evidence(outcome.evidence):
             return False
-        if outcome.outgoing is not None:
-            decision = outcome.applied[0][0]
-            await self.net.gossip.publish_sealed(decision, outcome.outgoing)
+        if outcome.outgoing is not None:  # our decision: the first message its outcome applied (JobMirror.decide)
+            await self.net.gossip.publish_sealed(outcome.applied[0][0], outcome.outgoing)
         if act and outcome.changed:
             self.apply_actions(view, outcome.actions)
             self.react(view, list(outcome.applied))  # this message and any held one it unblocked

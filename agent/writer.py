@@ -10,7 +10,7 @@ Rules of this file:
   ``later``) and made in order by ``run`` (the store writer task); ``flush`` makes the queue now, for
   a read that must see what was just queued.
 - A full disk never brings the agent down: any write that meets it makes us refuse new work
-  (``refuse_work``: ``store_full`` says why; ``on_refuse`` tells the agent, which publishes its
+  (``refuse_work``: ``store_full`` says why; ``tell`` tells the agent, which publishes its
   capability at once so the next peer by rank coordinates our jobs) until ``can_take_work`` finds room
   again (a one-page store write, a 1 MiB write in the work directory, and the disk quota).
 """
@@ -36,14 +36,12 @@ WORK_PROBE_BYTES = 1 << 20
 
 class StoreWriter:
     def __init__(self, clock: Callable[[], float], work_dir: Path, disk: Any,
-                 collect_disk: Callable[[], Awaitable[None]], on_refuse: Callable[[], None],
-                 on_room: Callable[[], None]) -> None:
+                 collect_disk: Callable[[], Awaitable[None]], tell: Callable[[], None]) -> None:
         self.clock = clock
         self.work_dir = work_dir
         self.disk = disk  # agent/disk.Disk: its quota is checked before new work
         self.collect_disk = collect_disk
-        self.on_refuse = on_refuse  # we just started refusing work (the agent tells its peers)
-        self.on_room = on_room  # we take work again
+        self.tell = tell  # we start refusing work, or take it again: the agent tells its peers
         self.store: Store | None = None  # set once the agent opened it
         self.limiter = trio.CapacityLimiter(1)  # store writes in a worker thread, one at a time, in order
         self.store_full: str | None = None  # why we refuse new work: our store cannot be written (disk full)
@@ -91,13 +89,14 @@ class StoreWriter:
             return
         self._job_rows[job_id] = row
 
-        def write() -> None:  # in the store writer's thread
+        def write() -> None:  # in the store writer's thread; its error is the queue's (``flush``)
+            written = False
             try:
                 store.update_job(job_id, self.clock(), state=row[0], round=row[1], coordinator_term=row[2])
-            except Exception:
-                if self._job_rows.get(job_id) == row:
+                written = True
+            finally:
+                if not written and self._job_rows.get(job_id) == row:
                     self._job_rows.pop(job_id, None)  # not written: written again at the next change
-                raise
 
         self.write_soon(write)
 
@@ -153,12 +152,12 @@ class StoreWriter:
 
     def refuse_work(self, exc: Exception) -> None:
         """Our store cannot be written: claim no shard, follow no new job and stop being eligible to
-        coordinate (``on_refuse``: our capability says so at once, so the next peer by rank takes our
+        coordinate (``tell``: our capability says so at once, so the next peer by rank takes our
         jobs) until it can (re-checked every claim interval); say why in the log (once a minute) and in
         ``agent status``."""
         now = self.clock()
         if self.store_full is None:
-            self.on_refuse()
+            self.tell()
         self.store_full = str(exc)
         if now - self._full_logged > 60:
             self._full_logged = now
@@ -181,7 +180,7 @@ class StoreWriter:
         if self.store_full is not None:
             log.warning("the store can be written again: taking new work")
             self.store_full = None
-            self.on_room()
+            self.tell()
         return True
 
 

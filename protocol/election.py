@@ -204,7 +204,9 @@ class Coordination:
 
     def check_message(self, signer: str, term: int, live: Iterable[str], *, adopt: bool = True) -> Coordination:
         """The view after a coordinator message signed by ``signer`` in ``term``; StateError if it is
-        stale or not from the term's coordinator (the message must then be ignored). ``adopt=False``
+        stale or not from the term's coordinator (the message must then be ignored). In the view's own
+        term, an eligible live signer that ranks before the view's coordinator becomes it (rule 8: two
+        peers claimed one term; not for ``adopt=False``). ``adopt=False``
         (verdicts: a judge signs them too, rule 6) never moves the view to a higher term: StateError,
         and the message waits until the view reaches its term."""
         if isinstance(term, bool) or not isinstance(term, int) or term < 1:

@@ -55,7 +55,6 @@ Rules of this file:
 from __future__ import annotations
 
 import logging
-import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -115,14 +114,6 @@ class Outcome:
             outgoing = o.outgoing if o.outgoing is not None else outgoing
         return Outcome(None if actions is None else tuple(actions), tuple(applied), tuple(evidence), outgoing)
 
-    def __add__(self, other: "Outcome") -> "Outcome":
-        actions = None if self.actions is None and other.actions is None else \
-            (self.actions or ()) + (other.actions or ())
-        return Outcome(actions, self.applied + other.applied, self.evidence + other.evidence,
-                       other.outgoing if other.outgoing is not None else self.outgoing)
-
-
-NOTHING = Outcome()
 
 
 @dataclass
@@ -263,7 +254,7 @@ class JobMirror:
         before = self.coordination
         self._check_coordinator(signer, term, eligible)
         if self.coordination == before:
-            return NOTHING
+            return Outcome()
         return self.retry(now, eligible)
 
     def tick(self, now: float) -> Outcome:

@@ -3,7 +3,7 @@
 Followed jobs were never dropped and ``MAX_JOBS_FOLLOWED`` was a hard cap: 256 announcements (one
 Sybil identity's, or a long uptime's real jobs) stopped an agent following any new job until it
 restarted, each with its topic reader and subscription forever. Now an ended job is forgotten after
-``ended_job_retention`` (or at once when a new job needs its room), its topic left; and one announcer
+``Tasks.retention`` (or at once when a new job needs its room), its topic left; and one announcer
 has at most ``MAX_LIVE_JOBS_PER_SUBMITTER`` unended jobs followed. Real agents on loopback, real
 signed announcements fed to the follow logic (``Agent.follow_job``), real store.
 
@@ -83,7 +83,7 @@ async def test_ended_jobs_make_room_are_forgotten_after_their_retention_and_leav
         assert await w0.follow_job(terms0, terms0.submitter, envelope) is None and view0.job_id not in w0.jobs
 
         # job 1 ends with nothing new announced: forgotten once its tasks ended and the retention passed
-        w0.job_end_grace, w0.ended_job_retention = 0.2, 0.5
+        w0.tasks.end_grace, w0.tasks.retention = 0.2, 0.5
         (_, view1) = jobs[1]
         await w0.commit(view1, view1.cancel("test: ended", w0.clock()))
         with trio.fail_after(10):

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.network
 async def test_ending_a_job_ends_its_tasks(tmp_path, tiny_model_dir):
     async with network(tmp_path, tiny_model_dir, workers=0) as net:
         agent = net.submitter
-        agent.job_end_grace = 1.0
+        agent.tasks.end_grace = 1.0
         assert agent.submitter.reannounce_seconds >= 60  # the re-announcer would sleep that long
         terms = await agent.submitter.prepare_terms(fast_spec(shards=1, rounds=1),
                                                     write_dataset(tmp_path / "d.jsonl"), str(tiny_model_dir))
@@ -47,7 +47,7 @@ async def test_ending_a_job_ends_its_tasks(tmp_path, tiny_model_dir):
         assert not stuck_cancelled.is_set()  # the grace: what ended the job may still be finishing
         with trio.fail_after(5):
             await stuck_cancelled.wait()
-        assert trio.current_time() - start >= agent.job_end_grace - 0.01
+        assert trio.current_time() - start >= agent.tasks.end_grace - 0.01
         with trio.fail_after(2):
             while view.job_id in agent.job_tasks:
                 await trio.sleep(0.05)
