@@ -47,6 +47,7 @@ class LoopWatch:
         self._stop = threading.Event()
         self.suspensions = 0  # gaps in which the whole process did not run (not counted as stalls)
         self._suspended_at = float("-inf")  # when the watching thread last found itself late
+        self._looked = float("-inf")  # when the watching thread last looked
 
     async def run(self) -> None:
         """The loop's half: beat until cancelled; the watching thread lives as long as this task."""
@@ -60,6 +61,12 @@ class LoopWatch:
                 now = time.monotonic()
                 lag = now - self._beat - BEAT
                 self._beat = now
+                if lag > self.stall:  # let the watching thread look once since: it alone tells a stopped
+                    # process from a blocked loop, and after a SIGCONT either thread may run first (CI saw
+                    # the loop decide before the thread had looked, and count a stop as a stall)
+                    give_up = now + 2 * CHECK
+                    while self._looked < now and time.monotonic() < give_up:
+                        await trio.sleep(0.05)
                 if lag > self.stall and self._suspended_at > now - lag - BEAT:
                     self.suspensions += 1  # the process was stopped or starved, the loop with it
                     log.info("the process did not run for %.1f s (stopped or starved of CPU)", lag + BEAT)
@@ -80,7 +87,7 @@ class LoopWatch:
             now = time.monotonic()
             if now - looked > CHECK + self.stall / 2:  # this thread was not running either: the process was not
                 self._suspended_at = now
-            looked = now
+            looked = self._looked = now
             beat = self._beat
             late = now - beat
             if late > self.stall + BEAT and self._stalled_since != beat and self._suspended_at < beat:
