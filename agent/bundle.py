@@ -34,11 +34,12 @@ import trio
 
 ADAPTER_FILES = frozenset({"adapter_config.json", "adapter_model.safetensors"})
 CHECKPOINT_FILES = ADAPTER_FILES | {"optimizer.safetensors", "state.json"}
-# a worker's report: the adapter, and its final AdamW state when the job carries it (IPIP-0006 §2.3)
-REPORT_FILES = ADAPTER_FILES | {"optimizer.safetensors"}
+# a worker's report: the adapter, and its final AdamW state when the job carries it (IPIP-0006 §2.3);
+# with report_codec int8 the config and the coded payload instead (§2.8, agent/train/codec.py)
+REPORT_FILES = ADAPTER_FILES | {"optimizer.safetensors", "delta.safetensors"}
 # a round's aggregate: the adapter, the averaged AdamW state when the job carries it, and the outer
 # optimizer's state when the job has one (IPIP-0006 §2.3, §2.4)
-AGGREGATE_FILES = REPORT_FILES | {"outer_state.safetensors"}
+AGGREGATE_FILES = ADAPTER_FILES | {"optimizer.safetensors", "outer_state.safetensors"}
 DEFAULT_MAX_BYTES = 4 << 30
 _PLAIN_FILE_TYPES = (tarfile.REGTYPE, tarfile.AREGTYPE)  # not CONTTYPE, GNUTYPE_SPARSE: tarfile's isreg() takes those
 

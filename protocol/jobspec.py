@@ -57,6 +57,7 @@ OUTER_OPTIMIZERS = ("none", "sgd", "nesterov", "adam")
 OUTER_METHODS = ("fedavg", "exact")  # an outer step needs a mean in the adapters' own coordinates
 LR_SCHEDULES = ("constant", "cosine")
 OPTIMIZER_STATES = ("fresh", "carried")  # a round's AdamW: afresh, or the previous round's averaged state
+REPORT_CODECS = ("none", "int8")  # a report's end state: whole tensors, or int8-coded deltas (IPIP-0006 §2.8)
 # The outer optimizer a spec gets when it names none; chosen from scripts/bench_quality.py (IPIP-0006 §2.4).
 OUTER_DEFAULT = {"optimizer": "none", "lr": 1.0, "momentum": 0.0}
 MIN_SHARDS_FOR_ROBUST = 3  # a median or trimmed mean of two updates is just their mean
@@ -260,6 +261,7 @@ class TrainingSpec:
     schedule: str = _key("constant", _Choice(*LR_SCHEDULES))
     warmup_rounds: int = _key(0, _Integer(0, 1000))
     optimizer_state: str = _key("carried", _Choice(*OPTIMIZER_STATES))
+    report_codec: str = _key("none", _Choice(*REPORT_CODECS))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -400,6 +402,8 @@ training:                         # what each worker does with its shard in each
   warmup_rounds: 0                # first rounds ramp the rate up linearly, < rounds
   optimizer_state: carried        # carried | fresh: each round's AdamW starts from the accepted
                                   #   workers' averaged state (carried), or afresh as in round 1
+  report_codec: none              # none | int8: a worker's report sends its round's end state whole,
+                                  #   or as int8 deltas and moments (about 5-8x fewer bytes a round)
 
 lora:
   rank: 8                         # r, >= 1
@@ -820,7 +824,8 @@ def to_terms(spec: JobSpec, *, submitter: str, base_model_sha256: bytes, shards:
         method=spec.method, runtime=spec.runtime, seed=spec.seed, shards=tuple(shards),
         validation_cid=validation_cid,
         training=m.TrainingTerms(t.epochs, t.learning_rate, t.batch_size, t.gradient_accumulation_steps,
-                                 t.max_seq_len, t.max_steps, t.schedule, t.warmup_rounds, t.optimizer_state),
+                                 t.max_seq_len, t.max_steps, t.schedule, t.warmup_rounds, t.optimizer_state,
+                                 t.report_codec),
         lora=m.LoraTerms(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules), lora.freeze_a),
         proof=m.ProofTerms(proof.checkpoint_every, proof.verify_segments, proof.tolerance),
         rounds=spec.rounds, aggregation=spec.aggregation, min_accepted_fraction=spec.min_accepted_fraction,

@@ -48,6 +48,7 @@ OUTER_OPTIMIZERS = ("none", "sgd", "nesterov", "adam")
 OUTER_METHODS = ("fedavg", "exact")  # the rules whose mean lives in the adapters' own coordinates
 LR_SCHEDULES = ("constant", "cosine")
 OPTIMIZER_STATES = ("fresh", "carried")
+REPORT_CODECS = ("none", "int8")  # how a report carries its round's end state (IPIP-0006 §2.8)
 
 
 def job_topic(job_id: bytes) -> str:
@@ -293,6 +294,8 @@ class TrainingTerms(Wire):
     # where a round's AdamW starts: afresh, or from the accepted workers' averaged state that the
     # previous aggregate carries (IPIP-0006 §2.3)
     optimizer_state: str = extension_field("fresh", "enum", choices=OPTIMIZER_STATES)
+    # how a report carries the round's end state: whole tensors, or int8-coded deltas (IPIP-0006 §2.8)
+    report_codec: str = extension_field("none", "enum", choices=REPORT_CODECS)
 
 
 @record

@@ -35,6 +35,7 @@ Usage: python scripts/bench_quality.py [--tasks demo,hard] [--workers 2,4,8] [--
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import sys
@@ -50,6 +51,7 @@ import torch  # noqa: E402
 from agent.train.aggregate import (  # noqa: E402
     OuterOptimizer, aggregate, average_optimizer_states, frozen_keys, outer_step,
 )
+from agent.train.codec import payload_bytes, round_trip  # noqa: E402
 from agent.train.config import TrainConfig  # noqa: E402
 from agent.train.data import Example, read_chatml, split_dataset, write_chatml  # noqa: E402
 from agent.train.loop import LoraSession  # noqa: E402
@@ -193,8 +195,10 @@ def steps_to_reach(points: list[tuple[int, float]], loss: float) -> tuple[float,
 def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConfig, *, rounds: int,
                 steps: int, method: str, outer: OuterOptimizer, schedule: str = "constant",
                 warmup_rounds: int = 0, continue_data: bool = True, lr_scale: float = 1.0,
-                carry: bool = True) -> list[float]:
-    """The protocol's training, in process: validation loss after each round's aggregate."""
+                carry: bool = True, codec: str = "none", sent: list | None = None) -> list[float]:
+    """The protocol's training, in process: validation loss after each round's aggregate. With
+    ``codec`` int8 every worker's end state goes through the report codec (agent/train/codec.py), as
+    a worker's does; ``sent`` collects (payload bytes, whole-report bytes) per report."""
     aggregate_now, state, optimizer = trainer.initial, {}, None
     losses = []
     for rnd in range(1, rounds + 1):
@@ -204,12 +208,26 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
         offset = (rnd - 1) * steps if continue_data else 0
         trained = [(trainer.train(aggregate_now, shard, round_config, steps, offset=offset, optimizer=optimizer),
                     len(shard)) for shard in shards]
+        if codec != "none":
+            trained = [(coded(aggregate_now, adapter, opt if carry else {}, trainer.frozen, sent, codec), n)
+                       for (adapter, opt), n in trained]
         mean = aggregate(method, [(adapter, n) for (adapter, _), n in trained])
         if carry:  # IPIP-0006 §2.3: the next round starts from the averaged AdamW state
             optimizer = average_optimizer_states([(opt, n) for (_, opt), n in trained])
         aggregate_now, state = outer_step(aggregate_now, mean, state, outer, step=rnd, frozen=trainer.frozen)
         losses.append(trainer.evaluate(aggregate_now))
     return losses
+
+
+def coded(start: dict, adapter: dict, optimizer: dict, frozen: list, sent: list | None,
+          codec: str = "int8") -> tuple[dict, dict]:
+    """A worker's end state as the coordinator gets it through the report codec (bytes counted
+    at the codec's bits per value, as the payload file stores them)."""
+    payload, adapter, optimizer = round_trip(start, adapter, optimizer, frozen, codec)
+    if sent is not None:
+        whole = sum(t.numel() * t.element_size() for t in (*adapter.values(), *optimizer.values()))
+        sent.append((payload_bytes(payload, codec), whole))
+    return adapter, optimizer
 
 
 def demo_network_loss(trainer: Trainer, shards: int, rounds: int, steps: int, directory: Path) -> tuple[float, float]:
@@ -258,9 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outer", default="none,nesterov:0.7:0.9", help="outer optimizers (comma list)")
     parser.add_argument("--method", default="exact")
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--schedule", default="constant", help="constant | cosine (inner lr across rounds)")
+    parser.add_argument("--schedule", default="constant", help="constant | cosine (comma list): inner lr across rounds")
     parser.add_argument("--warmup-rounds", type=int, default=0)
-    parser.add_argument("--inner-scale", default="none", help="none | sqrt: the network's inner lr is --lr x sqrt(W)")
+    parser.add_argument("--inner-scale", default="none",
+                        help="none | sqrt (comma list): the network's inner lr is --lr x sqrt(W)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--extend", type=float, default=1.5, help="centralized run length as a multiple of --total")
     parser.add_argument("--same-data-each-round", action="store_true",
@@ -268,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-sync", action="store_true", help="skip the sync-DP baseline")
     parser.add_argument("--optimizer-state", default="carried,fresh",
                         help="carried | fresh (comma list): each round's AdamW from the averaged state, or afresh")
+    parser.add_argument("--codec", default="none", help="none | int8 (comma list): the report codec (IPIP-0006 §2.8)")
     parser.add_argument("--quick", action="store_true", help="demo task, W=4, T=200: a smoke run")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--records", type=int, default=0,
@@ -310,14 +330,17 @@ def main(argv: list[str] | None = None) -> int:
                     steps = args.total // (workers * rounds)
                     if steps < 1:
                         continue
-                    for (label, outer), carried in ((o, c) for o in outers for c in args.optimizer_state.split(",")):
-                        started = time.perf_counter()
+                    variants = itertools.product(outers, args.optimizer_state.split(","), args.codec.split(","),
+                                                 args.schedule.split(","), args.inner_scale.split(","))
+                    for (label, outer), carried, codec, schedule, inner_scale in variants:
+                        started, sent = time.perf_counter(), []
                         losses = network_run(trainer, shards, config, rounds=rounds, steps=steps, method=args.method,
-                                             outer=outer, schedule=args.schedule, warmup_rounds=args.warmup_rounds,
+                                             outer=outer, schedule=schedule, warmup_rounds=args.warmup_rounds,
                                              continue_data=not args.same_data_each_round,
-                                             lr_scale=workers ** 0.5 if args.inner_scale == "sqrt" else 1.0,
-                                             carry=carried == "carried")
-                        label = f"{label}+{carried}"
+                                             lr_scale=workers ** 0.5 if inner_scale == "sqrt" else 1.0,
+                                             carry=carried == "carried", codec=codec, sent=sent)
+                        label = f"{label}+{carried}" + "".join(f"+{x}" for x in (codec, schedule, inner_scale)
+                                                               if x not in ("none", "constant"))
                         final = losses[-1]
                         reached, capped = steps_to_reach(central, final)
                         efficiency = reached / args.total
@@ -330,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
                         emit(f"val_loss/{name}", final, "nats", central_at_total, central_at_total / final, None,
                              per_round=[round(x, 4) for x in losses],
                              seconds=round(time.perf_counter() - started, 1))
+                        if sent:
+                            payload, whole = sum(p for p, _ in sent) / len(sent), sum(w for _, w in sent) / len(sent)
+                            emit(f"report_bytes/{name}", payload, "bytes", whole, whole / payload, 8.0)
             if args.network and task_name == "demo":
                 rounds = int(args.rounds.split(",")[0])
                 steps = args.total // (4 * rounds)

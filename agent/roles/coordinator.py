@@ -450,6 +450,12 @@ class CoordinatorRole:
                                     max_size=bundle_size_bound(1 << 30, REPORT_FILES))
         adapter_dir = await _unpack_worker_bundle(work / "adapter.tar", work / "adapter", allowed=REPORT_FILES,
                                             max_bytes=1 << 30)
+        model_path = agent.local_model(terms)
+        if model_path is None or await trio.to_thread.run_sync(base_model_sha256, model_path) != terms.base_model_sha256.hex():
+            raise RuntimeError(f"this coordinator does not hold base model {terms.base_model!r}")
+        config = train_config(terms, model_path, round=report.round, threads=agent.config.threads)
+        expected, _, expected_optimizer = await self._round_start(view, report.round, config, work)
+        await trio.to_thread.run_sync(run_torch, _materialize_report, adapter_dir, terms, expected)
         adapter = await trio.to_thread.run_sync(run_torch, _check_adapter, adapter_dir, terms)
         if await tensors_hash_off_loop(adapter, self.hash_limiter) != commitment.links[-1].adapter_hash:
             raise Rejection("the adapter does not hash to the last committed checkpoint")
@@ -462,14 +468,9 @@ class CoordinatorRole:
         await _fetch_worker_content(agent, terms.shards[report.shard].cid, shard_path, worker,
                                     [terms.submitter, worker], named_by_worker=False,
                                     exact_size=terms.shards[report.shard].size)
-        model_path = agent.local_model(terms)
-        if model_path is None or await trio.to_thread.run_sync(base_model_sha256, model_path) != terms.base_model_sha256.hex():
-            raise RuntimeError(f"this coordinator does not hold base model {terms.base_model!r}")
-        config = train_config(terms, model_path, round=report.round, threads=agent.config.threads)
 
         # training started where it had to: the seeded init in round 1, the last aggregate after
         genesis = await self._checkpoint(checkpoints, 0, work, providers)
-        expected, _, expected_optimizer = await self._round_start(view, report.round, config, work)
         problem = await trio.to_thread.run_sync(run_torch, check_initial_adapter, genesis, commitment, expected,
                                                 expected_optimizer)
         if problem is not None:
@@ -484,7 +485,7 @@ class CoordinatorRole:
             # waiting for it held SIGTERM up for tens of seconds on a busy machine (the soak)
             verdict = await trio.to_thread.run_sync(run_torch, partial(
                 verify_segment, commitment, index, start=start, end=end, shard=shard_path, config=config,
-                claimed_head=report.chain_head), abandon_on_cancel=True)
+                claimed_head=report.chain_head, round_start=genesis), abandon_on_cancel=True)
             if not verdict.accepted:
                 raise Rejection(f"segment {index} does not replay: {verdict.reason}")
         return segments, adapter_dir
@@ -574,8 +575,14 @@ class CoordinatorRole:
                 await agent.content.fetch(report.adapter_cid, bundle, timeout=agent.config.fetch_timeout,
                                           providers=[terms.submitter, worker],
                                           max_size=bundle_size_bound(1 << 30, REPORT_FILES))
-                entry = (await unpack_off_loop(bundle, work / f"adapter-{shard}", allowed=REPORT_FILES, max_bytes=1 << 30),
-                         report.samples)
+                directory = await unpack_off_loop(bundle, work / f"adapter-{shard}", allowed=REPORT_FILES,
+                                                  max_bytes=1 << 30)
+                if terms.training.report_codec != "none":  # verified already: decode it onto the round's start
+                    start_config = train_config(terms, agent.local_model(terms) or terms.base_model, round=action.round,
+                                                threads=agent.config.threads)
+                    start_adapter, _, _ = await self._round_start(view, action.round, start_config, work)
+                    await trio.to_thread.run_sync(run_torch, _materialize_report, directory, terms, start_adapter)
+                entry = (directory, report.samples)
             inputs.append(entry)
         out = work / "adapter"
         config, start, validation = None, None, None
@@ -728,6 +735,37 @@ def _check_adapter(adapter_dir: Path, terms: m.JobTerms) -> dict:
     if problem is not None:
         raise Rejection(problem)
     return tensors
+
+
+def _materialize_report(directory: Path, terms: m.JobTerms, start: dict) -> None:
+    """With ``report_codec: int8`` (IPIP-0006 §2.8): decode the report's payload onto the round's
+    ``start`` and write the adapter (and AdamW state) files the rest of verification and aggregation
+    read; the decoded state is then checked against the chain like a whole report. A coded job's
+    report must carry the payload and no whole tensors, an uncoded one no payload: else Rejection."""
+    from agent.train.aggregate import OPTIMIZER_FILE, frozen_keys
+    from agent.train.codec import PAYLOAD_FILE, CodecError, decode, load_payload
+    from safetensors.torch import save_file
+
+    coded = terms.training.report_codec != "none"
+    present = {path.name for path in directory.iterdir()}
+    if not coded:
+        if PAYLOAD_FILE in present:
+            raise Rejection(f"the job sends whole reports, but the report has {PAYLOAD_FILE}")
+        return
+    whole = present & {"adapter_model.safetensors", OPTIMIZER_FILE}
+    if whole or PAYLOAD_FILE not in present:
+        raise Rejection(f"the job's reports are coded ({terms.training.report_codec}): expected {PAYLOAD_FILE} "
+                        f"and no {', '.join(sorted(whole)) or 'whole tensors'}")
+    try:
+        payload = load_payload(directory / PAYLOAD_FILE)
+        adapter, optimizer = decode(payload, start, None, frozen_keys(start, terms.lora.freeze_a))
+    except CodecError as error:
+        raise Rejection(f"report payload: {error}") from None
+    if terms.training.optimizer_state != "carried" and optimizer:
+        raise Rejection("report payload: the job does not carry the optimizer state, but the payload has one")
+    save_file(adapter, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    if optimizer:
+        save_file(optimizer, str(directory / OPTIMIZER_FILE), metadata={"format": "pt"})
 
 
 def _check_final_optimizer(adapter_dir: Path, committed: bytes) -> str | None:

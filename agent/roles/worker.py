@@ -367,7 +367,7 @@ class WorkerRole:
         head = self.training.after_training(result.adapter_dir, request.run_dir / PROOF_FILE, result.head)
         # provided in the background: the report names us, and a slow DHT peer must not delay it (issue 17)
         adapter_cid = await agent.content.add_file(
-            await pack_dir_off_loop(result.adapter_dir, run_dir / "adapter.tar"), provide=False)
+            await pack_dir_off_loop(report_dir(result, request.run_dir, terms), run_dir / "adapter.tar"), provide=False)
         agent.hold(view.job_id, lease.round, adapter_cid)
         agent.provide_soon(adapter_cid)
         proof_dir = run_dir / "proof"
@@ -403,3 +403,18 @@ def _device_vram_gb(machine: Any, device: str) -> float:
         return 0.0
     named = [d for d in machine.cuda if d.name == device[5:]]
     return max((d.vram_total_gb for d in named or machine.cuda), default=0.0)
+
+
+def report_dir(result: Any, train_dir: Path, terms: Any) -> Path:
+    """The directory the report's bundle packs: the trained adapter (and AdamW state), or with
+    ``report_codec: int8`` its config and the coded payload only (IPIP-0006 §2.8)."""
+    if terms.training.report_codec == "none":
+        return result.adapter_dir
+    from agent.train.codec import PAYLOAD_FILE
+
+    directory = train_dir / "report"
+    directory.mkdir(exist_ok=True)
+    shutil.copy(result.adapter_dir / "adapter_config.json", directory / "adapter_config.json")
+    shutil.copy(train_dir / PAYLOAD_FILE, directory / PAYLOAD_FILE)
+    return directory
+

@@ -33,7 +33,7 @@ from agent.train.config import DTYPES, TrainConfig
 from agent.train.env import environment
 from agent.train.model import base_model_sha256, load_tokenizer, tensors_hash
 from agent.train.recorder import checkpoint_name, read_checkpoint
-from agent.train.run import load_shard, open_session, pad_token_id
+from agent.train.run import finish_round, load_shard, open_session, pad_token_id
 from protocol.errors import ProofError
 from protocol.proof import (
     ChainLink, Commitment, SegmentVerdict, acceptance_tolerance, batches_digest, judge_replay,
@@ -116,8 +116,11 @@ def _rejected(index: int, reason: str) -> SegmentVerdict:
 
 
 def verify_segment(commitment: Commitment, index: int, *, start: Path, shard: Path, config: TrainConfig,
-                   end: Path | None = None, claimed_head: bytes | None = None) -> SegmentVerdict:
-    """Replay segment ``index`` of ``commitment`` from checkpoint directory ``start`` and judge it."""
+                   end: Path | None = None, claimed_head: bytes | None = None,
+                   round_start: Path | None = None) -> SegmentVerdict:
+    """Replay segment ``index`` of ``commitment`` from checkpoint directory ``start`` and judge it.
+    ``round_start``: the round's first checkpoint (step 0), which a replay of the last segment of a
+    job with a report codec needs: the last link commits the coded state (IPIP-0006 §2.8)."""
     try:
         commitment.check(claimed_head)
         start_step, adapter_hash, optimizer_hash = commitment.segment_start(index)
@@ -154,11 +157,27 @@ def verify_segment(commitment: Commitment, index: int, *, start: Path, shard: Pa
         session.load_optimizer_tensors(optimizer)
     except (ValueError, KeyError) as error:
         return _rejected(index, f"start checkpoint {start.name} does not fit the model: {error}")
+    last = index == len(commitment.links) - 1
+    first = None
+    if last and config.report_codec != "none":
+        if round_start is None:
+            return _rejected(index, "the last segment of a coded report needs the round's start to replay")
+        try:
+            first, _, _ = read_checkpoint(round_start)
+        except (OSError, ValueError, SafetensorError) as error:
+            return _rejected(index, f"round start checkpoint {round_start.name} is unreadable: {error}")
+        if tensors_hash(first) != commitment.header.initial_adapter_hash:
+            return _rejected(index, f"round start checkpoint {round_start.name} does not match the committed start")
     steps, losses = [], []
     for step in range(start_step, committed.step):
         result = session.step(step)
         steps.append(result.indices)
         losses.append(result.loss)
+    if first is not None:
+        try:
+            finish_round(session, config, first)
+        except (ValueError, KeyError) as error:  # CodecError is a ValueError
+            return _rejected(index, f"the coded end state does not replay: {error}")
     replay_adapter, replay_optimizer = session.adapter_tensors(), session.optimizer_tensors()
     replayed = ChainLink(
         step=committed.step, adapter_hash=tensors_hash(replay_adapter),
@@ -199,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     end = args.checkpoints / checkpoint_name(commitment.links[args.segment].step)
     started = time.time()
     verdict = verify_segment(commitment, args.segment, start=args.checkpoints / checkpoint_name(start_step),
-                             end=end if end.is_dir() else None, shard=args.shard, config=config)
+                             end=end if end.is_dir() else None, shard=args.shard, config=config,
+                             round_start=args.checkpoints / checkpoint_name(0))
     print(json.dumps({**asdict(verdict), "seconds": time.time() - started}))
     return 0 if verdict.accepted else 1
 

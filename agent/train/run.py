@@ -12,6 +12,7 @@ Rules of this file:
       proof.json            the commitment: header, links, head (rewritten at each checkpoint)
       checkpoints/step-*/   see recorder.py
       checkpoint-final/     adapter_config.json + adapter_model.safetensors (stock peft layout)
+      delta.safetensors     with ``report_codec: int8``: the round's end state as the report sends it
       result.json           the TrainResult
       README.md             what was trained, on what, when, how long, final loss
 - ``build_lora_model`` is the only place that differs between backends: "peft" loads through
@@ -33,8 +34,8 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from agent.train.aggregate import OPTIMIZER_FILE
-
+from agent.train.aggregate import OPTIMIZER_FILE, frozen_keys
+from agent.train.codec import PAYLOAD_FILE, encode, round_trip, save_payload
 from agent.train.config import TrainConfig, TrainError
 from agent.train.data import Example, PreparedShard, prepare_examples
 from agent.train.env import environment, set_threads
@@ -226,6 +227,26 @@ def _prepare(request: TrainRequest, backend: str, *, with_validation: bool = Tru
     return base_hash, shard, validation, session
 
 
+def finish_round(session: LoraSession, config: TrainConfig, start: dict[str, torch.Tensor]) -> dict | None:
+    """After a round's last step, with ``report_codec: int8``: the state becomes what the report's
+    payload decodes to (IPIP-0006 §2.8), and the payload is returned; the last link commits that
+    state. Training, replicas and a replay of the last segment all call this. None: no codec."""
+    if config.report_codec == "none":
+        return None
+    optimizer = session.optimizer_tensors() if config.carry_optimizer else {}
+    payload, adapter, state = round_trip(start, session.adapter_tensors(), optimizer,
+                                         frozen_keys(start, config.freeze_a))
+    load_adapter_state(session.model, adapter)
+    if config.carry_optimizer:
+        session.load_optimizer_tensors(state)
+    return payload
+
+
+def _start_tensors(session: LoraSession) -> dict[str, torch.Tensor]:
+    """A copy of the adapter the session starts from (the round's start, for finish_round)."""
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in session.adapter_tensors().items()}
+
+
 def _check_replicas(session: LoraSession, link: ChainLink) -> None:
     """Data parallel: the state a link commits to must be every rank's (they all took the same steps)."""
     if not same_on_every_rank(link.adapter_hash + link.optimizer_hash, session.device):
@@ -237,9 +258,12 @@ def train_replica(request: TrainRequest, backend: str = "peft") -> None:
     records the proof and writes the run; this rank writes nothing and checks its state at every link."""
     _, shard, _, session = _prepare(request, backend, with_validation=False)
     config = request.config
+    start = _start_tensors(session)
     total_steps = config.total_steps(len(shard.examples))
     for step in range(total_steps):
         result = session.step(step)
+        if result.step == total_steps:
+            finish_round(session, config, start)
         if is_checkpoint(result.step, config.checkpoint_every, total_steps):
             digest = tensors_hash(session.adapter_tensors()) + tensors_hash(session.optimizer_tensors())
             if not same_on_every_rank(digest, session.device):
@@ -256,6 +280,7 @@ def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None
     started = time.time()
     started_at = datetime.now(timezone.utc)
     base_hash, shard, validation, session = _prepare(request, backend)
+    start = _start_tensors(session)
     world, _ = data_parallel()
     if resume and world > 1:
         raise TrainError("resuming a run is done in one process, not data-parallel")
@@ -296,9 +321,12 @@ def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None
     window_losses: list[float] = []
     last_loss = float("nan")
     validation_loss = initial_validation
+    payload = None
     with open(run_dir / "metrics.jsonl", "a" if resume else "w", encoding="utf-8") as metrics:
         for step in range(first_step, total_steps):
             result = session.step(step)
+            if result.step == total_steps:
+                payload = finish_round(session, config, start)
             recorder.after_step(session, result.step, result.indices, result.loss)
             tokens += result.tokens
             window_losses.append(result.loss)
@@ -323,6 +351,11 @@ def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None
     save_adapter(adapter_dir, session.model, session.adapter_tensors())
     if config.carry_optimizer:  # the coordinator averages it into the next round's start
         save_file(session.optimizer_tensors(), str(adapter_dir / OPTIMIZER_FILE), metadata={"format": "pt"})
+    if payload is None and config.report_codec != "none":  # resumed after the last link: the state is coded
+        payload = encode(start, session.adapter_tensors(),
+                         session.optimizer_tensors() if config.carry_optimizer else {}, frozen_keys(start, config.freeze_a))
+    if payload is not None:
+        save_payload(run_dir / PAYLOAD_FILE, payload)
     outcome = TrainResult(
         run_dir=run_dir, adapter_dir=adapter_dir, head=recorder.head, steps=total_steps,
         checkpoints=len(recorder.links), samples=total_steps * config.samples_per_step, tokens=tokens,

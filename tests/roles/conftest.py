@@ -24,7 +24,7 @@ def write_dataset(path: Path, n: int = 160) -> Path:
 
 
 def fast_spec(shards: int = 4, rounds: int = 2, max_retries: int = 4, lease_seconds: int = 60, max_steps: int = 8,
-              extra: str = "", training: str = ""):
+              extra: str = "", training: str = "", verify_segments: int = 1):
     """A small job the tiny model trains in about a second per shard (jobspec defaults otherwise)."""
     from protocol.jobspec import parse_spec
 
@@ -38,7 +38,7 @@ lora: {{rank: 4, alpha: 8, target_modules: [q_proj, v_proj]}}
 shards: {shards}
 rounds: {rounds}
 max_retries: {max_retries}
-proof: {{checkpoint_every: 4, verify_segments: 1, tolerance: 0.0001}}
+proof: {{checkpoint_every: 4, verify_segments: {verify_segments}, tolerance: 0.0001}}
 lease_seconds: {lease_seconds}
 {extra}"""
     return parse_spec(text, "test-spec")

@@ -90,3 +90,43 @@ def test_a_report_must_carry_the_optimizer_state_its_proof_committed(tmp_path):
     assert "does not hash to the last committed checkpoint" in _check_final_optimizer(report, committed)
     (report / OPTIMIZER_FILE).unlink()
     assert "has no optimizer.safetensors" in _check_final_optimizer(report, committed)
+
+
+def test_a_coded_report_materializes_to_the_state_its_worker_holds(tmp_path):
+    """IPIP-0006 §2.8: the coordinator decodes a report's int8 payload onto the round's start and
+    gets exactly the state the worker's round trip left it with (which its last link commits); a
+    coded job's report with whole tensors, or an uncoded job's with a payload, is refused."""
+    import pytest
+
+    from agent.roles.coordinator import Rejection, _materialize_report
+    from agent.train.codec import PAYLOAD_FILE, round_trip, save_payload
+    from agent.train.model import tensors_hash
+
+    base = sample_terms(Identity(bytes([1]) * 32))
+    terms = dataclasses.replace(base, aggregation="exact", lora=dataclasses.replace(base.lora, freeze_a=True),
+                                training=dataclasses.replace(base.training, optimizer_state="carried",
+                                                             report_codec="int8"))
+    whole = worker_output(tmp_path / "whole", 3)
+    start = {A: torch.ones(4, 8), B: torch.zeros(16, 4)}
+    payload, adapter, optimizer = round_trip(start, load_file(str(whole / "adapter_model.safetensors")),
+                                             load_file(str(whole / OPTIMIZER_FILE)), [A])
+    coded = tmp_path / "coded"
+    coded.mkdir()
+    shutil.copy(whole / "adapter_config.json", coded)
+    save_payload(coded / PAYLOAD_FILE, payload)
+    _materialize_report(coded, terms, start)
+    assert tensors_hash(load_file(str(coded / "adapter_model.safetensors"))) == tensors_hash(adapter)
+    assert tensors_hash(load_file(str(coded / OPTIMIZER_FILE))) == tensors_hash(optimizer)
+    with pytest.raises(Rejection, match="reports are coded"):
+        _materialize_report(whole, terms, start)  # whole tensors where the job codes them
+    plain = dataclasses.replace(terms, training=dataclasses.replace(terms.training, report_codec="none"))
+    with pytest.raises(Rejection, match="whole reports"):
+        _materialize_report(coded, plain, start)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    shutil.copy(whole / "adapter_config.json", broken)
+    save_file({k: v for k, v in payload.items() if not k.startswith("optimizer/")}, str(broken / PAYLOAD_FILE),
+              metadata={"format": "infernet-report-int8/1"})
+    (broken / OPTIMIZER_FILE).unlink(missing_ok=True)
+    _materialize_report(broken, terms, start)  # decodes; the missing state then fails the chain's hash
+    assert not (broken / OPTIMIZER_FILE).exists()

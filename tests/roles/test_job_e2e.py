@@ -14,13 +14,16 @@ pytestmark = pytest.mark.network
 
 
 async def test_job_completes_and_aggregate_beats_base(tmp_path, tiny_model_dir):
-    """With an outer optimizer and a schedule across rounds: each aggregate is scored and carries its state."""
+    """With an outer optimizer, a schedule across rounds and coded reports (every segment replayed,
+    the last one through the codec): each aggregate is scored and carries its state."""
     dataset = write_dataset(tmp_path / "demo.jsonl")
-    spec = fast_spec(extra="outer: {optimizer: nesterov, lr: 0.8, momentum: 0.5}\n", training=", schedule: cosine")
+    spec = fast_spec(extra="outer: {optimizer: nesterov, lr: 0.8, momentum: 0.5}\n",
+                     training=", schedule: cosine, report_codec: int8", verify_segments=2)
     async with network(tmp_path, tiny_model_dir) as net:
         submitter, workers = net.submitter, net.workers
         terms = await submitter.submitter.prepare_terms(spec, dataset, str(tiny_model_dir))
         assert terms.outer.optimizer == "nesterov" and terms.training.schedule == "cosine"
+        assert terms.training.report_codec == "int8"
         view = await submitter.submitter.announce(terms)
         await submitter.wait_for(lambda: view.state.terminal, timeout=240)
         assert view.state.phase is st.JobPhase.DONE, view.state.reason
@@ -37,6 +40,13 @@ async def test_job_completes_and_aggregate_beats_base(tmp_path, tiny_model_dir):
             assert w.jobs[view.job_id].state.published == view.state.published
         out = tmp_path / "aggregate.tar"
         await submitter.content.fetch(final.adapter_cid, out, timeout=30)
+        report, _ = next(iter(view.reports.values()))  # what a worker sent: the config and the payload
+        await submitter.content.fetch(report.adapter_cid, tmp_path / "report.tar", timeout=30)
+        import tarfile
+
+        with tarfile.open(tmp_path / "report.tar") as tar:
+            assert sorted(name.rsplit("/", 1)[-1] for name in tar.getnames() if name.endswith((".json", ".safetensors"))) \
+                == ["adapter_config.json", "delta.safetensors"]
     losses = await trio.to_thread.run_sync(_losses, tiny_model_dir, out, tmp_path, terms)
     assert losses["adapter"] < losses["base"], losses
 

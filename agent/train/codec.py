@@ -1,0 +1,246 @@
+"""Compressed round reports (IPIP-0006 §2.8, spec key ``training.report_codec``).
+
+A worker's report carries its round's end state: the trained adapter and, when the job carries the
+optimizer state (§2.3), its AdamW moments. Sent whole in float32 that is four copies' worth of the
+trainable tensors a round (A, B, exp_avg, exp_avg_sq), which a home uplink pays for every round.
+With ``report_codec: int8`` the worker sends instead:
+
+- the round's *delta* of every trained adapter tensor (end - start; a frozen tensor such as lora_A
+  under FFA-LoRA is not sent at all: the coordinator holds the round's start),
+- ``exp_avg`` as it is, and ``exp_avg_sq`` through its square root (the scale Adam divides by),
+- each cut into blocks of ``BLOCK`` values, every block stored as int8 (uint8 for the root) with
+  one float32 scale: ``q = round(x / s)``, ``s = max|x| / 127`` (255 for the root); ``step``
+  counters as they are.
+
+Rules of this file:
+- Bit-exact. Encoding and decoding are float32 operations in a fixed order on the CPU (round half
+  to even), so every machine turns the same state into the same bytes and back into the same
+  tensors: the verifier can recompute them.
+- The state is what is sent. The worker does not keep its unrounded end state: its last step is
+  followed by ``round_trip``, which replaces the adapter and moments by what the payload decodes
+  to, and the proof's last link commits *that* state. So the coordinator checks the payload against
+  the chain by decoding it and hashing (as it checks a whole adapter today), and a replay of the last
+  segment applies the same ``round_trip`` before it compares.
+- A root never decodes to zero where it was not zero: Adam divides by it, and a zero would make a
+  step of lr·m/eps. Its quantum is at least 1 where the value was positive.
+- Decoding untrusted bytes checks every key, dtype and length against the state it applies to and
+  raises ``CodecError`` naming the key.
+This module imports no networking code.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+CODECS = ("none", "int8")
+BLOCK = 64
+# bits per value of (adapter delta, exp_avg, root of exp_avg_sq) for each codec; the others are
+# for scripts/bench_quality.py's study of what a round survives
+BITS = {"int8": (8, 8, 8), "int4": (4, 4, 4), "d8m4": (8, 4, 4), "d4m8": (4, 8, 8)}
+PAYLOAD_FILE = "delta.safetensors"
+FORMAT = "infernet-report-int8/1"
+
+
+class CodecError(ValueError):
+    """A payload that does not decode onto the given state; the message names the key."""
+
+
+def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    flat = x.detach().to("cpu", torch.float32).reshape(-1)
+    n = flat.numel()
+    padded = torch.zeros(((n + BLOCK - 1) // BLOCK) * BLOCK, dtype=torch.float32)
+    padded[:n] = flat
+    return padded.view(-1, BLOCK), n
+
+
+def encode_signed(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes in [-(2^(bits-1) - 1), 2^(bits-1) - 1], float32 scale per block) of ``x``."""
+    top = float(2 ** (bits - 1) - 1)
+    blocks, _ = _blocks(x)
+    scale = blocks.abs().amax(dim=1) / top
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(blocks / safe[:, None]).clamp_(-top, top).to(torch.int8)
+    return codes.reshape(-1), scale
+
+
+def decode_signed(codes: torch.Tensor, scale: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    values = (codes.view(-1, BLOCK).to(torch.float32) * scale[:, None]).reshape(-1)
+    return values[:like.numel()].reshape(like.shape)
+
+
+def encode_root(v: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 codes in [0, 2^bits - 1], float32 scale per block) of sqrt(v), v >= 0; a positive
+    value codes to >= 1."""
+    top = float(2 ** bits - 1)
+    blocks, _ = _blocks(v)
+    root = blocks.clamp(min=0).sqrt()
+    scale = root.amax(dim=1) / top
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(root / safe[:, None]).clamp_(0, top)
+    codes = torch.where(root > 0, codes.clamp(min=1), codes).to(torch.uint8)
+    return codes.reshape(-1), scale
+
+
+def decode_root(codes: torch.Tensor, scale: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    root = codes.view(-1, BLOCK).to(torch.float32) * scale[:, None]
+    return (root * root).reshape(-1)[:like.numel()].reshape(like.shape)
+
+
+def _kind(key: str) -> str:
+    if key.endswith(".exp_avg_sq"):
+        return "root"
+    if key.endswith(".exp_avg"):
+        return "signed"
+    if key.endswith(".step"):
+        return "raw"
+    return "delta"
+
+
+def encode(start: Mapping[str, torch.Tensor], end: Mapping[str, torch.Tensor],
+           optimizer: Mapping[str, torch.Tensor], frozen: Sequence[str], codec: str = "int8") -> dict[str, torch.Tensor]:
+    """The payload's tensors: adapter deltas (frozen keys left out) and the AdamW state."""
+    delta_bits, signed_bits, root_bits = BITS[codec]
+    out: dict[str, torch.Tensor] = {}
+    skip = set(frozen)
+    for key, tensor in end.items():
+        if key in skip:
+            continue
+        if key not in start:
+            raise CodecError(f"{key}: not in the round's start adapter")
+        delta = tensor.detach().to("cpu", torch.float32) - start[key].detach().to("cpu", torch.float32)
+        out[f"adapter/{key}.q"], out[f"adapter/{key}.scale"] = encode_signed(delta, delta_bits)
+    for key, tensor in optimizer.items():
+        kind = _kind(key)
+        if kind == "raw":
+            out[f"optimizer/{key}"] = tensor.detach().to("cpu").contiguous()
+        elif kind == "root":
+            out[f"optimizer/{key}.q"], out[f"optimizer/{key}.scale"] = encode_root(tensor, root_bits)
+        elif kind == "signed":
+            out[f"optimizer/{key}.q"], out[f"optimizer/{key}.scale"] = encode_signed(tensor, signed_bits)
+        else:
+            raise CodecError(f"optimizer state {key}: not an AdamW tensor (step, exp_avg, exp_avg_sq)")
+    return out
+
+
+def decode(payload: Mapping[str, torch.Tensor], start: Mapping[str, torch.Tensor],
+           optimizer_like: Mapping[str, torch.Tensor] | None, frozen: Sequence[str]
+           ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(adapter, optimizer state) that ``payload`` codes for, on top of the round's ``start``.
+
+    ``optimizer_like``: a state with the expected keys and shapes (the worker's own state, or one
+    the verifier builds); None: the keys are read off the payload with the adapter's shapes.
+    Raises CodecError naming the first key that is missing, extra or of the wrong dtype or length.
+    """
+    adapter: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+    skip = set(frozen)
+    for key, base in start.items():
+        if key in skip:
+            adapter[key] = base.detach().clone()
+            continue
+        codes, scale = _pair(payload, f"adapter/{key}", base, torch.int8, used)
+        delta = decode_signed(codes, scale, base)
+        adapter[key] = (base.detach().to("cpu", torch.float32) + delta).to(base.dtype)
+    optimizer: dict[str, torch.Tensor] = {}
+    if optimizer_like is None:
+        optimizer_like = _optimizer_shapes(payload, start)
+    for key, like in optimizer_like.items():
+        kind = _kind(key)
+        if kind == "raw":
+            name = f"optimizer/{key}"
+            tensor = payload.get(name)
+            if tensor is None or tensor.shape != like.shape or not tensor.is_floating_point():
+                raise CodecError(f"{name}: missing or not a {tuple(like.shape)} float tensor")
+            used.add(name)
+            optimizer[key] = tensor.clone()
+            continue
+        dtype = torch.uint8 if kind == "root" else torch.int8
+        codes, scale = _pair(payload, f"optimizer/{key}", like, dtype, used)
+        decoded = decode_root(codes, scale, like) if kind == "root" else decode_signed(codes, scale, like)
+        optimizer[key] = decoded.to(like.dtype)
+    extra = set(payload) - used
+    if extra:
+        raise CodecError(f"{sorted(extra)[0]}: fits no tensor of the adapter or its optimizer state")
+    return adapter, optimizer
+
+
+def _pair(payload: Mapping[str, torch.Tensor], name: str, like: torch.Tensor, dtype: torch.dtype,
+          used: set[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    codes, scale = payload.get(f"{name}.q"), payload.get(f"{name}.scale")
+    blocks = (like.numel() + BLOCK - 1) // BLOCK
+    if codes is None or scale is None:
+        raise CodecError(f"{name}: missing from the payload")
+    if codes.dtype != dtype or codes.dim() != 1 or codes.numel() != blocks * BLOCK:
+        raise CodecError(f"{name}.q: expected {blocks * BLOCK} {dtype} codes, got {codes.numel()} {codes.dtype}")
+    if scale.dtype != torch.float32 or scale.dim() != 1 or scale.numel() != blocks:
+        raise CodecError(f"{name}.scale: expected {blocks} float32 scales, got {scale.numel()} {scale.dtype}")
+    if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+        raise CodecError(f"{name}.scale: a scale is negative or not finite")
+    used.update((f"{name}.q", f"{name}.scale"))
+    return codes, scale
+
+
+def _optimizer_shapes(payload: Mapping[str, torch.Tensor], start: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The AdamW state's keys and shapes as the payload names them, shaped like their adapter tensor."""
+    like: dict[str, torch.Tensor] = {}
+    for name, tensor in payload.items():
+        if not name.startswith("optimizer/"):
+            continue
+        key = name[len("optimizer/"):]
+        if key.endswith((".q", ".scale")):
+            key = key.rsplit(".", 1)[0]
+        parameter, _, kind = key.rpartition(".")
+        if kind == "step":
+            like[key] = tensor
+        elif parameter in start and kind in ("exp_avg", "exp_avg_sq"):
+            like[key] = torch.empty(start[parameter].shape, dtype=torch.float32)
+        else:
+            raise CodecError(f"{name}: names no trainable tensor of the adapter")
+    return like
+
+
+def round_trip(start: Mapping[str, torch.Tensor], end: Mapping[str, torch.Tensor],
+               optimizer: Mapping[str, torch.Tensor], frozen: Sequence[str], codec: str = "int8"
+               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(payload, adapter, optimizer state): what the worker sends and the state it then holds."""
+    payload = encode(start, end, optimizer, frozen, codec)
+    adapter, state = decode(payload, start, optimizer, frozen)
+    return payload, adapter, state
+
+
+def save_payload(path: Path, payload: Mapping[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file(dict(payload), str(path), metadata={"format": FORMAT, "block": json.dumps(BLOCK)})
+
+
+def load_payload(path: Path) -> dict[str, torch.Tensor]:
+    """The payload's tensors; CodecError when the file is not one (untrusted bytes)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            if metadata.get("format") != FORMAT:
+                raise CodecError(f"{path.name}: format {metadata.get('format')!r}, expected {FORMAT!r}")
+            return {key: handle.get_tensor(key) for key in handle.keys()}
+    except (OSError, SafetensorError) as error:
+        raise CodecError(f"{path.name}: does not load: {error}") from None
+
+
+def payload_bytes(payload: Mapping[str, torch.Tensor], codec: str = "int8") -> int:
+    """Bytes of the payload's tensors at the codec's bits per code (4-bit codes go two to a byte)."""
+    delta_bits, signed_bits, root_bits = BITS[codec]
+    total = 0
+    for name, tensor in payload.items():
+        if not name.endswith(".q"):
+            total += tensor.numel() * tensor.element_size()
+            continue
+        kind = "delta" if name.startswith("adapter/") else _kind(name[:-2])
+        bits = {"delta": delta_bits, "signed": signed_bits, "root": root_bits}[kind]
+        total += (tensor.numel() * bits + 7) // 8
+    return total

@@ -1,0 +1,136 @@
+"""Coded round reports (agent/train/codec.py, IPIP-0006 §2.8): the int8 codec checked against
+numpy written from the rule, the untrusted-payload checks, and a real training run whose last link
+commits the coded state, replayed by the verifier (and a forged payload caught)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from agent.train.codec import (
+    BLOCK, PAYLOAD_FILE, CodecError, decode, encode, load_payload, round_trip, save_payload,
+)
+from agent.train.model import tensors_hash
+from agent.train.recorder import checkpoint_name
+from agent.train.replay import verify_segment
+from agent.train.run import TrainRequest, train_shard
+from protocol.proof import Commitment
+
+A, B = "m.lora_A.weight", "m.lora_B.weight"
+
+
+def state(seed: int = 0, rank: int = 4, inputs: int = 100, outputs: int = 70):
+    """A module's start and end (A frozen) and AdamW state; 70 x 4 is not a whole number of blocks."""
+    g = torch.Generator().manual_seed(seed)
+    start = {A: torch.randn(rank, inputs, generator=g), B: torch.randn(outputs, rank, generator=g) * 0.01}
+    end = {A: start[A].clone(), B: start[B] + torch.randn(outputs, rank, generator=g) * 1e-3}
+    v = torch.rand(outputs, rank, generator=g) ** 6 * 1e-8
+    v[0, :3] = 0.0  # an untouched coordinate
+    v[1, 0] = 1e-30  # far below its block's quantum
+    optimizer = {f"{B}.step": torch.tensor(12.0), f"{B}.exp_avg": torch.randn(outputs, rank, generator=g) * 1e-4,
+                 f"{B}.exp_avg_sq": v}
+    return start, end, optimizer
+
+
+def numpy_signed(x: np.ndarray) -> np.ndarray:
+    flat = np.zeros(-(-x.size // BLOCK) * BLOCK, dtype=np.float32)
+    flat[:x.size] = x.reshape(-1)
+    blocks = flat.reshape(-1, BLOCK)
+    scale = np.abs(blocks).max(axis=1) / np.float32(127)
+    q = np.clip(np.round(blocks / np.where(scale > 0, scale, 1)[:, None]), -127, 127)
+    return (q * scale[:, None]).reshape(-1)[:x.size].reshape(x.shape)
+
+
+def test_int8_matches_numpy_and_every_moment_survives():
+    start, end, optimizer = state()
+    payload, adapter, moments = round_trip(start, end, optimizer, frozen=[A])
+    delta = (end[B] - start[B]).numpy()
+    np.testing.assert_array_equal(adapter[B].numpy(), (start[B].numpy() + numpy_signed(delta)).astype(np.float32))
+    assert torch.equal(adapter[A], start[A]) and f"adapter/{A}.q" not in payload  # frozen A is not sent
+    np.testing.assert_array_equal(moments[f"{B}.exp_avg"].numpy(), numpy_signed(optimizer[f"{B}.exp_avg"].numpy()))
+    v, coded = optimizer[f"{B}.exp_avg_sq"], moments[f"{B}.exp_avg_sq"]
+    assert bool(((coded > 0) == (v > 0)).all()), "a root decoded to zero where it was positive, or back"
+    assert torch.equal(moments[f"{B}.step"], optimizer[f"{B}.step"])
+    # each value within half a quantum of its block
+    err = (adapter[B] - end[B]).abs().reshape(-1)
+    assert float(err.max()) <= float((end[B] - start[B]).abs().max()) / 127 / 2 + 1e-9
+    assert (torch.linalg.norm(adapter[B] - end[B]) / torch.linalg.norm(end[B] - start[B])) < 0.01
+
+
+def test_the_same_state_codes_to_the_same_bytes_and_back(tmp_path):
+    start, end, optimizer = state(1, rank=8, inputs=128, outputs=384)  # an up_proj of the tiny model
+    one = encode(start, end, optimizer, [A])
+    two = encode({k: v.clone() for k, v in start.items()}, {k: v.clone() for k, v in end.items()}, optimizer, [A])
+    assert tensors_hash(one) == tensors_hash(two)
+    save_payload(tmp_path / PAYLOAD_FILE, one)
+    adapter, moments = decode(load_payload(tmp_path / PAYLOAD_FILE), start, None, [A])
+    _, adapter2, moments2 = round_trip(start, end, optimizer, [A])
+    assert tensors_hash(adapter) == tensors_hash(adapter2) and tensors_hash(moments) == tensors_hash(moments2)
+    whole = sum(t.numel() * 4 for t in (*end.values(), *optimizer.values()))
+    sent = (tmp_path / PAYLOAD_FILE).stat().st_size
+    # A (frozen) is not sent, B and both moments in a byte each plus a float32 scale per 64 values
+    assert whole / sent > 3.5, (whole, sent)
+
+
+@pytest.mark.parametrize("damage,named", [
+    (lambda p: p.pop(f"adapter/{B}.q"), f"adapter/{B}"),
+    (lambda p: p.__setitem__(f"adapter/{B}.q", p[f"adapter/{B}.q"].to(torch.int16)), f"adapter/{B}.q"),
+    (lambda p: p.__setitem__(f"adapter/{B}.scale", p[f"adapter/{B}.scale"][:-1]), f"adapter/{B}.scale"),
+    (lambda p: p.__setitem__(f"adapter/{B}.scale", -p[f"adapter/{B}.scale"]), f"adapter/{B}.scale"),
+    (lambda p: p.__setitem__("adapter/other.q", torch.zeros(BLOCK, dtype=torch.int8)), "adapter/other.q"),
+    (lambda p: p.__setitem__("optimizer/nobody.exp_avg.q", torch.zeros(BLOCK, dtype=torch.int8)), "nobody"),
+])
+def test_a_bad_payload_is_refused_naming_the_key(damage, named):
+    start, end, optimizer = state(2)
+    payload = encode(start, end, optimizer, [A])
+    damage(payload)
+    with pytest.raises(CodecError, match=named.replace(".", r"\.")):
+        decode(payload, start, None, [A])
+
+
+def test_a_file_that_is_not_a_payload_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(3)}, str(tmp_path / "x.safetensors"))
+    with pytest.raises(CodecError, match="format"):
+        load_payload(tmp_path / "x.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 40)
+    with pytest.raises(CodecError, match="does not load"):
+        load_payload(tmp_path / "junk.safetensors")
+
+
+def test_a_coded_run_commits_the_coded_state_and_its_last_segment_replays(tmp_path, base_config, demo_files):
+    """Real training with report_codec int8 and a carried optimizer: the payload decodes onto the
+    round's start to exactly the state the last link commits; the verifier replays the last segment
+    (which codes its end) and accepts; a payload edited by one quantum no longer matches the chain."""
+    config = base_config.with_(report_codec="int8", carry_optimizer=True, dropout=0.0, max_steps=20)
+    request = TrainRequest(config, demo_files["shard1"], tmp_path / "run", job_id=bytes(range(32)),
+                           shard_index=1, worker="12D3KooWTestWorker")
+    result = train_shard(request)
+    commitment = Commitment.from_json(json.loads((tmp_path / "run" / "proof.json").read_text()))
+    checkpoints = tmp_path / "run" / "checkpoints"
+    from agent.train.recorder import read_checkpoint
+
+    start, _, _ = read_checkpoint(checkpoints / checkpoint_name(0))
+    payload = load_payload(tmp_path / "run" / PAYLOAD_FILE)
+    adapter, moments = decode(payload, start, None, [k for k in start if ".lora_A." in k])
+    last = commitment.links[-1]
+    assert tensors_hash(adapter) == last.adapter_hash and tensors_hash(moments) == last.optimizer_hash
+    index = len(commitment.links) - 1
+    verdict = verify_segment(commitment, index, start=checkpoints / checkpoint_name(commitment.links[index - 1].step),
+                             shard=demo_files["shard1"], config=config, round_start=checkpoints / checkpoint_name(0))
+    assert verdict.accepted, verdict.reason
+    # without the codec step the replay would not land on the committed state
+    plain = verify_segment(commitment, index, start=checkpoints / checkpoint_name(commitment.links[index - 1].step),
+                           shard=demo_files["shard1"], config=config.with_(report_codec="none"))
+    assert not plain.accepted
+    key = next(k for k in payload if k.startswith("adapter/") and k.endswith(".q"))
+    forged = dict(payload)
+    forged[key] = payload[key].clone()
+    forged[key][0] = forged[key][0] + (1 if int(forged[key][0]) < 127 else -1)
+    adapter, _ = decode(forged, start, None, [k for k in start if ".lora_A." in k])
+    assert tensors_hash(adapter) != last.adapter_hash
+    assert result.steps == 20
