@@ -48,7 +48,7 @@ OUTER_OPTIMIZERS = ("none", "sgd", "nesterov", "adam")
 OUTER_METHODS = ("fedavg", "exact")  # the rules whose mean lives in the adapters' own coordinates
 LR_SCHEDULES = ("constant", "cosine")
 OPTIMIZER_STATES = ("fresh", "carried")
-REPORT_CODECS = ("none", "int8")  # how a report carries its round's end state (IPIP-0006 §2.8)
+REPORT_CODECS = ("none", "int8", "int4")  # how a report carries its round's end state (IPIP-0006 §2.8)
 
 
 def job_topic(job_id: bytes) -> str:

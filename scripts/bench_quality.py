@@ -226,7 +226,7 @@ def coded(start: dict, adapter: dict, optimizer: dict, frozen: list, sent: list 
     payload, adapter, optimizer = round_trip(start, adapter, optimizer, frozen, codec)
     if sent is not None:
         whole = sum(t.numel() * t.element_size() for t in (*adapter.values(), *optimizer.values()))
-        sent.append((payload_bytes(payload, codec), whole))
+        sent.append((payload_bytes(payload), whole))
     return adapter, optimizer
 
 
@@ -247,6 +247,16 @@ def demo_network_loss(trainer: Trainer, shards: int, rounds: int, steps: int, di
         raise SystemExit(f"bench_quality: infernet demo failed: {(done.stdout + done.stderr)[-500:]}")
     adapter = load_file(str(Path(found.group(1)) / "adapter_model.safetensors"))
     return trainer.evaluate(adapter), time.perf_counter() - started
+
+
+def inner_lr_scale(text: str, workers: int) -> float:
+    """``none`` 1, ``sqrt`` sqrt(W), or a number: the factor on the network's inner learning rate."""
+    if text in ("none", "sqrt"):
+        return workers ** 0.5 if text == "sqrt" else 1.0
+    try:
+        return float(text)
+    except ValueError:
+        raise SystemExit(f"bench_quality: bad --inner-scale {text!r} (none, sqrt or a number)") from None
 
 
 def parse_outer(text: str) -> OuterOptimizer:
@@ -279,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedule", default="constant", help="constant | cosine (comma list): inner lr across rounds")
     parser.add_argument("--warmup-rounds", type=int, default=0)
     parser.add_argument("--inner-scale", default="none",
-                        help="none | sqrt (comma list): the network's inner lr is --lr x sqrt(W)")
+                        help="none | sqrt | a number (comma list): the network's inner lr is --lr x that (sqrt: x sqrt(W))")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--extend", type=float, default=1.5, help="centralized run length as a multiple of --total")
     parser.add_argument("--same-data-each-round", action="store_true",
@@ -337,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                         losses = network_run(trainer, shards, config, rounds=rounds, steps=steps, method=args.method,
                                              outer=outer, schedule=schedule, warmup_rounds=args.warmup_rounds,
                                              continue_data=not args.same_data_each_round,
-                                             lr_scale=workers ** 0.5 if inner_scale == "sqrt" else 1.0,
+                                             lr_scale=inner_lr_scale(inner_scale, workers),
                                              carry=carried == "carried", codec=codec, sent=sent)
                         label = f"{label}+{carried}" + "".join(f"+{x}" for x in (codec, schedule, inner_scale)
                                                                if x not in ("none", "constant"))

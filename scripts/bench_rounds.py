@@ -101,6 +101,48 @@ def from_trace(path: Path) -> Utilization:
     return measure(trained, ends, min(starts) if starts else None)
 
 
+def phases(path: Path) -> dict[str, float]:
+    """Where a round's wall time goes, from the same trace (mean over rounds, seconds): ``leasing``
+    (round start to its last lease), ``training`` (last lease to last report), ``verifying`` (last
+    report to last verdict), ``aggregating`` (last verdict to the aggregate); and per shard
+    ``worker_overhead`` (lease to report minus the signed training seconds: fetching the round's
+    start, loading, packing and publishing)."""
+    from agent.harness.trace import read_trace
+
+    seen: set = set()
+    rounds: dict[int, dict[str, list[float]]] = {}
+    leased: dict[tuple, float] = {}
+    overhead: list[float] = []
+    for line in read_trace(path):
+        if line.get("kind") != "recv" or line.get("topic") != "job" or "round" not in line:
+            continue
+        kind = line.get("type")
+        key = (kind, line["round"], line.get("shard"), line.get("attempt"))
+        if key in seen or kind not in ("lease", "report", "verdict", "aggregate"):
+            continue
+        seen.add(key)
+        rounds.setdefault(line["round"], {}).setdefault(kind, []).append(line["t"])
+        if kind == "lease":
+            leased[key[1:]] = line["t"]
+        elif kind == "report" and key[1:] in leased:
+            seconds = float((line.get("metrics") or {}).get("train_seconds", 0.0))
+            overhead.append(line["t"] - leased[key[1:]] - seconds)
+    parts: dict[str, list[float]] = {"leasing": [], "training": [], "verifying": [], "aggregating": []}
+    for rnd, times in sorted(rounds.items()):
+        start = rounds.get(rnd - 1, {}).get("aggregate", [None])[0] if rnd > 1 else min(times.get("lease", [0.0]))
+        if start is None or not all(times.get(k) for k in ("lease", "report", "verdict", "aggregate")):
+            continue
+        lease, report_, verdict, aggregate = (max(times[k]) for k in ("lease", "report", "verdict", "aggregate"))
+        parts["leasing"].append(lease - start)
+        parts["training"].append(report_ - lease)
+        parts["verifying"].append(verdict - report_)
+        parts["aggregating"].append(aggregate - verdict)
+    out = {name: round(sum(v) / len(v), 3) for name, v in parts.items() if v}
+    if overhead:
+        out["worker_overhead"] = round(sum(overhead) / len(overhead), 3)
+    return out
+
+
 def run_once(args: argparse.Namespace, shape: str, link: str) -> Utilization | None:
     from agent.harness.scenario import parse_scenario, run_scenario
     from agent.train.tiny import tiny_model
@@ -113,6 +155,7 @@ def run_once(args: argparse.Namespace, shape: str, link: str) -> Utilization | N
             return None
         figures = from_trace(result.trace_path)
         print(f"# {shape}: job {result.seconds:.1f} s; " + json.dumps(figures.as_json()), file=sys.stderr, flush=True)
+        print(f"# {shape}: a round's phases (s, mean): " + json.dumps(phases(result.trace_path)), file=sys.stderr, flush=True)
         return figures
 
 

@@ -413,7 +413,6 @@ class CoordinatorRole:
     async def _check_report(self, view: JobMirror, report: m.ShardReport, worker: str,
                             work: Path) -> tuple[tuple[int, ...], Path]:
         from agent.train import base_model_sha256
-        from agent.train.model import tensors_hash
         from agent.train.replay import check_initial_adapter, verify_segment
         from protocol.proof import Commitment, ProofError, chain_heads, segment_selection_seed, select_segments
 
@@ -757,8 +756,9 @@ def _materialize_report(directory: Path, terms: m.JobTerms, start: dict) -> None
         raise Rejection(f"the job's reports are coded ({terms.training.report_codec}): expected {PAYLOAD_FILE} "
                         f"and no {', '.join(sorted(whole)) or 'whole tensors'}")
     try:
-        payload = load_payload(directory / PAYLOAD_FILE)
-        adapter, optimizer = decode(payload, start, None, frozen_keys(start, terms.lora.freeze_a))
+        codec = terms.training.report_codec
+        payload = load_payload(directory / PAYLOAD_FILE, codec)
+        adapter, optimizer = decode(payload, start, None, frozen_keys(start, terms.lora.freeze_a), codec)
     except CodecError as error:
         raise Rejection(f"report payload: {error}") from None
     if terms.training.optimizer_state != "carried" and optimizer:

@@ -3,14 +3,14 @@
 A worker's report carries its round's end state: the trained adapter and, when the job carries the
 optimizer state (§2.3), its AdamW moments. Sent whole in float32 that is four copies' worth of the
 trainable tensors a round (A, B, exp_avg, exp_avg_sq), which a home uplink pays for every round.
-With ``report_codec: int8`` the worker sends instead:
+With ``report_codec: int8`` or ``int4`` the worker sends instead:
 
 - the round's *delta* of every trained adapter tensor (end - start; a frozen tensor such as lora_A
   under FFA-LoRA is not sent at all: the coordinator holds the round's start),
 - ``exp_avg`` as it is, and ``exp_avg_sq`` through its square root (the scale Adam divides by),
-- each cut into blocks of ``BLOCK`` values, every block stored as int8 (uint8 for the root) with
-  one float32 scale: ``q = round(x / s)``, ``s = max|x| / 127`` (255 for the root); ``step``
-  counters as they are.
+- each cut into blocks of ``BLOCK`` values, every block coded with one float32 scale:
+  ``q = round(x / s)``, ``s = max|x| / 127`` (int8; the root: / 255, uint8), or with ``int4``
+  ``s = max|x| / 7`` (the root: / 15), the codes packed two to a byte; ``step`` counters as they are.
 
 Rules of this file:
 - Bit-exact. Encoding and decoding are float32 operations in a fixed order on the CPU (round half
@@ -36,13 +36,16 @@ from pathlib import Path
 
 import torch
 
-CODECS = ("none", "int8")
+CODECS = ("none", "int8", "int4")
 BLOCK = 64
-# bits per value of (adapter delta, exp_avg, root of exp_avg_sq) for each codec; the others are
-# for scripts/bench_quality.py's study of what a round survives
-BITS = {"int8": (8, 8, 8), "int4": (4, 4, 4), "d8m4": (8, 4, 4), "d4m8": (4, 8, 8)}
+# bits per value of (adapter delta, exp_avg, root of exp_avg_sq) for each codec; d8m4 is only for
+# scripts/bench_quality.py's study of what a round survives
+BITS = {"int8": (8, 8, 8), "int4": (4, 4, 4), "d8m4": (8, 4, 4)}
 PAYLOAD_FILE = "delta.safetensors"
-FORMAT = "infernet-report-int8/1"
+
+
+def payload_format(codec: str) -> str:
+    return f"infernet-report-{codec}/1"
 
 
 class CodecError(ValueError):
@@ -77,7 +80,9 @@ def encode_root(v: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Ten
     value codes to >= 1."""
     top = float(2 ** bits - 1)
     blocks, _ = _blocks(v)
-    root = blocks.clamp(min=0).sqrt()
+    # float32 sqrt on the CPU is not correctly rounded in every build (torch 2.13's vector path gave
+    # 1.00000005e-4 for sqrt(1e-8)); float64 sqrt is (IEEE 754), and its rounding to float32 is exact
+    root = blocks.clamp(min=0).to(torch.float64).sqrt().to(torch.float32)
     scale = root.amax(dim=1) / top
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round(root / safe[:, None]).clamp_(0, top)
@@ -112,22 +117,43 @@ def encode(start: Mapping[str, torch.Tensor], end: Mapping[str, torch.Tensor],
         if key not in start:
             raise CodecError(f"{key}: not in the round's start adapter")
         delta = tensor.detach().to("cpu", torch.float32) - start[key].detach().to("cpu", torch.float32)
-        out[f"adapter/{key}.q"], out[f"adapter/{key}.scale"] = encode_signed(delta, delta_bits)
+        out[f"adapter/{key}.q"], out[f"adapter/{key}.scale"] = _packed(*encode_signed(delta, delta_bits), delta_bits, True)
     for key, tensor in optimizer.items():
         kind = _kind(key)
         if kind == "raw":
             out[f"optimizer/{key}"] = tensor.detach().to("cpu").contiguous()
         elif kind == "root":
-            out[f"optimizer/{key}.q"], out[f"optimizer/{key}.scale"] = encode_root(tensor, root_bits)
+            out[f"optimizer/{key}.q"], out[f"optimizer/{key}.scale"] = _packed(*encode_root(tensor, root_bits), root_bits, False)
         elif kind == "signed":
-            out[f"optimizer/{key}.q"], out[f"optimizer/{key}.scale"] = encode_signed(tensor, signed_bits)
+            out[f"optimizer/{key}.q"], out[f"optimizer/{key}.scale"] = _packed(*encode_signed(tensor, signed_bits), signed_bits, True)
         else:
             raise CodecError(f"optimizer state {key}: not an AdamW tensor (step, exp_avg, exp_avg_sq)")
     return out
 
 
+def _packed(codes: torch.Tensor, scale: torch.Tensor, bits: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit codes two to a byte (uint8: the first code in the low nibble; a signed code q stored as
+    q + 8, so its nibble is 1..15); 8-bit codes as they are."""
+    if bits == 8:
+        return codes, scale
+    nibbles = (codes.to(torch.int16) + (8 if signed else 0)).to(torch.uint8).view(-1, 2)
+    return (nibbles[:, 0] | (nibbles[:, 1] << 4)).contiguous(), scale
+
+
+def _unpacked(stored: torch.Tensor, bits: int, signed: bool, name: str) -> torch.Tensor:
+    """The codes of a stored ``.q`` tensor, range-checked: CodecError naming it if one is out of range."""
+    if bits == 8:
+        return stored
+    nibbles = torch.stack([stored & 0x0F, stored >> 4], dim=1).reshape(-1)
+    if signed:
+        if bool((nibbles == 0).any()):
+            raise CodecError(f"{name}.q: a 4-bit signed code is out of range")
+        return (nibbles.to(torch.int16) - 8).to(torch.int8)
+    return nibbles
+
+
 def decode(payload: Mapping[str, torch.Tensor], start: Mapping[str, torch.Tensor],
-           optimizer_like: Mapping[str, torch.Tensor] | None, frozen: Sequence[str]
+           optimizer_like: Mapping[str, torch.Tensor] | None, frozen: Sequence[str], codec: str = "int8"
            ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(adapter, optimizer state) that ``payload`` codes for, on top of the round's ``start``.
 
@@ -135,6 +161,9 @@ def decode(payload: Mapping[str, torch.Tensor], start: Mapping[str, torch.Tensor
     the verifier builds); None: the keys are read off the payload with the adapter's shapes.
     Raises CodecError naming the first key that is missing, extra or of the wrong dtype or length.
     """
+    if codec not in BITS:
+        raise CodecError(f"unknown report codec {codec!r}")
+    delta_bits, signed_bits, root_bits = BITS[codec]
     adapter: dict[str, torch.Tensor] = {}
     used: set[str] = set()
     skip = set(frozen)
@@ -142,7 +171,7 @@ def decode(payload: Mapping[str, torch.Tensor], start: Mapping[str, torch.Tensor
         if key in skip:
             adapter[key] = base.detach().clone()
             continue
-        codes, scale = _pair(payload, f"adapter/{key}", base, torch.int8, used)
+        codes, scale = _pair(payload, f"adapter/{key}", base, delta_bits, True, used)
         delta = decode_signed(codes, scale, base)
         adapter[key] = (base.detach().to("cpu", torch.float32) + delta).to(base.dtype)
     optimizer: dict[str, torch.Tensor] = {}
@@ -158,8 +187,8 @@ def decode(payload: Mapping[str, torch.Tensor], start: Mapping[str, torch.Tensor
             used.add(name)
             optimizer[key] = tensor.clone()
             continue
-        dtype = torch.uint8 if kind == "root" else torch.int8
-        codes, scale = _pair(payload, f"optimizer/{key}", like, dtype, used)
+        bits = root_bits if kind == "root" else signed_bits
+        codes, scale = _pair(payload, f"optimizer/{key}", like, bits, kind != "root", used)
         decoded = decode_root(codes, scale, like) if kind == "root" else decode_signed(codes, scale, like)
         optimizer[key] = decoded.to(like.dtype)
     extra = set(payload) - used
@@ -168,18 +197,24 @@ def decode(payload: Mapping[str, torch.Tensor], start: Mapping[str, torch.Tensor
     return adapter, optimizer
 
 
-def _pair(payload: Mapping[str, torch.Tensor], name: str, like: torch.Tensor, dtype: torch.dtype,
+def _pair(payload: Mapping[str, torch.Tensor], name: str, like: torch.Tensor, bits: int, signed: bool,
           used: set[str]) -> tuple[torch.Tensor, torch.Tensor]:
     codes, scale = payload.get(f"{name}.q"), payload.get(f"{name}.scale")
     blocks = (like.numel() + BLOCK - 1) // BLOCK
     if codes is None or scale is None:
         raise CodecError(f"{name}: missing from the payload")
-    if codes.dtype != dtype or codes.dim() != 1 or codes.numel() != blocks * BLOCK:
-        raise CodecError(f"{name}.q: expected {blocks * BLOCK} {dtype} codes, got {codes.numel()} {codes.dtype}")
+    dtype = torch.int8 if signed and bits == 8 else torch.uint8
+    length = blocks * BLOCK * bits // 8
+    if codes.dtype != dtype or codes.dim() != 1 or codes.numel() != length:
+        raise CodecError(f"{name}.q: expected {length} {dtype} values, got {codes.numel()} {codes.dtype}")
     if scale.dtype != torch.float32 or scale.dim() != 1 or scale.numel() != blocks:
         raise CodecError(f"{name}.scale: expected {blocks} float32 scales, got {scale.numel()} {scale.dtype}")
     if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
         raise CodecError(f"{name}.scale: a scale is negative or not finite")
+    codes = _unpacked(codes, bits, signed, name)
+    top = 2 ** (bits - 1) - 1 if signed else 2 ** bits - 1
+    if bits == 8 and signed and bool((codes < -top).any()):
+        raise CodecError(f"{name}.q: a code is out of range (-128)")
     used.update((f"{name}.q", f"{name}.scale"))
     return codes, scale
 
@@ -208,39 +243,31 @@ def round_trip(start: Mapping[str, torch.Tensor], end: Mapping[str, torch.Tensor
                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(payload, adapter, optimizer state): what the worker sends and the state it then holds."""
     payload = encode(start, end, optimizer, frozen, codec)
-    adapter, state = decode(payload, start, optimizer, frozen)
+    adapter, state = decode(payload, start, optimizer, frozen, codec)
     return payload, adapter, state
 
 
-def save_payload(path: Path, payload: Mapping[str, torch.Tensor]) -> None:
+def save_payload(path: Path, payload: Mapping[str, torch.Tensor], codec: str = "int8") -> None:
     from safetensors.torch import save_file
 
-    save_file(dict(payload), str(path), metadata={"format": FORMAT, "block": json.dumps(BLOCK)})
+    save_file(dict(payload), str(path), metadata={"format": payload_format(codec), "block": json.dumps(BLOCK)})
 
 
-def load_payload(path: Path) -> dict[str, torch.Tensor]:
-    """The payload's tensors; CodecError when the file is not one (untrusted bytes)."""
+def load_payload(path: Path, codec: str = "int8") -> dict[str, torch.Tensor]:
+    """The payload's tensors; CodecError when the file is not one of ``codec`` (untrusted bytes)."""
     from safetensors import SafetensorError, safe_open
 
+    expected = payload_format(codec)
     try:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
-            if metadata.get("format") != FORMAT:
-                raise CodecError(f"{path.name}: format {metadata.get('format')!r}, expected {FORMAT!r}")
+            if metadata.get("format") != expected:
+                raise CodecError(f"{path.name}: format {metadata.get('format')!r}, expected {expected!r}")
             return {key: handle.get_tensor(key) for key in handle.keys()}
     except (OSError, SafetensorError) as error:
         raise CodecError(f"{path.name}: does not load: {error}") from None
 
 
-def payload_bytes(payload: Mapping[str, torch.Tensor], codec: str = "int8") -> int:
-    """Bytes of the payload's tensors at the codec's bits per code (4-bit codes go two to a byte)."""
-    delta_bits, signed_bits, root_bits = BITS[codec]
-    total = 0
-    for name, tensor in payload.items():
-        if not name.endswith(".q"):
-            total += tensor.numel() * tensor.element_size()
-            continue
-        kind = "delta" if name.startswith("adapter/") else _kind(name[:-2])
-        bits = {"delta": delta_bits, "signed": signed_bits, "root": root_bits}[kind]
-        total += (tensor.numel() * bits + 7) // 8
-    return total
+def payload_bytes(payload: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of the payload's tensors as stored (4-bit codes are packed two to a byte)."""
+    return sum(t.numel() * t.element_size() for t in payload.values())

@@ -56,7 +56,7 @@ class TrainConfig:
     max_steps: int = 0
     round: int = 1
     carry_optimizer: bool = False  # start from the initial adapter's averaged AdamW state (IPIP-0006 §2.3)
-    report_codec: str = "none"  # none | int8: the end state goes through agent/train/codec.py (IPIP-0006 §2.8)
+    report_codec: str = "none"  # none | int8 | int4: the end state goes through agent/train/codec.py (IPIP-0006 §2.8)
     # lora
     rank: int = 8
     alpha: float = 16.0
@@ -91,7 +91,7 @@ class TrainConfig:
             (self.max_seq_len >= 8, "max_seq_len must be >= 8"),
             (self.epochs >= 1 and self.max_steps >= 0, "epochs must be >= 1 and max_steps >= 0"),
             (self.round >= 1, "round must be >= 1"),
-            (self.report_codec in ("none", "int8"), "report_codec must be none or int8"),
+            (self.report_codec in ("none", "int8", "int4"), "report_codec must be none, int8 or int4"),
         ]
         for ok, message in checks:
             if not ok:

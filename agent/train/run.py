@@ -235,7 +235,7 @@ def finish_round(session: LoraSession, config: TrainConfig, start: dict[str, tor
         return None
     optimizer = session.optimizer_tensors() if config.carry_optimizer else {}
     payload, adapter, state = round_trip(start, session.adapter_tensors(), optimizer,
-                                         frozen_keys(start, config.freeze_a))
+                                         frozen_keys(start, config.freeze_a), config.report_codec)
     load_adapter_state(session.model, adapter)
     if config.carry_optimizer:
         session.load_optimizer_tensors(state)
@@ -353,9 +353,10 @@ def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None
         save_file(session.optimizer_tensors(), str(adapter_dir / OPTIMIZER_FILE), metadata={"format": "pt"})
     if payload is None and config.report_codec != "none":  # resumed after the last link: the state is coded
         payload = encode(start, session.adapter_tensors(),
-                         session.optimizer_tensors() if config.carry_optimizer else {}, frozen_keys(start, config.freeze_a))
+                         session.optimizer_tensors() if config.carry_optimizer else {}, frozen_keys(start, config.freeze_a),
+                         config.report_codec)
     if payload is not None:
-        save_payload(run_dir / PAYLOAD_FILE, payload)
+        save_payload(run_dir / PAYLOAD_FILE, payload, config.report_codec)
     outcome = TrainResult(
         run_dir=run_dir, adapter_dir=adapter_dir, head=recorder.head, steps=total_steps,
         checkpoints=len(recorder.links), samples=total_steps * config.samples_per_step, tokens=tokens,

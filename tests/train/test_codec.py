@@ -91,6 +91,25 @@ def test_a_bad_payload_is_refused_naming_the_key(damage, named):
         decode(payload, start, None, [A])
 
 
+def test_int4_packs_two_codes_a_byte_and_refuses_an_unused_nibble():
+    start, end, optimizer = state(3)
+    payload, adapter, moments = round_trip(start, end, optimizer, [A], "int4")
+    eight = encode(start, end, optimizer, [A], "int8")
+    assert payload[f"adapter/{B}.q"].numel() * 2 == eight[f"adapter/{B}.q"].numel()
+    delta = (end[B] - start[B]).numpy()
+    flat = np.zeros(-(-delta.size // BLOCK) * BLOCK, dtype=np.float32)
+    flat[:delta.size] = delta.reshape(-1)
+    b = flat.reshape(-1, BLOCK)
+    scale = np.abs(b).max(axis=1) / np.float32(7)
+    expected = (np.clip(np.round(b / scale[:, None]), -7, 7) * scale[:, None]).reshape(-1)[:delta.size]
+    np.testing.assert_array_equal(adapter[B].numpy(), start[B].numpy() + expected.reshape(delta.shape).astype(np.float32))
+    assert bool(((moments[f"{B}.exp_avg_sq"] > 0) == (optimizer[f"{B}.exp_avg_sq"] > 0)).all())
+    payload[f"adapter/{B}.q"] = payload[f"adapter/{B}.q"].clone()
+    payload[f"adapter/{B}.q"][0] = payload[f"adapter/{B}.q"][0] & 0xF0  # low nibble 0: code -8
+    with pytest.raises(CodecError, match="out of range"):
+        decode(payload, start, None, [A], "int4")
+
+
 def test_a_file_that_is_not_a_payload_is_refused(tmp_path):
     from safetensors.torch import save_file
 
@@ -102,11 +121,12 @@ def test_a_file_that_is_not_a_payload_is_refused(tmp_path):
         load_payload(tmp_path / "junk.safetensors")
 
 
-def test_a_coded_run_commits_the_coded_state_and_its_last_segment_replays(tmp_path, base_config, demo_files):
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_a_coded_run_commits_the_coded_state_and_its_last_segment_replays(tmp_path, base_config, demo_files, codec):
     """Real training with report_codec int8 and a carried optimizer: the payload decodes onto the
     round's start to exactly the state the last link commits; the verifier replays the last segment
     (which codes its end) and accepts; a payload edited by one quantum no longer matches the chain."""
-    config = base_config.with_(report_codec="int8", carry_optimizer=True, dropout=0.0, max_steps=20)
+    config = base_config.with_(report_codec=codec, carry_optimizer=True, dropout=0.0, max_steps=20)
     request = TrainRequest(config, demo_files["shard1"], tmp_path / "run", job_id=bytes(range(32)),
                            shard_index=1, worker="12D3KooWTestWorker")
     result = train_shard(request)
@@ -115,8 +135,8 @@ def test_a_coded_run_commits_the_coded_state_and_its_last_segment_replays(tmp_pa
     from agent.train.recorder import read_checkpoint
 
     start, _, _ = read_checkpoint(checkpoints / checkpoint_name(0))
-    payload = load_payload(tmp_path / "run" / PAYLOAD_FILE)
-    adapter, moments = decode(payload, start, None, [k for k in start if ".lora_A." in k])
+    payload = load_payload(tmp_path / "run" / PAYLOAD_FILE, codec)
+    adapter, moments = decode(payload, start, None, [k for k in start if ".lora_A." in k], codec)
     last = commitment.links[-1]
     assert tensors_hash(adapter) == last.adapter_hash and tensors_hash(moments) == last.optimizer_hash
     index = len(commitment.links) - 1
@@ -130,7 +150,16 @@ def test_a_coded_run_commits_the_coded_state_and_its_last_segment_replays(tmp_pa
     key = next(k for k in payload if k.startswith("adapter/") and k.endswith(".q"))
     forged = dict(payload)
     forged[key] = payload[key].clone()
-    forged[key][0] = forged[key][0] + (1 if int(forged[key][0]) < 127 else -1)
-    adapter, _ = decode(forged, start, None, [k for k in start if ".lora_A." in k])
+    forged[key][0] = forged[key][0] ^ 1  # one code changed by one (in its low bit or nibble)
+    adapter, _ = decode(forged, start, None, [k for k in start if ".lora_A." in k], codec)
     assert tensors_hash(adapter) != last.adapter_hash
     assert result.steps == 20
+
+
+def test_the_codec_vectors():
+    """ipips/vectors/codec.json, made by an encoder written from the rule in numpy (8- and 4-bit)."""
+    from scripts.make_codec_vectors import ROOT, check
+
+    vectors = json.loads((ROOT / "ipips" / "vectors" / "codec.json").read_text())
+    assert vectors["block"] == BLOCK and len(vectors["cases"]) == 10
+    check(vectors["cases"])

@@ -1,0 +1,110 @@
+"""Generate ipips/vectors/codec.json (IPIP-0006 §2.8: coded reports) with an encoder written
+from the rule in numpy, independently of agent/train/codec.py, then check the codec agrees.
+
+Each case: a tensor's values (float32, as hex of their little-endian bytes), its kind (`signed`:
+an adapter delta or exp_avg; `root`: an exp_avg_sq), the bits per code (8: int8, 4: int4), the
+codes (before 4-bit packing) and block scales the rule gives, the stored `.q` bytes (hex), and the
+sha256 of the decoded float32 values' bytes.
+Run from the repository root: python scripts/make_codec_vectors.py
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = 64
+
+
+def blocks(x: np.ndarray) -> np.ndarray:
+    flat = np.zeros(-(-x.size // BLOCK) * BLOCK, dtype=np.float32)
+    flat[:x.size] = x.reshape(-1)
+    return flat.reshape(-1, BLOCK)
+
+
+def signed(x: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    top = 2 ** (bits - 1) - 1
+    b = blocks(x)
+    scale = (np.abs(b).max(axis=1) / np.float32(top)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1)).astype(np.float32)
+    q = np.clip(np.round(b / safe[:, None]), -top, top).astype(np.int8)
+    decoded = (q.astype(np.float32) * scale[:, None]).reshape(-1)[:x.size]
+    return q.reshape(-1), scale, decoded
+
+
+def root(v: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    top = 2 ** bits - 1
+    r = np.sqrt(np.maximum(blocks(v), np.float32(0)).astype(np.float64)).astype(np.float32)
+    scale = (r.max(axis=1) / np.float32(top)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1)).astype(np.float32)
+    q = np.clip(np.round(r / safe[:, None]), 0, top)
+    q = np.where(r > 0, np.maximum(q, 1), q).astype(np.uint8)
+    d = q.astype(np.float32) * scale[:, None]
+    return q.reshape(-1), scale, (d * d).reshape(-1)[:v.size]
+
+
+def cases() -> list[dict]:
+    rng = np.random.default_rng(2026)
+    out = []
+    inputs = [
+        ("signed", "a delta of 70 values (two blocks, the second padded)", rng.normal(0, 1e-3, 70)),
+        ("signed", "a zero block and a block with one large value", np.concatenate([np.zeros(64), [5.0], rng.normal(0, 1e-4, 63)])),
+        ("signed", "halves round to even", np.array([127.0, 0.5, 1.5, 2.5, -0.5, -1.5] + [0.0] * 58)),
+        ("root", "second moments over six decades, zeros and a denormal-small value",
+         np.concatenate([rng.random(60) ** 6 * 1e-8, [0.0, 0.0, 1e-30, 1e-8]])),
+        ("root", "an all-zero block", np.zeros(64)),
+    ]
+    for bits in (8, 4):
+        for kind, what, values in inputs:
+            values = values.astype(np.float32)
+            q, scale, decoded = (signed if kind == "signed" else root)(values, bits)
+            out.append({"what": what, "kind": kind, "bits": bits, "values": values.astype("<f4").tobytes().hex(),
+                        "codes": q.astype(int).tolist(), "stored": stored(q, bits, kind == "signed").hex(),
+                        "scales": scale.astype("<f4").tobytes().hex(),
+                        "decoded_sha256": hashlib.sha256(decoded.astype("<f4").tobytes()).hexdigest()})
+    return out
+
+
+def stored(q: np.ndarray, bits: int, is_signed: bool) -> bytes:
+    """The ``.q`` tensor's bytes: 8-bit codes as they are (int8 or uint8); 4-bit codes two to a byte,
+    the first in the low nibble, a signed code q as q + 8."""
+    if bits == 8:
+        return q.astype(np.int8 if is_signed else np.uint8).tobytes()
+    nibbles = (q.astype(np.int16) + (8 if is_signed else 0)).astype(np.uint8).reshape(-1, 2)
+    return (nibbles[:, 0] | (nibbles[:, 1] << 4)).astype(np.uint8).tobytes()
+
+
+def check(vectors: list[dict]) -> None:
+    """agent/train/codec.py must give the same codes, scales and decoded bytes."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from agent.train.codec import _packed, decode_root, decode_signed, encode_root, encode_signed
+
+    for case in vectors:
+        values = torch.from_numpy(np.frombuffer(bytes.fromhex(case["values"]), dtype="<f4").copy())
+        is_signed = case["kind"] == "signed"
+        encode, decode = (encode_signed, decode_signed) if is_signed else (encode_root, decode_root)
+        codes, scale = encode(values, case["bits"])
+        assert codes.tolist() == case["codes"], case["what"]
+        packed, _ = _packed(codes, scale, case["bits"], is_signed)
+        assert packed.numpy().tobytes().hex() == case["stored"], case["what"]
+        assert scale.numpy().astype("<f4").tobytes().hex() == case["scales"], case["what"]
+        decoded = decode(codes, scale, values).numpy().astype("<f4").tobytes()
+        assert hashlib.sha256(decoded).hexdigest() == case["decoded_sha256"], case["what"]
+
+
+def main() -> None:
+    vectors = cases()
+    check(vectors)
+    path = ROOT / "ipips" / "vectors" / "codec.json"
+    path.write_text(json.dumps({"ipip": "0006 §2.8", "block": BLOCK, "cases": vectors}, indent=1) + "\n")
+    print(f"wrote {path.relative_to(ROOT)}: {len(vectors)} cases, agent/train/codec.py agrees")
+
+
+if __name__ == "__main__":
+    main()
