@@ -313,6 +313,7 @@ class WorkerRole:
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
         shard_path = run_dir / "shard.jsonl"
+        began = trio.current_time()
         log.info("job %s shard %d attempt %d: fetching %s", view.job_id.hex()[:8], lease.shard, lease.attempt, ref.cid)
         await self._fetch(view, lease, ref.cid, shard_path, [terms.submitter], exact_size=ref.size)
         agent.provide_soon(parse_cid(ref.cid))  # every block was checked on arrival: serve it too (IPIP-0003 §4.1)
@@ -359,7 +360,9 @@ class WorkerRole:
             trio.from_thread.run(commit, event)
 
         log.info("job %s shard %d attempt %d: training", view.job_id.hex()[:8], lease.shard, lease.attempt)
+        fetched = trio.current_time()
         result = await trio.to_thread.run_sync(run_torch, backend.train, request, on_checkpoint)
+        trained = trio.current_time()
         genesis = request.run_dir / "checkpoints" / "step-000000"
         checkpoint_cids[0] = str(await agent.content.add_file(await pack_dir_off_loop(genesis, genesis.with_suffix(".tar")),
                                                               provide=False))
@@ -384,6 +387,9 @@ class WorkerRole:
         await agent.publish(m.ShardReport(
             view.job_id, lease.round, lease.shard, lease.attempt, str(adapter_cid), str(proof_cid), head,
             result.checkpoints, result.steps, result.samples, float(result.final_loss), metrics))
+        log.info("job %s round %d shard %d: reported; %.2f s fetching, %.2f s loading, %.2f s training, %.2f s "
+                 "packing and publishing", view.job_id.hex()[:8], lease.round, lease.shard, fetched - began,
+                 float(result.load_seconds), trained - fetched - float(result.load_seconds), trio.current_time() - trained)
         agent.ledger(view.job_id, "report", {
             "round": lease.round, "shard": lease.shard, "attempt": lease.attempt, "worker": agent.peer_id,
             "adapter_cid": str(adapter_cid), "duration": float(result.train_seconds), "samples": result.samples,

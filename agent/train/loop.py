@@ -28,7 +28,7 @@ Rules of this file:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -112,6 +112,14 @@ class LoraSession:
         self.offset = (config.round - 1) * config.total_steps(len(self.examples))
         self.optimizer = torch.optim.AdamW(
             list(self.parameters.values()), lr=config.learning_rate, weight_decay=0.0, foreach=False)
+        self.on_close: Callable[[], None] | None = None  # run.py's model pool takes the model back
+
+    def close(self) -> None:
+        """Done with the model: hand it back (run.ModelPool); the session must not be used after."""
+        release, self.on_close = self.on_close, None
+        self.optimizer.state.clear()
+        if release is not None:
+            release()
 
     def step(self, step: int) -> StepResult:
         """Optimizer step number ``step`` (0-based) of this shard."""

@@ -33,6 +33,7 @@ from agent.train.config import DTYPES, TrainConfig
 from agent.train.env import environment
 from agent.train.model import base_model_sha256, load_tokenizer, tensors_hash
 from agent.train.recorder import checkpoint_name, read_checkpoint
+from agent.train.loop import LoraSession
 from agent.train.run import finish_round, load_shard, open_session, pad_token_id
 from protocol.errors import ProofError
 from protocol.proof import (
@@ -150,16 +151,8 @@ def verify_segment(commitment: Commitment, index: int, *, start: Path, shard: Pa
     config = config.with_(seed=header.seed, threads=max(threads, 1), dtype=dtype, micro_batch_size=micro,
                           micro_batch_rng=per_micro)
 
-    tokenizer = load_tokenizer(config.base_model)
-    examples = load_shard(config, tokenizer, shard).examples
-    try:
-        session = open_session(config, examples, pad_id=pad_token_id(tokenizer), initial_adapter=adapter)
-        session.load_optimizer_tensors(optimizer)
-    except (ValueError, KeyError) as error:
-        return _rejected(index, f"start checkpoint {start.name} does not fit the model: {error}")
-    last = index == len(commitment.links) - 1
     first = None
-    if last and config.report_codec != "none":
+    if index == len(commitment.links) - 1 and config.report_codec != "none":
         if round_start is None:
             return _rejected(index, "the last segment of a coded report needs the round's start to replay")
         try:
@@ -168,6 +161,24 @@ def verify_segment(commitment: Commitment, index: int, *, start: Path, shard: Pa
             return _rejected(index, f"round start checkpoint {round_start.name} is unreadable: {error}")
         if tensors_hash(first) != commitment.header.initial_adapter_hash:
             return _rejected(index, f"round start checkpoint {round_start.name} does not match the committed start")
+    tokenizer = load_tokenizer(config.base_model)
+    examples = load_shard(config, tokenizer, shard).examples
+    try:
+        session = open_session(config, examples, pad_id=pad_token_id(tokenizer), initial_adapter=adapter)
+    except (ValueError, KeyError) as error:
+        return _rejected(index, f"start checkpoint {start.name} does not fit the model: {error}")
+    try:
+        try:
+            session.load_optimizer_tensors(optimizer)
+        except (ValueError, KeyError) as error:
+            return _rejected(index, f"start checkpoint {start.name} does not fit the model: {error}")
+        return _replay(session, commitment, index, committed, config, start_step, first, end)
+    finally:
+        session.close()
+
+
+def _replay(session: LoraSession, commitment: Commitment, index: int, committed: ChainLink, config: TrainConfig,
+            start_step: int, first: dict | None, end: Path | None) -> SegmentVerdict:
     steps, losses = [], []
     for step in range(start_step, committed.step):
         result = session.step(step)
@@ -186,7 +197,7 @@ def verify_segment(commitment: Commitment, index: int, *, start: Path, shard: Pa
     )
     verifier_env = environment(session.device, session.dtype, "peft", micro_batch=config.micro_batch,
                                quantization="nf4" if config.method == "qlora" else "none")
-    tolerance = acceptance_tolerance(header.environment, verifier_env, config.tolerance)
+    tolerance = acceptance_tolerance(commitment.header.environment, verifier_env, config.tolerance)
     distances = None
     if end is not None and tolerance > 0 and replayed.adapter_hash != committed.adapter_hash:
         try:

@@ -41,7 +41,7 @@ from agent.train.data import Example, PreparedShard, prepare_examples
 from agent.train.env import environment, set_threads
 from agent.train.loop import LoraSession, data_parallel, same_on_every_rank
 from agent.train.model import (
-    add_lora, base_model_sha256, load_adapter_state, load_base_model, load_tokenizer, pick_device,
+    adapter_state, add_lora, base_model_sha256, load_adapter_state, load_base_model, load_tokenizer, pick_device,
     pick_dtype, save_adapter, seed_lora_a, tensors_hash,
 )
 from agent.train.recorder import OnCheckpoint, ProofRecorder, checkpoint_name, is_checkpoint, read_checkpoint
@@ -147,16 +147,80 @@ def build_lora_model(config: TrainConfig, device: str, dtype: torch.dtype, backe
                     target_modules=config.target_modules, seed=config.seed, freeze_a=config.freeze_a)
 
 
+class ModelPool:
+    """Built models kept between sessions of one process, so a worker's next shard, a verifier's next
+    replay and a coordinator's next score do not load the base model and build the LoRA again (on a
+    GPU, seconds of reading and copying weights each time; here 0.1-0.5 s of a 1-2 s shard).
+
+    A model is taken out while a session uses it (two sessions never share one) and given back when
+    the session closes; a taken model is reset to the seeded adapter (or the session's initial one)
+    and its gradients cleared, and each session builds its own AdamW, so a pooled session trains the
+    same bits as a fresh one. It keeps at most ``keep`` idle models, of the most recent settings
+    (key: backend, base model, method, LoRA shape and seed, device, dtype); ``INFERNET_MODEL_POOL=0``
+    turns it off. Unsloth models are never pooled (they live in their own process)."""
+
+    def __init__(self, keep: int = 1) -> None:
+        import threading
+
+        self.keep = keep
+        self._idle: list[tuple[tuple, Any, dict[str, torch.Tensor]]] = []
+        self._lock = threading.Lock()
+        self.built = 0
+        self.reused = 0
+
+    @staticmethod
+    def key(config: TrainConfig, device: str, dtype: torch.dtype, backend: str) -> tuple:
+        return (backend, config.base_model, config.method, config.rank, config.alpha, config.dropout,
+                tuple(config.target_modules), config.seed, config.freeze_a, device, str(dtype))
+
+    def enabled(self, backend: str) -> bool:
+        import os
+
+        return backend == "peft" and self.keep > 0 and os.environ.get("INFERNET_MODEL_POOL", "1") != "0"
+
+    def take(self, config: TrainConfig, device: str, dtype: torch.dtype, backend: str) -> tuple[Any, dict[str, torch.Tensor]]:
+        """(model, its seeded adapter): an idle one of these settings, else a new one."""
+        key = self.key(config, device, dtype, backend)
+        if self.enabled(backend):
+            with self._lock:
+                for index, (k, model, seeded) in enumerate(self._idle):
+                    if k == key:
+                        del self._idle[index]
+                        self.reused += 1
+                        for parameter in model.parameters():
+                            parameter.grad = None
+                        load_adapter_state(model, seeded)
+                        return model, seeded
+        model = build_lora_model(config, device, dtype, backend)
+        self.built += 1
+        seeded = {name: tensor.detach().clone() for name, tensor in adapter_state(model).items()}
+        return model, seeded
+
+    def give(self, config: TrainConfig, device: str, dtype: torch.dtype, backend: str, model: Any,
+             seeded: dict[str, torch.Tensor]) -> None:
+        if not self.enabled(backend):
+            return
+        with self._lock:
+            self._idle.insert(0, (self.key(config, device, dtype, backend), model, seeded))
+            del self._idle[self.keep:]
+
+
+POOL = ModelPool()
+
+
 def open_session(config: TrainConfig, examples: list[Example], *, pad_id: int, backend: str = "peft",
                  initial_adapter: dict[str, torch.Tensor] | None = None) -> LoraSession:
-    """Threads set, model built, initial adapter loaded: a session at step 0 of its segment."""
+    """Threads set, model built (or taken from the pool), initial adapter loaded: a session at step 0
+    of its segment. ``session.close()`` gives the model back to the pool."""
     set_threads(config.threads)
     device = pick_device(config.device)
     dtype = pick_dtype(config.dtype, device)
-    model = build_lora_model(config, device, dtype, backend)
+    model, seeded = POOL.take(config, device, dtype, backend)
     if initial_adapter is not None:
         load_adapter_state(model, initial_adapter)
-    return LoraSession(model, examples, config, device=device, dtype=dtype, pad_id=pad_id)
+    session = LoraSession(model, examples, config, device=device, dtype=dtype, pad_id=pad_id)
+    session.on_close = lambda: POOL.give(config, device, dtype, backend, model, seeded)
+    return session
 
 
 MAX_VALIDATION_EXAMPLES = 256  # a coordinator scores each round on at most this many (IPIP-0006 §2.6)
@@ -171,12 +235,15 @@ def validation_losses(config: TrainConfig, path: Path, adapters: list[Path | Non
     if not examples:
         raise TrainError(f"{path}: the validation split has no example with assistant tokens")
     session = open_session(config, examples, pad_id=pad_token_id(tokenizer))
-    initial = {name: tensor.clone() for name, tensor in session.adapter_tensors().items()}
-    losses = []
-    for adapter in adapters:
-        load_adapter_state(session.model, initial if adapter is None else load_file(str(adapter)))
-        losses.append(session.evaluate(examples))
-    return losses
+    try:
+        initial = {name: tensor.clone() for name, tensor in session.adapter_tensors().items()}
+        losses = []
+        for adapter in adapters:
+            load_adapter_state(session.model, initial if adapter is None else load_file(str(adapter)))
+            losses.append(session.evaluate(examples))
+        return losses
+    finally:
+        session.close()
 
 
 def load_shard(config: TrainConfig, tokenizer: Any, path: Path) -> PreparedShard:
@@ -260,14 +327,17 @@ def train_replica(request: TrainRequest, backend: str = "peft") -> None:
     config = request.config
     start = _start_tensors(session)
     total_steps = config.total_steps(len(shard.examples))
-    for step in range(total_steps):
-        result = session.step(step)
-        if result.step == total_steps:
-            finish_round(session, config, start)
-        if is_checkpoint(result.step, config.checkpoint_every, total_steps):
-            digest = tensors_hash(session.adapter_tensors()) + tensors_hash(session.optimizer_tensors())
-            if not same_on_every_rank(digest, session.device):
-                raise TrainError(f"data-parallel ranks disagree on the adapter after step {result.step}")
+    try:
+        for step in range(total_steps):
+            result = session.step(step)
+            if result.step == total_steps:
+                finish_round(session, config, start)
+            if is_checkpoint(result.step, config.checkpoint_every, total_steps):
+                digest = tensors_hash(session.adapter_tensors()) + tensors_hash(session.optimizer_tensors())
+                if not same_on_every_rank(digest, session.device):
+                    raise TrainError(f"data-parallel ranks disagree on the adapter after step {result.step}")
+    finally:
+        session.close()
 
 
 def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None,
@@ -276,10 +346,19 @@ def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None
     group (agent/train/parallel.py) this is rank 0's part; the others run ``train_replica``. With
     ``resume``, the run directory's last intact checkpoint is loaded and training goes on from it
     (``resume_point``; one process only)."""
-    config = request.config
     started = time.time()
-    started_at = datetime.now(timezone.utc)
-    base_hash, shard, validation, session = _prepare(request, backend)
+    prepared = _prepare(request, backend)
+    try:
+        return _train(request, prepared, started, on_checkpoint, backend, resume=resume, on_step=on_step)
+    finally:
+        prepared[3].close()
+
+
+def _train(request: TrainRequest, prepared: tuple, started: float, on_checkpoint: OnCheckpoint | None,
+           backend: str, *, resume: bool, on_step: OnStep | None) -> TrainResult:
+    config = request.config
+    started_at = datetime.fromtimestamp(started, timezone.utc)
+    base_hash, shard, validation, session = prepared
     start = _start_tensors(session)
     world, _ = data_parallel()
     if resume and world > 1:
