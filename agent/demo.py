@@ -296,13 +296,15 @@ def run_demo(options: DemoOptions) -> int:
                                               dataset=None if options.dataset is None else Path(dataset),
                                               max_seq_len=options.max_seq_len)
         console.print(f"\njob {job['id'][:16]} DONE in {time.monotonic() - started:.0f} s")
+        from agent.progress import round_timing, utilization_line
+
+        timing = round_timing(detail)
         for agg in detail.get("aggregates", []):  # the coordinator's own score, signed in each aggregate
             if agg.get("validation_loss") is not None:
                 base = agg.get("base_validation_loss")
                 console.print(f"round {agg['round']}: validation loss "
                               + (f"{base:.3f} (base) -> " if base is not None else "")
-                              + f"{agg['validation_loss']:.3f}  (coordinator, job's validation split)")
-        from agent.progress import utilization_line
+                              + f"{agg['validation_loss']:.3f}" + timing.get(agg["round"], ""), highlight=False)
 
         if line := utilization_line(detail):
             console.print(line, highlight=False)

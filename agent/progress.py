@@ -129,10 +129,13 @@ def aggregate_score(agg: dict) -> str:
 
 
 def round_timing(job: dict) -> dict[int, str]:
-    """Per finished round: ``  (3.0 s: busiest worker trained 1.7 s, fixed 1.3 s)``."""
+    """Per finished round: ``  (3.0 s: busiest worker trained 1.7 s, fixed 1.3 s; 1.6 machines' worth)``:
+    the round's training, all workers together, over its wall time."""
     out = {}
     for r in (job.get("utilization") or {}).get("rounds", []):
-        out[r["round"]] = f"  ({r['wall']:.1f} s: busiest worker trained {r['busiest']:.1f} s, fixed {r['fixed']:.1f} s)"
+        worth = r["training"] / r["wall"] if r["wall"] > 0 else 0.0
+        out[r["round"]] = (f"  ({r['wall']:.1f} s: busiest worker trained {r['busiest']:.1f} s, fixed {r['fixed']:.1f} s; "
+                           f"{worth:.1f} machines' worth)")
     return out
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import random
 import sys
 import tempfile
@@ -154,12 +155,17 @@ class Trainer:
         return LoraSession(self.model, examples, config, device="cpu", dtype=torch.float32, pad_id=self.pad_id)
 
     def train(self, adapter: dict, examples: list[Example], config: TrainConfig, steps: int,
-              offset: int = 0, every: int = 0, on_eval=None, optimizer: dict | None = None) -> tuple[dict, dict]:
-        """(adapter, AdamW state) after ``steps`` steps from ``adapter`` (and ``optimizer``, else fresh)."""
+              offset: int = 0, every: int = 0, on_eval=None, optimizer: dict | None = None,
+              within: str = "constant") -> tuple[dict, dict]:
+        """(adapter, AdamW state) after ``steps`` steps from ``adapter`` (and ``optimizer``, else fresh);
+        ``within``: the rate within the round (constant, or cosine from the round's rate to 0.1x)."""
         session = self.session(adapter, examples, config)
         if optimizer:
             session.load_optimizer_tensors(optimizer)
         for step in range(steps):
+            if within != "constant":
+                for group in session.optimizer.param_groups:
+                    group["lr"] = config.learning_rate * within_round_factor(within, step, steps)
             session.step(offset + step)
             if every and (step + 1) % every == 0:
                 on_eval(step + 1, session.evaluate(self.validation))
@@ -167,6 +173,17 @@ class Trainer:
 
     def evaluate(self, adapter: dict) -> float:
         return self.session(adapter, self.examples[:1], self.config).evaluate(self.validation)
+
+
+def within_round_factor(rule: str, step: int, steps: int) -> float:
+    """The study's rate within a round: ``cosine`` decays from 1 to 0.1 over the round's steps,
+    ``tri`` ramps up over the first 10 % and down to 0.1 by the end."""
+    progress = step / max(steps - 1, 1)
+    if rule == "cosine":
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+    if rule == "tri":
+        return progress / 0.1 if progress < 0.1 else 1.0 - 0.9 * (progress - 0.1) / 0.9
+    raise SystemExit(f"bench_quality: unknown --within {rule!r}")
 
 
 def curve(trainer: Trainer, examples: list[Example], config: TrainConfig, steps: int, every: int) -> list[tuple[int, float]]:
@@ -195,7 +212,8 @@ def steps_to_reach(points: list[tuple[int, float]], loss: float) -> tuple[float,
 def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConfig, *, rounds: int,
                 steps: int, method: str, outer: OuterOptimizer, schedule: str = "constant",
                 warmup_rounds: int = 0, continue_data: bool = True, lr_scale: float = 1.0,
-                carry: bool = True, codec: str = "none", sent: list | None = None) -> list[float]:
+                carry: bool = True, codec: str = "none", sent: list | None = None,
+                within: str = "constant") -> list[float]:
     """The protocol's training, in process: validation loss after each round's aggregate. With
     ``codec`` int8 every worker's end state goes through the report codec (agent/train/codec.py), as
     a worker's does; ``sent`` collects (payload bytes, whole-report bytes) per report."""
@@ -206,7 +224,8 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
                                             warmup_rounds=warmup_rounds)
         round_config = config.with_(learning_rate=lr)
         offset = (rnd - 1) * steps if continue_data else 0
-        trained = [(trainer.train(aggregate_now, shard, round_config, steps, offset=offset, optimizer=optimizer),
+        trained = [(trainer.train(aggregate_now, shard, round_config, steps, offset=offset, optimizer=optimizer,
+                                  within=within),
                     len(shard)) for shard in shards]
         if codec != "none":
             trained = [(coded(aggregate_now, adapter, opt if carry else {}, trainer.frozen, sent, codec), n)
@@ -298,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimizer-state", default="carried,fresh",
                         help="carried | fresh (comma list): each round's AdamW from the averaged state, or afresh")
     parser.add_argument("--codec", default="none", help="none | int8 (comma list): the report codec (IPIP-0006 §2.8)")
+    parser.add_argument("--within", default="constant",
+                        help="constant | cosine | tri (comma list): the inner rate within a round (a study)")
     parser.add_argument("--quick", action="store_true", help="demo task, W=4, T=200: a smoke run")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--records", type=int, default=0,
@@ -341,16 +362,18 @@ def main(argv: list[str] | None = None) -> int:
                     if steps < 1:
                         continue
                     variants = itertools.product(outers, args.optimizer_state.split(","), args.codec.split(","),
-                                                 args.schedule.split(","), args.inner_scale.split(","))
-                    for (label, outer), carried, codec, schedule, inner_scale in variants:
+                                                 args.schedule.split(","), args.inner_scale.split(","),
+                                                 args.within.split(","))
+                    for (label, outer), carried, codec, schedule, inner_scale, within in variants:
                         started, sent = time.perf_counter(), []
                         losses = network_run(trainer, shards, config, rounds=rounds, steps=steps, method=args.method,
                                              outer=outer, schedule=schedule, warmup_rounds=args.warmup_rounds,
                                              continue_data=not args.same_data_each_round,
                                              lr_scale=inner_lr_scale(inner_scale, workers),
-                                             carry=carried == "carried", codec=codec, sent=sent)
+                                             carry=carried == "carried", codec=codec, sent=sent, within=within)
                         label = f"{label}+{carried}" + "".join(f"+{x}" for x in (codec, schedule, inner_scale)
                                                                if x not in ("none", "constant"))
+                        label += f"+within-{within}" if within != "constant" else ""
                         final = losses[-1]
                         reached, capped = steps_to_reach(central, final)
                         efficiency = reached / args.total
