@@ -56,6 +56,7 @@ ROBUST_AGGREGATIONS = ("median", "trimmed_mean")
 OUTER_OPTIMIZERS = ("none", "sgd", "nesterov", "adam")
 OUTER_METHODS = ("fedavg", "exact")  # an outer step needs a mean in the adapters' own coordinates
 LR_SCHEDULES = ("constant", "cosine")
+INNER_SCHEDULES = ("constant", "triangle")  # the rate within a round (IPIP-0006 §2.5)
 OPTIMIZER_STATES = ("fresh", "carried")  # a round's AdamW: afresh, or the previous round's averaged state
 REPORT_CODECS = ("none", "int8", "int4")  # a report's end state: whole tensors, or int8-coded deltas (IPIP-0006 §2.8)
 # The outer optimizer a spec gets when it names none; chosen from scripts/bench_quality.py (IPIP-0006 §2.4).
@@ -262,6 +263,7 @@ class TrainingSpec:
     warmup_rounds: int = _key(0, _Integer(0, 1000))
     optimizer_state: str = _key("carried", _Choice(*OPTIMIZER_STATES))
     report_codec: str = _key("none", _Choice(*REPORT_CODECS))
+    inner_schedule: str = _key("constant", _Choice(*INNER_SCHEDULES))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -400,6 +402,8 @@ training:                         # what each worker does with its shard in each
   schedule: constant              # constant | cosine: the learning rate across rounds (cosine decays
                                   #   it to 0.1x by the last round); constant within a round
   warmup_rounds: 0                # first rounds ramp the rate up linearly, < rounds
+  inner_schedule: constant        # constant | triangle: the rate within each round (triangle: warm up
+                                  #   over its first 10 % of steps, then decay to 0.1x at its last)
   optimizer_state: carried        # carried | fresh: each round's AdamW starts from the accepted
                                   #   workers' averaged state (carried), or afresh as in round 1
   report_codec: none              # none | int8 | int4: a worker's report sends its round's end state
@@ -825,7 +829,7 @@ def to_terms(spec: JobSpec, *, submitter: str, base_model_sha256: bytes, shards:
         validation_cid=validation_cid,
         training=m.TrainingTerms(t.epochs, t.learning_rate, t.batch_size, t.gradient_accumulation_steps,
                                  t.max_seq_len, t.max_steps, t.schedule, t.warmup_rounds, t.optimizer_state,
-                                 t.report_codec),
+                                 t.report_codec, t.inner_schedule),
         lora=m.LoraTerms(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules), lora.freeze_a),
         proof=m.ProofTerms(proof.checkpoint_every, proof.verify_segments, proof.tolerance),
         rounds=spec.rounds, aggregation=spec.aggregation, min_accepted_fraction=spec.min_accepted_fraction,

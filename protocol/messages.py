@@ -47,6 +47,7 @@ AGGREGATION_METHODS = ("fedavg", "exact", "svd", "median", "trimmed_mean")
 OUTER_OPTIMIZERS = ("none", "sgd", "nesterov", "adam")
 OUTER_METHODS = ("fedavg", "exact")  # the rules whose mean lives in the adapters' own coordinates
 LR_SCHEDULES = ("constant", "cosine")
+INNER_SCHEDULES = ("constant", "triangle")  # the rate within a round (IPIP-0006 §2.5)
 OPTIMIZER_STATES = ("fresh", "carried")
 REPORT_CODECS = ("none", "int8", "int4")  # how a report carries its round's end state (IPIP-0006 §2.8)
 
@@ -296,6 +297,8 @@ class TrainingTerms(Wire):
     optimizer_state: str = extension_field("fresh", "enum", choices=OPTIMIZER_STATES)
     # how a report carries the round's end state: whole tensors, or int8-coded deltas (IPIP-0006 §2.8)
     report_codec: str = extension_field("none", "enum", choices=REPORT_CODECS)
+    # the rate within a round: constant, or a warm-up and a decay (IPIP-0006 §2.5; protocol/schedule.py)
+    inner_schedule: str = extension_field("constant", "enum", choices=INNER_SCHEDULES)
 
 
 @record

@@ -5,8 +5,9 @@ Rules of this file:
 - A round's inner learning rate is a pure function of the job's terms and the round number, so
   every worker of a round trains with the same rate and a verifier replays with it: nothing about
   the rate is the worker's to choose or to report.
-- Within a round the rate is constant: a round is one lease's training, and its replayed segments
-  must not depend on where a step falls in the job.
+- Within a round the rate depends only on the step's place in the round (``inner_rate_factor``:
+  ``constant``, or ``triangle``), never on where the round falls in the job beyond its round rate:
+  a verifier replaying a segment knows both.
 - ``constant``: the spec's rate in every round. ``cosine``: the spec's rate at round 1 (after
   warm-up), decaying by half a cosine to ``min_ratio`` times it at the last round. Warm-up rounds
   ramp linearly: round r <= W trains at r/(W+1) of the rate.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import math
 
 SCHEDULES = ("constant", "cosine")
+INNER_SCHEDULES = ("constant", "triangle")
 MIN_RATIO = 0.1
 
 
@@ -41,6 +43,25 @@ def round_learning_rate(base: float, rnd: int, rounds: int, *, schedule: str = "
         return base
     progress = (rnd - warmup_rounds - 1) / (decay_rounds - 1)
     return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def inner_rate_factor(schedule: str, step: int, steps: int) -> float:
+    """The factor on the round's rate at optimizer step ``step`` (0-based) of a round of ``steps``
+    steps (IPIP-0006 §2.5, ``training.inner_schedule``). ``constant``: 1. ``triangle``: a linear
+    warm-up over the first w = max(1, steps // 10) steps, (step + 1) / (w + 1), then a linear decay
+    from 1 at step w to MIN_RATIO at the last step. The step within the round is known to every
+    verifier of a segment, so a replay takes the same rate at every step."""
+    if schedule not in INNER_SCHEDULES:
+        raise ValueError(f"unknown inner schedule {schedule!r}; known: {', '.join(INNER_SCHEDULES)}")
+    if not 0 <= step < max(steps, 1):
+        raise ValueError(f"step {step} is outside a round of {steps} steps")
+    if schedule == "constant" or steps <= 1:
+        return 1.0
+    warm = max(1, steps // 10)
+    if step < warm:
+        return (step + 1) / (warm + 1)
+    span = steps - 1 - warm
+    return 1.0 if span <= 0 else 1.0 - (1.0 - MIN_RATIO) * (step - warm) / span
 
 
 def should_stop(validation_loss_below: float, patience_rounds: int, losses: list[float | None]) -> bool:

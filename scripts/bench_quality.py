@@ -58,7 +58,7 @@ from agent.train.data import Example, read_chatml, split_dataset, write_chatml  
 from agent.train.loop import LoraSession  # noqa: E402
 from agent.train.model import adapter_state, load_adapter_state, load_tokenizer  # noqa: E402
 from agent.train.run import build_lora_model, load_shard, pad_token_id  # noqa: E402
-from protocol.schedule import round_learning_rate  # noqa: E402
+from protocol.schedule import inner_rate_factor, round_learning_rate  # noqa: E402
 from agent.train.tiny import demo_records, tiny_model  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -176,14 +176,14 @@ class Trainer:
 
 
 def within_round_factor(rule: str, step: int, steps: int) -> float:
-    """The study's rate within a round: ``cosine`` decays from 1 to 0.1 over the round's steps,
-    ``tri`` ramps up over the first 10 % and down to 0.1 by the end."""
-    progress = step / max(steps - 1, 1)
+    """The rate within a round: ``triangle`` is the protocol's (training.inner_schedule,
+    protocol/schedule.inner_rate_factor); ``cosine`` (1 down to 0.1) was only studied."""
     if rule == "cosine":
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-    if rule == "tri":
-        return progress / 0.1 if progress < 0.1 else 1.0 - 0.9 * (progress - 0.1) / 0.9
-    raise SystemExit(f"bench_quality: unknown --within {rule!r}")
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / max(steps - 1, 1)))
+    try:
+        return inner_rate_factor(rule, step, steps)
+    except ValueError as error:
+        raise SystemExit(f"bench_quality: --within: {error}") from None
 
 
 def curve(trainer: Trainer, examples: list[Example], config: TrainConfig, steps: int, every: int) -> list[tuple[int, float]]:
@@ -213,17 +213,21 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
                 steps: int, method: str, outer: OuterOptimizer, schedule: str = "constant",
                 warmup_rounds: int = 0, continue_data: bool = True, lr_scale: float = 1.0,
                 carry: bool = True, codec: str = "none", sent: list | None = None,
-                within: str = "constant") -> list[float]:
+                within: str = "constant", ramp: tuple[int, ...] = ()) -> list[float]:
     """The protocol's training, in process: validation loss after each round's aggregate. With
     ``codec`` int8 every worker's end state goes through the report codec (agent/train/codec.py), as
-    a worker's does; ``sent`` collects (payload bytes, whole-report bytes) per report."""
+    a worker's does; ``sent`` collects (payload bytes, whole-report bytes) per report. ``ramp``: the
+    first rounds' steps (a study of shorter first rounds), then ``steps`` a round to the same total."""
+    plan = round_plan(steps, rounds, ramp)
+    rounds = len(plan)
     aggregate_now, state, optimizer = trainer.initial, {}, None
     losses = []
     for rnd in range(1, rounds + 1):
         lr = lr_scale * round_learning_rate(config.learning_rate, rnd, rounds, schedule=schedule,
                                             warmup_rounds=warmup_rounds)
         round_config = config.with_(learning_rate=lr)
-        offset = (rnd - 1) * steps if continue_data else 0
+        offset = sum(plan[:rnd - 1]) if continue_data else 0
+        steps = plan[rnd - 1]
         trained = [(trainer.train(aggregate_now, shard, round_config, steps, offset=offset, optimizer=optimizer,
                                   within=within),
                     len(shard)) for shard in shards]
@@ -236,6 +240,17 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
         aggregate_now, state = outer_step(aggregate_now, mean, state, outer, step=rnd, frozen=trainer.frozen)
         losses.append(trainer.evaluate(aggregate_now))
     return losses
+
+
+def round_plan(steps: int, rounds: int, ramp: tuple[int, ...] = ()) -> list[int]:
+    """Steps of each round: ``ramp`` first, then ``steps`` a round, ``steps x rounds`` in all."""
+    budget, plan = steps * rounds, []
+    for length in (*ramp, *([steps] * rounds)):
+        if budget <= 0:
+            break
+        plan.append(min(length, budget))
+        budget -= plan[-1]
+    return plan
 
 
 def coded(start: dict, adapter: dict, optimizer: dict, frozen: list, sent: list | None,
@@ -318,7 +333,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="carried | fresh (comma list): each round's AdamW from the averaged state, or afresh")
     parser.add_argument("--codec", default="none", help="none | int8 (comma list): the report codec (IPIP-0006 §2.8)")
     parser.add_argument("--within", default="constant",
-                        help="constant | cosine | tri (comma list): the inner rate within a round (a study)")
+                        help="constant | triangle | cosine (comma list): the inner rate within a round "
+                             "(triangle: training.inner_schedule; cosine: a study)")
+    parser.add_argument("--ramp", default="",
+                        help="first rounds' steps, ';'-separated plans of ','-separated steps (e.g. '25,25,50;12,12,25,50'); "
+                             "an empty plan is no ramp")
     parser.add_argument("--quick", action="store_true", help="demo task, W=4, T=200: a smoke run")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--records", type=int, default=0,
@@ -363,17 +382,20 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     variants = itertools.product(outers, args.optimizer_state.split(","), args.codec.split(","),
                                                  args.schedule.split(","), args.inner_scale.split(","),
-                                                 args.within.split(","))
-                    for (label, outer), carried, codec, schedule, inner_scale, within in variants:
+                                                 args.within.split(","), args.ramp.split(";"))
+                    for (label, outer), carried, codec, schedule, inner_scale, within, ramp_text in variants:
+                        ramp = tuple(int(x) for x in ramp_text.split(",") if x)
                         started, sent = time.perf_counter(), []
                         losses = network_run(trainer, shards, config, rounds=rounds, steps=steps, method=args.method,
                                              outer=outer, schedule=schedule, warmup_rounds=args.warmup_rounds,
                                              continue_data=not args.same_data_each_round,
                                              lr_scale=inner_lr_scale(inner_scale, workers),
-                                             carry=carried == "carried", codec=codec, sent=sent, within=within)
+                                             carry=carried == "carried", codec=codec, sent=sent, within=within,
+                                             ramp=ramp)
                         label = f"{label}+{carried}" + "".join(f"+{x}" for x in (codec, schedule, inner_scale)
                                                                if x not in ("none", "constant"))
                         label += f"+within-{within}" if within != "constant" else ""
+                        label += f"+ramp-{'-'.join(map(str, ramp))}" if ramp else ""
                         final = losses[-1]
                         reached, capped = steps_to_reach(central, final)
                         efficiency = reached / args.total

@@ -56,6 +56,7 @@ class TrainConfig:
     max_steps: int = 0
     round: int = 1
     carry_optimizer: bool = False  # start from the initial adapter's averaged AdamW state (IPIP-0006 §2.3)
+    inner_schedule: str = "constant"  # the rate within a round (protocol/schedule.inner_rate_factor)
     report_codec: str = "none"  # none | int8 | int4: the end state goes through agent/train/codec.py (IPIP-0006 §2.8)
     # lora
     rank: int = 8
@@ -92,6 +93,7 @@ class TrainConfig:
             (self.epochs >= 1 and self.max_steps >= 0, "epochs must be >= 1 and max_steps >= 0"),
             (self.round >= 1, "round must be >= 1"),
             (self.report_codec in ("none", "int8", "int4"), "report_codec must be none, int8 or int4"),
+            (self.inner_schedule in ("constant", "triangle"), "inner_schedule must be constant or triangle"),
         ]
         for ok, message in checks:
             if not ok:
@@ -126,6 +128,7 @@ class TrainConfig:
             base_model=base_model_path, base_model_sha256=terms.base_model_sha256.hex(), method=terms.method,
             runtime=terms.runtime, seed=terms.seed, epochs=t.epochs, learning_rate=learning_rate, round=round,
             carry_optimizer=t.optimizer_state == "carried", report_codec=t.report_codec,
+            inner_schedule=t.inner_schedule,
             batch_size=t.batch_size, gradient_accumulation_steps=t.gradient_accumulation_steps,
             max_seq_len=t.max_seq_len, max_steps=t.max_steps, rank=lora.rank, alpha=lora.alpha,
             dropout=lora.dropout, target_modules=tuple(lora.target_modules), freeze_a=lora.freeze_a,

@@ -37,6 +37,7 @@ from agent.train.config import TrainConfig
 from agent.train.data import IGNORE_INDEX, Example, step_samples
 from agent.train.model import adapter_state, peft_name
 from protocol.proof import micro_seed, step_seed
+from protocol.schedule import inner_rate_factor
 
 
 def data_parallel() -> tuple[int, int]:
@@ -113,6 +114,7 @@ class LoraSession:
         self.optimizer = torch.optim.AdamW(
             list(self.parameters.values()), lr=config.learning_rate, weight_decay=0.0, foreach=False)
         self.on_close: Callable[[], None] | None = None  # run.py's model pool takes the model back
+        self.round_steps = config.total_steps(len(self.examples))
 
     def close(self) -> None:
         """Done with the model: hand it back (run.ModelPool); the session must not be used after."""
@@ -125,6 +127,10 @@ class LoraSession:
         """Optimizer step number ``step`` (0-based) of this shard."""
         config = self.config
         position = self.offset + step
+        if config.inner_schedule != "constant":  # the rate at this step of the round (IPIP-0006 §2.5)
+            rate = config.learning_rate * inner_rate_factor(config.inner_schedule, step, self.round_steps)
+            for group in self.optimizer.param_groups:
+                group["lr"] = rate
         torch.manual_seed(step_seed(config.seed, position))
         indices = step_samples(len(self.examples), config.samples_per_step, config.seed, position)
         label_tokens = sum(self.examples[i].n_label_tokens for i in indices)

@@ -416,7 +416,7 @@ def _train(request: TrainRequest, prepared: tuple, started: float, on_checkpoint
                 continue
             elapsed = time.time() - train_started
             line = {"step": result.step, "round": config.round, "loss": sum(window_losses) / len(window_losses),
-                    "learning_rate": config.learning_rate, "tokens": tokens,
+                    "learning_rate": session.optimizer.param_groups[0]["lr"], "tokens": tokens,
                     "tokens_per_s": (tokens - resumed_tokens) / elapsed if elapsed else 0.0, "elapsed_s": elapsed}
             if validation:
                 validation_loss = session.evaluate(validation)
