@@ -96,6 +96,7 @@ training:
   batch_size: 8
   max_steps: {options.steps}
   max_seq_len: {options.max_seq_len}
+  inner_schedule: triangle        # warm up, then decay within each round (ipips/0006 §2.5)
 lora:
   rank: 16
   alpha: 32
