@@ -38,6 +38,7 @@ from typing import Any
 import yaml
 
 from protocol.errors import SpecError
+from protocol.schedule import INNER_SCHEDULES  # the rate within a round (IPIP-0006 §2.5)
 
 MAX_SPEC_BYTES = 1 << 20  # a job spec is a page of settings; 1 MiB is generous
 MAX_DEPTH = 16  # the spec nests 3 deep; the cap keeps the recursive composer off the stack limit
@@ -56,7 +57,6 @@ ROBUST_AGGREGATIONS = ("median", "trimmed_mean")
 OUTER_OPTIMIZERS = ("none", "sgd", "nesterov", "adam")
 OUTER_METHODS = ("fedavg", "exact")  # an outer step needs a mean in the adapters' own coordinates
 LR_SCHEDULES = ("constant", "cosine")
-INNER_SCHEDULES = ("constant", "triangle")  # the rate within a round (IPIP-0006 §2.5)
 OPTIMIZER_STATES = ("fresh", "carried")  # a round's AdamW: afresh, or the previous round's averaged state
 REPORT_CODECS = ("none", "int8", "int4")  # a report's end state: whole tensors, or int8-coded deltas (IPIP-0006 §2.8)
 # The outer optimizer a spec gets when it names none; chosen from scripts/bench_quality.py (IPIP-0006 §2.4).

@@ -33,6 +33,7 @@ from protocol.cid import parse_cid
 from protocol.codec import canonical_encode
 from protocol.errors import CIDError, CodecError, KeyFileError
 from protocol.identity import public_key_from_peer_id
+from protocol.schedule import INNER_SCHEDULES  # the rate within a round (IPIP-0006 §2.5)
 
 TOPIC_JOBS = "infernet/v1/jobs"
 JOB_TOPIC_PREFIX = "infernet/v1/job/"
@@ -47,7 +48,6 @@ AGGREGATION_METHODS = ("fedavg", "exact", "svd", "median", "trimmed_mean")
 OUTER_OPTIMIZERS = ("none", "sgd", "nesterov", "adam")
 OUTER_METHODS = ("fedavg", "exact")  # the rules whose mean lives in the adapters' own coordinates
 LR_SCHEDULES = ("constant", "cosine")
-INNER_SCHEDULES = ("constant", "triangle")  # the rate within a round (IPIP-0006 §2.5)
 OPTIMIZER_STATES = ("fresh", "carried")
 REPORT_CODECS = ("none", "int8", "int4")  # how a report carries its round's end state (IPIP-0006 §2.8)
 

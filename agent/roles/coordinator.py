@@ -564,6 +564,12 @@ class CoordinatorRole:
         work = agent.work_dir / view.job_id.hex()[:16] / f"aggregate-r{action.round}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
+        config = None  # the round's train config: for a coded report, the outer step or the score
+        if terms.outer is not None or terms.validation_cid or terms.training.report_codec != "none":
+            model_path = agent.local_model(terms)
+            if model_path is None:
+                raise RuntimeError(f"this coordinator does not hold base model {terms.base_model!r}")
+            config = train_config(terms, model_path, round=action.round, threads=agent.config.threads)
         inputs = []
         for shard in action.accepted_shards:
             entry = self.accepted_adapters.get((view.job_id, action.round, shard))
@@ -577,19 +583,12 @@ class CoordinatorRole:
                 directory = await unpack_off_loop(bundle, work / f"adapter-{shard}", allowed=REPORT_FILES,
                                                   max_bytes=1 << 30)
                 if terms.training.report_codec != "none":  # verified already: decode it onto the round's start
-                    start_config = train_config(terms, agent.local_model(terms) or terms.base_model, round=action.round,
-                                                threads=agent.config.threads)
-                    start_adapter, _, _ = await self._round_start(view, action.round, start_config, work)
+                    start_adapter, _, _ = await self._round_start(view, action.round, config, work)
                     await trio.to_thread.run_sync(run_torch, _materialize_report, directory, terms, start_adapter)
                 entry = (directory, report.samples)
             inputs.append(entry)
         out = work / "adapter"
-        config, start, validation = None, None, None
-        if terms.outer is not None or terms.validation_cid:
-            model_path = agent.local_model(terms)
-            if model_path is None:
-                raise RuntimeError(f"this coordinator does not hold base model {terms.base_model!r}")
-            config = train_config(terms, model_path, round=action.round, threads=agent.config.threads)
+        start, validation = None, None
         if terms.outer is not None:
             start = await self._round_start(view, action.round, config, work)
         await trio.to_thread.run_sync(run_torch, partial(_aggregate_adapters, terms, inputs, out, action.round, start))

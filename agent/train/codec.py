@@ -36,11 +36,9 @@ from pathlib import Path
 
 import torch
 
-CODECS = ("none", "int8", "int4")
 BLOCK = 64
-# bits per value of (adapter delta, exp_avg, root of exp_avg_sq) for each codec; d8m4 is only for
-# scripts/bench_quality.py's study of what a round survives
-BITS = {"int8": (8, 8, 8), "int4": (4, 4, 4), "d8m4": (8, 4, 4)}
+# bits per value of (adapter delta, exp_avg, root of exp_avg_sq) for each codec (protocol/messages.REPORT_CODECS)
+BITS = {"int8": (8, 8, 8), "int4": (4, 4, 4)}
 PAYLOAD_FILE = "delta.safetensors"
 
 
@@ -52,18 +50,18 @@ class CodecError(ValueError):
     """A payload that does not decode onto the given state; the message names the key."""
 
 
-def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as float32 on the CPU, flattened, zero-padded to whole blocks: (blocks, BLOCK)."""
     flat = x.detach().to("cpu", torch.float32).reshape(-1)
-    n = flat.numel()
-    padded = torch.zeros(((n + BLOCK - 1) // BLOCK) * BLOCK, dtype=torch.float32)
-    padded[:n] = flat
-    return padded.view(-1, BLOCK), n
+    padded = torch.zeros(((flat.numel() + BLOCK - 1) // BLOCK) * BLOCK, dtype=torch.float32)
+    padded[:flat.numel()] = flat
+    return padded.view(-1, BLOCK)
 
 
 def encode_signed(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 codes in [-(2^(bits-1) - 1), 2^(bits-1) - 1], float32 scale per block) of ``x``."""
     top = float(2 ** (bits - 1) - 1)
-    blocks, _ = _blocks(x)
+    blocks = _blocks(x)
     scale = blocks.abs().amax(dim=1) / top
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round(blocks / safe[:, None]).clamp_(-top, top).to(torch.int8)
@@ -79,7 +77,7 @@ def encode_root(v: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Ten
     """(uint8 codes in [0, 2^bits - 1], float32 scale per block) of sqrt(v), v >= 0; a positive
     value codes to >= 1."""
     top = float(2 ** bits - 1)
-    blocks, _ = _blocks(v)
+    blocks = _blocks(v)
     # float32 sqrt on the CPU is not correctly rounded in every build (torch 2.13's vector path gave
     # 1.00000005e-4 for sqrt(1e-8)); float64 sqrt is (IEEE 754), and its rounding to float32 is exact
     root = blocks.clamp(min=0).to(torch.float64).sqrt().to(torch.float32)
@@ -212,8 +210,7 @@ def _pair(payload: Mapping[str, torch.Tensor], name: str, like: torch.Tensor, bi
     if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
         raise CodecError(f"{name}.scale: a scale is negative or not finite")
     codes = _unpacked(codes, bits, signed, name)
-    top = 2 ** (bits - 1) - 1 if signed else 2 ** bits - 1
-    if bits == 8 and signed and bool((codes < -top).any()):
+    if bits == 8 and signed and bool((codes == -128).any()):
         raise CodecError(f"{name}.q: a code is out of range (-128)")
     used.update((f"{name}.q", f"{name}.scale"))
     return codes, scale

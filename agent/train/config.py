@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from protocol.proof import shard_steps  # one rule: the mirrors' checkpoint cap is read from it
+from protocol.messages import REPORT_CODECS
+from protocol.schedule import INNER_SCHEDULES
 
 METHODS = ("lora", "qlora")
 RUNTIMES = ("peft", "unsloth")
@@ -92,8 +94,8 @@ class TrainConfig:
             (self.max_seq_len >= 8, "max_seq_len must be >= 8"),
             (self.epochs >= 1 and self.max_steps >= 0, "epochs must be >= 1 and max_steps >= 0"),
             (self.round >= 1, "round must be >= 1"),
-            (self.report_codec in ("none", "int8", "int4"), "report_codec must be none, int8 or int4"),
-            (self.inner_schedule in ("constant", "triangle"), "inner_schedule must be constant or triangle"),
+            (self.report_codec in REPORT_CODECS, f"report_codec must be one of {REPORT_CODECS}"),
+            (self.inner_schedule in INNER_SCHEDULES, f"inner_schedule must be one of {INNER_SCHEDULES}"),
         ]
         for ok, message in checks:
             if not ok:

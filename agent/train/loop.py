@@ -110,11 +110,11 @@ class LoraSession:
         self.dtype = dtype
         self.pad_id = pad_id
         self.parameters = {peft_name(n): p for n, p in model.named_parameters() if p.requires_grad}
-        self.offset = (config.round - 1) * config.total_steps(len(self.examples))
+        self.round_steps = config.total_steps(len(self.examples))
+        self.offset = (config.round - 1) * self.round_steps
         self.optimizer = torch.optim.AdamW(
             list(self.parameters.values()), lr=config.learning_rate, weight_decay=0.0, foreach=False)
         self.on_close: Callable[[], None] | None = None  # run.py's model pool takes the model back
-        self.round_steps = config.total_steps(len(self.examples))
 
     def close(self) -> None:
         """Done with the model: hand it back (run.ModelPool); the session must not be used after."""

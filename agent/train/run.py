@@ -12,7 +12,7 @@ Rules of this file:
       proof.json            the commitment: header, links, head (rewritten at each checkpoint)
       checkpoints/step-*/   see recorder.py
       checkpoint-final/     adapter_config.json + adapter_model.safetensors (stock peft layout)
-      delta.safetensors     with ``report_codec: int8``: the round's end state as the report sends it
+      delta.safetensors     with a ``report_codec``: the round's end state as the report sends it
       result.json           the TrainResult
       README.md             what was trained, on what, when, how long, final loss
 - ``build_lora_model`` is the only place that differs between backends: "peft" loads through
@@ -295,7 +295,7 @@ def _prepare(request: TrainRequest, backend: str, *, with_validation: bool = Tru
 
 
 def finish_round(session: LoraSession, config: TrainConfig, start: dict[str, torch.Tensor]) -> dict | None:
-    """After a round's last step, with ``report_codec: int8``: the state becomes what the report's
+    """After a round's last step, with a ``report_codec``: the state becomes what the report's
     payload decodes to (IPIP-0006 §2.8), and the payload is returned; the last link commits that
     state. Training, replicas and a replay of the last segment all call this. None: no codec."""
     if config.report_codec == "none":
