@@ -31,12 +31,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from scripts.bench_train import PROJECTIONS  # noqa: E402
+
+
 def build_model(out: Path, *, smoke: bool) -> Path:
     """A random-weight model directory: Qwen2.5-0.5B's shape (or the tiny model for --cpu-smoke)."""
     from agent.train.tiny import tiny_model
     from scripts.bench_train import build_shape_model
 
     return tiny_model() if smoke else build_shape_model(out, "qwen2.5-0.5b")
+
+
+def model_parameters(model_dir: Path) -> int:
+    """Parameters of the base model (each tensor once: a tied LM head is the embedding), from its headers."""
+    import struct
+    from math import prod
+
+    total = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(path, "rb") as file:
+            (length,) = struct.unpack("<Q", file.read(8))
+            header = json.loads(file.read(length))
+        total += sum(prod(info["shape"]) for key, info in header.items() if key != "__metadata__")
+    return total
 
 
 def max_drift(a_dir: Path, b_dir: Path) -> float:
@@ -54,58 +71,93 @@ def emit(bench: str, value: float, unit: str, reference: float, ratio: float, go
                       "ratio": round(ratio, 4), "goal": goal, **extra}), flush=True)
 
 
-def replay_last_segment(result, shard: Path, config):
-    """Replay ``result``'s last proof segment as a verifier would: (verdict, tolerance, replay drift, segment)."""
+def replay_last_segment(result, shard: Path, config, runtime: str | None = None):
+    """Replay ``result``'s last proof segment as a verifier would (``runtime``: None, the verifier's choice;
+    "peft" or "unsloth" to force one): (verdict, tolerance, replay drift, segment)."""
     from agent.train.recorder import checkpoint_name
     from agent.train.replay import verify_segment
     from protocol.proof import FP32_TOLERANCE, HALF_TOLERANCE, Commitment
 
+    if runtime == "unsloth":  # the verifier's own choice picks unsloth (its warm child) where it can run
+        from agent.train.backends import unsloth_usable
+
+        if not unsloth_usable():
+            raise RuntimeError("replay by unsloth asked for, but unsloth is not usable here")
+        runtime = None
     commitment = Commitment.from_json(json.loads((result.run_dir / "proof.json").read_text()))
     index = len(commitment.links) - 1
     start = result.run_dir / "checkpoints" / checkpoint_name(commitment.segment_start(index)[0])
     end = result.run_dir / "checkpoints" / checkpoint_name(commitment.links[index].step)
-    verdict = verify_segment(commitment, index, start=start, end=end, shard=shard, config=config)
+    verdict = verify_segment(commitment, index, start=start, end=end, shard=shard, config=config,
+                             round_start=result.run_dir / "checkpoints" / checkpoint_name(0), runtime=runtime)
     dtype = result.environment.get("dtype", "float32")
     tolerance = config.tolerance or (FP32_TOLERANCE if dtype == "float32" else HALF_TOLERANCE)
     return verdict, tolerance, 0.0 if verdict.exact else verdict.max_distance, index
 
 
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "RTX 4090": 165e12}
+"""Dense bf16 tensor-core peaks (vendor figures, no sparsity), for the MFU column; matched on the device name."""
+
+
+def mfu(tokens_per_s: float, parameters: int, device_name: str) -> float | None:
+    """Model FLOP utilisation of LoRA training: 4 N tokens/s (forward 2N + activation gradients 2N; no weight
+    gradients for the frozen base; N counts every parameter once, the tied LM head included) over the peak."""
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_name), None)
+    return None if peak is None else 4 * parameters * tokens_per_s / peak
+
+
+def timed_train(backend, request):
+    started = time.perf_counter()
+    result = backend.train(request)
+    return result, time.perf_counter() - started
+
+
 def run_case(name: str, config, shard: Path, work: Path, backend_name: str, device: str,
-             peft_rates: dict[str, float]) -> None:
-    """Two workers' runs of one case, a replay of A's last segment, and the case's speed: a peft case against
-    a bare torch + peft loop (goal 0.95: the worker's recording costs little); unsloth against the worker's
-    peft backend on the same model, config and device (goal 1.5), the peft case's rate from ``peft_rates``
-    (keyed by method), else measured here."""
-    from agent.train.backends import PeftBackend, UnslothBackend
+             peft_rates: dict[str, float], parameters: int = 0) -> None:
+    """Two workers' runs of one case (A first, then B: B's rate is the warm, steady one), a replay of A's
+    last segment, and the case's speed: a peft case against a bare torch + peft loop at the same shape (goal
+    0.95: the worker's recording costs little), with its MFU; unsloth against the worker's peft backend on the
+    same model, config and device (goal 1.5; the peft rate from ``peft_rates`` keyed by the case's shape, else
+    measured here), its warm-up (A's wall time over B's: unsloth's import, patching and compile, paid once per
+    warm child), and its last segment replayed twice: by unsloth (what a verifier with unsloth does) and by
+    peft (what one without it would do: the cross-runtime drift IPIP-0005 §8.1 states)."""
+    from agent.train.backends import PeftBackend, UnslothBackend, warm_child
     from agent.train.run import TrainRequest
     from scripts.bench_train import bare_loop
 
     backend = UnslothBackend() if backend_name == "unsloth" else PeftBackend()
-    results = []
-    for worker in ("A", "B"):
-        request = TrainRequest(config, shard, work / name / worker, worker=f"worker-{worker}")
-        results.append(backend.train(request))
-    a, b = results
-    verdict, tolerance, replay, index = replay_last_segment(a, shard, config)
-    run_to_run = max_drift(a.adapter_dir, b.adapter_dir)
-    env = {k: a.environment.get(k) for k in ("device", "device_class", "dtype", "quantization", "backend")}
-    rate = b.tokens_per_second  # one run against one run: B's, warm (CUDA context and kernels loaded by A's)
+    (a, a_wall), (b, b_wall) = (timed_train(backend, TrainRequest(config, shard, work / name / worker,
+                                                                   worker=f"worker-{worker}")) for worker in "AB")
+    env = {k: a.environment.get(k) for k in ("device", "device_class", "dtype", "quantization", "backend", "micro_batch")}
+    shape = {"samples_per_step": config.samples_per_step, "max_seq_len": config.max_seq_len, "packing": config.packing,
+             "tokens_per_step": round(b.tokens / max(b.steps, 1))}
+    rate = b.tokens_per_second  # B's: warm (CUDA context and kernels loaded by A's)
+    key = (config.max_seq_len, config.packing, config.samples_per_step, config.method)
     if backend_name == "unsloth":
-        peft = peft_rates.get(config.method)
+        peft = peft_rates.get(key)
         if peft is None:
-            peft_config = config.with_(runtime="peft")
-            peft = PeftBackend().train(TrainRequest(peft_config, shard, work / name / "peft")).tokens_per_second
+            peft = PeftBackend().train(TrainRequest(config.with_(runtime="peft"), shard, work / name / "peft")).tokens_per_second
         emit(f"gpu_{name}_vs_peft_tokens_per_s", round(rate, 1), "tokens/s", round(peft, 1), rate / peft, 1.5,
-             env=env)
+             env=env, shape=shape)
+        emit(f"gpu_{name}_warmup_s", round(a_wall - b_wall, 1), "s", round(b_wall, 1), b_wall / max(a_wall, 1e-9), 0.5,
+             first_request_s=round(a_wall, 1), warm_request_s=round(b_wall, 1),
+             child_processes=warm_child(backend.python).started)
     else:
-        peft_rates.setdefault(config.method, rate)
+        peft_rates.setdefault(key, rate)
         tokens, seconds = bare_loop(config.with_(device=device), shard)
         bare = tokens / seconds
-        emit(f"gpu_{name}_tokens_per_s", round(rate, 1), "tokens/s", round(bare, 1), rate / bare, 0.95, env=env)
-    emit(f"gpu_{name}_replay_drift", replay, "rel_l2", tolerance, tolerance / max(replay, 1e-8), 1.0,
-         accepted=verdict.accepted, exact=verdict.exact, segment=index, env=env)
-    emit(f"gpu_{name}_run_to_run_drift", run_to_run, "rel_l2", tolerance, tolerance / max(run_to_run, 1e-8), 1.0,
-         env=env)
+        utilisation = mfu(rate, parameters, env["device"] or "")
+        emit(f"gpu_{name}_tokens_per_s", round(rate, 1), "tokens/s", round(bare, 1), rate / bare, 0.95, env=env,
+             shape=shape, mfu=None if utilisation is None else round(utilisation, 4),
+             bare_mfu=None if utilisation is None else round(utilisation * bare / rate, 4))
+    runtimes = ("unsloth", "peft") if backend_name == "unsloth" else (None,)
+    for runtime in runtimes:
+        verdict, tolerance, replay, index = replay_last_segment(a, shard, config, runtime)
+        label = f"gpu_{name}_replay_drift" + (f"_by_{runtime}" if runtime else "")
+        emit(label, replay, "rel_l2", tolerance, tolerance / max(replay, 1e-8), 1.0,
+             accepted=verdict.accepted, exact=verdict.exact, segment=index, reason=verdict.reason[:200], env=env)
+    run_to_run = max_drift(a.adapter_dir, b.adapter_dir)
+    emit(f"gpu_{name}_run_to_run_drift", run_to_run, "rel_l2", 1e-2, 1e-2 / max(run_to_run, 1e-8), 1.0, env=env)
 
 
 def run_parallel_case(config, shard: Path, work: Path, processes: int) -> None:
@@ -135,7 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU: check the script itself")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--work", type=Path, default=None, help="working directory (default: a temporary one)")
-    parser.add_argument("--only", nargs="*", default=None, help="cases to run: peft_bf16 qlora unsloth ddp")
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="cases to run: peft_bf16 packed qlora unsloth unsloth_packed ddp")
+    parser.add_argument("--packed-len", type=int, default=1024, help="tokens per packed sequence (packed cases)")
+    parser.add_argument("--packed-batch", type=int, default=16, help="packed sequences per optimizer step")
+    parser.add_argument("--packed-steps", type=int, default=12, help="optimizer steps of the packed cases")
     parser.add_argument("--processes", type=int, default=0,
                         help="data-parallel processes for the ddp case (default: every CUDA device; 2 with --cpu-smoke)")
     args = parser.parse_args(argv)
@@ -155,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if smoke else "cuda"
     work = args.work or Path(tempfile.mkdtemp(prefix="gpu-check-"))
     model = build_model(work / "qwen2.5-0.5b-shape", smoke=smoke)
+    parameters = model_parameters(model)
     records = demo_records(400, seed=0)
     shard = work / "shard.jsonl"
     write_chatml(shard, [records[i] for i in split_dataset(len(records), 2, 0.0, seed=0).shards[0]])
@@ -165,13 +222,29 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint_every=max(steps // 2, 1), threads=1, log_every=steps, max_seq_len=128, device=device,
         dtype="float32" if smoke else "bfloat16",
     )
-    cases = [("peft_bf16" if not smoke else "peft_fp32", config, "peft")]
+    # the packed GPU shape (issue 22 §5): sequences packed to --packed-len tokens, --packed-batch of them a step,
+    # every projection; the worker's micro-batch is its own choice from its free VRAM (presets.auto_micro_batch)
+    packed_shard = work / "packed.jsonl"
+    write_chatml(packed_shard, demo_records(300 if smoke else 8000, seed=1))
+    packed_steps = min(args.packed_steps, 4) if smoke else args.packed_steps
+    packed = config.with_(packing=True, max_seq_len=64 if smoke else args.packed_len,
+                          batch_size=4 if smoke else args.packed_batch, gradient_accumulation_steps=1,
+                          target_modules=PROJECTIONS, max_steps=packed_steps,
+                          checkpoint_every=max(packed_steps // 2, 1), log_every=packed_steps)
+    if not smoke:
+        from agent.train.presets import auto_micro_batch
+
+        free = torch.cuda.mem_get_info()[0] / (1 << 30)
+        packed = packed.with_(micro_batch_size=auto_micro_batch(packed, free, model).micro_batch)
+    cases = [("peft_bf16" if not smoke else "peft_fp32", config, "peft", shard),
+             ("packed", packed, "peft", packed_shard)]
     if importlib.util.find_spec("bitsandbytes") is not None:
-        cases.append(("qlora", config.with_(method="qlora"), "peft"))
+        cases.append(("qlora", config.with_(method="qlora"), "peft", shard))
     from agent.hardware import unsloth_installed
 
     if not smoke and unsloth_installed():
-        cases.append(("unsloth", config.with_(runtime="unsloth"), "unsloth"))
+        cases.append(("unsloth", config.with_(runtime="unsloth"), "unsloth", shard))
+        cases.append(("unsloth_packed", packed.with_(runtime="unsloth"), "unsloth", packed_shard))
     elif not smoke and (not args.only or "unsloth" in args.only):
         print(json.dumps({"bench": "gpu_unsloth", "skipped": "unsloth is not installed in this Python "
                           "(scripts/gpu_wheels.sh unsloth carries it)"}), flush=True)
@@ -179,14 +252,20 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"bench": "gpu_qlora", "skipped": "bitsandbytes is not installed in this Python "
                           "(scripts/gpu_wheels.sh qlora carries it)"}), flush=True)
     started = time.time()
-    peft_rates: dict[str, float] = {}  # the peft worker's tokens/s per method, the reference of the unsloth case
-    for name, case_config, backend in cases:
+    peft_rates: dict = {}  # the peft worker's tokens/s per shape, the reference of the unsloth cases
+    for name, case_config, backend, case_shard in cases:
         if args.only and name not in args.only and name.replace("fp32", "bf16") not in args.only:
             continue
+        case_started = time.time()
         try:
-            run_case(name, case_config, shard, work, backend, device, peft_rates)
+            run_case(name, case_config, case_shard, work, backend, device, peft_rates, parameters)
         except Exception as exc:  # noqa: BLE001 - one failing case must not hide the others' figures
+            import traceback
+
+            traceback.print_exc()
             print(json.dumps({"bench": f"gpu_{name}", "error": f"{type(exc).__name__}: {exc}"[:500]}), flush=True)
+        print(json.dumps({"bench": f"gpu_{name}_case_seconds", "seconds": round(time.time() - case_started, 1)}),
+              flush=True)
     processes = args.processes or (2 if smoke else torch.cuda.device_count())
     if processes > 1 and (not args.only or "ddp" in args.only):
         try:

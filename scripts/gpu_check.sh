@@ -40,15 +40,15 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUTDIR="$2"; shift 2;;
     --out=*) OUTDIR="${1#--out=}"; shift;;
-    all|core|qlora|unsloth) SET="$1"; shift;;
-    *) echo "gpu_check: unknown argument '$1' (a set: all, core, qlora, unsloth; or --out DIR)" >&2; exit 2;;
+    all|core|qlora|unsloth|bench) SET="$1"; shift;;
+    *) echo "gpu_check: unknown argument '$1' (a set: all, core, qlora, unsloth, bench; or --out DIR)" >&2; exit 2;;
   esac
 done
 mkdir -p "$OUTDIR" || { echo "gpu_check: cannot create $OUTDIR" >&2; exit 2; }
 OUTDIR="$(cd "$OUTDIR" && pwd)"
 : > "$OUTDIR/figures.jsonl"; : > "$OUTDIR/steps.tsv"
 PY="${PYTHON:-python3}"
-T_TESTS="${T_TESTS:-150}" T_GPU_CHECK="${T_GPU_CHECK:-300}" T_MULTI="${T_MULTI:-150}" T_BENCH="${T_BENCH:-150}"
+T_TESTS="${T_TESTS:-120}" T_GPU_CHECK="${T_GPU_CHECK:-270}" T_MULTI="${T_MULTI:-150}" T_BENCH="${T_BENCH:-150}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 status=0
 started=$SECONDS
@@ -129,11 +129,13 @@ if [ "$SET" = all ] || [ "$SET" = core ]; then
 fi
 
 case "$SET" in
-  all) cases="" ;;   # every case gpu_check.py can run here
-  core) cases="peft_bf16 ddp" ;;
+  all) cases="peft_bf16 packed unsloth unsloth_packed ddp" ;;   # qlora: its own set (replays exactly; measured)
+  core) cases="peft_bf16 packed ddp" ;;
+  unsloth) cases="unsloth unsloth_packed" ;;
+  bench) cases="" ;;
   *) cases="$SET" ;;
 esac
-run gpu_check timeout -k 10 "$T_GPU_CHECK" "$PY" scripts/gpu_check.py --steps 40 ${cases:+--only $cases}
+[ "$SET" = bench ] || run gpu_check timeout -k 10 "$T_GPU_CHECK" "$PY" scripts/gpu_check.py --steps 40 ${cases:+--only $cases}
 
 if { [ "$SET" = all ] || [ "$SET" = core ]; } && [ "$GPUS" -ge 2 ]; then
   # the worker's data-parallel path through real agents; its ranks use NCCL on two or more GPUs
@@ -144,13 +146,14 @@ fi
 if [ "$SET" = all ] || [ "$SET" = core ]; then
   # a real network on the GPU: `infernet demo`, a submitter and two workers as separate `agent run`
   # processes sharing the GPU, one job end to end; its wall time, losses and verdicts are in network.log
-  run network timeout -k 10 "${T_NETWORK:-240}" "$PY" -m agent.cli demo --workers 2 --shards 2 --rounds 2 --steps 12 \
+  run network timeout -k 10 "${T_NETWORK:-120}" "$PY" -m agent.cli demo --workers 2 --shards 2 --rounds 2 --steps 12 \
       --dir "$OUTDIR/demo-net"
 fi
 
-if [ "$SET" != qlora ]; then
+if [ "$SET" = bench ]; then
   runtime=peft
-  [ "$SET" = core ] || runtime=unsloth
+  unsloth_ok=$("$PY" -c 'from agent.hardware import unsloth_installed; print(int(unsloth_installed()))' 2>/dev/null || echo 0)
+  [ "$unsloth_ok" = 1 ] && runtime=unsloth
   run bench_train timeout -k 10 "$T_BENCH" "$PY" scripts/bench_train.py --device cuda --shape qwen2.5-0.5b \
       --runtime "$runtime" --steps 40 --checkpoint-every 20 --repeats 2
 fi

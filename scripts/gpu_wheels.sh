@@ -22,6 +22,8 @@
 #   - fastecdsa: libp2p pins 2.3.2, an sdist (C + GMP) with no cp312 wheel; 4.0.0 (a cp312 wheel) is carried.
 #     libp2p imports it at load (crypto/ecc.py, key_exchange.py); only P-256 keys and secio use it, which our
 #     hosts don't (Ed25519 identities, Noise), and its 4.x encoder API differs there.
+#   - xformers is not carried: the only cp312 wheel pip offers for it was built for another torch than the GPU
+#     image's and does not load (seen on the H100, issue 22); unsloth runs without it (torch SDPA attention).
 #   - varint, python-baseconv: pure-Python sdists; built here into py3-none-any wheels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +46,7 @@ CORE=(
 CORE_SDISTS=(varint==1.0.2 python-baseconv==1.2.2)
 QLORA=(bitsandbytes==0.50.2)
 UNSLOTH=(
-  unsloth==2026.10.9 unsloth-zoo==2026.10.9 xformers==0.0.35 torchao==0.18.0 cut-cross-entropy==25.1.1
+  unsloth==2026.10.9 unsloth-zoo==2026.10.9 torchao==0.18.0 cut-cross-entropy==25.1.1
   trl==1.15.0 datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19 diffusers==0.42.1 hf-transfer==0.1.9
   tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 pydantic==2.14.4 pydantic-core==2.50.5
   annotated-types==0.8.0 typing-inspection==0.4.5 json5==0.17.3 nest-asyncio==1.6.0 structlog==26.1.0

@@ -3,7 +3,8 @@
 A shard trained outside this process (the unsloth runner, agent/train/unsloth_runner.py; rank 0 of a
 data-parallel group, agent/train/parallel.py) reports on stdout, one line each: ``EVENT_PREFIX`` and a
 checkpoint event (JSON) after each checkpoint, ``RESULT_PREFIX`` and the train result (JSON) at the end,
-or ``ERROR_PREFIX`` and one line on failure. Both parents (agent/train/backends.py, parallel.py) read
+or ``ERROR_PREFIX`` and one line on failure; a warm unsloth child answers a replay request with
+``VERDICT_PREFIX`` and the segment verdict (JSON), and stays up for the next request (``read_reply``). Both parents (agent/train/backends.py, parallel.py) read
 it with ``read_child``. Here, below both, so neither imports the other back (issue 23).
 """
 
@@ -19,6 +20,9 @@ from agent.train.run import TrainResult
 EVENT_PREFIX = "INFERNET-EVENT "
 RESULT_PREFIX = "INFERNET-RESULT "
 ERROR_PREFIX = "INFERNET-ERROR "
+VERDICT_PREFIX = "INFERNET-VERDICT "
+READY_LINE = "INFERNET-READY"
+"""A warm child (the unsloth runner without a request file) says this once its imports are done."""
 
 
 def read_child(child: subprocess.Popen, on_checkpoint: OnCheckpoint | None) -> tuple[TrainResult | None, str | None]:
@@ -37,3 +41,23 @@ def read_child(child: subprocess.Popen, on_checkpoint: OnCheckpoint | None) -> t
         else:
             sys.stderr.write(line)
     return result, error
+
+
+def read_reply(child: subprocess.Popen, on_checkpoint: OnCheckpoint | None) -> tuple[str, str]:
+    """Read a warm child's stdout up to its answer to one request: checkpoint events to ``on_checkpoint``,
+    other lines to our stderr; then ``("result" | "verdict", JSON text)``, ``("error", one line)``, or
+    ``("exit", "")`` when the child's stdout ended first (it died)."""
+    assert child.stdout is not None
+    for line in iter(child.stdout.readline, ""):
+        if line.startswith(EVENT_PREFIX):
+            if on_checkpoint is not None:
+                on_checkpoint(CheckpointEvent.from_json(json.loads(line[len(EVENT_PREFIX):])))
+        elif line.startswith(RESULT_PREFIX):
+            return "result", line[len(RESULT_PREFIX):]
+        elif line.startswith(VERDICT_PREFIX):
+            return "verdict", line[len(VERDICT_PREFIX):]
+        elif line.startswith(ERROR_PREFIX):
+            return "error", line[len(ERROR_PREFIX):].strip()
+        elif line.strip() != READY_LINE:
+            sys.stderr.write(line)
+    return "exit", ""

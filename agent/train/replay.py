@@ -7,7 +7,8 @@ Rules of this file:
   those of the segment end. A mismatch is a rejected verdict, not an exception.
 - The replay uses the job's settings (TrainConfig from the spec), the seed from the commitment
   header, and the worker's recorded thread count and dtype, then runs the steps of the segment
-  through the same LoraSession as training. The shard must be the one the job assigned (the caller
+  through the same LoraSession as training, with the worker's runtime where this machine has it
+  (``replay_runtime``: unsloth work by unsloth, in the warm unsloth child), else peft. The shard must be the one the job assigned (the caller
   fetched it by CID); a different shard shows up as a batch or state mismatch.
 - Judging is protocol.proof.judge_replay with protocol.proof.acceptance_tolerance: exact hash
   equality when worker and verifier environments match (CPU, float32), else per-tensor relative
@@ -116,12 +117,36 @@ def _rejected(index: int, reason: str) -> SegmentVerdict:
     return SegmentVerdict(index, False, False, float("inf"), reason)
 
 
+def replay_runtime(worker_environment: dict) -> str:
+    """The runtime this machine replays a proof with: the worker's own when it is unsloth and this machine
+    can run unsloth (exact on the same device class: peft's kernels drift from unsloth's fused ones by
+    more than bf16 noise, issue 22), else peft."""
+    if worker_environment.get("backend") == "unsloth":
+        from agent.train.backends import unsloth_usable
+
+        if unsloth_usable():
+            return "unsloth"
+    return "peft"
+
+
 def verify_segment(commitment: Commitment, index: int, *, start: Path, shard: Path, config: TrainConfig,
                    end: Path | None = None, claimed_head: bytes | None = None,
-                   round_start: Path | None = None) -> SegmentVerdict:
+                   round_start: Path | None = None, runtime: str | None = None) -> SegmentVerdict:
     """Replay segment ``index`` of ``commitment`` from checkpoint directory ``start`` and judge it.
     ``round_start``: the round's first checkpoint (step 0), which a replay of the last segment of a
-    job with a report codec needs: the last link commits the coded state (IPIP-0006 §2.8)."""
+    job with a report codec needs: the last link commits the coded state (IPIP-0006 §2.8).
+    ``runtime``: None picks ``replay_runtime`` of the proof's environment (unsloth runs in the warm
+    unsloth child, which calls this with ``runtime="unsloth"``); "peft" or "unsloth": this process."""
+    if runtime is None:
+        runtime = replay_runtime(commitment.header.environment)
+        if runtime == "unsloth":
+            from agent.train.backends import UnslothBackend
+
+            return UnslothBackend().replay({
+                "commitment": commitment.to_json(), "index": index, "start": str(start), "shard": str(shard),
+                "config": config.to_json(), "end": str(end) if end else None,
+                "claimed_head": claimed_head.hex() if claimed_head else None,
+                "round_start": str(round_start) if round_start else None})
     try:
         commitment.check(claimed_head)
         start_step, adapter_hash, optimizer_hash = commitment.segment_start(index)
@@ -164,7 +189,8 @@ def verify_segment(commitment: Commitment, index: int, *, start: Path, shard: Pa
     tokenizer = load_tokenizer(config.base_model)
     examples = load_shard(config, tokenizer, shard).examples
     try:
-        session = open_session(config, examples, pad_id=pad_token_id(tokenizer), initial_adapter=adapter)
+        session = open_session(config, examples, pad_id=pad_token_id(tokenizer), initial_adapter=adapter,
+                               backend=runtime)
     except (ValueError, KeyError) as error:
         return _rejected(index, f"start checkpoint {start.name} does not fit the model: {error}")
     try:
@@ -172,13 +198,13 @@ def verify_segment(commitment: Commitment, index: int, *, start: Path, shard: Pa
             session.load_optimizer_tensors(optimizer)
         except (ValueError, KeyError) as error:
             return _rejected(index, f"start checkpoint {start.name} does not fit the model: {error}")
-        return _replay(session, commitment, index, committed, config, start_step, first, end)
+        return _replay(session, commitment, index, committed, config, start_step, first, end, runtime)
     finally:
         session.close()
 
 
 def _replay(session: LoraSession, commitment: Commitment, index: int, committed: ChainLink, config: TrainConfig,
-            start_step: int, first: dict | None, end: Path | None) -> SegmentVerdict:
+            start_step: int, first: dict | None, end: Path | None, runtime: str = "peft") -> SegmentVerdict:
     steps, losses = [], []
     for step in range(start_step, committed.step):
         result = session.step(step)
@@ -195,7 +221,7 @@ def _replay(session: LoraSession, commitment: Commitment, index: int, committed:
         optimizer_hash=tensors_hash(replay_optimizer), batches_digest=batches_digest(steps),
         loss=sum(losses) / len(losses),
     )
-    verifier_env = environment(session.device, session.dtype, "peft", micro_batch=config.micro_batch,
+    verifier_env = environment(session.device, session.dtype, runtime, micro_batch=config.micro_batch,
                                quantization="nf4" if config.method == "qlora" else "none")
     tolerance = acceptance_tolerance(commitment.header.environment, verifier_env, config.tolerance)
     distances = None

@@ -157,7 +157,7 @@ class ModelPool:
     and its gradients cleared, and each session builds its own AdamW, so a pooled session trains the
     same bits as a fresh one. It keeps at most ``keep`` idle models, of the most recent settings
     (key: backend, base model, method, LoRA shape and seed, device, dtype); ``INFERNET_MODEL_POOL=0``
-    turns it off. Unsloth models are never pooled (they live in their own process)."""
+    turns it off. Unsloth models are pooled in the warm unsloth child, the one process that builds them."""
 
     def __init__(self, keep: int = 1) -> None:
         import threading
@@ -170,18 +170,20 @@ class ModelPool:
 
     @staticmethod
     def key(config: TrainConfig, device: str, dtype: torch.dtype, backend: str) -> tuple:
+        # unsloth sizes its model for max_seq_length at load; peft's model does not depend on it
         return (backend, config.base_model, config.method, config.rank, config.alpha, config.dropout,
-                tuple(config.target_modules), config.seed, config.freeze_a, device, str(dtype))
+                tuple(config.target_modules), config.seed, config.freeze_a, device, str(dtype),
+                config.max_seq_len if backend == "unsloth" else 0)
 
-    def enabled(self, backend: str) -> bool:
+    def enabled(self) -> bool:
         import os
 
-        return backend == "peft" and self.keep > 0 and os.environ.get("INFERNET_MODEL_POOL", "1") != "0"
+        return self.keep > 0 and os.environ.get("INFERNET_MODEL_POOL", "1") != "0"
 
     def take(self, config: TrainConfig, device: str, dtype: torch.dtype, backend: str) -> tuple[Any, dict[str, torch.Tensor]]:
         """(model, its seeded adapter): an idle one of these settings, else a new one."""
         key = self.key(config, device, dtype, backend)
-        if self.enabled(backend):
+        if self.enabled():
             with self._lock:
                 for index, (k, model, seeded) in enumerate(self._idle):
                     if k == key:
@@ -198,7 +200,7 @@ class ModelPool:
 
     def give(self, config: TrainConfig, device: str, dtype: torch.dtype, backend: str, model: Any,
              seeded: dict[str, torch.Tensor]) -> None:
-        if not self.enabled(backend):
+        if not self.enabled():
             return
         with self._lock:
             self._idle.insert(0, (self.key(config, device, dtype, backend), model, seeded))
