@@ -124,7 +124,7 @@ GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || 
 
 if [ "$SET" = all ] || [ "$SET" = core ]; then
   run tests timeout -k 10 "$T_TESTS" "$PY" -m pytest -q -p no:cacheprovider -rfEs tests/test_hardware.py \
-      tests/protocol/test_fit.py tests/train/test_presets.py tests/train/test_qlora.py tests/train/test_parallel.py \
+      tests/protocol/test_fit.py tests/train/test_presets.py \
       tests/train/test_train.py::test_backend_selection tests/roles/test_gpu_jobs.py tests/roles/test_supervised.py
 fi
 
