@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="cases to run: peft_bf16 packed qlora unsloth unsloth_packed ddp")
     parser.add_argument("--packed-len", type=int, default=1024, help="tokens per packed sequence (packed cases)")
     parser.add_argument("--packed-batch", type=int, default=16, help="packed sequences per optimizer step")
-    parser.add_argument("--packed-steps", type=int, default=12, help="optimizer steps of the packed cases")
+    parser.add_argument("--packed-steps", type=int, default=20, help="optimizer steps of the packed cases")
     parser.add_argument("--processes", type=int, default=0,
                         help="data-parallel processes for the ddp case (default: every CUDA device; 2 with --cpu-smoke)")
     args = parser.parse_args(argv)
@@ -257,6 +257,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and name not in args.only and name.replace("fp32", "bf16") not in args.only:
             continue
         case_started = time.time()
+        if backend == "unsloth" and not smoke:  # the unsloth child needs the memory this process keeps
+            import gc
+
+            from agent.train.run import POOL
+
+            POOL.clear()
+            gc.collect()
+            torch.cuda.empty_cache()
         try:
             run_case(name, case_config, case_shard, work, backend, device, peft_rates, parameters)
         except Exception as exc:  # noqa: BLE001 - one failing case must not hide the others' figures

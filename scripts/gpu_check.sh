@@ -13,7 +13,9 @@
 # fit one call, run the sets separately, core first: `gpu_check.sh core`, then `gpu_check.sh qlora`, then
 # `gpu_check.sh unsloth` (each installs .whl/*.whl again: a fresh machine is bare).
 #
-# Usage: scripts/gpu_check.sh [all|core|qlora|unsloth] [--out DIR]
+# Usage: scripts/gpu_check.sh [all|core|qlora|unsloth|bench] [--out DIR]
+#   (environment: CASES="..." the gpu_check.py cases instead of the set's; TESTS="..." the test paths;
+#    SKIP_NETWORK=1 leaves out the network step: for a second call that re-measures what the first one found)
 #   (default all; PYTHON=python3; run from anywhere). Every step's FULL output (stdout and stderr) is
 #   written to DIR/<step>.log (DIR: --out, else $OUT when the device tool sets it, else gpu-check-out/),
 #   the figure lines to DIR/figures.jsonl, and a one-screen summary of every step (status, seconds, log
@@ -123,9 +125,10 @@ run detect detect
 GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 
 if [ "$SET" = all ] || [ "$SET" = core ]; then
-  run tests timeout -k 10 "$T_TESTS" "$PY" -m pytest -q -p no:cacheprovider -rfEs tests/test_hardware.py \
+  # shellcheck disable=SC2086  # TESTS: a list of paths
+  run tests timeout -k 10 "$T_TESTS" "$PY" -m pytest -q -p no:cacheprovider -rfEs ${TESTS:-tests/test_hardware.py \
       tests/protocol/test_fit.py tests/train/test_presets.py \
-      tests/train/test_train.py::test_backend_selection tests/roles/test_gpu_jobs.py tests/roles/test_supervised.py
+      tests/train/test_train.py::test_backend_selection tests/roles/test_gpu_jobs.py tests/roles/test_supervised.py}
 fi
 
 case "$SET" in
@@ -135,6 +138,7 @@ case "$SET" in
   bench) cases="" ;;
   *) cases="$SET" ;;
 esac
+cases="${CASES:-$cases}"
 [ "$SET" = bench ] || run gpu_check timeout -k 10 "$T_GPU_CHECK" "$PY" scripts/gpu_check.py --steps 40 ${cases:+--only $cases}
 
 if { [ "$SET" = all ] || [ "$SET" = core ]; } && [ "$GPUS" -ge 2 ]; then
@@ -143,7 +147,7 @@ if { [ "$SET" = all ] || [ "$SET" = core ]; } && [ "$GPUS" -ge 2 ]; then
       tests/train/test_data_parallel.py tests/roles/test_data_parallel_worker.py
 fi
 
-if [ "$SET" = all ] || [ "$SET" = core ]; then
+if { [ "$SET" = all ] || [ "$SET" = core ]; } && [ -z "${SKIP_NETWORK:-}" ]; then
   # a real network on the GPU: `infernet demo`, a submitter and two workers as separate `agent run`
   # processes sharing the GPU, one job end to end; its wall time, losses and verdicts are in network.log
   run network timeout -k 10 "${T_NETWORK:-120}" "$PY" -m agent.cli demo --workers 2 --shards 2 --rounds 2 --steps 12 \

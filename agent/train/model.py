@@ -253,10 +253,11 @@ def peft_name(name: str) -> str:
 
 
 def adapter_state(model: Any) -> dict[str, torch.Tensor]:
-    """The adapter's tensors (A and B, trainable or not) on CPU, named as in adapter files."""
+    """The adapter's tensors (A and B, trainable or not), copied to the CPU (never the live parameters, which
+    the next step changes: a checkpoint is hashed while training goes on), named as in adapter files."""
     from peft import get_peft_model_state_dict
 
-    return {name: t.detach().to("cpu").contiguous() for name, t in get_peft_model_state_dict(model).items()}
+    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in get_peft_model_state_dict(model).items()}
 
 
 def load_adapter_state(model: Any, tensors: Mapping[str, torch.Tensor]) -> None:

@@ -5,7 +5,9 @@ Rules of this file:
   adapter and the optimizer state (protocol.proof.tensor_set_hash), digests the batch indices of
   the steps since the previous checkpoint, appends a ChainLink with their mean loss, saves the
   checkpoint, rewrites ``proof.json``, and only then calls ``on_checkpoint``: a commitment is
-  never announced before the bytes it commits to are on disk. When a data-parallel group trains
+  never announced before the bytes it commits to are on disk. On a GPU (``background``) the hashing
+  and writing run in one writer thread while the next steps train, and the training thread announces
+  each checkpoint once written, in order, at a later step or at ``finish``. When a data-parallel group trains
   (loop.py), rank 0 records and ``before_commit`` first checks that every rank holds the state the
   link names (loop.same_on_every_rank); the other ranks record nothing.
 - A checkpoint is a directory ``checkpoints/step-NNNNNN/``:
@@ -27,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -72,6 +75,12 @@ class CheckpointEvent:
 OnCheckpoint = Callable[[CheckpointEvent], None]
 
 
+def _done(event: CheckpointEvent) -> Future:
+    future: Future = Future()
+    future.set_result(event)
+    return future
+
+
 def write_checkpoint(directory: Path, model: Any, adapter: dict[str, torch.Tensor],
                      optimizer: dict[str, torch.Tensor], state: dict) -> None:
     """Write one checkpoint directory atomically (temporary sibling, then rename)."""
@@ -107,6 +116,8 @@ class ProofRecorder:
         self.head = header.genesis()
         self.pending_indices: list[tuple[int, ...]] = []
         self.pending_losses: list[float] = []
+        self._writer: Any = None  # the background writer (``background``), else checkpoints commit inline
+        self._queue: list[Future] = []  # committed or committing checkpoints not yet announced
 
     @property
     def commitment(self) -> Commitment:
@@ -123,30 +134,67 @@ class ProofRecorder:
     def checkpoint_dir(self, step: int) -> Path:
         return self.run_dir / "checkpoints" / checkpoint_name(step)
 
-    def after_step(self, session: Any, step: int, indices: tuple[int, ...], loss: float) -> CheckpointEvent | None:
-        """Record one finished step; at a checkpoint step, commit and return the event."""
+    def after_step(self, session: Any, step: int, indices: tuple[int, ...], loss: float) -> None:
+        """Record one finished step; at a checkpoint step, commit it (in the background, see ``background``)."""
         self.pending_indices.append(indices)
         self.pending_losses.append(loss)
+        self.deliver()
         if not is_checkpoint(step, self.header.checkpoint_every, self.total_steps):
-            return None
+            return
         adapter, optimizer = session.adapter_tensors(), session.optimizer_tensors()
-        link = ChainLink(
-            step=step, adapter_hash=tensors_hash(adapter), optimizer_hash=tensors_hash(optimizer),
-            batches_digest=batches_digest(self.pending_indices),
-            loss=sum(self.pending_losses) / len(self.pending_losses),
-        )
+        digest = batches_digest(self.pending_indices)
+        mean_loss = sum(self.pending_losses) / len(self.pending_losses)
+        self.pending_indices, self.pending_losses = [], []
+        if self._writer is None:
+            self._queue.append(_done(self._commit(session.model, step, adapter, optimizer, digest, mean_loss)))
+        else:
+            self._queue.append(self._writer.submit(self._commit, session.model, step, adapter, optimizer, digest,
+                                                   mean_loss))
+        self.deliver()
+
+    def background(self) -> None:
+        """Hash and write checkpoints in one background thread while training goes on (a CUDA session:
+        ``adapter_tensors`` are copies taken off the device, so the next steps cannot change them; on the
+        CPU they would alias the live tensors, and the thread would take the training's cores). The link
+        order, the bytes on disk before an announcement and ``on_checkpoint``'s thread stay as they are:
+        events are delivered by the training thread, in order, at the next step or at ``finish``."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self.before_commit is None and self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+
+    def deliver(self, *, wait: bool = False) -> None:
+        """Announce the committed checkpoints, in order (``wait``: all of them, waiting for the writer)."""
+        while self._queue and (wait or self._queue[0].done()):
+            event = self._queue.pop(0).result()  # a failed write raises here, in the training thread
+            if self.on_checkpoint is not None:
+                self.on_checkpoint(event)
+
+    def finish(self) -> None:
+        """Wait for every checkpoint to be written and announced; stop the writer."""
+        try:
+            self.deliver(wait=True)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+
+    def _commit(self, model: Any, step: int, adapter: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor],
+                digest: bytes, loss: float) -> CheckpointEvent:
+        link = ChainLink(step=step, adapter_hash=tensors_hash(adapter), optimizer_hash=tensors_hash(optimizer),
+                         batches_digest=digest, loss=loss)
         if self.before_commit is not None:
             self.before_commit(link)
         self.head = link.extend(self.head)
         self.links.append(link)
-        self.pending_indices, self.pending_losses = [], []
         event = CheckpointEvent(len(self.links) - 1, step, link, self.head, self.checkpoint_dir(step))
         state = {"step": step, "index": event.index, "head": self.head.hex(), "link": link.to_json(),
                  "seed": self.header.seed, "rng": RNG_RULE}
-        write_checkpoint(event.path, session.model, adapter, optimizer, state)
+        write_checkpoint(event.path, model, adapter, optimizer, state)
         self._write_proof()
-        if self.on_checkpoint is not None:
-            self.on_checkpoint(event)
         return event
 
     def _write_proof(self) -> None:

@@ -39,7 +39,7 @@ from agent.train.codec import PAYLOAD_FILE, encode, round_trip, save_payload
 from agent.train.config import TrainConfig, TrainError
 from agent.train.data import Example, PreparedShard, prepare_examples
 from agent.train.env import environment, set_threads
-from agent.train.loop import LoraSession, data_parallel, same_on_every_rank
+from agent.train.loop import LoraSession, data_parallel, deterministic_cuda, same_on_every_rank
 from agent.train.model import (
     adapter_state, add_lora, base_model_sha256, load_adapter_state, load_base_model, load_tokenizer, pick_device,
     pick_dtype, save_adapter, seed_lora_a, tensors_hash,
@@ -198,6 +198,11 @@ class ModelPool:
         seeded = {name: tensor.detach().clone() for name, tensor in adapter_state(model).items()}
         return model, seeded
 
+    def clear(self) -> None:
+        """Drop every idle model (their memory goes back once nothing else holds them)."""
+        with self._lock:
+            self._idle.clear()
+
     def give(self, config: TrainConfig, device: str, dtype: torch.dtype, backend: str, model: Any,
              seeded: dict[str, torch.Tensor]) -> None:
         if not self.enabled():
@@ -217,6 +222,8 @@ def open_session(config: TrainConfig, examples: list[Example], *, pad_id: int, b
     set_threads(config.threads)
     device = pick_device(config.device)
     dtype = pick_dtype(config.dtype, device)
+    if device == "cuda":
+        deterministic_cuda()
     model, seeded = POOL.take(config, device, dtype, backend)
     if initial_adapter is not None:
         load_adapter_state(model, initial_adapter)
@@ -359,7 +366,6 @@ def train_shard(request: TrainRequest, on_checkpoint: OnCheckpoint | None = None
 def _train(request: TrainRequest, prepared: tuple, started: float, on_checkpoint: OnCheckpoint | None,
            backend: str, *, resume: bool, on_step: OnStep | None) -> TrainResult:
     config = request.config
-    started_at = datetime.fromtimestamp(started, timezone.utc)
     base_hash, shard, validation, session = prepared
     start = _start_tensors(session)
     world, _ = data_parallel()
@@ -388,6 +394,23 @@ def _train(request: TrainRequest, prepared: tuple, started: float, on_checkpoint
     total_steps = config.total_steps(len(shard.examples))
     recorder = ProofRecorder(header, run_dir, total_steps, on_checkpoint,
                              before_commit=partial(_check_replicas, session) if world > 1 else None)
+    try:
+        return _run_steps(request, session, recorder, shard, validation, start, base_hash, started, resume, on_step)
+    finally:
+        recorder.close()
+
+
+def writes_in_background(session: LoraSession) -> bool:
+    """Whether checkpoints are hashed and written in the recorder's writer thread: on a GPU, which trains on
+    meanwhile; on the CPU the thread would take the training's own cores."""
+    return session.device != "cpu"
+
+
+def _run_steps(request: TrainRequest, session: LoraSession, recorder: ProofRecorder, shard: PreparedShard,
+               validation: list[Example], start: dict[str, torch.Tensor], base_hash: str, started: float,
+               resume: bool, on_step: OnStep | None) -> TrainResult:
+    config, run_dir, total_steps = request.config, request.run_dir, recorder.total_steps
+    started_at = datetime.fromtimestamp(started, timezone.utc)
     if resume:
         initial_validation = session.evaluate(validation) if validation else None  # before the checkpoint loads
         first_step, tokens = resume_point(session, recorder)
@@ -396,6 +419,8 @@ def _train(request: TrainRequest, prepared: tuple, started: float, on_checkpoint
         initial_validation = session.evaluate(validation) if validation else None
         first_step, tokens = 0, 0
     load_seconds = time.time() - started
+    if writes_in_background(session):
+        recorder.background()
 
     train_started = time.time()
     resumed_tokens = tokens  # counted before a resume: not this session's throughput
@@ -426,6 +451,7 @@ def _train(request: TrainRequest, prepared: tuple, started: float, on_checkpoint
             metrics.write(json.dumps(line) + "\n")
             metrics.flush()
             window_losses = []
+    recorder.finish()
     train_seconds = time.time() - train_started
 
     adapter_dir = run_dir / "checkpoint-final"
@@ -443,7 +469,7 @@ def _train(request: TrainRequest, prepared: tuple, started: float, on_checkpoint
         checkpoints=len(recorder.links), samples=total_steps * config.samples_per_step, tokens=tokens,
         final_loss=last_loss, validation_loss=validation_loss, initial_validation_loss=initial_validation,
         train_seconds=train_seconds, load_seconds=load_seconds, skipped_lines=shard.skipped_lines,
-        dropped_examples=shard.dropped_examples, environment=dict(header.environment),
+        dropped_examples=shard.dropped_examples, environment=dict(recorder.header.environment),
     )
     (run_dir / "result.json").write_text(json.dumps(outcome.to_json(), indent=2, sort_keys=True) + "\n")
     (run_dir / "README.md").write_text(_readme(request, outcome, shard, base_hash, started_at))

@@ -142,3 +142,30 @@ proof: {{checkpoint_every: 5, verify_segments: 3, tolerance: 0.001}}
     worker = TrainConfig.from_terms(to_terms(spec, submitter="", base_model_sha256=bytes(32)), str(tiny_model_dir),
                                     threads=3)
     assert worker.with_(base_model_sha256=None, validation_split=0.1) == config
+
+
+def test_checkpoints_written_in_the_background_commit_the_same_chain(trained_run, base_config, demo_files, tmp_path,
+                                                                     monkeypatch):
+    """On a GPU the recorder hashes and writes checkpoints in a writer thread while training goes on
+    (run.writes_in_background). Forced here on the CPU: the same chain, head and files as the inline run, each
+    checkpoint announced in order, from the training thread, after its bytes are on disk."""
+    import threading
+
+    from agent.train import run as run_module
+
+    request, result, inline_events = trained_run
+    monkeypatch.setattr(run_module, "writes_in_background", lambda session: True)
+    events, threads, on_disk = [], set(), []
+
+    def on_checkpoint(event):
+        events.append(event)
+        threads.add(threading.get_ident())
+        on_disk.append(tensors_hash(load_file(str(event.path / "optimizer.safetensors"))) == event.link.optimizer_hash)
+
+    background = train_shard(TrainRequest(base_config, request.shard, tmp_path / "run", validation=request.validation,
+                                          job_id=request.job_id, round=1, worker=request.worker), on_checkpoint)
+    assert background.head == result.head
+    assert [(e.index, e.step, e.link, e.head) for e in events] == \
+        [(e.index, e.step, e.link, e.head) for e in inline_events]
+    assert threads == {threading.get_ident()} and all(on_disk)
+    assert not any(t.name.startswith("checkpoint-writer") for t in threading.enumerate())
