@@ -16,7 +16,9 @@ Rules of this file:
 - ``replay_refusals`` is what a verifier needs to replay a segment (IPIP-0005 §8, IPIP-0006 §1.2):
   the base model by hash; for ``min_vram_gb > 0`` or ``runtime: unsloth`` a CUDA device whose *total*
   memory is at least ``min_vram_gb`` (total, not free: eligibility must not flicker while the peer
-  trains, or views of the election would differ). A CPU replay of GPU-sized work is not offered.
+  trains, or views of the election would differ). A CPU replay of GPU-sized work is not offered. An
+  unsloth job's verifier must offer unsloth itself: unsloth replays its own segments exactly on the
+  same GPU class, where peft replaying them drifted 1.7 % (> the 1 % tolerance) on an H200 (issue 22).
 - An empty list means the peer fits. Reasons are one line each, naming the number that failed.
 """
 
@@ -92,4 +94,7 @@ def replay_refusals(cap: Capability, terms: JobTerms) -> list[str]:
         elif max(d.vram_total_gb for d in gpus) < terms.min_vram_gb:
             reasons.append(f"replaying this job needs {terms.min_vram_gb:g} GB of VRAM on one GPU; the largest "
                            f"here has {max(d.vram_total_gb for d in gpus):.1f} GB")
+    if terms.runtime in GPU_RUNTIMES and terms.runtime not in cap.backends:
+        reasons.append(f"replaying this job needs runtime {terms.runtime} (peft's kernels drift from it past the "
+                       f"tolerance); this agent offers {', '.join(cap.backends) or 'none'}")
     return reasons

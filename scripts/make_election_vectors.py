@@ -190,20 +190,19 @@ MODEL_A, MODEL_B = hashlib.sha256(b"model a").digest(), hashlib.sha256(b"model b
 base_cap = sample_capability()
 
 
-def cap_for(can_coordinate, gpus, models):
+def cap_for(can_coordinate, gpus, models, backends):
     devices = tuple(m.Device("cuda", i, "GPU", float(gb), float(gb), "8.0", True) for i, gb in enumerate(gpus))
     return _replace(base_cap, can_coordinate=can_coordinate, devices=devices,
-                    models=tuple(m.ModelHeld(f"model-{d.hex()[:4]}", d) for d in models),
-                    backends=("peft", "unsloth") if gpus else ("peft",))
+                    models=tuple(m.ModelHeld(f"model-{d.hex()[:4]}", d) for d in models), backends=tuple(backends))
 
 
-declared = {  # peer -> (can_coordinate, GPUs' total GB, models held)
-    peers[0]: (True, [], [MODEL_A]),
-    peers[1]: (True, [24.0], [MODEL_A]),
-    peers[2]: (True, [80.0, 80.0], [MODEL_A, MODEL_B]),
-    peers[3]: (False, [80.0], [MODEL_A]),
-    peers[4]: (True, [16.0], [MODEL_B]),
-    peers[5]: (True, [], []),
+declared = {  # peer -> (can_coordinate, GPUs' total GB, models held, runtimes offered)
+    peers[0]: (True, [], [MODEL_A], ["peft"]),
+    peers[1]: (True, [24.0], [MODEL_A], ["peft"]),
+    peers[2]: (True, [80.0, 80.0], [MODEL_A, MODEL_B], ["peft", "unsloth"]),
+    peers[3]: (False, [80.0], [MODEL_A], ["peft", "unsloth"]),
+    peers[4]: (True, [16.0], [MODEL_B], ["peft", "unsloth"]),
+    peers[5]: (True, [], [], ["peft"]),
 }
 caps = {p: cap_for(*v) for p, v in declared.items()}
 terms0 = sample_terms(Identity(bytes([1]) * 32))
@@ -226,8 +225,8 @@ for name, model, runtime, vram in jobs_e:
                   "why_not": {p: replay_refusals(caps[p], terms) for p in peers
                               if p not in eligible and caps[p].can_coordinate}})
 eligibility = {
-    "description": "IPIP-0006 §1.2 eligibility: a live peer may coordinate a job when its capability says can_coordinate and it can replay the job (protocol/fit.replay_refusals): it holds the base model by sha256, and when min_vram_gb > 0 or runtime is unsloth it has a CUDA device whose total VRAM is >= min_vram_gb. Each peer's capability is scripts/make_envelope_vectors.sample_capability() with can_coordinate, devices (cuda, total = free = the GB listed) and models (by sha256) replaced; each job is sample_terms(Identity(0x01 * 32)) with base_model_sha256, runtime and min_vram_gb replaced (its job_id given). All six peers are live. 'why_not' is not normative.",
-    "peers": {p: {"can_coordinate": v[0], "cuda_total_gb": v[1], "models": [d.hex() for d in v[2]]}
+    "description": "IPIP-0006 §1.2 eligibility: a live peer may coordinate a job when its capability says can_coordinate and it can replay the job (protocol/fit.replay_refusals): it holds the base model by sha256, and when min_vram_gb > 0 or runtime is unsloth it has a CUDA device whose total VRAM is >= min_vram_gb; for runtime unsloth it also offers unsloth in its backends. Each peer's capability is scripts/make_envelope_vectors.sample_capability() with can_coordinate, devices (cuda, total = free = the GB listed), models (by sha256) and backends replaced; each job is sample_terms(Identity(0x01 * 32)) with base_model_sha256, runtime and min_vram_gb replaced (its job_id given). All six peers are live. 'why_not' is not normative.",
+    "peers": {p: {"can_coordinate": v[0], "cuda_total_gb": v[1], "models": [d.hex() for d in v[2]], "backends": v[3]}
               for p, v in declared.items()},
     "jobs": cases,
 }

@@ -66,6 +66,7 @@ class WarmChild:
         self.python = python
         self.process: subprocess.Popen | None = None
         self.started = 0  # processes started: a test and gpu_check read it
+        self.requests: dict[str, int] = {}  # requests sent, by op
         self.lock = threading.Lock()
 
     def ask(self, request: dict, on_checkpoint: OnCheckpoint | None = None) -> tuple[str, str]:
@@ -77,6 +78,7 @@ class WarmChild:
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
                 self.started += 1
             process = self.process
+            self.requests[request["op"]] = self.requests.get(request["op"], 0) + 1
             assert process.stdin is not None
             try:
                 process.stdin.write(json.dumps(request) + "\n")

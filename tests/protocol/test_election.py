@@ -293,7 +293,7 @@ def test_eligibility_vectors_read_the_capability():
         devices = tuple(m.Device("cuda", i, "GPU", gb, gb, "8.0", True) for i, gb in enumerate(d["cuda_total_gb"]))
         models = tuple(m.ModelHeld(f"model-{h[:4]}", bytes.fromhex(h)) for h in d["models"])
         caps[peer] = replace(base, can_coordinate=d["can_coordinate"], devices=devices, models=models,
-                             backends=("peft", "unsloth") if devices else ("peft",))
+                             backends=tuple(d["backends"]))
     terms0 = sample_terms(Identity(bytes([1]) * 32))
     seen = set()
     for job in doc["jobs"]:

@@ -68,11 +68,18 @@ def test_every_unmet_requirement_is_listed():
     (replace(TERMS, min_vram_gb=40.0), gpu(free=20.0, total=24.0), False),
     (replace(TERMS, min_vram_gb=40.0), CPU, False),
     (replace(TERMS, runtime="unsloth"), CPU, False),
-    (replace(TERMS, runtime="unsloth"), gpu(free=10.0, backends=("peft",)), True),  # peft on CUDA replays it
+    (replace(TERMS, runtime="unsloth"), gpu(free=10.0, backends=("peft",)), False),  # peft drifts past tolerance
+    (replace(TERMS, runtime="unsloth"), gpu(free=10.0), True),
     (TERMS, replace(CPU, models=()), False),
 ])
 def test_replay_needs_the_model_and_for_gpu_jobs_a_large_enough_gpu(job, peer, ok):
     assert (replay_refusals(peer, job) == []) is ok
+
+
+def test_an_unsloth_job_s_verifier_must_offer_unsloth():
+    [reason] = replay_refusals(gpu(free=10.0, backends=("peft",)), replace(TERMS, runtime="unsloth"))
+    assert reason == ("replaying this job needs runtime unsloth (peft's kernels drift from it past the tolerance); "
+                      "this agent offers peft")
 
 
 def test_lease_vectors():

@@ -209,8 +209,8 @@ async def test_a_runtime_unsloth_job_goes_through_the_worker_s_unsloth_child(tmp
         await submitter.wait_for(lambda: view.state.terminal, timeout=240)
         assert view.state.phase is st.JobPhase.DONE, view.state.reason
         # the shard was trained in a child process that loaded the stand-in unsloth
-        [child] = log.read_text().splitlines()
-        pid, model = child.split(maxsplit=1)
+        [loaded] = log.read_text().splitlines()  # once: the replay reused the warm child's built model
+        pid, model = loaded.split(maxsplit=1)
         assert int(pid) != os.getpid() and model == str(tiny_model_dir)
         for worker in gpu_workers:
             entries = worker.store.ledger(view.job_id)
@@ -222,6 +222,9 @@ async def test_a_runtime_unsloth_job_goes_through_the_worker_s_unsloth_child(tmp
                 steps = sorted(c["step"] for c in checkpoints if c["shard"] == data["shard"])
                 assert steps == [4, 8] and all(c["checkpoint_cid"] for c in checkpoints)
         assert sum(len([e for e in w.store.ledger(view.job_id) if e.kind == "report"]) for w in gpu_workers) == 1
-        # the coordinator (a GPU peer: only those can replay an unsloth job) replayed it with peft and accepted it
+        # the coordinator (a GPU peer offering unsloth: only those can replay an unsloth job) replayed it with
+        # unsloth, in the same warm child the worker trained in (these agents share one process), and accepted it
         assert view.coordination.coordinator in {a.peer_id for a in gpu_workers}
         assert len(view.reports) == 1
+        child = backends.warm_child(os.environ["INFERNET_UNSLOTH_PYTHON"])
+        assert child.started == 1 and child.requests["train"] == 1 and child.requests["replay"] >= 1
