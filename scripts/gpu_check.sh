@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# The GPU-only checks of issue 11, in one call, for a session that has a CUDA GPU (the `device` tool).
+# The GPU-only checks of issues 11 and 22, in one call, for a session that has a CUDA GPU (the `device` tool).
 #
 # The GPU machine has torch (CUDA), transformers, peft, accelerate, pytest ... but not our other
 # dependencies, and no registry: they travel as wheels. Once, here (PyPI is reachable here):
-#     scripts/gpu_wheels.sh            # -> .whl/ (git-ignored), ~52 MiB: core + bitsandbytes + unsloth
+#     scripts/gpu_wheels.sh            # -> .whl/ (git-ignored), ~47 MiB: core + bitsandbytes + unsloth
 #                                      #    (scripts/gpu_wheels.sh core|qlora for less; see its header)
-# Then ONE device call (the model is built in code; nothing is fetched there):
-#     run(command="PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh all --out $OUT > $OUT/gpu_check.log 2>&1; tail -40 $OUT/summary.txt",
-#         carry=[".whl"], timeout_s=590)
+# Then ONE device call (the model is built in code; nothing is fetched there). The device returns at most
+# 8 files of 16 MiB from $OUT, so write into /tmp/gc and copy the logs (the network step's directory is
+# ~170 MiB: never under $OUT). On an H200 `all` took 326 s:
+#     run(command="mkdir -p /tmp/gc; timeout 560 bash scripts/gpu_check.sh all --out /tmp/gc > /tmp/gc/outer.log 2>&1;
+#                  for f in outer.log tests.log gpu_check.log network.log figures.jsonl summary.txt;
+#                  do tail -c 15000000 /tmp/gc/$f > $OUT/$f; done; cat /tmp/gc/summary.txt",
+#         carry=[".whl"], timeout_s=595)
 # and give_back. Each step has its own time cap (the variables below), so a slow step cannot hide the
 # others' figures; every line that starts with '{' is a figure or a step marker. If the whole run does not
 # fit one call, run the sets separately, core first: `gpu_check.sh core`, then `gpu_check.sh qlora`, then
