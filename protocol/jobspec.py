@@ -264,6 +264,7 @@ class TrainingSpec:
     optimizer_state: str = _key("carried", _Choice(*OPTIMIZER_STATES))
     report_codec: str = _key("none", _Choice(*REPORT_CODECS))
     inner_schedule: str = _key("constant", _Choice(*INNER_SCHEDULES))
+    packing: bool = _key(False, _Flag())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -398,6 +399,8 @@ training:                         # what each worker does with its shard in each
   batch_size: 4                   # examples per micro-batch, >= 1
   gradient_accumulation_steps: 1  # micro-batches per optimizer step, >= 1
   max_seq_len: 512                # tokens per example, >= 8; longer examples are truncated
+  packing: false                  # true: examples are concatenated into sequences of max_seq_len
+                                  #   tokens (a GPU's work: few padded tokens); a step's samples are those
   max_steps: 0                    # optimizer steps per shard and round; 0 = no limit (epochs decide)
   schedule: constant              # constant | cosine: the learning rate across rounds (cosine decays
                                   #   it to 0.1x by the last round); constant within a round
@@ -829,7 +832,7 @@ def to_terms(spec: JobSpec, *, submitter: str, base_model_sha256: bytes, shards:
         validation_cid=validation_cid,
         training=m.TrainingTerms(t.epochs, t.learning_rate, t.batch_size, t.gradient_accumulation_steps,
                                  t.max_seq_len, t.max_steps, t.schedule, t.warmup_rounds, t.optimizer_state,
-                                 t.report_codec, t.inner_schedule),
+                                 t.report_codec, t.inner_schedule, t.packing),
         lora=m.LoraTerms(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules), lora.freeze_a),
         proof=m.ProofTerms(proof.checkpoint_every, proof.verify_segments, proof.tolerance),
         rounds=spec.rounds, aggregation=spec.aggregation, min_accepted_fraction=spec.min_accepted_fraction,

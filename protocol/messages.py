@@ -299,6 +299,8 @@ class TrainingTerms(Wire):
     report_codec: str = extension_field("none", "enum", choices=REPORT_CODECS)
     # the rate within a round: constant, or a warm-up and a decay (IPIP-0006 §2.5; protocol/schedule.py)
     inner_schedule: str = extension_field("constant", "enum", choices=INNER_SCHEDULES)
+    # examples concatenated into sequences of max_seq_len tokens (IPIP-0007): what a step's samples are
+    packing: bool = extension_field(False)
 
 
 @record

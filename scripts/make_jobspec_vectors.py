@@ -43,6 +43,7 @@ budget: {price_per_hour: 0.5, total: 100}
 """),
  ("freeze_a defaults to false when aggregation is not exact", HEAD + "aggregation: fedavg\n"),
  ("outer optimizer and a cosine schedule with warm-up across rounds", HEAD + "training:\n  schedule: cosine\n  warmup_rounds: 1\nrounds: 8\nouter:\n  optimizer: nesterov\n  lr: 1.5\n  momentum: 0.5\n"),
+ ("a packed GPU job: examples concatenated into 1024-token sequences", HEAD + "training:\n  max_seq_len: 1024\n  packing: true\nresources:\n  min_vram_gb: 16\n"),
  ("robust aggregation with enough accepted shards: ceil(0.6 x 5) = 3", HEAD + "aggregation: trimmed_mean\nshards: 5\nmin_accepted_fraction: 0.6\n"),
  ("YAML 1.2 core scalars: 'no' is text, 1E-3 and .5 are numbers, +3 an integer; null and empty sections", """\
 name: no
@@ -127,6 +128,12 @@ invalid = [
  ("cross-field: exact aggregation needs freeze_a", HEAD + "aggregation: exact\nlora:\n  freeze_a: false\n"),
  ("cross-field: median needs 3 shards", HEAD + "aggregation: median\nshards: 2\n"),
  ("cross-field: trimmed_mean with too low an accepted fraction", HEAD + "aggregation: trimmed_mean\nshards: 4\nmin_accepted_fraction: 0.5\n"),
+ ("dataset ipfs:// that is not a CID", "name: demo\nbase_model: ./tiny-model\ninput:\n  dataset: ipfs://QmNotACid\n"),
+ ("description with a control character (wrong type)",
+  "name: demo\ndescription: \"bell \\a\"\nbase_model: ./tiny-model\ninput:\n  dataset: ./train.jsonl\n"),
+ ("private given as a string (boolean given as a string)",
+  "name: demo\nbase_model: ./tiny-model\nprivate: \"true\"\ninput:\n  dataset: ./train.jsonl\n"),
+ ("packing given as a string", HEAD + "training:\n  packing: \"yes\"\n"),
 ]
 
 def main():

@@ -4,8 +4,9 @@ Rules of this file:
 - Field names are the job spec's (protocol/jobspec.py); ``from_terms`` is the one mapping from a job's terms
   (``from_spec`` goes through the terms too: protocol/jobspec.to_terms); the spec
   decides what a job trains, these fields only carry it into agent/train.
-- Settings that are the worker's own choice (threads, device, dtype, packing, logging) live here
+- Settings that are the worker's own choice (threads, device, dtype, micro-batch, logging) live here
   too, with defaults; they never change which samples a step sees, only how fast and on what.
+  ``packing`` does change them, so it comes from the job (``training.packing``).
   ``threads`` is always explicit: it is passed to ``torch.set_num_threads`` and recorded in the
   proof header, because it changes float results.
 - ``max_steps = 0`` means "as many steps as ``epochs`` passes over the shard take".
@@ -130,7 +131,7 @@ class TrainConfig:
             base_model=base_model_path, base_model_sha256=terms.base_model_sha256.hex(), method=terms.method,
             runtime=terms.runtime, seed=terms.seed, epochs=t.epochs, learning_rate=learning_rate, round=round,
             carry_optimizer=t.optimizer_state == "carried", report_codec=t.report_codec,
-            inner_schedule=t.inner_schedule,
+            inner_schedule=t.inner_schedule, packing=t.packing,
             batch_size=t.batch_size, gradient_accumulation_steps=t.gradient_accumulation_steps,
             max_seq_len=t.max_seq_len, max_steps=t.max_steps, rank=lora.rank, alpha=lora.alpha,
             dropout=lora.dropout, target_modules=tuple(lora.target_modules), freeze_a=lora.freeze_a,

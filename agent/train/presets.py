@@ -124,15 +124,19 @@ SPEC_PRESETS: dict[str, tuple[str, dict[tuple[str, str], str]]] = {
         ("input", "validation_split"): "0.1", ("training", "max_steps"): "20", ("training", "max_seq_len"): "256",
         ("training", "batch_size"): "4", ("lora", "rank"): "8", ("lora", "alpha"): "16",
         ("proof", "checkpoint_every"): "10"}),
-    "balanced": ("a useful adapter at moderate cost: all attention projections, rank 16, two epochs", {
+    "balanced": ("a useful adapter at moderate cost: all attention projections, rank 16, two epochs, "
+                 "examples packed into 1024-token sequences", {
         ("input", "validation_split"): "0.05", ("training", "epochs"): "2", ("training", "learning_rate"): "0.0002",
         ("training", "batch_size"): "4", ("training", "gradient_accumulation_steps"): "4",
-        ("training", "max_seq_len"): "1024", ("lora", "rank"): "16", ("lora", "alpha"): "32",
+        ("training", "max_seq_len"): "1024", ("training", "packing"): "true", ("lora", "rank"): "16",
+        ("lora", "alpha"): "32",
         ("lora", "target_modules"): "[q_proj, k_proj, v_proj, o_proj]", ("proof", "checkpoint_every"): "50"}),
-    "quality": ("the best adapter for the data: every projection, rank 32, three epochs, longer sequences", {
+    "quality": ("the best adapter for the data: every projection, rank 32, three epochs, examples packed into "
+                "2048-token sequences", {
         ("input", "validation_split"): "0.1", ("training", "epochs"): "3", ("training", "learning_rate"): "0.0001",
         ("training", "batch_size"): "4", ("training", "gradient_accumulation_steps"): "8",
-        ("training", "max_seq_len"): "2048", ("lora", "rank"): "32", ("lora", "alpha"): "64",
+        ("training", "max_seq_len"): "2048", ("training", "packing"): "true", ("lora", "rank"): "32",
+        ("lora", "alpha"): "64",
         ("lora", "target_modules"): "[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]",
         ("proof", "checkpoint_every"): "100"}),
 }

@@ -123,7 +123,8 @@ base_model: {tiny_model_dir}
 method: qlora
 seed: 42
 input: {{dataset: data.jsonl, validation_split: 0.1}}
-training: {{epochs: 2, learning_rate: 1e-3, batch_size: 2, gradient_accumulation_steps: 3, max_seq_len: 64, max_steps: 0}}
+training: {{epochs: 2, learning_rate: 1e-3, batch_size: 2, gradient_accumulation_steps: 3, max_seq_len: 64, max_steps: 0,
+            packing: true}}
 lora: {{rank: 4, alpha: 8, dropout: 0.1, target_modules: [q_proj, k_proj], freeze_a: true}}
 proof: {{checkpoint_every: 5, verify_segments: 3, tolerance: 0.001}}
 """, "spec.yml")
@@ -135,12 +136,19 @@ proof: {{checkpoint_every: 5, verify_segments: 3, tolerance: 0.001}}
     assert (config.rank, config.alpha, config.dropout, config.target_modules, config.freeze_a) == (
         4, 8.0, 0.1, ("q_proj", "k_proj"), True)
     assert (config.checkpoint_every, config.verify_segments, config.tolerance, config.threads) == (5, 3, 0.001, 3)
+    assert config.packing  # the job's, so worker and verifier pack alike
     assert config.total_steps(100) == 34  # 2 epochs x 100 examples / 6 per step, rounded up
     # the same mapping a worker trains from (issue 23: spec -> terms -> config, once)
     from protocol.jobspec import to_terms
 
-    worker = TrainConfig.from_terms(to_terms(spec, submitter="", base_model_sha256=bytes(32)), str(tiny_model_dir),
-                                    threads=3)
+    from protocol import messages as m
+
+    terms = to_terms(spec, submitter="", base_model_sha256=bytes(32))
+    assert m.TrainingTerms.from_wire(terms.training.to_wire()).packing  # the extension field goes on the wire
+    from dataclasses import replace
+
+    assert "packing" not in replace(terms.training, packing=False).to_wire()  # and stays off it when false
+    worker = TrainConfig.from_terms(terms, str(tiny_model_dir), threads=3)
     assert worker.with_(base_model_sha256=None, validation_split=0.1) == config
 
 
