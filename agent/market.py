@@ -356,7 +356,7 @@ def count_tokens(spec: Any, dataset: Path, model_path: str) -> dict:
     """Tokenize the job's training shards with the model's tokenizer: tokens, steps and tokens per step."""
     from agent.train import split_dataset
     from agent.train.config import TrainConfig
-    from agent.train.data import check_dataset, tokenize
+    from agent.train.data import check_dataset, pack, tokenize
     from agent.train.model import load_tokenizer
 
     records = check_dataset(dataset, spec.shards, spec.input.validation_split, spec.seed).records
@@ -366,6 +366,8 @@ def count_tokens(spec: Any, dataset: Path, model_path: str) -> dict:
     shard_tokens, shard_steps, per_step = [], [], []
     for indices in split.shards:
         examples, _ = tokenize(tokenizer, [records[i] for i in indices], spec.training.max_seq_len)
+        if spec.training.packing:  # what the worker trains: fewer, longer sequences (training.packing)
+            examples = pack(examples, spec.training.max_seq_len)
         lengths = [len(e.input_ids) for e in examples] or [0]
         shard_tokens.append(sum(lengths))
         shard_steps.append(config.total_steps(len(examples)))
