@@ -79,11 +79,21 @@ def deterministic_cuda() -> None:
         torch.use_deterministic_algorithms(True, warn_only=False)
 
 
-def _lacks_deterministic_form(error: RuntimeError, device: str) -> bool:
-    """Whether ``error`` is strict deterministic mode refusing an op (so warn-only mode would run it)."""
-    return (device == "cuda" and "deterministic" in str(error).lower()
+def refused_by_strict_mode(error: RuntimeError, device: str) -> bool:
+    """Whether ``error`` is strict deterministic mode refusing an op; if so the process goes on in warn-only
+    mode (logged once), where that op runs, and the caller runs its work again. Such work replays within
+    the tolerance, not exactly (IPIP-0005 §8.2)."""
+    if not (device == "cuda" and "deterministic" in str(error).lower()
             and torch.are_deterministic_algorithms_enabled()
-            and not torch.is_deterministic_algorithms_warn_only_enabled())
+            and not torch.is_deterministic_algorithms_warn_only_enabled()):
+        return False
+    import logging
+
+    logging.getLogger(__name__).warning(
+        "an op has no deterministic CUDA form (%s); training goes on in warn-only deterministic mode, "
+        "whose replays are within the tolerance, not exact", str(error).splitlines()[0][:200])
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return True
 
 
 def collate(examples: Sequence[Example], pad_id: int, device: str) -> dict[str, torch.Tensor]:
@@ -163,14 +173,8 @@ class LoraSession:
         try:
             return run(argument)
         except RuntimeError as error:
-            if not _lacks_deterministic_form(error, self.device):
+            if not refused_by_strict_mode(error, self.device):
                 raise
-            import logging
-
-            logging.getLogger(__name__).warning(
-                "an op has no deterministic CUDA form (%s); training goes on in warn-only deterministic mode, "
-                "whose replays are within the tolerance, not exact", str(error).splitlines()[0][:200])
-            torch.use_deterministic_algorithms(True, warn_only=True)
             self.optimizer.zero_grad(set_to_none=True)
             return run(argument)
 

@@ -39,7 +39,7 @@ from agent.train.codec import PAYLOAD_FILE, encode, round_trip, save_payload
 from agent.train.config import TrainConfig, TrainError
 from agent.train.data import Example, PreparedShard, prepare_examples
 from agent.train.env import environment, set_threads
-from agent.train.loop import LoraSession, data_parallel, deterministic_cuda, same_on_every_rank
+from agent.train.loop import LoraSession, data_parallel, deterministic_cuda, refused_by_strict_mode, same_on_every_rank
 from agent.train.model import (
     adapter_state, add_lora, base_model_sha256, load_adapter_state, load_base_model, load_tokenizer, pick_device,
     pick_dtype, save_adapter, seed_lora_a, tensors_hash,
@@ -224,7 +224,12 @@ def open_session(config: TrainConfig, examples: list[Example], *, pad_id: int, b
     dtype = pick_dtype(config.dtype, device)
     if device == "cuda":
         deterministic_cuda()
-    model, seeded = POOL.take(config, device, dtype, backend)
+    try:
+        model, seeded = POOL.take(config, device, dtype, backend)
+    except RuntimeError as error:  # an op of the build that strict deterministic mode refuses (loop.py)
+        if not refused_by_strict_mode(error, device):
+            raise
+        model, seeded = POOL.take(config, device, dtype, backend)
     if initial_adapter is not None:
         load_adapter_state(model, initial_adapter)
     session = LoraSession(model, examples, config, device=device, dtype=dtype, pad_id=pad_id)

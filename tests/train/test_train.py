@@ -177,3 +177,24 @@ def test_checkpoints_written_in_the_background_commit_the_same_chain(trained_run
         [(e.index, e.step, e.link, e.head) for e in inline_events]
     assert threads == {threading.get_ident()} and all(on_disk)
     assert not any(t.name.startswith("checkpoint-writer") for t in threading.enumerate())
+
+
+def test_an_op_strict_mode_refuses_turns_cuda_training_to_warn_only():
+    """IPIP-0005 §8.2: CUDA sessions train in strict deterministic mode; an op without a deterministic form
+    (torch's RuntimeError) turns the process to warn-only mode, once, and the work runs again. Only that
+    error, only on CUDA, only from strict mode."""
+    from agent.train.loop import refused_by_strict_mode
+
+    refusal = RuntimeError("foo_cuda does not have a deterministic implementation, but you set "
+                           "'torch.use_deterministic_algorithms(True)'")
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert not refused_by_strict_mode(refusal, "cpu")
+        assert not refused_by_strict_mode(RuntimeError("CUDA out of memory"), "cuda")
+        assert torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert refused_by_strict_mode(refusal, "cuda")
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert not refused_by_strict_mode(refusal, "cuda")  # already warn-only: a second refusal is a real error
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
