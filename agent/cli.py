@@ -135,9 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
         dest="action", metavar="ACTION", required=True)
     tinit = train.add_parser("init", parents=[common], help="write a commented infernet.train.yml")
     tinit.add_argument("--output", type=Path, default=Path("."), metavar="DIR")
-    tinit.add_argument("--preset", choices=("quick-test", "balanced", "quality"), default=None,
-                       help="a spec tuned for: quick-test (a smoke run in about a minute), balanced (a useful "
-                            "adapter at moderate cost), quality (more rank, modules and steps)")
+    tinit_from = tinit.add_mutually_exclusive_group()
+    tinit_from.add_argument("--preset", choices=("quick-test", "balanced", "quality"), default=None,
+                            help="a spec tuned for: quick-test (a smoke run in about a minute), balanced (a useful "
+                                 "adapter at moderate cost), quality (more rank, modules and steps)")
+    tinit_from.add_argument("--from", dest="source", type=Path, default=None, metavar="CONFIG",
+                            help="convert a TRL config (YAML or JSON, as `trl sft --config` reads) or an Axolotl "
+                                 "YAML; every field not honoured is named, one line each")
     trun = train.add_parser("run", parents=[common, reader], help="train on this machine")
     trun.add_argument("--local", action="store_true", required=True, help="train here, without the network")
     trun.add_argument("--config", type=Path, metavar="FILE", help="the job spec (infernet.train.yml)")
@@ -707,17 +711,25 @@ def cmd_train_init(args: argparse.Namespace) -> int:
     from protocol.jobspec import SPEC_FILE_NAME, TEMPLATE
 
     out = args.output.expanduser()
-    out.mkdir(parents=True, exist_ok=True)
     path = out / SPEC_FILE_NAME
     if path.exists():
         raise UserError(f"{path}: already exists; edit it, or choose another --output")
-    text = TEMPLATE
+    text, notes, made = TEMPLATE, [], ""
     if args.preset:
         from agent.train.presets import preset_spec
 
-        text = preset_spec(TEMPLATE, args.preset)
+        text, made = preset_spec(TEMPLATE, args.preset), f" (preset {args.preset})"
+    elif args.source is not None:
+        from agent.convert import convert
+
+        text, conversion = convert(args.source.expanduser())
+        notes = conversion.notes
+        made = f" (from {args.source}, a{'n Axolotl' if conversion.source == 'axolotl' else ' TRL'} config)"
+    out.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
-    print(f"wrote {path}{f' (preset {args.preset})' if args.preset else ''}\nnext: edit name, base_model and input.dataset, then "
+    for line in notes:
+        print(f"{args.source}: {line}")
+    print(f"wrote {path}{made}\nnext: edit name, base_model and input.dataset, then "
           f"`infernet train run --local --config {path}` or `infernet job announce {path}`")
     return 0
 

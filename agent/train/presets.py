@@ -144,11 +144,17 @@ SPEC_PRESETS: dict[str, tuple[str, dict[tuple[str, str], str]]] = {
 
 def preset_spec(template: str, preset: str) -> str:
     """The commented spec ``template`` with a preset's values set in place (comments kept)."""
-    import re
-
     if preset not in SPEC_PRESETS:
         raise ValueError(f"unknown preset {preset!r} (known: {', '.join(SPEC_PRESETS)})")
     purpose, values = SPEC_PRESETS[preset]
+    return spec_with_values(template, values, f"# preset {preset}: {purpose}.\n")
+
+
+def spec_with_values(template: str, values: dict[tuple[str, str], str], intro: str = "") -> str:
+    """The commented spec ``template`` with ``values`` ({(section, key): YAML value text}, "" the top level)
+    set in place, comments kept; ValueError for a key the template does not show."""
+    import re
+
     lines = template.splitlines()
     section = ""
     done: set[tuple[str, str]] = set()
@@ -159,7 +165,7 @@ def preset_spec(template: str, preset: str) -> str:
             continue
         if line and not line[0].isspace():
             section = ""
-        match = re.match(r"^(\s*)([a-z_]+):( +)(\[[^\]]*\]|\S+)( *)(#.*)?$", line)
+        match = re.match(r"^(\s*)([a-z_]+):( +)(\[[^\]]*\]|\"[^\"]*\"|\S+)( *)(#.*)?$", line)
         if not match or (section, match.group(2)) not in values:
             continue
         key = (section, match.group(2))
@@ -171,6 +177,5 @@ def preset_spec(template: str, preset: str) -> str:
         done.add(key)
     missing = set(values) - done
     if missing:
-        raise ValueError(f"preset {preset}: the template has no key {sorted(missing)[0]}")
-    intro = f"# preset {preset}: {purpose}.\n"
+        raise ValueError(f"the template has no key {'.'.join(filter(None, sorted(missing)[0]))}")
     return intro + "\n".join(lines) + "\n"
