@@ -557,13 +557,25 @@ def _spec_and_dataset(args: argparse.Namespace) -> tuple[Path, Any, Path | None]
     spec_path = args.spec.expanduser().resolve()
     spec = load_spec(spec_path)  # a bad spec is reported here, before the agent is asked
     dataset = None
-    if args.dataset or dataset_cid(spec.input.dataset) is None:  # else: a CID, fetched by the agent
+    if spec.input.hf and not args.dataset:  # read here, where the user's HF_TOKEN and cache are
+        dataset = _hf_dataset(spec, _home(args))
+    elif args.dataset or dataset_cid(spec.input.dataset) is None:  # else: a CID, fetched by the agent
         _no_mistyped_cid(spec.input.dataset, spec_path, given=args.dataset is not None)
         dataset = (args.dataset or (spec_path.parent / spec.input.dataset)).expanduser().resolve()
         input_file(dataset, "dataset", f" (give --dataset FILE or set input.dataset in {spec_path.name})")
     if getattr(args, "max_nodes", None) is not None and args.max_nodes < 1:
         raise UserError(f"--max-nodes: must be at least 1, got {args.max_nodes}")
     return spec_path, spec, dataset
+
+
+def _hf_dataset(spec: Any, home: Path) -> Path:
+    """``input.hf``'s split as a ChatML file (agent/hfdata.py), under HOME/datasets; UserError if it cannot."""
+    from agent.hfdata import HubDataError, spec_dataset
+
+    try:
+        return spec_dataset(spec.input, home / "datasets")
+    except HubDataError as error:
+        raise UserError(f"input.hf {error}") from None
 
 
 def _estimate(home: Path, spec_path: Path, dataset: Path | None, args: argparse.Namespace) -> dict:
@@ -748,9 +760,12 @@ def cmd_train_run(args: argparse.Namespace) -> int:
         raise UserError("train run --local needs --config FILE (or --resume RUN_DIR to continue a run)")
     config_path = args.config.expanduser().resolve()
     spec = load_spec(config_path)
-    if args.dataset is None:
+    if args.dataset is None and not spec.input.hf:
         _no_mistyped_cid(spec.input.dataset, config_path, given=False)
-    dataset = (args.dataset or config_path.parent / spec.input.dataset).expanduser().resolve()
+    if args.dataset is None and spec.input.hf:
+        dataset = _hf_dataset(spec, _home(args))
+    else:
+        dataset = (args.dataset or config_path.parent / spec.input.dataset).expanduser().resolve()
     input_file(dataset, "dataset", f" (set input.dataset in {config_path.name} or give --dataset)")
     records = check_dataset(dataset, 1, spec.input.validation_split, spec.seed).records  # before anything is written
     model = _local_model(args.model, spec.base_model, config_path.parent)

@@ -179,9 +179,16 @@ async def _spec_inputs(agent: "Agent", spec: str, dataset: str | None) -> tuple[
     from protocol.jobspec import dataset_cid
 
     job_spec = load_spec(spec)
-    cid = None if dataset else dataset_cid(job_spec.input.dataset)
+    cid = None if dataset or job_spec.input.hf else dataset_cid(job_spec.input.dataset)
     if cid is not None:  # data already in IPFS: fetched and checked against its CID, then sharded
         data = await agent.submitter.fetch_dataset(cid)
+    elif job_spec.input.hf and not dataset:  # a Hugging Face dataset: converted to ChatML here, once
+        from agent.hfdata import HubDataError, spec_dataset
+
+        try:
+            data = await trio.to_thread.run_sync(spec_dataset, job_spec.input, agent.work_dir / "datasets")
+        except HubDataError as exc:
+            raise ControlError(f"input.hf {exc}") from None
     else:
         data = Path(dataset) if dataset else (Path(spec).parent / job_spec.input.dataset)
     try:

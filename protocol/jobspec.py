@@ -169,6 +169,13 @@ class _Text(_Rule):
         return value
 
 
+class _OptionalText(_Text):
+    """Text, or "" for unset (a key whose absence another key makes up for, or means the default)."""
+
+    def check(self, value: Any) -> str:
+        return value if value == "" else super().check(value)
+
+
 class _Choice(_Rule):
     def __init__(self, *options: str) -> None:
         self.options = options
@@ -246,7 +253,11 @@ def _section(cls: type) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class InputSpec:
-    dataset: str = _key(MISSING, _Text(MAX_PATH))  # local path, or a CID (bare or ipfs://): dataset_cid()
+    dataset: str = _key("", _OptionalText(MAX_PATH))  # local path, or a CID (bare or ipfs://): dataset_cid(); or hf
+    hf: str = _key("", _OptionalText(4 * MAX_NAME))  # a Hugging Face dataset (Hub name or a folder datasets reads)
+    split: str = _key("train", _Text(MAX_NAME))
+    config: str = _key("", _OptionalText(MAX_NAME))
+    revision: str = _key("", _OptionalText(MAX_NAME))
     format: str = _key("chatml", _Choice("chatml"))
     validation_split: float = _key(0.0, _Number(0, 0.5, open_high=True))
 
@@ -390,6 +401,10 @@ seed: 0                           # job seed, same for every worker: LoRA A init
 input:
   dataset: ./train.jsonl          # local path, or the dataset's IPFS CID (bafy... or ipfs://bafy...):
                                   #   the submitter fetches it, checks it against the CID, then shards it
+  # hf: org/name                  # instead of dataset: a Hugging Face dataset (Hub name, from its cache
+  # split: train                  #   or the Hub with HF_TOKEN, or a local folder datasets reads), its split,
+  # config: ""                    #   config and revision; the submitter converts it to ChatML once and
+  # revision: ""                  #   shards that file (messages, conversations, prompt/completion, alpaca)
   format: chatml                  # chatml: JSON lines of {"messages": [{"role": ..., "content": ...}]}
   validation_split: 0.0           # fraction held out before sharding to validate aggregates, in [0, 0.5)
 
@@ -585,6 +600,15 @@ def _read_job(data: Any, where: Where) -> JobSpec:
     return spec
 
 
+def hf_source(input_spec: InputSpec) -> str:
+    """What the terms record of a Hugging Face input (``JobTerms.dataset_source``): ``hf:NAME[@REVISION]
+    [ config=CONFIG] split=SPLIT``; "" for a file or a CID."""
+    if not input_spec.hf:
+        return ""
+    return ("hf:" + input_spec.hf + (f"@{input_spec.revision}" if input_spec.revision else "")
+            + (f" config={input_spec.config}" if input_spec.config else "") + f" split={input_spec.split}")
+
+
 def dataset_cid(dataset: str) -> str | None:
     """The CID that ``input.dataset`` names, or None for a local path (IPIP-0007 "input.dataset").
 
@@ -607,6 +631,12 @@ def dataset_cid(dataset: str) -> str | None:
 
 def _check_across_fields(spec: JobSpec, where: Where) -> None:
     """Rules that tie two keys together (ipips/0007, "Rules across keys")."""
+    if bool(spec.input.dataset) == bool(spec.input.hf):
+        if spec.input.dataset:
+            raise where.bad_value(("input", "hf"), "give input.dataset or input.hf, not both")
+        missing = where.missing(("input", "dataset"))  # at the line of the input section, when there is one
+        raise SpecError(missing.path, f"{missing.message} (a file or a CID; or input.hf, a Hugging Face dataset)",
+                        missing.location)
     if spec.input.dataset.strip().startswith("ipfs://"):
         from protocol.errors import CIDError
 
@@ -844,5 +874,6 @@ def to_terms(spec: JobSpec, *, submitter: str, base_model_sha256: bytes, shards:
         outer=None if spec.outer.optimizer == "none" else m.OuterTerms(
             spec.outer.optimizer, spec.outer.lr, spec.outer.momentum, spec.outer.beta1, spec.outer.beta2),
         description=getattr(spec, "description", ""), private=getattr(spec, "private", False), dataset_cid=dataset_cid,
+        dataset_source=hf_source(spec.input),
         max_nodes=max_nodes, providers=tuple(providers),
     )

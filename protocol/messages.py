@@ -387,6 +387,9 @@ class JobTerms(Wire):
     private: bool = extension_field(False)
     # the dataset the submitter sharded, when the spec named it by CID (IPIP-0007 "input.dataset")
     dataset_cid: Optional[str] = extension_field(None, "cid")
+    # a Hugging Face input, as hf:NAME[@REVISION][ config=C] split=S (IPIP-0007 "input.hf"): informative;
+    # the shards' CIDs are what workers train on
+    dataset_source: str = extension_field("", "text", max_len=MAX_TEXT)
     # who may be leased (IPIP-0004 §12, protocol/market.py): at most this many distinct workers
     # (0: no cap), and only these peers (empty: anyone)
     max_nodes: int = extension_field(0, "count", maximum=MAX_LIST)

@@ -113,6 +113,9 @@ class SubmitterRole:
             cid = await agent.content.add_file(path, provide=False)
             agent.provide_soon(cid)
             validation_cid = str(cid)
+        if spec.input.hf and dataset_cid is None:  # the converted file, by CID beside its Hub source in the terms
+            dataset_cid = str(await agent.content.add_file(dataset, provide=False))
+            agent.provide_soon(dataset_cid)
         model_hash = await trio.to_thread.run_sync(base_model_sha256, base_model_path)
         return to_terms(spec, submitter=agent.peer_id, base_model_sha256=bytes.fromhex(model_hash),
                         shards=tuple(shards), validation_cid=validation_cid,
