@@ -14,7 +14,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,qlora,data,hf]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,qlora,data,hf,viz]'
 	touch $@
 
 # Two test processes (pytest-xdist): most tests wait on real agents' timers, not on the CPU, so two at

@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("id", metavar="ID")
     watch.add_argument("--interval", type=float, default=1.0)
     watch.add_argument("--timeout", type=float, default=None, help="stop watching after this many seconds")
+    watch.add_argument("--logdir", type=Path, default=None, metavar="DIR",
+                       help="TensorBoard logs of the job (default HOME/runs/JOB; --no-tensorboard for none)")
+    watch.add_argument("--no-tensorboard", action="store_true", help="write no TensorBoard logs")
     fetch = job.add_parser("fetch", parents=[common, reader], help="fetch the job's aggregate adapter (HF layout)")
     fetch.add_argument("id", metavar="ID")
     fetch.add_argument("--out", type=Path, required=True, metavar="DIR")
@@ -148,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     trun.add_argument("--resume", type=Path, metavar="RUN_DIR",
                       help="continue an interrupted run from its last checkpoint (its spec, data and proof chain)")
     trun.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    trun.add_argument("--no-tensorboard", action="store_true",
+                      help="write no TensorBoard logs (default: RUN_DIR/tensorboard, when tensorboard is installed)")
     trun.add_argument("--dataset", type=Path, help="override input.dataset")
     trun.add_argument("--model", type=Path, help="local base model directory (default: the spec's base_model)")
     trun.add_argument("--output", type=Path, metavar="DIR", help="run directory (default: runs/NAME-TIME)")
@@ -662,18 +667,40 @@ def cmd_job_watch(args: argparse.Namespace) -> int:
     home = _home(args)
     started = time.monotonic()
     progress = JobProgress(json_lines=args.json)
-    with progress:
-        while True:
-            job = request(home, "job.show", job=args.id)
-            progress.update(job)
-            if job["state"] in ("DONE", "FAILED", "CANCELLED"):
-                break
-            if args.timeout is not None and time.monotonic() - started > args.timeout:
-                raise UserError(f"job {job['id'][:16]} still {job['state']} after {args.timeout:.0f} s")
-            time.sleep(args.interval)
+    job = request(home, "job.show", job=args.id)
+    scalars = None if args.no_tensorboard else _open_tensorboard(args.logdir or home / "runs" / job["id"][:16])
+    try:
+        with progress:
+            while True:
+                progress.update(job)
+                if scalars is not None:
+                    from agent.tblog import job_scalars
+
+                    scalars.add_all(job_scalars(job))
+                if job["state"] in ("DONE", "FAILED", "CANCELLED"):
+                    break
+                if args.timeout is not None and time.monotonic() - started > args.timeout:
+                    raise UserError(f"job {job['id'][:16]} still {job['state']} after {args.timeout:.0f} s")
+                time.sleep(args.interval)
+                job = request(home, "job.show", job=args.id)
+    finally:
+        if scalars is not None:
+            scalars.close()
     if not args.json:
         print(progress.final_line(job))
+        if scalars is not None:
+            print(f"TensorBoard: tensorboard --logdir {scalars.logdir}")
     return 0 if job["state"] == "DONE" else 1
+
+
+def _open_tensorboard(logdir: Path, *, fresh: bool = True) -> Any:
+    """A TensorBoard log in ``logdir``, or None with one line on stderr when tensorboard is not installed."""
+    from agent.tblog import MISSING, open_log
+
+    scalars = open_log(logdir.expanduser(), fresh=fresh)
+    if scalars is None:
+        print(f"note: {MISSING}", file=sys.stderr)
+    return scalars
 
 
 def cmd_job_fetch(args: argparse.Namespace) -> int:
@@ -858,15 +885,50 @@ def _run_and_report(args: argparse.Namespace, request: Any, *, resume: bool) -> 
     from agent.train import train_shard
 
     run_dir = request.run_dir
-    with TrainProgress(enabled=not args.no_progress) as progress:
-        result = train_shard(request, resume=resume, on_step=progress.update)
+    # TensorBoard: metrics.jsonl's lines as they are written, into RUN_DIR/tensorboard (a resumed run adds to it)
+    scalars = _open_tensorboard(run_dir / "tensorboard", fresh=not resume) if not args.no_tensorboard else None
+    tail = MetricsTail(run_dir / "metrics.jsonl", scalars)
+
+    def on_step(*values: Any) -> None:
+        progress.update(*values)
+        tail.read()
+
+    try:
+        with TrainProgress(enabled=not args.no_progress) as progress:
+            result = train_shard(request, resume=resume, on_step=on_step)
+        tail.read()
+    finally:
+        if scalars is not None:
+            scalars.close()
     out = result.to_json()
     validation_text = (f"; validation loss {result.initial_validation_loss:.4f} -> {result.validation_loss:.4f}"
                        if result.validation_loss is not None else "")
     _emit(args, out, f"done: {result.steps} steps in {result.train_seconds:.1f} s, final loss {result.final_loss:.4f}"
                      f"{validation_text}\n  adapter: {result.adapter_dir}\n"
-                     f"  run:     {run_dir} (README.md, metrics.jsonl, proof.json)")
+                     f"  run:     {run_dir} (README.md, metrics.jsonl, proof.json)"
+                     + (f"\n  curves:  tensorboard --logdir {scalars.logdir}" if scalars is not None else ""))
     return 0
+
+
+class MetricsTail:
+    """The lines a run appends to its metrics.jsonl, read as they come, written to a TensorBoard log."""
+
+    def __init__(self, path: Path, scalars: Any) -> None:
+        self.path, self.scalars, self.position, self.partial = path, scalars, 0, ""
+
+    def read(self) -> None:
+        if self.scalars is None or not self.path.exists():
+            return
+        from agent.tblog import local_scalars
+
+        with open(self.path, encoding="utf-8") as handle:
+            handle.seek(self.position)
+            text = self.partial + handle.read()
+            self.position = handle.tell()
+        *lines, self.partial = text.split("\n")
+        for line in lines:
+            if line.strip():
+                self.scalars.add_all(local_scalars(json.loads(line)))
 
 
 def _local_model(explicit: Path | None, base_model: str, spec_dir: Path) -> Path:

@@ -391,6 +391,14 @@ def job_detail(agent: "Agent", view: Any) -> dict:
             "verdict": None if verdict is None else {"accepted": verdict.accepted, "reason": verdict.reason},
         })
     out["shard_states"] = shards
+    # every attempt's committed checkpoint losses, by worker: the training curves (`job watch --logdir`)
+    out["curves"] = []
+    for key, commits in sorted(view.commits.items()):
+        lease, verdict = view.leases.get(key), view.verdicts.get(key)
+        out["curves"].append({"round": key[0], "shard": key[1], "attempt": key[2],
+                              "worker": lease.worker if lease is not None else None,
+                              "accepted": None if verdict is None else verdict.accepted,
+                              "points": [[c.step, c.loss] for c in sorted(commits, key=lambda c: c.step)]})
     out["base_model"] = view.terms.base_model
     out["base_model_sha256"] = view.terms.base_model_sha256.hex()  # what `infernet publish` writes in the card
     out["dataset_cids"] = {f"shard-{ref.index}": ref.cid for ref in view.terms.shards}

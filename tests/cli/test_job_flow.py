@@ -38,6 +38,17 @@ def test_job_announce_watch_fetch_between_agent_processes(tmp_path, daemons, tin
     assert states[-1]["state"] == "DONE" and len(states) > 2  # one line per change
     assert set(states[-1]) >= {"shard_states", "aggregates", "verdicts", "coordinator", "term"}
     assert {s["state"] for s in states[-1]["shard_states"]} == {"ACCEPTED"}
+    # issue 27: the watch wrote the job's curves for TensorBoard (HOME/runs/JOB), read back with tensorboard's reader
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(submitter.home / "runs" / job["id"][:16]))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    rounds = len(states[-1]["aggregates"])
+    assert {"validation/aggregate", "validation/base", "verdicts/accepted", "rounds/wall_seconds"} <= tags, tags
+    assert [s.step for s in events.Scalars("validation/aggregate")] == list(range(1, rounds + 1))
+    curves = [t for t in tags if t.startswith("train_loss/shard")]
+    assert curves and all(len(events.Scalars(t)) >= 2 for t in curves)  # checkpoint losses, per shard and worker
 
     out = tmp_path / "adapter"
     fetched = cli_json("job", "fetch", job["id"][:12], "--out", str(out), "--home", home, timeout=120)
