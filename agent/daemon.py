@@ -212,7 +212,10 @@ def metrics_text(agent: "Agent") -> str:
     for name, help_text in (("shards_trained", "Shards trained and reported."),
                             ("verdicts_accepted", "Reports this agent verified and accepted as coordinator."),
                             ("verdicts_rejected", "Reports this agent rejected as coordinator."),
-                            ("aggregates_published", "Round aggregates this agent published as coordinator.")):
+                            ("aggregates_published", "Round aggregates this agent published as coordinator."),
+                            ("leases_refused", "Claims this agent refused to lease as coordinator."),
+                            ("task_restarts", "Service tasks restarted after a failure (agent/supervise.py)."),
+                            ("task_failures", "Job and one-shot tasks that failed (logged; the agent went on).")):
         lines += [f"# HELP infernet_{name}_total {help_text}", f"# TYPE infernet_{name}_total counter",
                   f"infernet_{name}_total {agent.counters[name]}"]
     gossip = agent.net.gossip
@@ -229,9 +232,25 @@ def metrics_text(agent: "Agent") -> str:
               f"infernet_event_loop_lag_seconds_max {watch.lag_max:.3f}",
               f"# HELP infernet_event_loop_stalls_total Times the event loop was blocked over {watch.stall:g} s.",
               "# TYPE infernet_event_loop_stalls_total counter", f"infernet_event_loop_stalls_total {watch.stalls}"]
+    lines += ["# HELP infernet_store_refusing_work 1 while the store cannot be written (a full disk): no new work.",
+              "# TYPE infernet_store_refusing_work gauge",
+              f"infernet_store_refusing_work {1 if agent.writer.store_full else 0}"]
+    devices = getattr(agent.machine, "devices", ()) or ()
+    if devices:  # as measured for the last capability (free memory is measured again for each)
+        for metric, field_name, help_text in (
+                ("infernet_gpu_memory_total_bytes", "vram_total_gb", "Memory of each GPU."),
+                ("infernet_gpu_memory_free_bytes", "vram_free_gb", "Free memory of each GPU at the last capability.")):
+            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge"]
+            lines += [f'{metric}{{device="{d.kind}:{d.index}",name="{_label(d.name)}"}} '
+                      f"{int(getattr(d, field_name) * (1 << 30))}" for d in devices]
     lines += ["# HELP infernet_uptime_seconds Seconds since the agent started.", "# TYPE infernet_uptime_seconds gauge",
               f"infernet_uptime_seconds {time.time() - agent.started_at:.1f}"]
     return "\n".join(lines) + "\n"
+
+
+def _label(text: str) -> str:
+    """A Prometheus label value: backslash, quote and newline escaped."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 async def bind_metrics(port: int) -> list[trio.SocketListener]:
