@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  help="check a ledger export file (from `job ledger ID --export FILE`)")
     lverify.add_argument("file", type=Path)
 
+    ui = sub.add_parser("ui", parents=[common], help="a read-only web page of the network and its jobs, on 127.0.0.1")
+    ui.add_argument("--port", type=int, default=0, help="the port on 127.0.0.1 (default: a free one)")
+
     train = sub.add_parser("train", help="single-node training without the network").add_subparsers(
         dest="action", metavar="ACTION", required=True)
     tinit = train.add_parser("init", parents=[common], help="write a commented infernet.train.yml")
@@ -744,6 +747,30 @@ def cmd_data_get(args: argparse.Namespace) -> int:
     return run(args, _home(args), _emit)
 
 
+def cmd_ui(args: argparse.Namespace) -> int:
+    """Serve the page (agent/ui) until Ctrl-C; it asks the running agent of --home for everything it shows."""
+    from agent.channel import request
+    from agent.ui import UiServer
+
+    home = _home(args)
+    request(home, "status")  # no agent running: its one line, before a port is opened
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port: must be between 0 and 65535, got {args.port}")
+    try:
+        server = UiServer(lambda method, **params: request(home, method, **params), port=args.port).start()
+    except OSError as error:
+        raise UserError(f"--port {args.port}: cannot listen on 127.0.0.1: {error.strerror or error}") from None
+    print(f"infernet ui: {server.url}\n(read only; the token in the URL is this page's key; Ctrl-C stops it)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
 # -- train and data (no network) ----------------------------------------------------------------------
 
 def cmd_train_init(args: argparse.Namespace) -> int:
@@ -1329,7 +1356,7 @@ COMMANDS = {
     ("job", "announce"): cmd_job_announce, ("job", "list"): cmd_job_list, ("job", "show"): cmd_job_show,
     ("job", "watch"): cmd_job_watch,
     ("job", "fetch"): cmd_job_fetch, ("job", "cancel"): cmd_job_cancel, ("job", "ledger"): cmd_job_ledger,
-    ("train", "init"): cmd_train_init, ("train", "run"): cmd_train_run, ("train", "data"): cmd_train_data,
+    ("ui", None): cmd_ui, ("train", "init"): cmd_train_init, ("train", "run"): cmd_train_run, ("train", "data"): cmd_train_data,
     ("infer", None): cmd_infer, ("publish", None): cmd_publish,
     ("data", "add"): cmd_data_add, ("data", "check"): cmd_data_check, ("data", "verify"): cmd_data_verify,
     ("data", "get"): cmd_data_get, ("ledger", "verify"): cmd_ledger_verify,

@@ -1,0 +1,89 @@
+"""`infernet ui` (issue 27): the read-only page of a running network, its token, and the page as a real browser
+renders it (headless Chromium, Debian's package: peers listed, the job's state, the chart's points per round).
+Without Chromium the browser half is skipped with one line naming it; `make ui-check` keeps the screenshot."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.cli.conftest import REPO, cli, cli_json, small_spec
+from tests.cli.test_job_flow import _network
+
+pytestmark = pytest.mark.network
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+
+
+def _get(url: str, token: str | None = None, method: str = "GET") -> tuple[int, bytes]:
+    request = urllib.request.Request(url, method=method, headers={"X-Infernet-Token": token} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def test_the_ui_shows_the_network_and_its_job(tmp_path, daemons, tiny_model_dir):
+    submitter = _network(tmp_path, daemons, tiny_model_dir, workers=2)
+    home = str(submitter.home)
+    job = cli_json("job", "announce", str(small_spec(tmp_path / "spec.yml", rounds=2)), "--home", home, timeout=180)
+    watch = cli("job", "watch", job["id"][:12], "--home", home, "--json", "--interval", "0.5", "--timeout", "240",
+                "--no-tensorboard", timeout=300)
+    assert watch.returncode == 0 and json.loads(watch.stdout.splitlines()[-1])["state"] == "DONE", watch.stderr
+    ui = subprocess.Popen([sys.executable, "-m", "agent.cli", "ui", "--home", home], stdout=subprocess.PIPE, text=True,
+                          cwd=REPO, env=dict(os.environ))
+    try:
+        line = ui.stdout.readline()
+        match = re.search(r"(http://127\.0\.0\.1:(\d+)/)\?token=(\S+)", line)
+        assert match, line
+        base, token = match.group(1), match.group(3)
+        # the token is the key: none or another is 403, the static files need none, nothing is written
+        assert _get(base)[0] == 403 and _get(base + "?token=wrong")[0] == 403
+        assert _get(base + "api/jobs")[0] == 403 and _get(base + "api/jobs", token="x" * len(token))[0] == 403
+        status, page = _get(base + "?token=" + token)
+        assert status == 200 and b'<div id="val-chart"' in page
+        assert _get(base + "static/uPlot.iife.min.js")[0] == 200
+        assert _get(base + "api/jobs", token=token, method="POST")[0] == 405
+        assert _get(base + "api/jobs/not-hex", token=token)[0] == 404
+        status, body = _get(base + "api/jobs/" + job["id"], token=token)
+        detail = json.loads(body)
+        assert status == 200 and detail["state"] == "DONE" and len(detail["aggregates"]) == 2
+        status, body = _get(base + "api/peers", token=token)
+        peers = json.loads(body)
+        assert status == 200 and len(peers) >= 2
+
+        browser = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
+        if browser is None:
+            pytest.skip(f"no headless browser here ({', '.join(BROWSERS)}): the page's rendering was not checked")
+        url = f"{base}?token={token}&job={job['id']}"
+        flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--virtual-time-budget=8000", "--window-size=1280,1000"]
+        dom = subprocess.run(flags + ["--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+        assert 'data-ready="1"' in dom, dom[:2000]
+        assert re.search(r'<div id="val-chart" data-points="2">.*?<canvas', dom, re.S), "two rounds on the chart"
+        assert re.search(r'<div id="train-chart" data-series="[1-9]', dom), "training curves drawn"
+        assert dom.count("data-peer=") >= 2 and f'data-job="{job["id"]}"' in dom
+        assert re.search(r'<td class="DONE">DONE</td>', dom)
+        shots = Path(os.environ.get("INFERNET_UI_SHOTS") or tmp_path)
+        shots.mkdir(parents=True, exist_ok=True)
+        subprocess.run(flags + [f"--screenshot={shots / 'job-view.png'}", url], capture_output=True, timeout=120)
+        assert (shots / "job-view.png").stat().st_size > 10_000
+    finally:
+        ui.terminate()
+        ui.wait(timeout=30)
+
+
+def test_ui_without_an_agent_is_one_line(tmp_path):
+    from tests.cli.conftest import assert_one_line_error
+
+    assert_one_line_error(cli("ui", "--home", str(tmp_path / "nobody")), "agent")
