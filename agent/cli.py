@@ -757,7 +757,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port: must be between 0 and 65535, got {args.port}")
     try:
-        server = UiServer(lambda method, **params: request(home, method, **params), port=args.port).start()
+        server = UiServer(lambda method, **params: request(home, method, **params), port=args.port, home=home).start()
     except OSError as error:
         raise UserError(f"--port {args.port}: cannot listen on 127.0.0.1: {error.strerror or error}") from None
     print(f"infernet ui: {server.url}\n(read only; the token in the URL is this page's key; Ctrl-C stops it)", flush=True)

@@ -33,6 +33,16 @@ def _get(url: str, token: str | None = None, method: str = "GET") -> tuple[int, 
         return error.code, error.read()
 
 
+def _post(url: str, body: dict, token: str | None = None) -> tuple[int, bytes]:
+    headers = {"Content-Type": "application/json", **({"X-Infernet-Token": token} if token else {})}
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
 def test_the_ui_shows_the_network_and_its_job(tmp_path, daemons, tiny_model_dir):
     submitter = _network(tmp_path, daemons, tiny_model_dir, workers=2)
     home = str(submitter.home)
@@ -53,7 +63,7 @@ def test_the_ui_shows_the_network_and_its_job(tmp_path, daemons, tiny_model_dir)
         status, page = _get(base + "?token=" + token)
         assert status == 200 and b'<div id="val-chart"' in page
         assert _get(base + "static/uPlot.iife.min.js")[0] == 200
-        assert _get(base + "api/jobs", token=token, method="POST")[0] == 405
+        assert _get(base + "api/jobs", token=token, method="PUT")[0] == 405
         assert _get(base + "api/jobs/not-hex", token=token)[0] == 404
         status, body = _get(base + "api/jobs/" + job["id"], token=token)
         detail = json.loads(body)
@@ -61,19 +71,29 @@ def test_the_ui_shows_the_network_and_its_job(tmp_path, daemons, tiny_model_dir)
         status, body = _get(base + "api/peers", token=token)
         peers = json.loads(body)
         assert status == 200 and len(peers) >= 2
+        # the quick-inference box: the job's last aggregate on its base, and the base alone; the token as a header only
+        infer = base + f"api/jobs/{job['id']}/infer"
+        assert _post(infer, {"prompt": "hi"})[0] == 403 and _post(infer + "?token=" + token, {"prompt": "hi"})[0] == 403
+        assert _post(infer, {"prompt": ""}, token)[0] == 400
+        status, body = _post(infer, {"prompt": "What is 3 plus 4?"}, token)
+        answer = json.loads(body)
+        assert status == 200 and isinstance(answer["answer"], str) and isinstance(answer["base_answer"], str), answer
+        status, body = _get(base + f"api/jobs/{job['id']}/prompts", token=token)
+        assert status == 200 and json.loads(body)["prompts"]  # from the job's validation split
 
         browser = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
         if browser is None:
             pytest.skip(f"no headless browser here ({', '.join(BROWSERS)}): the page's rendering was not checked")
         url = f"{base}?token={token}&job={job['id']}"
         flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--virtual-time-budget=8000", "--window-size=1280,1000"]
+                 "--virtual-time-budget=8000", "--window-size=1280,1300"]
         dom = subprocess.run(flags + ["--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
         assert 'data-ready="1"' in dom, dom[:2000]
         assert re.search(r'<div id="val-chart" data-points="2">.*?<canvas', dom, re.S), "two rounds on the chart"
         assert re.search(r'<div id="train-chart" data-series="[1-9]', dom), "training curves drawn"
         assert dom.count("data-peer=") >= 2 and f'data-job="{job["id"]}"' in dom
         assert re.search(r'<td class="DONE">DONE</td>', dom)
+        assert re.search(r'<form id="infer">', dom) and "<button" in dom.split('id="suggestions"')[1][:400]
         shots = Path(os.environ.get("INFERNET_UI_SHOTS") or tmp_path)
         shots.mkdir(parents=True, exist_ok=True)
         subprocess.run(flags + [f"--screenshot={shots / 'job-view.png'}", url], capture_output=True, timeout=120)

@@ -115,13 +115,60 @@ function renderJob(job) {
                                                                     points: { show: true } })), "step");
 }
 
+// the quick-inference box of a job with an aggregate: suggestions from its validation split, answers on submit
+let inferJob = null;
+
+async function post(path, body) {
+  const response = await fetch(path, { method: "POST", cache: "no-store",
+    headers: { "X-Infernet-Token": token, "Content-Type": "application/json" }, body: JSON.stringify(body) });
+  const answer = await response.json().catch(() => ({}));
+  if (!response.ok) throw new Error(answer.error || `HTTP ${response.status}`);
+  return answer;
+}
+
+async function showInfer(job) {
+  const form = document.getElementById("infer");
+  form.hidden = !job.aggregates.length;
+  if (form.hidden || inferJob === job.id) return;
+  inferJob = job.id;
+  const box = document.getElementById("suggestions");
+  box.replaceChildren();
+  try {
+    for (const prompt of (await api(`/api/jobs/${job.id}/prompts`)).prompts) {
+      const button = document.createElement("button");
+      button.type = "button";
+      button.textContent = prompt.length > 60 ? prompt.slice(0, 57) + "…" : prompt;
+      button.addEventListener("click", () => { document.getElementById("prompt").value = prompt; });
+      box.appendChild(button);
+    }
+  } catch (error) {
+    box.textContent = String(error.message || error);
+  }
+}
+
+document.getElementById("infer").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const answer = document.getElementById("answer"), base = document.getElementById("base-answer");
+  answer.textContent = "…"; base.textContent = "…";
+  try {
+    const result = await post(`/api/jobs/${selected}/infer`, { prompt: document.getElementById("prompt").value });
+    answer.textContent = result.answer; base.textContent = result.base_answer;
+  } catch (error) {
+    answer.textContent = String(error.message || error); base.textContent = "";
+  }
+});
+
 async function refresh() {
   const status = document.getElementById("status");
   try {
     const [peers, jobs] = await Promise.all([api("/api/peers"), api("/api/jobs")]);
     renderPeers(peers);
     renderJobs(jobs);
-    if (selected) renderJob(await api(`/api/jobs/${selected}`));
+    if (selected) {
+      const job = await api(`/api/jobs/${selected}`);
+      renderJob(job);
+      showInfer(job);
+    }
     status.textContent = `updated ${new Date().toLocaleTimeString()}`;
     document.body.dataset.ready = "1";
   } catch (error) {
