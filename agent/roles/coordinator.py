@@ -60,9 +60,10 @@ import logging
 import math
 import os
 import shutil
+from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import trio
 
@@ -444,49 +445,57 @@ class CoordinatorRole:
             checkpoints = {int(k): v for k, v in json.loads((proof_dir / "checkpoints.json").read_text()).items()}
         except (ValueError, AttributeError) as exc:
             raise Rejection(f"checkpoints.json: {exc}") from None
-
-        await _fetch_worker_content(agent, report.adapter_cid, work / "adapter.tar", worker, providers,
-                                    max_size=bundle_size_bound(1 << 30, REPORT_FILES))
-        adapter_dir = await _unpack_worker_bundle(work / "adapter.tar", work / "adapter", allowed=REPORT_FILES,
-                                            max_bytes=1 << 30)
-        model_path = agent.local_model(terms)
-        if model_path is None or await trio.to_thread.run_sync(base_model_sha256, model_path) != terms.base_model_sha256.hex():
-            raise RuntimeError(f"this coordinator does not hold base model {terms.base_model!r}")
-        config = train_config(terms, model_path, round=report.round, threads=agent.config.threads)
-        expected, _, expected_optimizer = await self._round_start(view, report.round, config, work)
-        await trio.to_thread.run_sync(run_torch, _materialize_report, adapter_dir, terms, expected)
-        adapter = await trio.to_thread.run_sync(run_torch, _check_adapter, adapter_dir, terms)
-        if await tensors_hash_off_loop(adapter, self.hash_limiter) != commitment.links[-1].adapter_hash:
-            raise Rejection("the adapter does not hash to the last committed checkpoint")
-        if terms.training.optimizer_state == "carried":  # it becomes part of the next round's start
-            problem = await trio.to_thread.run_sync(_check_final_optimizer, adapter_dir, commitment.links[-1].optimizer_hash)
-            if problem is not None:
-                raise Rejection(problem)
-
-        shard_path = work / "shard.jsonl"
-        await _fetch_worker_content(agent, terms.shards[report.shard].cid, shard_path, worker,
-                                    [terms.submitter, worker], named_by_worker=False,
-                                    exact_size=terms.shards[report.shard].size)
-
-        # training started where it had to: the seeded init in round 1, the last aggregate after
-        genesis = await self._checkpoint(checkpoints, 0, work, providers)
-        problem = await trio.to_thread.run_sync(run_torch, check_initial_adapter, genesis, commitment, expected,
-                                                expected_optimizer)
-        if problem is not None:
-            raise Rejection(problem)
+        # the segments to replay, from randomness drawn after the report arrived; then everything the checks
+        # below read is fetched at once (adapter, shard, the start and the segments' checkpoints): on a WAN
+        # each fetch is round trips, and one after the other they were most of a round's verification (issue
+        # 24). The checks still run, and reject, in IPIP-0005 §8's order; a rejection cancels the rest.
         seed = segment_selection_seed(report.chain_head, os.urandom(16))
         segments = select_segments(seed, len(commitment.links), terms.proof.verify_segments)
-        for index in segments:
-            start_step = 0 if index == 0 else commitment.links[index - 1].step
-            start = await self._checkpoint(checkpoints, start_step, work, providers)
-            end = await self._checkpoint(checkpoints, commitment.links[index].step, work, providers)
-            # abandoned on cancellation (the agent stops, the job ends): a replay has no side effect, and
-            # waiting for it held SIGTERM up for tens of seconds on a busy machine (the soak)
-            verdict = await trio.to_thread.run_sync(run_torch, partial(
-                verify_segment, commitment, index, start=start, end=end, shard=shard_path, config=config,
-                claimed_head=report.chain_head, round_start=genesis), abandon_on_cancel=True)
-            if not verdict.accepted:
-                raise Rejection(f"segment {index} does not replay: {verdict.reason}")
+        steps = {0} | {s for index in segments for s in (commitment.segment_start(index)[0], commitment.links[index].step)}
+        shard_path = work / "shard.jsonl"
+        async with _prefetching() as fetched:
+            fetched.start("adapter", _fetch_worker_content, agent, report.adapter_cid, work / "adapter.tar", worker,
+                          providers, max_size=bundle_size_bound(1 << 30, REPORT_FILES))
+            fetched.start("shard", partial(_fetch_worker_content, named_by_worker=False,
+                                           exact_size=terms.shards[report.shard].size),
+                          agent, terms.shards[report.shard].cid, shard_path, worker, [terms.submitter, worker])
+            for step in sorted(steps):
+                fetched.start(step, self._checkpoint, checkpoints, step, work, providers)
+
+            await fetched.get("adapter")
+            adapter_dir = await _unpack_worker_bundle(work / "adapter.tar", work / "adapter", allowed=REPORT_FILES,
+                                                      max_bytes=1 << 30)
+            model_path = agent.local_model(terms)
+            if model_path is None or await trio.to_thread.run_sync(base_model_sha256, model_path) != terms.base_model_sha256.hex():
+                raise RuntimeError(f"this coordinator does not hold base model {terms.base_model!r}")
+            config = train_config(terms, model_path, round=report.round, threads=agent.config.threads)
+            expected, _, expected_optimizer = await self._round_start(view, report.round, config, work)
+            await trio.to_thread.run_sync(run_torch, _materialize_report, adapter_dir, terms, expected)
+            adapter = await trio.to_thread.run_sync(run_torch, _check_adapter, adapter_dir, terms)
+            if await tensors_hash_off_loop(adapter, self.hash_limiter) != commitment.links[-1].adapter_hash:
+                raise Rejection("the adapter does not hash to the last committed checkpoint")
+            if terms.training.optimizer_state == "carried":  # it becomes part of the next round's start
+                problem = await trio.to_thread.run_sync(_check_final_optimizer, adapter_dir, commitment.links[-1].optimizer_hash)
+                if problem is not None:
+                    raise Rejection(problem)
+
+            await fetched.get("shard")
+            # training started where it had to: the seeded init in round 1, the last aggregate after
+            genesis = await fetched.get(0)
+            problem = await trio.to_thread.run_sync(run_torch, check_initial_adapter, genesis, commitment, expected,
+                                                    expected_optimizer)
+            if problem is not None:
+                raise Rejection(problem)
+            for index in segments:
+                start = await fetched.get(commitment.segment_start(index)[0])
+                end = await fetched.get(commitment.links[index].step)
+                # abandoned on cancellation (the agent stops, the job ends): a replay has no side effect, and
+                # waiting for it held SIGTERM up for tens of seconds on a busy machine (the soak)
+                verdict = await trio.to_thread.run_sync(run_torch, partial(
+                    verify_segment, commitment, index, start=start, end=end, shard=shard_path, config=config,
+                    claimed_head=report.chain_head, round_start=genesis), abandon_on_cancel=True)
+                if not verdict.accepted:
+                    raise Rejection(f"segment {index} does not replay: {verdict.reason}")
         return segments, adapter_dir
 
     async def _round_start(self, view: JobMirror, rnd: int, config: Any, work: Path) -> tuple[dict, dict, dict]:
@@ -686,6 +695,49 @@ class CoordinatorRole:
         losses = await trio.to_thread.run_sync(run_torch, validation_losses, config, path, adapters,
                                                abandon_on_cancel=True)  # no side effect (see the replay)
         return losses[0], losses[1] if with_base else None
+
+
+class _Prefetch:
+    """Fetches started together in ``nursery`` (their owner), each awaited later by name: ``get`` returns its
+    value or raises its exception then, at the point the sequential code would have met it."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self.nursery = nursery
+        self.done: dict[Any, trio.Event] = {}
+        self.results: dict[Any, Any] = {}
+
+    def start(self, name: Any, fn: Any, *args: Any, **kwargs: Any) -> None:
+        done = self.done[name] = trio.Event()
+
+        async def run() -> None:
+            try:
+                self.results[name] = (True, await fn(*args, **kwargs))
+            except Exception as exc:  # kept for ``get``; a cancellation is the nursery's
+                self.results[name] = (False, exc)
+            done.set()
+
+        self.nursery.start_soon(run)
+
+    async def get(self, name: Any) -> Any:
+        """The fetch's value (as often as asked), or its exception raised."""
+        await self.done[name].wait()
+        ok, value = self.results[name]
+        if not ok:
+            raise value
+        return value
+
+
+@asynccontextmanager
+async def _prefetching() -> AsyncIterator[_Prefetch]:
+    """A ``_Prefetch`` whose fetches end with the block; the block's own exception comes out as itself (trio
+    would wrap it in a group: callers tell a Rejection from our own failure by its type)."""
+    from agent.content.exchange import first_error
+
+    try:
+        async with trio.open_nursery() as nursery:
+            yield _Prefetch(nursery)
+    except BaseExceptionGroup as group:
+        raise first_error(group) from None
 
 
 async def _fetch_worker_content(agent: "RolePort", cid: str, out: Path, worker: str, providers: list[str], *,
