@@ -179,6 +179,19 @@ def _scheduler(conversion: Conversion, name: str, value: Any) -> None:
         conversion.note(name, f"{value!r} is not offered; the rate is constant within a round")
 
 
+def _optimizer_notes(conversion: Conversion, rest: dict[str, Any], *, scheduler: str, optimizer: str) -> None:
+    """The schedule, warm-up, weight decay and optimizer fields (their names differ between TRL and Axolotl)."""
+    _scheduler(conversion, scheduler, rest.get(scheduler))
+    for name in ("warmup_ratio", "warmup_steps"):
+        if rest.get(name) not in (None, 0, 0.0):
+            conversion.note(name, "warm-up is inner_schedule: triangle's first 10 % of a round's steps (and "
+                                  "training.warmup_rounds across rounds), not a number of its own")
+    if rest.get("weight_decay") not in (None, 0, 0.0):
+        conversion.note("weight_decay", "AdamW runs with weight decay 0 (IPIP-0005: the step is fixed by the proof)")
+    if rest.get(optimizer) not in (None, "adamw_torch", "adamw_torch_fused", "adamw_hf"):
+        conversion.note(optimizer, f"{rest.get(optimizer)!r}: the optimizer is torch's AdamW (IPIP-0005)")
+
+
 WORKER_OWN = "the worker's own choice on its machine, not the job's"
 NOT_A_JOB_SETTING = "output and logging are not job settings here (see `job watch`, the run directory and the ledger)"
 
@@ -250,15 +263,7 @@ def _from_trl(config: dict[str, Any], path: Path) -> Conversion:
         c.set("", "method", "qlora")
     if rest.get("load_in_8bit") is True:
         c.note("load_in_8bit", "8-bit base models are not offered (lora, or qlora's 4-bit)")
-    _scheduler(c, "lr_scheduler_type", rest.get("lr_scheduler_type"))
-    for name in ("warmup_ratio", "warmup_steps"):
-        if rest.get(name) not in (None, 0, 0.0):
-            c.note(name, "warm-up is inner_schedule: triangle's first 10 % of a round's steps (and "
-                         "training.warmup_rounds across rounds), not a number of its own")
-    if rest.get("weight_decay") not in (None, 0, 0.0):
-        c.note("weight_decay", "AdamW runs with weight decay 0 (IPIP-0005: the step is fixed by the proof)")
-    if rest.get("optim") not in (None, "adamw_torch", "adamw_torch_fused", "adamw_hf"):
-        c.note("optim", f"{rest.get('optim')!r}: the optimizer is torch's AdamW (IPIP-0005)")
+    _optimizer_notes(c, rest, scheduler="lr_scheduler_type", optimizer="optim")
     if rest.get("max_grad_norm") not in (None, 1.0, 1):
         c.note("max_grad_norm", "the gradient norm is clipped at 1.0")
     if rest.get("dataset_config"):
@@ -345,15 +350,7 @@ def _from_axolotl(config: dict[str, Any], path: Path) -> Conversion:
         _targets(c, "lora_target_linear", "all-linear")
     elif "lora_target_modules" in rest:
         _targets(c, "lora_target_modules", rest.pop("lora_target_modules"))
-    _scheduler(c, "lr_scheduler", rest.get("lr_scheduler"))
-    for name in ("warmup_steps", "warmup_ratio"):
-        if rest.get(name) not in (None, 0, 0.0):
-            c.note(name, "warm-up is inner_schedule: triangle's first 10 % of a round's steps (and "
-                         "training.warmup_rounds across rounds), not a number of its own")
-    if rest.get("weight_decay") not in (None, 0, 0.0):
-        c.note("weight_decay", "AdamW runs with weight decay 0 (IPIP-0005: the step is fixed by the proof)")
-    if rest.get("optimizer") not in (None, "adamw_torch", "adamw_torch_fused", "adamw_hf"):
-        c.note("optimizer", f"{rest.get('optimizer')!r}: the optimizer is torch's AdamW (IPIP-0005)")
+    _optimizer_notes(c, rest, scheduler="lr_scheduler", optimizer="optimizer")
     if rest.get("load_in_8bit") is True:
         c.note("load_in_8bit", "8-bit base models are not offered (lora, or qlora's 4-bit)")
     for name in ("deepspeed", "fsdp", "fsdp_config"):

@@ -237,22 +237,9 @@ def _start_delayer(prefix: list[str], queues: dict[int, tuple[float, float]]) ->
 
 def _stop_delayer(process: subprocess.Popen) -> None:
     """Stop a delayer: close its stdin (it exits), then SIGTERM, then SIGKILL. Never raises."""
-    try:
-        if process.stdin is not None:
-            process.stdin.close()
-    except OSError:
-        pass
-    try:
-        process.wait(timeout=2)
-    except subprocess.TimeoutExpired:
-        process.terminate()
-        try:
-            process.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    if process.stdout is not None:
-        process.stdout.close()
+    from agent.train.child import end_child
+
+    end_child(process, grace=2.0)
 
 
 def netem_available() -> bool:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from agent.train.child import read_reply
+from agent.train.child import end_child, read_reply
 from agent.train.config import TrainError
 from agent.train.recorder import OnCheckpoint
 from agent.train.run import TrainRequest, TrainResult, train_shard
@@ -103,18 +103,7 @@ class WarmChild:
     def _end(self, process: subprocess.Popen, *, kill: bool = False) -> None:
         if kill:
             process.kill()
-        try:
-            if process.stdin is not None:
-                process.stdin.close()
-        except OSError:
-            pass
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        if process.stdout is not None:
-            process.stdout.close()
+        end_child(process)
         if self.process is process:
             self.process = None
 

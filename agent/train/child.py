@@ -61,3 +61,23 @@ def read_reply(child: subprocess.Popen, on_checkpoint: OnCheckpoint | None) -> t
         elif line.strip() != READY_LINE:
             sys.stderr.write(line)
     return "exit", ""
+
+
+def end_child(process: subprocess.Popen, grace: float = 10.0) -> None:
+    """Stop a child that reads its stdin: close stdin (it exits), then SIGTERM, then SIGKILL, ``grace``
+    seconds apart; close its stdout. Never raises."""
+    try:
+        if process.stdin is not None:
+            process.stdin.close()
+    except OSError:
+        pass
+    for stop in (process.terminate, process.kill, None):
+        try:
+            process.wait(timeout=grace)
+            break
+        except subprocess.TimeoutExpired:
+            if stop is None:
+                break
+            stop()
+    if process.stdout is not None:
+        process.stdout.close()
