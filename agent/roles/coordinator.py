@@ -419,46 +419,50 @@ class CoordinatorRole:
 
         agent, terms = self.agent, view.terms
         providers = [worker]
-        # every worker-chosen CID is bounded by what we would unpack of it (IPIP-0003 "Size bounds")
-        await _fetch_worker_content(agent, report.proof_cid, work / "proof.tar", worker, providers,
-                                    max_size=bundle_size_bound(16 << 20, PROOF_FILES))
-        proof_dir = await _unpack_worker_bundle(work / "proof.tar", work / "proof", allowed=PROOF_FILES, max_bytes=16 << 20)
-        try:
-            commitment = Commitment.from_json(json.loads((proof_dir / "proof.json").read_text()))
-            commitment.check(report.chain_head)
-        except (ProofError, ValueError) as exc:
-            raise Rejection(f"proof: {exc}") from None
-        header = commitment.header
-        expected = {"job_id": view.job_id, "round": report.round, "shard": report.shard,
-                    "attempt": report.attempt, "worker": worker, "seed": terms.seed,
-                    "checkpoint_every": terms.proof.checkpoint_every,
-                    "base_model_sha256": terms.base_model_sha256.hex()}
-        problem = header_refusal({name: getattr(header, name) for name in HEADER_FIELDS}, expected)  # R2
-        if problem is None:  # R3
-            heads = chain_heads(header.genesis(), commitment.links)
-            gossiped = view.commits.get((report.round, report.shard, report.attempt), [])
-            problem = chain_refusal(report.checkpoints, len(commitment.links), heads,
-                                    [(c.index, c.chain_head) for c in gossiped])
-        if problem is not None:
-            raise Rejection(problem)
-        try:
-            checkpoints = {int(k): v for k, v in json.loads((proof_dir / "checkpoints.json").read_text()).items()}
-        except (ValueError, AttributeError) as exc:
-            raise Rejection(f"checkpoints.json: {exc}") from None
-        # the segments to replay, from randomness drawn after the report arrived; then everything the checks
-        # below read is fetched at once (adapter, shard, the start and the segments' checkpoints): on a WAN
-        # each fetch is round trips, and one after the other they were most of a round's verification (issue
-        # 24). The checks still run, and reject, in IPIP-0005 §8's order; a rejection cancels the rest.
-        seed = segment_selection_seed(report.chain_head, os.urandom(16))
-        segments = select_segments(seed, len(commitment.links), terms.proof.verify_segments)
-        steps = {0} | {s for index in segments for s in (commitment.segment_start(index)[0], commitment.links[index].step)}
         shard_path = work / "shard.jsonl"
+        # Everything the checks read is fetched at once: the adapter and the shard (their CIDs are in the report
+        # and the terms) with the proof, then the checkpoints the proof names. On a WAN each fetch is round trips,
+        # and one after the other they were most of a round's verification (issue 24). The checks still run, and
+        # reject, in IPIP-0005 §8's order; a rejection cancels the fetches still running.
         async with _prefetching() as fetched:
+            # every worker-chosen CID is bounded by what we would unpack of it (IPIP-0003 "Size bounds")
             fetched.start("adapter", _fetch_worker_content, agent, report.adapter_cid, work / "adapter.tar", worker,
                           providers, max_size=bundle_size_bound(1 << 30, REPORT_FILES))
             fetched.start("shard", partial(_fetch_worker_content, named_by_worker=False,
                                            exact_size=terms.shards[report.shard].size),
                           agent, terms.shards[report.shard].cid, shard_path, worker, [terms.submitter, worker])
+            await _fetch_worker_content(agent, report.proof_cid, work / "proof.tar", worker, providers,
+                                        max_size=bundle_size_bound(16 << 20, PROOF_FILES))
+            proof_dir = await _unpack_worker_bundle(work / "proof.tar", work / "proof", allowed=PROOF_FILES,
+                                                    max_bytes=16 << 20)
+            try:
+                commitment = Commitment.from_json(json.loads((proof_dir / "proof.json").read_text()))
+                commitment.check(report.chain_head)
+            except (ProofError, ValueError) as exc:
+                raise Rejection(f"proof: {exc}") from None
+            header = commitment.header
+            expected = {"job_id": view.job_id, "round": report.round, "shard": report.shard,
+                        "attempt": report.attempt, "worker": worker, "seed": terms.seed,
+                        "checkpoint_every": terms.proof.checkpoint_every,
+                        "base_model_sha256": terms.base_model_sha256.hex()}
+            problem = header_refusal({name: getattr(header, name) for name in HEADER_FIELDS}, expected)  # R2
+            if problem is None:  # R3
+                heads = chain_heads(header.genesis(), commitment.links)
+                gossiped = view.commits.get((report.round, report.shard, report.attempt), [])
+                problem = chain_refusal(report.checkpoints, len(commitment.links), heads,
+                                        [(c.index, c.chain_head) for c in gossiped])
+            if problem is not None:
+                raise Rejection(problem)
+            try:
+                checkpoints = {int(k): v for k, v in json.loads((proof_dir / "checkpoints.json").read_text()).items()}
+            except (ValueError, AttributeError) as exc:
+                raise Rejection(f"checkpoints.json: {exc}") from None
+            # the segments to replay, from randomness drawn after the report arrived; their checkpoints and the
+            # round's start, fetched at once
+            seed = segment_selection_seed(report.chain_head, os.urandom(16))
+            segments = select_segments(seed, len(commitment.links), terms.proof.verify_segments)
+            steps = {0} | {s for index in segments
+                           for s in (commitment.segment_start(index)[0], commitment.links[index].step)}
             for step in sorted(steps):
                 fetched.start(step, self._checkpoint, checkpoints, step, work, providers)
 
