@@ -276,10 +276,15 @@ def run_demo(options: DemoOptions) -> int:
         from agent.progress import JobProgress
 
         deadline = time.monotonic() + options.timeout
+        from agent.tblog import job_scalars, open_log
+
+        scalars = open_log(root / "tensorboard")  # the job's curves, as `job watch` writes them (None: no tensorboard)
         with JobProgress(console=console) as progress:
             while True:
                 detail = request(submitter, "job.show", job=job["id"])
                 progress.update(detail)
+                if scalars is not None:
+                    scalars.add_all(job_scalars(detail))
                 if detail["state"] in ("DONE", "FAILED", "CANCELLED"):
                     break
                 network.check_alive()
@@ -312,6 +317,9 @@ def run_demo(options: DemoOptions) -> int:
         console.print(f"aggregate CID:   {fetched['cid']}")
         console.print(f"validation loss: {before:.3f} (base) -> {after:.3f} (base + adapter)")
         console.print(f"adapter (Hugging Face PEFT layout): {fetched['path']}")
+        if scalars is not None:
+            scalars.close()
+            console.print(f"curves: tensorboard --logdir {scalars.logdir}", highlight=False)
         if not after < before:
             raise DemoError(f"the adapter did not lower the validation loss ({before:.3f} -> {after:.3f})")
         return 0

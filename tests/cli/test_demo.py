@@ -21,6 +21,15 @@ def test_demo_runs_a_job_through_agent_processes_and_the_adapter_lowers_the_loss
     assert busy and 0 < int(busy.group(1)) <= 100 and 0 < float(busy.group(5)) <= 2.0, done.stdout[-1500:]
     adapter = root / "adapter"
     assert f"{adapter}" in done.stdout
+    # the job's curves for TensorBoard (issue 27): the tensorboard program itself, headless, lists the scalars
+    import subprocess
+    import sys
+
+    inspect = subprocess.run([sys.executable, "-m", "tensorboard.main", "--inspect", "--logdir", str(root / "tensorboard")],
+                             capture_output=True, text=True, timeout=120)
+    assert inspect.returncode == 0, inspect.stderr[-2000:]
+    assert all(tag in inspect.stdout for tag in ("validation/aggregate", "validation/base", "train_loss/shard0/",
+                                                 "rounds/wall_seconds")), inspect.stdout[-3000:]
     # the adapter, and the averaged AdamW state the job carries (IPIP-0006 §2.3; peft ignores it)
     assert {p.name for p in adapter.iterdir()} == {"adapter_config.json", "adapter_model.safetensors",
                                                    "optimizer.safetensors", "infernet-job.json"}
