@@ -346,37 +346,52 @@ class CoordinatorRole:
         work = agent.work_dir / view.job_id.hex()[:16] / f"verify-r{rnd}-s{shard}-a{attempt}"
         segments: tuple[int, ...] = ()
         tries = 0
-        while True:
-            tries += 1
-            shutil.rmtree(work, ignore_errors=True)
-            work.mkdir(parents=True)
-            try:
-                segments, adapter_dir = await self._check_report(view, report, worker, work)
-                accepted, reason = True, f"replayed segments {list(segments)} within the proof rules"
-                break
-            except Rejection as exc:  # the worker's fault: a verdict against it
-                accepted, reason = False, str(exc)[:1000]
-                break
-            except Exception as exc:  # noqa: BLE001 - our own failure: never a verdict against the worker
-                current = view.shard(shard)
-                if current.phase is not st.ShardPhase.REPORTED or current.attempt != attempt or \
-                        view.state.round != rnd or not self.may_verify(view, worker):
-                    return  # settled or no longer ours meanwhile
-                delay = self._retry_delay(tries, current.expires_at)
-                problem = f"{type(exc).__name__}: {str(exc)[:300]}"
-                if delay is None:
-                    agent.counters["verifications_given_up"] += 1
-                    log.warning("job %s shard %d attempt %d: cannot verify after %d tries, no verdict (the shard "
-                                "stays REPORTED until its window ends; the worker is not blamed): %s",
-                                view.job_id.hex()[:8], shard, attempt, tries, problem)
-                    return
-                agent.counters["verifications_retried"] += 1
-                log.warning("job %s shard %d attempt %d: cannot verify (try %d), again in %.0f s: %s",
-                            view.job_id.hex()[:8], shard, attempt, tries, delay, problem)
-                await trio.sleep(delay)
+        # the submitter's copy of the adapter (durable before announced, IPIP-0006 §2.6.1) is asked for once the
+        # adapter checks out, while the segments replay, rather than after: on a WAN it is round trips (issue 24);
+        # a rejection cancels it (the copy of an adapter that is then rejected costs the submitter its bytes only)
+        async with _prefetching() as keeping:
+            def keep_soon() -> None:
+                if "keep" not in keeping.done:
+                    keeping.start("keep", self._keep_accepted, view, rnd, shard, attempt, report.adapter_cid)
+
+            while True:
+                tries += 1
+                shutil.rmtree(work, ignore_errors=True)
+                work.mkdir(parents=True)
+                try:
+                    segments, adapter_dir = await self._check_report(view, report, worker, work, keep_soon)
+                    accepted, reason = True, f"replayed segments {list(segments)} within the proof rules"
+                    break
+                except Rejection as exc:  # the worker's fault: a verdict against it
+                    accepted, reason = False, str(exc)[:1000]
+                    break
+                except Exception as exc:  # noqa: BLE001 - our own failure: never a verdict against the worker
+                    current = view.shard(shard)
+                    if current.phase is not st.ShardPhase.REPORTED or current.attempt != attempt or \
+                            view.state.round != rnd or not self.may_verify(view, worker):
+                        keeping.nursery.cancel_scope.cancel()
+                        return  # settled or no longer ours meanwhile
+                    delay = self._retry_delay(tries, current.expires_at)
+                    problem = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    if delay is None:
+                        agent.counters["verifications_given_up"] += 1
+                        log.warning("job %s shard %d attempt %d: cannot verify after %d tries, no verdict (the "
+                                    "shard stays REPORTED until its window ends; the worker is not blamed): %s",
+                                    view.job_id.hex()[:8], shard, attempt, tries, problem)
+                        keeping.nursery.cancel_scope.cancel()
+                        return
+                    agent.counters["verifications_retried"] += 1
+                    log.warning("job %s shard %d attempt %d: cannot verify (try %d), again in %.0f s: %s",
+                                view.job_id.hex()[:8], shard, attempt, tries, delay, problem)
+                    await trio.sleep(delay)
+            if not accepted or not self.may_verify(view, worker):
+                keeping.nursery.cancel_scope.cancel()
+            else:
+                keep_soon()  # started already, unless the adapter check never called it
+                kept = await keeping.get("keep")
         if not self.may_verify(view, worker):
             return
-        if accepted and not await self._keep_accepted(view, rnd, shard, attempt, report.adapter_cid):
+        if accepted and not kept:
             return
         if accepted:
             self.accepted_adapters[(view.job_id, rnd, shard)] = (adapter_dir, report.samples)
@@ -411,8 +426,11 @@ class CoordinatorRole:
                         "over: no verdict (%s)", view.job_id.hex()[:8], shard, attempt, exc)
             return False
 
-    async def _check_report(self, view: JobMirror, report: m.ShardReport, worker: str,
-                            work: Path) -> tuple[tuple[int, ...], Path]:
+    async def _check_report(self, view: JobMirror, report: m.ShardReport, worker: str, work: Path,
+                            on_adapter_checked: Any = None) -> tuple[tuple[int, ...], Path]:
+        """The checks of IPIP-0005 §8 on a report: (the replayed segments, the adapter's directory), or
+        Rejection. ``on_adapter_checked()`` is called once the adapter is the one the chain commits to,
+        before the replays (``_verify`` starts the submitter's copy of it then)."""
         from agent.train import base_model_sha256
         from agent.train.replay import check_initial_adapter, verify_segment
         from protocol.proof import Commitment, ProofError, chain_heads, segment_selection_seed, select_segments
@@ -482,6 +500,8 @@ class CoordinatorRole:
                 problem = await trio.to_thread.run_sync(_check_final_optimizer, adapter_dir, commitment.links[-1].optimizer_hash)
                 if problem is not None:
                     raise Rejection(problem)
+            if on_adapter_checked is not None:
+                on_adapter_checked()
 
             await fetched.get("shard")
             # training started where it had to: the seeded init in round 1, the last aggregate after
