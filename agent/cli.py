@@ -689,9 +689,11 @@ def cmd_job_watch(args: argparse.Namespace) -> int:
     finally:
         if scalars is not None:
             scalars.close()
+            if scalars.broken:
+                print(f"note: {scalars.broken}", file=sys.stderr)
     if not args.json:
         print(progress.final_line(job))
-        if scalars is not None:
+        if scalars is not None and not scalars.broken:
             print(f"TensorBoard: tensorboard --logdir {scalars.logdir}")
     return 0 if job["state"] == "DONE" else 1
 
@@ -700,7 +702,11 @@ def _open_tensorboard(logdir: Path, *, fresh: bool = True) -> Any:
     """A TensorBoard log in ``logdir``, or None with one line on stderr when tensorboard is not installed."""
     from agent.tblog import MISSING, open_log
 
-    scalars = open_log(logdir.expanduser(), fresh=fresh)
+    try:
+        scalars = open_log(logdir.expanduser(), fresh=fresh)
+    except OSError as error:  # curves are never worth failing the command for
+        print(f"note: TensorBoard log {logdir}: {error.strerror or error}; none written", file=sys.stderr)
+        return None
     if scalars is None:
         print(f"note: {MISSING}", file=sys.stderr)
     return scalars
@@ -927,6 +933,8 @@ def _run_and_report(args: argparse.Namespace, request: Any, *, resume: bool) -> 
     finally:
         if scalars is not None:
             scalars.close()
+            if scalars.broken:
+                print(f"note: {scalars.broken}", file=sys.stderr)
     out = result.to_json()
     validation_text = (f"; validation loss {result.initial_validation_loss:.4f} -> {result.validation_loss:.4f}"
                        if result.validation_loss is not None else "")

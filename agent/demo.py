@@ -278,7 +278,10 @@ def run_demo(options: DemoOptions) -> int:
         deadline = time.monotonic() + options.timeout
         from agent.tblog import job_scalars, open_log
 
-        scalars = open_log(root / "tensorboard")  # the job's curves, as `job watch` writes them (None: no tensorboard)
+        try:  # the job's curves, as `job watch` writes them (None: no tensorboard)
+            scalars = open_log(root / "tensorboard")
+        except OSError:
+            scalars = None
         with JobProgress(console=console) as progress:
             while True:
                 detail = request(submitter, "job.show", job=job["id"])

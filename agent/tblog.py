@@ -33,6 +33,7 @@ class ScalarLog:
         self.logdir = logdir
         self.writer = SummaryWriter(str(logdir), filename_suffix=SUFFIX)
         self.seen: set[tuple[str, int]] = set()
+        self.broken = ""
 
     def add(self, tag: str, value: float | None, step: int) -> bool:
         """Write one scalar unless (tag, step) is written already or the value is missing; whether it wrote."""
@@ -43,17 +44,29 @@ class ScalarLog:
         return True
 
     def add_all(self, scalars: Iterator[tuple[str, float | None, int]]) -> int:
-        written = sum(self.add(tag, value, step) for tag, value, step in scalars)
-        if written:
-            self.writer.flush()
-        return written
+        """Write the new points; a log that cannot be written (a full disk) stops, ``broken`` says why,
+        and the caller's work goes on: curves are never worth failing a run or a watch for."""
+        if self.broken:
+            return 0
+        try:
+            written = sum(self.add(tag, value, step) for tag, value, step in scalars)
+            if written:
+                self.writer.flush()
+            return written
+        except OSError as error:
+            self.broken = f"TensorBoard log {self.logdir}: {error.strerror or error}; no more points written"
+            return 0
 
     def close(self) -> None:
-        self.writer.close()
+        try:
+            self.writer.close()
+        except OSError as error:
+            self.broken = self.broken or f"TensorBoard log {self.logdir}: {error.strerror or error}"
 
 
 def open_log(logdir: Path, *, fresh: bool = True) -> ScalarLog | None:
-    """A log in ``logdir``, or None when the tensorboard package is not installed."""
+    """A log in ``logdir``, or None when the tensorboard package is not installed; OSError when ``logdir``
+    cannot be made or written."""
     import importlib.util
 
     if importlib.util.find_spec("tensorboard") is None:  # torch's SummaryWriter needs it

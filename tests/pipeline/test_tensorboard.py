@@ -39,3 +39,12 @@ def test_job_scalars_count_a_shard_s_steps_on_across_rounds():
     # a worker is named by the last 8 characters of its peer ID
     assert points[("train_loss/shard0/Aworker0", 8)] == 2.2 and points[("train_loss/shard0/Bworker1", 12)] == 1.9
     assert points[("verdicts/accepted", 2)] == 2
+
+
+def test_a_log_that_cannot_be_written_is_one_note_and_the_command_goes_on(capsys, tmp_path):
+    from agent.cli import _open_tensorboard
+
+    (tmp_path / "file").write_text("not a directory")
+    assert _open_tensorboard(tmp_path / "file" / "logs") is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("note: TensorBoard log ") and "none written" in err[0]
