@@ -672,13 +672,13 @@ def cmd_job_watch(args: argparse.Namespace) -> int:
     progress = JobProgress(json_lines=args.json)
     job = request(home, "job.show", job=args.id)
     scalars = None if args.no_tensorboard else _open_tensorboard(args.logdir or home / "runs" / job["id"][:16])
+    from agent.tblog import job_scalars
+
     try:
         with progress:
             while True:
                 progress.update(job)
                 if scalars is not None:
-                    from agent.tblog import job_scalars
-
                     scalars.add_all(job_scalars(job))
                 if job["state"] in ("DONE", "FAILED", "CANCELLED"):
                     break

@@ -25,17 +25,14 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from protocol.jobspec import describe_hf as describe  # the one spelling of a Hub source (JobTerms.dataset_source)
+
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
                   "system": "system"}
 
 
 class HubDataError(ValueError):
     """The dataset, config or split cannot be read; ``str()`` is the one line to show."""
-
-
-def describe(name: str, config: str, split: str, revision: str) -> str:
-    """The source as the terms record it (``JobTerms.dataset_source``) and errors name it."""
-    return "hf:" + name + (f"@{revision}" if revision else "") + (f" config={config}" if config else "") + f" split={split}"
 
 
 def materialize(name: str, split: str = "train", config: str = "", revision: str = "", *,

@@ -601,12 +601,16 @@ def _read_job(data: Any, where: Where) -> JobSpec:
 
 
 def hf_source(input_spec: InputSpec) -> str:
-    """What the terms record of a Hugging Face input (``JobTerms.dataset_source``): ``hf:NAME[@REVISION]
-    [ config=CONFIG] split=SPLIT``; "" for a file or a CID."""
+    """What the terms record of a Hugging Face input (``JobTerms.dataset_source``); "" for a file or a CID."""
     if not input_spec.hf:
         return ""
-    return ("hf:" + input_spec.hf + (f"@{input_spec.revision}" if input_spec.revision else "")
-            + (f" config={input_spec.config}" if input_spec.config else "") + f" split={input_spec.split}")
+    return describe_hf(input_spec.hf, input_spec.config, input_spec.split, input_spec.revision)
+
+
+def describe_hf(name: str, config: str, split: str, revision: str) -> str:
+    """A Hugging Face dataset's split as the terms (and errors about it) name it:
+    ``hf:NAME[@REVISION][ config=CONFIG] split=SPLIT``."""
+    return "hf:" + name + (f"@{revision}" if revision else "") + (f" config={config}" if config else "") + f" split={split}"
 
 
 def dataset_cid(dataset: str) -> str | None:

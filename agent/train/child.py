@@ -4,8 +4,9 @@ A shard trained outside this process (the unsloth runner, agent/train/unsloth_ru
 data-parallel group, agent/train/parallel.py) reports on stdout, one line each: ``EVENT_PREFIX`` and a
 checkpoint event (JSON) after each checkpoint, ``RESULT_PREFIX`` and the train result (JSON) at the end,
 or ``ERROR_PREFIX`` and one line on failure; a warm unsloth child answers a replay request with
-``VERDICT_PREFIX`` and the segment verdict (JSON), and stays up for the next request (``read_reply``). Both parents (agent/train/backends.py, parallel.py) read
-it with ``read_child``. Here, below both, so neither imports the other back (issue 23).
+``VERDICT_PREFIX`` and the segment verdict (JSON), and stays up for the next request. A parent reads one
+answer with ``read_reply`` (backends.WarmChild), or a child's whole output with ``read_child`` (parallel.py:
+rank 0 exits after its answer). Here, below both, so neither imports the other back (issue 23).
 """
 
 from __future__ import annotations
@@ -26,21 +27,15 @@ READY_LINE = "INFERNET-READY"
 
 
 def read_child(child: subprocess.Popen, on_checkpoint: OnCheckpoint | None) -> tuple[TrainResult | None, str | None]:
-    """Read a training child's stdout to its end: checkpoint events to ``on_checkpoint``, then its
-    result or its error line; anything else it prints goes to our stderr."""
-    result, error = None, None
+    """Read a training child's stdout to its end (``read_reply``, then whatever it prints after its answer to
+    our stderr): (its result, None), or (None, its error line, or None when it gave neither)."""
+    kind, text = read_reply(child, on_checkpoint)
     assert child.stdout is not None
     for line in child.stdout:
-        if line.startswith(EVENT_PREFIX):
-            if on_checkpoint is not None:
-                on_checkpoint(CheckpointEvent.from_json(json.loads(line[len(EVENT_PREFIX):])))
-        elif line.startswith(RESULT_PREFIX):
-            result = TrainResult.from_json(json.loads(line[len(RESULT_PREFIX):]))
-        elif line.startswith(ERROR_PREFIX):
-            error = line[len(ERROR_PREFIX):].strip()
-        else:
-            sys.stderr.write(line)
-    return result, error
+        sys.stderr.write(line)
+    if kind == "result":
+        return TrainResult.from_json(json.loads(text)), None
+    return None, text if kind == "error" else None
 
 
 def read_reply(child: subprocess.Popen, on_checkpoint: OnCheckpoint | None) -> tuple[str, str]:

@@ -65,7 +65,7 @@ def same_on_every_rank(digest: bytes, device: str = "cpu") -> bool:
 
 
 def deterministic_cuda() -> None:
-    """Make this process's CUDA training repeatable (IPIP-0005 §8.1): torch's deterministic algorithms in
+    """Make this process's CUDA training repeatable (IPIP-0005 §8.2): torch's deterministic algorithms in
     strict mode, unless a step already found an op without a deterministic form (``LoraSession.step``
     then falls back to warnings only). Strict matters: in warn-only mode SDPA keeps cuDNN attention and
     flash attention's atomics backward (on an H200, 1.2 % run-to-run drift over 20 steps at 16 x 1024
@@ -167,16 +167,16 @@ class LoraSession:
         """Optimizer step number ``step`` (0-based) of this shard. On CUDA, an op that strict deterministic
         mode refuses (deterministic_cuda) turns the process to warn-only mode and the step runs again from
         its start: nothing of it was applied (the optimizer steps last; the gradients are cleared)."""
-        return self._again_if_refused(self._step, step)
+        return self._again_if_refused(lambda: self._step(step))
 
-    def _again_if_refused(self, run: Callable[[int], Any], argument: int) -> Any:
+    def _again_if_refused(self, run: Callable[[], Any]) -> Any:
         try:
-            return run(argument)
+            return run()
         except RuntimeError as error:
             if not refused_by_strict_mode(error, self.device):
                 raise
             self.optimizer.zero_grad(set_to_none=True)
-            return run(argument)
+            return run()
 
     def _step(self, step: int) -> StepResult:
         config = self.config
@@ -226,7 +226,7 @@ class LoraSession:
 
     def evaluate(self, examples: Sequence[Example]) -> float:
         """Mean token loss over ``examples`` with dropout off."""
-        return self._again_if_refused(lambda _: self._evaluate(examples), 0)
+        return self._again_if_refused(lambda: self._evaluate(examples))
 
     @torch.no_grad()
     def _evaluate(self, examples: Sequence[Example]) -> float:

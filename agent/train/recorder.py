@@ -153,9 +153,9 @@ class ProofRecorder:
         self.deliver()
 
     def background(self) -> None:
-        """Hash and write checkpoints in one background thread while training goes on (a CUDA session:
-        ``adapter_tensors`` are copies taken off the device, so the next steps cannot change them; on the
-        CPU they would alias the live tensors, and the thread would take the training's cores). The link
+        """Hash and write checkpoints in one background thread while training goes on (a GPU session; on the
+        CPU the thread would take the training's own cores). ``adapter_tensors`` and ``optimizer_tensors``
+        are copies, so the next steps cannot change what the thread hashes. The link
         order, the bytes on disk before an announcement and ``on_checkpoint``'s thread stay as they are:
         events are delivered by the training thread, in order, at the next step or at ``finish``."""
         from concurrent.futures import ThreadPoolExecutor

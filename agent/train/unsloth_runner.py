@@ -1,9 +1,9 @@
-"""Child process for the unsloth backend: ``python -m agent.train.unsloth_runner [REQUEST.json]``.
+"""Child process for the unsloth backend: ``python -m agent.train.unsloth_runner``, one warm process per agent.
 
 Rules of this file:
 - unsloth is imported first, before anything imports transformers or peft (it patches them and
   refuses to work otherwise); ``import unsloth`` raises NotImplementedError without a GPU.
-- With no argument it is a *warm* process (issue 22): it reads requests from stdin, one JSON object
+- It is a *warm* process (issue 22): it reads requests from stdin, one JSON object
   per line, and answers each in turn, so unsloth's import, patching and ``torch.compile`` of the
   model's blocks are paid once per process, not once per shard, and the built model is kept between
   requests (run.ModelPool). It ends when stdin closes (its parent went away). A request is
@@ -14,7 +14,6 @@ Rules of this file:
   ``INFERNET-ERROR message`` (the request failed; the process stays up). The parent
   (backends.UnslothBackend) reads those lines (child.read_reply). Anything else (unsloth's banners)
   is passed through to the parent's stderr.
-- With a REQUEST.json argument it trains that one request and exits (1 on failure).
 """
 
 from __future__ import annotations
@@ -56,35 +55,30 @@ def _replay(data: dict) -> str:
     return VERDICT_PREFIX + json.dumps(asdict(verdict))
 
 
-def answer(data: dict) -> tuple[str, bool]:
-    """(the reply line, whether the request succeeded) for one request."""
+def answer(data: dict) -> str:
+    """The reply line to one request."""
     from agent.train.child import ERROR_PREFIX
     from agent.train.config import TrainError
 
     op = data.get("op")
     try:
         if op == "train":
-            return _train(data), True
+            return _train(data)
         if op == "replay":
-            return _replay(data), True
-        return ERROR_PREFIX + f"unknown request {op!r} (train, replay)", False
+            return _replay(data)
+        return ERROR_PREFIX + f"unknown request {op!r} (train, replay)"
     except TrainError as error:
-        return ERROR_PREFIX + str(error).replace("\n", " "), False
+        return ERROR_PREFIX + str(error).replace("\n", " ")
     except Exception as error:  # noqa: BLE001 - a failed request is one line; the warm process stays up
-        return ERROR_PREFIX + f"{type(error).__name__}: {error}".replace("\n", " ")[:2000], False
+        return ERROR_PREFIX + f"{type(error).__name__}: {error}".replace("\n", " ")[:2000]
 
 
-def main(argv: list[str]) -> int:
+def main() -> int:
     try:
         import unsloth  # noqa: F401  (must come before transformers and peft)
     except (ImportError, NotImplementedError) as error:
         print(f"INFERNET-ERROR runtime unsloth is not usable here: {error}", flush=True)
         return 1
-    if argv:  # one request from a file
-        with open(argv[0], encoding="utf-8") as handle:
-            line, ok = answer({"op": "train", **_as_request(json.load(handle))})
-        print(line, flush=True)
-        return 0 if ok else 1
     from agent.train.child import READY_LINE
 
     print(READY_LINE, flush=True)
@@ -96,15 +90,10 @@ def main(argv: list[str]) -> int:
         except ValueError as error:
             print(f"INFERNET-ERROR request is not JSON: {error}", flush=True)
             continue
-        print(answer(data)[0], flush=True)
+        print(answer(data), flush=True)
     return 0
 
 
-def _as_request(data: dict) -> dict:
-    """A request file: a TrainRequest's JSON with ``file_hashes`` beside it."""
-    hashes = data.pop("file_hashes", [])
-    return {"request": data, "file_hashes": hashes}
-
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())
