@@ -133,6 +133,46 @@ def _number(conversion: Conversion, name: str, value: Any, section: str, key: st
     conversion.set(section, key, int(value) if integer else float(value))
 
 
+# (section, key) -> (an integer?, the least value): the numbers both converters map, checked one way
+NUMBER_RULES = {
+    ("training", "learning_rate"): (False, 1e-12), ("training", "batch_size"): (True, 1),
+    ("training", "gradient_accumulation_steps"): (True, 1), ("training", "max_seq_len"): (True, 8),
+    ("training", "max_steps"): (True, 0), ("", "seed"): (True, 0),
+    ("lora", "rank"): (True, 1), ("lora", "alpha"): (False, 1e-12), ("lora", "dropout"): (False, 0),
+}
+LORA_NUMBERS = {"lora_r": ("lora", "rank"), "lora_alpha": ("lora", "alpha"), "lora_dropout": ("lora", "dropout")}
+TRL_NUMBERS = {
+    "learning_rate": ("training", "learning_rate"), "per_device_train_batch_size": ("training", "batch_size"),
+    "gradient_accumulation_steps": ("training", "gradient_accumulation_steps"),
+    "max_length": ("training", "max_seq_len"), "max_seq_length": ("training", "max_seq_len"),
+    "max_steps": ("training", "max_steps"), "seed": ("", "seed"), **LORA_NUMBERS,
+}
+AXOLOTL_NUMBERS = {
+    "learning_rate": ("training", "learning_rate"), "micro_batch_size": ("training", "batch_size"),
+    "gradient_accumulation_steps": ("training", "gradient_accumulation_steps"),
+    "sequence_len": ("training", "max_seq_len"), "max_steps": ("training", "max_steps"), "seed": ("", "seed"),
+    **LORA_NUMBERS,
+}
+
+
+def _numbers(conversion: Conversion, rest: dict[str, Any], names: dict[str, tuple[str, str]]) -> None:
+    """Each numeric field of ``names`` present in ``rest`` (taken out of it) onto its spec key, by NUMBER_RULES;
+    ``max_steps: -1`` (the trainers' "no limit") is unset."""
+    for name, (section, key) in names.items():
+        integer, minimum = NUMBER_RULES[(section, key)]
+        _number(conversion, name, rest.pop(name, None), section, key, integer=integer, minimum=minimum,
+                unset=(None, -1) if key == "max_steps" else (None,))
+
+
+def _packing(conversion: Conversion, rest: dict[str, Any], name: str) -> None:
+    if name in rest:
+        packing = rest.pop(name)
+        if isinstance(packing, bool):
+            conversion.set("training", "packing", packing)
+        else:
+            conversion.note(name, f"{packing!r} is not true or false; the spec does not pack")
+
+
 def _targets(conversion: Conversion, name: str, value: Any) -> None:
     if value in ("all-linear", "all_linear"):
         conversion.set("lora", "target_modules", ALL_LINEAR)
@@ -234,29 +274,11 @@ def _from_trl(config: dict[str, Any], path: Path) -> Conversion:
         _dataset(c, "dataset_name", dataset, path.parent)
     if "num_train_epochs" in rest:
         _epochs(c, "num_train_epochs", rest.pop("num_train_epochs"))
-    _number(c, "learning_rate", rest.pop("learning_rate", None), "training", "learning_rate", integer=False,
-            minimum=1e-12, unset=(None,))
-    _number(c, "per_device_train_batch_size", rest.pop("per_device_train_batch_size", None), "training",
-            "batch_size", integer=True, minimum=1, unset=(None,))
-    _number(c, "gradient_accumulation_steps", rest.pop("gradient_accumulation_steps", None), "training",
-            "gradient_accumulation_steps", integer=True, minimum=1, unset=(None,))
-    for name in ("max_length", "max_seq_length"):
-        _number(c, name, rest.pop(name, None), "training", "max_seq_len", integer=True, minimum=8, unset=(None,))
-    _number(c, "max_steps", rest.pop("max_steps", None), "training", "max_steps", integer=True, unset=(None, -1))
-    _number(c, "seed", rest.pop("seed", None), "", "seed", integer=True, unset=(None,))
-    if "packing" in rest:
-        packing = rest.pop("packing")
-        if isinstance(packing, bool):
-            c.set("training", "packing", packing)
-        else:
-            c.note("packing", f"{packing!r} is not true or false; the spec does not pack")
+    _numbers(c, rest, TRL_NUMBERS)
+    _packing(c, rest, "packing")
     use_peft = config.get("use_peft", True)
     if use_peft is False:
         c.note("use_peft", "false means full fine-tuning, which jobs do not offer yet: the spec trains a LoRA adapter")
-    _number(c, "lora_r", rest.pop("lora_r", None), "lora", "rank", integer=True, minimum=1, unset=(None,))
-    _number(c, "lora_alpha", rest.pop("lora_alpha", None), "lora", "alpha", integer=False, minimum=1e-12,
-            unset=(None,))
-    _number(c, "lora_dropout", rest.pop("lora_dropout", None), "lora", "dropout", integer=False, unset=(None,))
     if "lora_target_modules" in rest:
         _targets(c, "lora_target_modules", rest.pop("lora_target_modules"))
     if rest.pop("load_in_4bit", False) is True:
@@ -320,32 +342,14 @@ def _from_axolotl(config: dict[str, Any], path: Path) -> Conversion:
         c.note("adapter", f"{adapter!r} is not offered (lora, qlora)")
     if "num_epochs" in rest:
         _epochs(c, "num_epochs", rest.pop("num_epochs"))
-    _number(c, "learning_rate", rest.pop("learning_rate", None), "training", "learning_rate", integer=False,
-            minimum=1e-12, unset=(None,))
-    _number(c, "micro_batch_size", rest.pop("micro_batch_size", None), "training", "batch_size", integer=True,
-            minimum=1, unset=(None,))
-    _number(c, "gradient_accumulation_steps", rest.pop("gradient_accumulation_steps", None), "training",
-            "gradient_accumulation_steps", integer=True, minimum=1, unset=(None,))
-    _number(c, "sequence_len", rest.pop("sequence_len", None), "training", "max_seq_len", integer=True, minimum=8,
-            unset=(None,))
-    _number(c, "max_steps", rest.pop("max_steps", None), "training", "max_steps", integer=True, unset=(None, -1))
-    _number(c, "seed", rest.pop("seed", None), "", "seed", integer=True, unset=(None,))
-    if "sample_packing" in rest:
-        packing = rest.pop("sample_packing")
-        if isinstance(packing, bool):
-            c.set("training", "packing", packing)
-        else:
-            c.note("sample_packing", f"{packing!r} is not true or false; the spec does not pack")
+    _numbers(c, rest, AXOLOTL_NUMBERS)
+    _packing(c, rest, "sample_packing")
     val = rest.get("val_set_size")
     if isinstance(val, (int, float)) and not isinstance(val, bool) and val > 0:
         if val < 0.5:
             c.set("input", "validation_split", float(val))
         else:
             c.note("val_set_size", f"{val}: input.validation_split is a fraction below 0.5")
-    _number(c, "lora_r", rest.pop("lora_r", None), "lora", "rank", integer=True, minimum=1, unset=(None,))
-    _number(c, "lora_alpha", rest.pop("lora_alpha", None), "lora", "alpha", integer=False, minimum=1e-12,
-            unset=(None,))
-    _number(c, "lora_dropout", rest.pop("lora_dropout", None), "lora", "dropout", integer=False, unset=(None,))
     if rest.get("lora_target_linear") is True:
         _targets(c, "lora_target_linear", "all-linear")
     elif "lora_target_modules" in rest:
