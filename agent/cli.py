@@ -827,7 +827,7 @@ def cmd_train_run(args: argparse.Namespace) -> int:
     else:
         dataset = (args.dataset or config_path.parent / spec.input.dataset).expanduser().resolve()
     input_file(dataset, "dataset", f" (set input.dataset in {config_path.name} or give --dataset)")
-    records = check_dataset(dataset, 1, spec.input.validation_split, spec.seed).records  # before anything is written
+    records = check_dataset(dataset, 1, spec.input.validation_split, spec.seed, spec.input.format).records  # before anything is written
     model = _local_model(args.model, spec.base_model, config_path.parent)
     from agent.train.model import linear_names_on_disk, target_modules_refusal
 

@@ -13,7 +13,8 @@ Rules of this file:
   ``conversations`` (ShareGPT: from/value, human/gpt/system); ``prompt`` + ``completion`` (TRL's
   prompt-completion, text or message lists); ``instruction`` (+ ``input``) + ``output`` (Alpaca);
   ``question`` + ``answer``. Other columns are ignored; a split with none of these is one line naming
-  its columns. A row that does not convert is dropped and counted.
+  its columns. A row that does not convert is dropped and counted. For a DPO job (``input.format:
+  preference``) rows are preference records in a layout TRL reads (prompt/chosen/rejected).
 - An unknown dataset, config or split, or no network for a name not cached, is one line (HubDataError).
 """
 
@@ -36,17 +37,19 @@ class HubDataError(ValueError):
 
 
 def materialize(name: str, split: str = "train", config: str = "", revision: str = "", *,
-                cache_dir: Path) -> tuple[Path, int, int]:
-    """(ChatML JSONL path, records written, rows dropped) for one split of a Hugging Face dataset."""
-    key = hashlib.sha256(json.dumps([name, config, split, revision]).encode()).hexdigest()[:24]
+                cache_dir: Path, format: str = "chatml") -> tuple[Path, int, int]:
+    """(JSONL path, records written, rows dropped) for one split of a Hugging Face dataset: ChatML, or with
+    ``format`` "preference" the canonical preference records of a DPO job (``to_preference``)."""
+    key = hashlib.sha256(json.dumps([name, config, split, revision] + ([format] if format != "chatml" else []))
+                         .encode()).hexdigest()[:24]
     out = cache_dir / f"hf-{key}.jsonl"
-    rows = load_rows(name, split, config, revision)
+    rows = load_rows(name, split, config, revision, format)
     cache_dir.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
     written = dropped = 0
     with open(partial, "w", encoding="utf-8") as handle:
         for row in rows:
-            record = to_chatml(row)
+            record = to_preference(row) if format == "preference" else to_chatml(row)
             if record is None:
                 dropped += 1
                 continue
@@ -54,7 +57,8 @@ def materialize(name: str, split: str = "train", config: str = "", revision: str
             written += 1
     if not written:
         partial.unlink(missing_ok=True)
-        raise HubDataError(f"{describe(name, config, split, revision)}: no row converts to a conversation "
+        what = "a preference record (prompt/chosen/rejected)" if format == "preference" else "a conversation"
+        raise HubDataError(f"{describe(name, config, split, revision)}: no row converts to {what} "
                            f"({dropped} rows dropped)")
     os.replace(partial, out)
     return out, written, dropped
@@ -63,11 +67,11 @@ def materialize(name: str, split: str = "train", config: str = "", revision: str
 def spec_dataset(input_spec: Any, cache_dir: Path) -> Path:
     """The ChatML file of a spec's ``input.hf`` (materialized under ``cache_dir``); HubDataError otherwise."""
     path, _, _ = materialize(input_spec.hf, input_spec.split, input_spec.config, input_spec.revision,
-                             cache_dir=cache_dir)
+                             cache_dir=cache_dir, format=input_spec.format)
     return path
 
 
-def load_rows(name: str, split: str, config: str, revision: str) -> Iterable[dict]:
+def load_rows(name: str, split: str, config: str, revision: str, format: str = "chatml") -> Iterable[dict]:
     """The rows of the split, through datasets.load_dataset; HubDataError (one line) when it cannot be read."""
     where = describe(name, config, split, revision)
     try:
@@ -87,7 +91,11 @@ def load_rows(name: str, split: str, config: str, revision: str) -> Iterable[dic
     except Exception as error:  # noqa: BLE001 - datasets raises many kinds (DatasetNotFoundError, ...): one line
         raise HubDataError(f"{where}: {type(error).__name__}: {str(error).splitlines()[0][:200]}") from None
     columns = set(data.column_names)
-    if not (columns & {"messages", "conversations"} or {"prompt", "completion"} <= columns
+    if format == "preference":
+        if not {"chosen", "rejected"} <= columns:
+            raise HubDataError(f"{where}: columns {sorted(columns)}; a DPO job expects chosen and rejected "
+                               "(and prompt, unless the conversations share it)")
+    elif not (columns & {"messages", "conversations"} or {"prompt", "completion"} <= columns
             or {"instruction", "output"} <= columns or {"question", "answer"} <= columns):
         raise HubDataError(f"{where}: columns {sorted(columns)}; expected messages, conversations (ShareGPT), "
                            "prompt + completion, instruction + output (Alpaca) or question + answer")
@@ -116,6 +124,18 @@ def _turns(value: Any, role: str) -> list[dict] | None:
     if isinstance(value, str):
         return [{"role": role, "content": value}]
     return _messages(value)
+
+
+def to_preference(row: dict) -> dict | None:
+    """A row in one of the preference layouts TRL reads (agent/train/preference.py) as its canonical record;
+    None if it is not one."""
+    from agent.train.preference import PreferenceRecord, check_preference
+
+    try:
+        return PreferenceRecord(0, *check_preference({k: row[k] for k in ("prompt", "chosen", "rejected") if k in row}))\
+            .to_json()
+    except ValueError:
+        return None
 
 
 def to_chatml(row: dict) -> dict | None:

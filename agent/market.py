@@ -352,23 +352,31 @@ def speeds_for(agent: "Agent", sha256: bytes, providers_only: tuple[str, ...] = 
 
 # -- estimates ----------------------------------------------------------------------------------------
 
+DPO_COST = 4 / 3  # a DPO pair's tokens as training work: the reference pass is a forward without backward (~1/3)
+
+
 def count_tokens(spec: Any, dataset: Path, model_path: str) -> dict:
     """Tokenize the job's training shards with the model's tokenizer: tokens, steps and tokens per step."""
     from agent.train import split_dataset
     from agent.train.config import TrainConfig
     from agent.train.data import check_dataset, pack, tokenize
     from agent.train.model import load_tokenizer
+    from agent.train.preference import tokenize_pairs
 
-    records = check_dataset(dataset, spec.shards, spec.input.validation_split, spec.seed).records
+    records = check_dataset(dataset, spec.shards, spec.input.validation_split, spec.seed, spec.input.format).records
     split = split_dataset(len(records), spec.shards, spec.input.validation_split, spec.seed)
     tokenizer = load_tokenizer(model_path)
     config = TrainConfig.from_spec(spec)
     shard_tokens, shard_steps, per_step = [], [], []
     for indices in split.shards:
-        examples, _ = tokenize(tokenizer, [records[i] for i in indices], spec.training.max_seq_len)
-        if spec.training.packing:  # what the worker trains: fewer, longer sequences (training.packing)
-            examples = pack(examples, spec.training.max_seq_len)
-        lengths = [len(e.input_ids) for e in examples] or [0]
+        if spec.type == "dpo":  # a pair is both sides, and the reference's forward pass (no backward): ~4/3
+            pairs, _ = tokenize_pairs(tokenizer, [records[i] for i in indices], spec.training.max_seq_len)
+            examples, lengths = pairs, [round(p.n_tokens * DPO_COST) for p in pairs] or [0]
+        else:
+            examples, _ = tokenize(tokenizer, [records[i] for i in indices], spec.training.max_seq_len)
+            if spec.training.packing:  # what the worker trains: fewer, longer sequences (training.packing)
+                examples = pack(examples, spec.training.max_seq_len)
+            lengths = [len(e.input_ids) for e in examples] or [0]
         shard_tokens.append(sum(lengths))
         shard_steps.append(config.total_steps(len(examples)))
         per_step.append(sum(lengths) / len(lengths) * config.samples_per_step)

@@ -62,6 +62,10 @@ REPORT_CODECS = ("none", "int8", "int4")  # a report's end state: whole tensors,
 # The outer optimizer a spec gets when it names none; chosen from scripts/bench_quality.py (IPIP-0006 §2.4).
 OUTER_DEFAULT = {"optimizer": "none", "lr": 1.0, "momentum": 0.0}
 MIN_SHARDS_FOR_ROBUST = 3  # a median or trimmed mean of two updates is just their mean
+TYPES = ("sft", "dpo")  # the terms' TrainingTerms.objective
+FORMATS = ("chatml", "preference")  # input.format: what a record is
+FORMAT_OF_TYPE = {"sft": "chatml", "dpo": "preference"}
+MAX_DPO_BETA = 100.0  # the terms' (protocol/messages.py MAX_DPO_BETA)
 
 
 # --- rules: what one value must be -------------------------------------------------------------
@@ -258,7 +262,8 @@ class InputSpec:
     split: str = _key("train", _Text(MAX_NAME))
     config: str = _key("", _OptionalText(MAX_NAME))
     revision: str = _key("", _OptionalText(MAX_NAME))
-    format: str = _key("chatml", _Choice("chatml"))
+    # chatml for sft, preference for dpo: the parser derives the default from type (IPIP-0007)
+    format: str = _key("chatml", _Choice(*FORMATS))
     validation_split: float = _key(0.0, _Number(0, 0.5, open_high=True))
 
 
@@ -291,6 +296,11 @@ class OuterSpec:
 class StopSpec:
     validation_loss_below: float = _key(0.0, _Number(0))
     patience_rounds: int = _key(0, _Integer(0, 1000))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DpoSpec:
+    beta: float = _key(0.1, _Number(0, MAX_DPO_BETA, open_low=True))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -332,11 +342,13 @@ class JobSpec:
     description: str = _key("", _Description())  # what the job is for; informative
     base_model: str = _key(MISSING, _Text())
     base_model_sha256: str | None = _key(None, _Sha256())
+    type: str = _key("sft", _Choice(*TYPES))  # sft: supervised on ChatML; dpo: preferences (IPIP-0005 §6.2)
     method: str = _key("lora", _Choice("lora", "qlora"))
     runtime: str = _key("peft", _Choice("peft", "unsloth"))
     seed: int = _key(0, _Integer(0))
     input: InputSpec = _section(InputSpec)
     training: TrainingSpec = _section(TrainingSpec)
+    dpo: DpoSpec = _section(DpoSpec)
     lora: LoraSpec = _section(LoraSpec)
     resources: ResourcesSpec = _section(ResourcesSpec)
     shards: int = _key(1, _Integer(1, MAX_SHARDS))
@@ -394,6 +406,9 @@ description: ""                   # what the job is for, for people (at most 409
 base_model: ./base-model          # local path, or a hub name such as org/model
 # base_model_sha256: <64 hex>     # sha256 of the base model's weights; workers refuse a mismatch.
                                   # Unset by default; the submitter tooling may fill it in.
+type: sft                         # sft: learn the assistant turns of ChatML conversations
+                                  # dpo: learn to prefer chosen over rejected completions (input.format
+                                  #   preference; the reference model is the base, adapter disabled)
 method: lora                      # lora | qlora (qlora: 4-bit base model, needs a GPU and bitsandbytes)
 runtime: peft                     # peft (CPU or GPU) | unsloth (GPU only)
 seed: 0                           # job seed, same for every worker: LoRA A init, data shuffles
@@ -405,7 +420,9 @@ input:
   # split: train                  #   or the Hub with HF_TOKEN, or a local folder datasets reads), its split,
   # config: ""                    #   config and revision; the submitter converts it to ChatML once and
   # revision: ""                  #   shards that file (messages, conversations, prompt/completion, alpaca)
-  format: chatml                  # chatml: JSON lines of {"messages": [{"role": ..., "content": ...}]}
+  format: chatml                  # chatml: JSON lines of {"messages": [{"role": ..., "content": ...}]};
+                                  #   preference (type dpo; the default there): {"prompt", "chosen",
+                                  #   "rejected"} as text or message lists, or chosen/rejected conversations
   validation_split: 0.0           # fraction held out before sharding to validate aggregates, in [0, 0.5)
 
 training:                         # what each worker does with its shard in each round
@@ -426,6 +443,10 @@ training:                         # what each worker does with its shard in each
                                   #   workers' averaged state (carried), or afresh as in round 1
   report_codec: none              # none | int8 | int4: a worker's report sends its round's end state
                                   #   whole, or as coded deltas and moments (int8 ~5x, int4 ~9x fewer bytes)
+
+dpo:                              # type dpo only
+  beta: 0.1                       # in (0, 100]: how far the adapter may move from the base model's
+                                  #   preferences (larger: closer to the base)
 
 lora:
   rank: 8                         # r, >= 1
@@ -590,12 +611,15 @@ def _read_value(rule: _Rule, value: Any, path: _Path, where: Where) -> Any:
 
 
 def _read_job(data: Any, where: Where) -> JobSpec:
-    # freeze_a's default follows the aggregation, which is read before the sections are
-    aggregation = "exact"
+    # freeze_a's default follows the aggregation, and input.format's the type: both read before the sections are
+    aggregation, kind = "exact", "sft"
     if isinstance(data, dict) and "aggregation" in data:
         aggregation = _read_value(_Choice(*AGGREGATIONS), data["aggregation"], ("aggregation",), where)
+    if isinstance(data, dict) and "type" in data:
+        kind = _read_value(_Choice(*TYPES), data["type"], ("type",), where)
     spec = _read_section(JobSpec, data, (), where,
-                         defaults={"lora": {"freeze_a": aggregation == "exact"}})
+                         defaults={"lora": {"freeze_a": aggregation == "exact"},
+                                   "input": {"format": FORMAT_OF_TYPE[kind]}})
     _check_across_fields(spec, where)
     return spec
 
@@ -648,6 +672,12 @@ def _check_across_fields(spec: JobSpec, where: Where) -> None:
             dataset_cid(spec.input.dataset)
         except CIDError as exc:
             raise where.bad_value(("input", "dataset"), f"not an IPFS CID: {exc}") from None
+    if spec.input.format != FORMAT_OF_TYPE[spec.type]:
+        raise where.bad_value(("input", "format"), f"a {spec.type} job reads {FORMAT_OF_TYPE[spec.type]} records, "
+                              f"not {spec.input.format} (leave format out: it follows type)")
+    if spec.type != "sft" and spec.training.packing:
+        raise where.bad_value(("training", "packing"), f"packing concatenates sft examples; a {spec.type} job "
+                              "trains on whole pairs (write packing: false)")
     if spec.outer.optimizer != "none" and spec.aggregation not in OUTER_METHODS:
         raise where.bad_value(("outer", "optimizer"), (
             f"an outer optimizer needs aggregation {' or '.join(OUTER_METHODS)}, not {spec.aggregation!r} "
@@ -866,7 +896,7 @@ def to_terms(spec: JobSpec, *, submitter: str, base_model_sha256: bytes, shards:
         validation_cid=validation_cid,
         training=m.TrainingTerms(t.epochs, t.learning_rate, t.batch_size, t.gradient_accumulation_steps,
                                  t.max_seq_len, t.max_steps, t.schedule, t.warmup_rounds, t.optimizer_state,
-                                 t.report_codec, t.inner_schedule, t.packing),
+                                 t.report_codec, t.inner_schedule, t.packing, spec.type, spec.dpo.beta),
         lora=m.LoraTerms(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules), lora.freeze_a),
         proof=m.ProofTerms(proof.checkpoint_every, proof.verify_segments, proof.tolerance),
         rounds=spec.rounds, aggregation=spec.aggregation, min_accepted_fraction=spec.min_accepted_fraction,

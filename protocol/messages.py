@@ -50,6 +50,8 @@ OUTER_METHODS = ("fedavg", "exact")  # the rules whose mean lives in the adapter
 LR_SCHEDULES = ("constant", "cosine")
 OPTIMIZER_STATES = ("fresh", "carried")
 REPORT_CODECS = ("none", "int8", "int4")  # how a report carries its round's end state (IPIP-0006 §2.8)
+OBJECTIVES = ("sft", "dpo")  # what a step's loss is (IPIP-0005 §6.2)
+MAX_DPO_BETA = 100.0
 
 
 def job_topic(job_id: bytes) -> str:
@@ -301,6 +303,16 @@ class TrainingTerms(Wire):
     inner_schedule: str = extension_field("constant", "enum", choices=INNER_SCHEDULES)
     # examples concatenated into sequences of max_seq_len tokens (IPIP-0007): what a step's samples are
     packing: bool = extension_field(False)
+    # what a step's loss is: supervised (sft) on ChatML, or DPO on preference pairs (IPIP-0005 §6.2),
+    # with DPO's beta
+    objective: str = extension_field("sft", "enum", choices=OBJECTIVES)
+    dpo_beta: float = extension_field(0.1)
+
+    def check(self, path: str) -> None:
+        if not 0.0 < self.dpo_beta <= MAX_DPO_BETA:
+            raise CodecError("bad-field", f"{path}.dpo_beta: expected (0, {MAX_DPO_BETA:g}]")
+        if self.packing and self.objective != "sft":
+            raise CodecError("bad-field", f"{path}.packing: packs sft examples, not {self.objective} pairs")
 
 
 @record
@@ -604,6 +616,14 @@ class AggregatePublished(Wire):
     # round 1 also carries the base model's (base + the seeded initial adapter)
     validation_loss: Optional[float] = extension_field(None)
     base_validation_loss: Optional[float] = extension_field(None)
+    # a DPO job's score beside its loss (IPIP-0006 §2.6): the share of validation pairs whose chosen side
+    # has the larger implicit reward, and the mean reward margin
+    reward_accuracy: Optional[float] = extension_field(None)
+    reward_margin: Optional[float] = extension_field(None)
+
+    def check(self, path: str) -> None:
+        if self.reward_accuracy is not None and not 0.0 <= self.reward_accuracy <= 1.0:
+            raise CodecError("bad-field", f"{path}.reward_accuracy: expected 0..1")
 
 
 @message("cancel", "jobs")

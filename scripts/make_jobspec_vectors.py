@@ -45,6 +45,7 @@ budget: {price_per_hour: 0.5, total: 100}
  ("outer optimizer and a cosine schedule with warm-up across rounds", HEAD + "training:\n  schedule: cosine\n  warmup_rounds: 1\nrounds: 8\nouter:\n  optimizer: nesterov\n  lr: 1.5\n  momentum: 0.5\n"),
  ("a Hugging Face dataset as input: name, split, config and revision", "name: demo\nbase_model: ./tiny-model\ninput:\n  hf: HuggingFaceH4/ultrachat_200k\n  split: train_sft\n  revision: \"8049631\"\n"),
  ("a packed GPU job: examples concatenated into 1024-token sequences", HEAD + "training:\n  max_seq_len: 1024\n  packing: true\nresources:\n  min_vram_gb: 16\n"),
+ ("a DPO job: preference records (the format follows the type) and its beta", HEAD + "type: dpo\ndpo:\n  beta: 0.25\n"),
  ("robust aggregation with enough accepted shards: ceil(0.6 x 5) = 3", HEAD + "aggregation: trimmed_mean\nshards: 5\nmin_accepted_fraction: 0.6\n"),
  ("YAML 1.2 core scalars: 'no' is text, 1E-3 and .5 are numbers, +3 an integer; null and empty sections", """\
 name: no
@@ -135,6 +136,10 @@ invalid = [
  ("private given as a string (boolean given as a string)",
   "name: demo\nbase_model: ./tiny-model\nprivate: \"true\"\ninput:\n  dataset: ./train.jsonl\n"),
  ("input.dataset and input.hf both given", "name: demo\nbase_model: ./tiny-model\ninput:\n  dataset: ./train.jsonl\n  hf: org/name\n"),
+ ("a DPO job given ChatML records", HEAD.replace("input:\n", "type: dpo\ninput:\n  format: chatml\n")),
+ ("a DPO job packed", HEAD + "type: dpo\ntraining:\n  packing: true\n"),
+ ("dpo.beta of 0", HEAD + "type: dpo\ndpo:\n  beta: 0\n"),
+ ("an unknown type", HEAD + "type: grpo\n"),
  ("packing given as a string", HEAD + "training:\n  packing: \"yes\"\n"),
 ]
 

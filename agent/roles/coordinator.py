@@ -631,7 +631,9 @@ class CoordinatorRole:
             except Exception as exc:  # noqa: BLE001 - logged; the aggregate is published without a score
                 log.warning("job %s: round %d not scored on the validation split: %s", view.job_id.hex()[:8],
                             action.round, exc)
-        loss, base_loss = validation or (None, None)
+        score, base_score = validation or (None, None)
+        loss = score.loss if score is not None else None
+        base_loss = base_score.loss if base_score is not None else None
         final = view.ends_with(action.round, loss)  # the last round, or the job's stop rule holds
         sealed = must_seal(terms, final)
         if sealed:  # a private job's final aggregate: only its submitter can open it (ipips/0010)
@@ -653,7 +655,9 @@ class CoordinatorRole:
             return
         published = m.AggregatePublished(view.job_id, action.round, view.coordination.term, str(cid),
                                          terms.aggregation, tuple(action.accepted_shards),
-                                         sum(n for _, n in inputs), final, loss, base_loss)
+                                         sum(n for _, n in inputs), final, loss, base_loss,
+                                         score.reward_accuracy if score is not None else None,
+                                         score.reward_margin if score is not None else None)
         if not await agent.decide(view, published):
             return
         agent.counters["aggregates_published"] += 1
@@ -667,10 +671,14 @@ class CoordinatorRole:
             entry["validation_loss"] = loss
         if base_loss is not None:
             entry["base_validation_loss"] = base_loss
+        if published.reward_accuracy is not None:
+            entry["reward_accuracy"] = published.reward_accuracy
+            entry["reward_margin"] = published.reward_margin
         agent.ledger(view.job_id, "aggregate", entry)
         log.info("job %s: round %d aggregate %s (%s%s over shards %s)%s%s", view.job_id.hex()[:8], action.round, cid,
                  terms.aggregation, f" + {terms.outer.optimizer}" if terms.outer else "",
-                 list(action.accepted_shards), f", validation loss {loss:.4f}" if loss is not None else "",
+                 list(action.accepted_shards), (f", validation loss {loss:.4f}" if loss is not None else "") +
+                 (f", reward accuracy {published.reward_accuracy:.2f}" if published.reward_accuracy is not None else ""),
                  f"; the stop rule holds: the job ends after round {action.round} of {terms.rounds}"
                  if final and action.round < terms.rounds else "")
 
@@ -708,17 +716,18 @@ class CoordinatorRole:
             log.info("job %s: validation split not fetched yet: %s", view.job_id.hex()[:8], exc)
 
     async def _score(self, view: JobMirror, config: Any, adapter_dir: Path, work: Path,
-                     with_base: bool) -> tuple[float, float | None]:
-        """Validation loss of the aggregate in ``adapter_dir`` (and of the base model) on the job's split."""
-        from agent.train.run import validation_losses
+                     with_base: bool) -> tuple[Any, Any]:
+        """The score (train.loop.Evaluation) of the aggregate in ``adapter_dir`` (and of the base model) on
+        the job's validation split."""
+        from agent.train.run import validation_scores
 
         path = await self._validation_split(view, work.parent)
         adapters = [adapter_dir / "adapter_model.safetensors"]
         if with_base:
             adapters.append(None)  # the seeded initial adapter: B = 0, so exactly the base model
-        losses = await trio.to_thread.run_sync(run_torch, validation_losses, config, path, adapters,
+        scores = await trio.to_thread.run_sync(run_torch, validation_scores, config, path, adapters,
                                                abandon_on_cancel=True)  # no side effect (see the replay)
-        return losses[0], losses[1] if with_base else None
+        return scores[0], scores[1] if with_base else None
 
 
 class _Prefetch:

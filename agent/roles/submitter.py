@@ -95,7 +95,7 @@ class SubmitterRole:
         if problem is not None:
             raise SubmitRefused(f"{problem} ({spec.base_model})")
         records = (await trio.to_thread.run_sync(check_dataset, dataset, spec.shards, spec.input.validation_split,
-                                                 spec.seed)).records
+                                                 spec.seed, spec.input.format)).records
         split = split_dataset(len(records), spec.shards, spec.input.validation_split, spec.seed)
         out = agent.work_dir / f"submit-{int(agent.clock() * 1000)}"
         out.mkdir(parents=True)

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from protocol.proof import shard_steps  # one rule: the mirrors' checkpoint cap is read from it
-from protocol.messages import REPORT_CODECS
+from protocol.messages import OBJECTIVES, REPORT_CODECS
 from protocol.schedule import INNER_SCHEDULES
 
 METHODS = ("lora", "qlora")
@@ -61,6 +61,8 @@ class TrainConfig:
     carry_optimizer: bool = False  # start from the initial adapter's averaged AdamW state (IPIP-0006 §2.3)
     inner_schedule: str = "constant"  # the rate within a round (protocol/schedule.inner_rate_factor)
     report_codec: str = "none"  # none | int8 | int4: the end state goes through agent/train/codec.py (IPIP-0006 §2.8)
+    objective: str = "sft"  # sft | dpo: what a step's loss is (loop.Objective; IPIP-0005 §6.2)
+    dpo_beta: float = 0.1  # DPO's beta: how far the policy may move from the reference
     # lora
     rank: int = 8
     alpha: float = 16.0
@@ -97,6 +99,9 @@ class TrainConfig:
             (self.round >= 1, "round must be >= 1"),
             (self.report_codec in REPORT_CODECS, f"report_codec must be one of {REPORT_CODECS}"),
             (self.inner_schedule in INNER_SCHEDULES, f"inner_schedule must be one of {INNER_SCHEDULES}"),
+            (self.objective in OBJECTIVES, f"objective must be one of {OBJECTIVES}"),
+            (self.dpo_beta > 0, "dpo_beta must be > 0"),
+            (not (self.packing and self.objective == "dpo"), "packing is for sft jobs, not dpo"),
         ]
         for ok, message in checks:
             if not ok:
@@ -131,7 +136,7 @@ class TrainConfig:
             base_model=base_model_path, base_model_sha256=terms.base_model_sha256.hex(), method=terms.method,
             runtime=terms.runtime, seed=terms.seed, epochs=t.epochs, learning_rate=learning_rate, round=round,
             carry_optimizer=t.optimizer_state == "carried", report_codec=t.report_codec,
-            inner_schedule=t.inner_schedule, packing=t.packing,
+            inner_schedule=t.inner_schedule, packing=t.packing, objective=t.objective, dpo_beta=t.dpo_beta,
             batch_size=t.batch_size, gradient_accumulation_steps=t.gradient_accumulation_steps,
             max_seq_len=t.max_seq_len, max_steps=t.max_steps, rank=lora.rank, alpha=lora.alpha,
             dropout=lora.dropout, target_modules=tuple(lora.target_modules), freeze_a=lora.freeze_a,

@@ -27,7 +27,7 @@ import struct
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from protocol import proof
 from protocol.errors import ProtocolError
@@ -52,6 +52,13 @@ class Record:
     line: int
     messages: tuple[dict[str, str], ...]
     meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"messages": list(self.messages), "meta": self.meta}
+
+    def learnable(self) -> bool:
+        """Whether it has assistant text to learn from."""
+        return any(m["role"] == "assistant" and m["content"].strip() for m in self.messages)
 
 
 @dataclass
@@ -87,6 +94,25 @@ def _check_record(obj: Any) -> tuple[tuple[dict[str, str], ...], dict[str, Any]]
 
 def read_chatml(path: str | Path, *, skip_bad: bool = False) -> ChatmlFile:
     """Parse a ChatML JSONL file; DataError on the first bad line unless ``skip_bad``."""
+    return read_jsonl(path, lambda number, obj: Record(number, *_check_record(obj)), skip_bad=skip_bad)
+
+
+def read_records(path: str | Path, format: str = "chatml", *, skip_bad: bool = False) -> ChatmlFile:
+    """A dataset file in ``format`` (IPIP-0007 ``input.format``): ChatML conversations, or preference
+    records (agent/train/preference.py) for a DPO job."""
+    if format == "preference":
+        from agent.train.preference import read_preferences
+
+        return read_preferences(path, skip_bad=skip_bad)
+    if format != "chatml":
+        raise ValueError(f"unknown dataset format {format!r}")
+    return read_chatml(path, skip_bad=skip_bad)
+
+
+def read_jsonl(path: str | Path, make: Callable[[int, Any], Any], *, skip_bad: bool = False) -> ChatmlFile:
+    """Read a JSONL dataset line by line, each line within its bound: ``make(line_number, obj)`` builds a
+    record or raises ValueError with the problem in a few words; DataError ``FILE:LINE: problem`` on the
+    first bad line unless ``skip_bad`` (then counted and listed)."""
     from agent.files import FileInputError, input_file
 
     out = ChatmlFile(str(path), [])
@@ -112,7 +138,7 @@ def read_chatml(path: str | Path, *, skip_bad: bool = False) -> ChatmlFile:
             try:
                 if too_long:
                     raise ValueError(f"line longer than {MAX_LINE_BYTES} bytes")
-                messages, meta = _check_record(json.loads(raw.decode("utf-8")))
+                record = make(number, json.loads(raw.decode("utf-8")))
             except UnicodeDecodeError:
                 problem = "not UTF-8 text"
             except json.JSONDecodeError as error:
@@ -122,7 +148,7 @@ def read_chatml(path: str | Path, *, skip_bad: bool = False) -> ChatmlFile:
             except ValueError as error:
                 problem = str(error)
             else:
-                out.records.append(Record(number, messages, meta))
+                out.records.append(record)
                 continue
             if not skip_bad:
                 raise DataError(f"{path}:{number}", problem)
@@ -131,16 +157,17 @@ def read_chatml(path: str | Path, *, skip_bad: bool = False) -> ChatmlFile:
     return out
 
 
-def write_chatml(path: str | Path, records: Sequence[Record | dict]) -> None:
-    """Write records as ChatML JSONL (one compact JSON object per line)."""
+def write_chatml(path: str | Path, records: Sequence[Any]) -> None:
+    """Write records as JSONL, one compact JSON object per line: ChatML records, or preference records in
+    their canonical form (agent/train/preference.py)."""
     with open(path, "w", encoding="utf-8") as handle:
         for record in records:
             handle.write(_chatml_line(record))
 
 
-def _chatml_line(record: Record | dict) -> str:
-    if isinstance(record, Record):
-        record = {"messages": list(record.messages), "meta": record.meta}
+def _chatml_line(record: Any) -> str:
+    if not isinstance(record, dict):
+        record = record.to_json()
     return json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
 
 
@@ -243,11 +270,12 @@ def split_dataset(n_records: int, n_shards: int, validation_fraction: float, see
     return Split(tuple(sorted(validation)), tuple(shards))
 
 
-def check_dataset(path: str | Path, n_shards: int, validation_fraction: float, seed: int) -> ChatmlFile:
-    """Read a job's dataset and check that every shard it splits into can be trained, before anything
-    is written or sent: DataError ``FILE: problem`` if it has no records, fewer training records than
-    shards, or a shard whose assistant turns are all empty (nothing to learn from)."""
-    data = read_chatml(path)
+def check_dataset(path: str | Path, n_shards: int, validation_fraction: float, seed: int,
+                  format: str = "chatml") -> ChatmlFile:
+    """Read a job's dataset (in ``format``: read_records) and check that every shard it splits into can be
+    trained, before anything is written or sent: DataError ``FILE: problem`` if it has no records, fewer
+    training records than shards, or a shard whose assistant turns are all empty (nothing to learn from)."""
+    data = read_records(path, format)
     n = len(data.records)
     if n == 0:
         raise DataError(str(path), "no records: the dataset is empty")
@@ -258,8 +286,7 @@ def check_dataset(path: str | Path, n_shards: int, validation_fraction: float, s
         raise DataError(str(path), f"{n} records{held} leave {training} to train for {n_shards} shards: "
                                    "every shard needs at least one record")
     for index, shard in enumerate(split.shards):
-        if not any(m["role"] == "assistant" and m["content"].strip()
-                   for i in shard for m in data.records[i].messages):
+        if not any(data.records[i].learnable() for i in shard):
             which = f"shard {index} (lines {_lines(data, shard)})" if n_shards > 1 else "the training split"
             raise DataError(str(path), f"{which} has no assistant text to learn from: every assistant "
                                        "message is empty")
@@ -308,8 +335,15 @@ class PreparedShard:
 
 
 def prepare_examples(path: str | Path, tokenizer: Any, *, max_seq_len: int, packing: bool = False,
-                     skip_bad: bool = False) -> PreparedShard:
-    """Read, tokenize and (optionally) pack a ChatML file: exactly what a step's indices refer to."""
+                     skip_bad: bool = False, objective: str = "sft") -> PreparedShard:
+    """Read, tokenize and (optionally) pack a shard: exactly what a step's indices refer to. A DPO shard
+    (``objective`` "dpo") holds preference records, and its examples are PreferencePairs."""
+    if objective == "dpo":
+        from agent.train.preference import read_preferences, tokenize_pairs
+
+        chatml = read_preferences(path, skip_bad=skip_bad)
+        pairs, dropped = tokenize_pairs(tokenizer, chatml.records, max_seq_len)
+        return PreparedShard(pairs, len(chatml.records), chatml.skipped, dropped)
     chatml = read_chatml(path, skip_bad=skip_bad)
     examples, dropped = tokenize(tokenizer, chatml.records, max_seq_len)
     if packing:

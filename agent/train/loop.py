@@ -10,7 +10,12 @@ Rules of this file:
   one AdamW step. This
   is what lets a verifier resume from any checkpoint and land on the same bits.
 - The loss of a step is the mean cross-entropy over all its label tokens (token-weighted across
-  micro-batches), computed here from the logits, not by the model.
+  micro-batches), computed here from the logits, not by the model. A DPO job (``objective`` "dpo",
+  IPIP-0005 §6.2) steps over preference pairs instead, and its loss is the mean over the step's
+  pairs of -log sigmoid(beta x ((log pi(chosen) - log ref(chosen)) - (log pi(rejected) - log
+  ref(rejected)))), each log-probability summed over the completion's label tokens; the reference
+  is the same model with the adapter disabled (the base model: no second model in memory),
+  computed without gradients in the same micro-batch. ``Objective`` is the one place the two differ.
 - AdamW, weight decay 0, constant learning rate, gradient norm clipped to ``max_grad_norm``.
   Only LoRA parameters train; with ``freeze_a`` only the B matrices.
 - Optimizer state is exported as named tensors ``<adapter tensor name>.<exp_avg|exp_avg_sq|step>``
@@ -27,8 +32,9 @@ Rules of this file:
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -126,6 +132,89 @@ def token_loss_sum(model: Any, batch: Mapping[str, torch.Tensor]) -> torch.Tenso
     )
 
 
+def sequence_log_probs(model: Any, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Per row of a batch, the sum of the log-probabilities of its label tokens (no attention mask, as in
+    ``token_loss_sum``)."""
+    logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    per_token = -F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                                 ignore_index=IGNORE_INDEX, reduction="none")
+    return per_token.view(labels.shape).sum(dim=1)
+
+
+@dataclass(frozen=True)
+class Scores:
+    """What a micro-batch adds to a step or an evaluation: the loss summed over its units, the input tokens
+    it holds, and for DPO its pairs' implicit reward margins beta x (chosen - rejected) log-ratios."""
+
+    loss_sum: torch.Tensor
+    tokens: int
+    margins: torch.Tensor | None = None
+
+
+class Objective:
+    """Supervised fine-tuning: the loss is summed over label tokens, so a step's weight is its label tokens."""
+
+    name = "sft"
+
+    def weight(self, examples: Sequence[Any]) -> int:
+        return sum(e.n_label_tokens for e in examples)
+
+    def scores(self, model: Any, examples: Sequence[Any], pad_id: int, device: str) -> Scores:
+        batch = collate(examples, pad_id, device)
+        return Scores(token_loss_sum(model, batch), int(batch["attention_mask"].sum()))
+
+
+class DpoObjective(Objective):
+    """Direct preference optimization (Rafailov et al. 2023; TRL's ``sigmoid`` loss): summed over pairs,
+    so a step's weight is its pairs. Chosen and rejected sides go through the model in one batch."""
+
+    name = "dpo"
+
+    def __init__(self, beta: float) -> None:
+        self.beta = beta
+
+    def weight(self, pairs: Sequence[Any]) -> int:
+        return len(pairs)
+
+    def scores(self, model: Any, pairs: Sequence[Any], pad_id: int, device: str) -> Scores:
+        batch = collate([p.chosen for p in pairs] + [p.rejected for p in pairs], pad_id, device)
+        with torch.no_grad(), adapter_disabled(model):
+            reference = sequence_log_probs(model, batch)
+        ratios = sequence_log_probs(model, batch) - reference
+        n = len(pairs)
+        margins = self.beta * (ratios[:n] - ratios[n:])
+        return Scores(-F.logsigmoid(margins).sum(), int(batch["attention_mask"].sum()), margins.detach())
+
+
+@contextmanager
+def adapter_disabled(model: Any) -> Iterator[None]:
+    """The base model, for DPO's reference: peft's ``disable_adapter``, with every parameter's requires_grad
+    kept as it was. Re-enabling the adapter marks all of its tensors trainable (peft's ``set_adapter``): a
+    frozen A (``freeze_a``) would then train in the next session built on the same model (run.ModelPool)."""
+    trainable = [(parameter, parameter.requires_grad) for parameter in model.parameters()]
+    try:
+        with model.disable_adapter():
+            yield
+    finally:
+        for parameter, flag in trainable:
+            parameter.requires_grad_(flag)
+
+
+def objective_for(config: TrainConfig) -> Objective:
+    return DpoObjective(config.dpo_beta) if config.objective == "dpo" else Objective()
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A model's score on held-out examples: the mean loss; for DPO also the share of pairs whose chosen
+    side has the larger implicit reward, and the mean reward margin."""
+
+    loss: float
+    reward_accuracy: float | None = None
+    reward_margin: float | None = None
+
+
 @dataclass(frozen=True)
 class StepResult:
     step: int  # optimizer steps done after this one (1-based)
@@ -147,6 +236,7 @@ class LoraSession:
         self.device = device
         self.dtype = dtype
         self.pad_id = pad_id
+        self.objective = objective_for(config)
         self.parameters = {peft_name(n): p for n, p in model.named_parameters() if p.requires_grad}
         self.round_steps = config.total_steps(len(self.examples))
         self.offset = (config.round - 1) * self.round_steps
@@ -187,7 +277,7 @@ class LoraSession:
                 group["lr"] = rate
         torch.manual_seed(step_seed(config.seed, position))
         indices = step_samples(len(self.examples), config.samples_per_step, config.seed, position)
-        label_tokens = sum(self.examples[i].n_label_tokens for i in indices)
+        weight = self.objective.weight([self.examples[i] for i in indices])
         self.model.train()
         loss_total, tokens = 0.0, 0
         world, rank = data_parallel()
@@ -197,19 +287,18 @@ class LoraSession:
             start = starts[j]
             if per_micro:
                 torch.manual_seed(micro_seed(config.seed, position, j))
-            batch = collate([self.examples[i] for i in indices[start:start + config.micro_batch]],
-                            self.pad_id, self.device)
-            loss_sum = token_loss_sum(self.model, batch)
-            (loss_sum / label_tokens).backward()
-            loss_total += loss_sum.item()
-            tokens += int(batch["attention_mask"].sum())
+            scores = self.objective.scores(self.model, [self.examples[i] for i in indices[start:start + config.micro_batch]],
+                                           self.pad_id, self.device)
+            (scores.loss_sum / weight).backward()
+            loss_total += scores.loss_sum.item()
+            tokens += scores.tokens
         if world > 1:
             loss_total, tokens = self._all_reduce(loss_total, tokens)
         if config.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(self.parameters.values(), config.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(step + 1, tuple(indices), loss_total / label_tokens, tokens)
+        return StepResult(step + 1, tuple(indices), loss_total / weight, tokens)
 
     def _all_reduce(self, loss_total: float, tokens: int) -> tuple[float, int]:
         """Sum every rank's gradients, loss and token count: each rank then holds the whole step's
@@ -225,18 +314,28 @@ class LoraSession:
         return float(totals[0]), int(totals[1])
 
     def evaluate(self, examples: Sequence[Example]) -> float:
-        """Mean token loss over ``examples`` with dropout off."""
-        return self._again_if_refused(lambda: self._evaluate(examples))
+        """Mean loss over ``examples`` with dropout off (per label token; for DPO per pair)."""
+        return self.score(examples).loss
+
+    def score(self, examples: Sequence[Any]) -> Evaluation:
+        """``evaluate``'s loss, and for DPO the reward accuracy and margin."""
+        return self._again_if_refused(lambda: self._score(examples))
 
     @torch.no_grad()
-    def _evaluate(self, examples: Sequence[Example]) -> float:
+    def _score(self, examples: Sequence[Any]) -> Evaluation:
         self.model.eval()
-        total, count = 0.0, 0
+        total, count, margins = 0.0, 0, []
         for start in range(0, len(examples), self.config.batch_size):
             chunk = examples[start:start + self.config.batch_size]
-            total += token_loss_sum(self.model, collate(chunk, self.pad_id, self.device)).item()
-            count += sum(e.n_label_tokens for e in chunk)
-        return total / max(count, 1)
+            scores = self.objective.scores(self.model, chunk, self.pad_id, self.device)
+            total += scores.loss_sum.item()
+            count += self.objective.weight(chunk)
+            if scores.margins is not None:
+                margins.append(scores.margins.float().cpu())
+        if not margins:
+            return Evaluation(total / max(count, 1))
+        every = torch.cat(margins)
+        return Evaluation(total / max(count, 1), float((every > 0).float().mean()), float(every.mean()))
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         return adapter_state(self.model)

@@ -39,7 +39,7 @@ from agent.train.codec import PAYLOAD_FILE, encode, round_trip, save_payload
 from agent.train.config import TrainConfig, TrainError
 from agent.train.data import Example, PreparedShard, prepare_examples
 from agent.train.env import environment, set_threads
-from agent.train.loop import LoraSession, data_parallel, deterministic_cuda, refused_by_strict_mode, same_on_every_rank
+from agent.train.loop import Evaluation, LoraSession, data_parallel, deterministic_cuda, refused_by_strict_mode, same_on_every_rank
 from agent.train.model import (
     adapter_state, add_lora, base_model_sha256, load_adapter_state, load_base_model, load_tokenizer, pick_device,
     pick_dtype, save_adapter, seed_lora_a, tensors_hash,
@@ -240,9 +240,10 @@ def open_session(config: TrainConfig, examples: list[Example], *, pad_id: int, b
 MAX_VALIDATION_EXAMPLES = 256  # a coordinator scores each round on at most this many (IPIP-0006 §2.6)
 
 
-def validation_losses(config: TrainConfig, path: Path, adapters: list[Path | None]) -> list[float]:
-    """Mean token loss on the first MAX_VALIDATION_EXAMPLES examples of ``path`` for each adapter
-    file (None: the job's seeded initial adapter, i.e. the base model), one model build for all."""
+def validation_scores(config: TrainConfig, path: Path, adapters: list[Path | None]) -> list[Evaluation]:
+    """The score (mean loss; for DPO also reward accuracy and margin) on the first MAX_VALIDATION_EXAMPLES
+    examples of ``path`` for each adapter file (None: the job's seeded initial adapter, i.e. the base
+    model), one model build for all."""
     set_threads(config.threads)
     tokenizer = load_tokenizer(config.base_model)
     examples = load_shard(config, tokenizer, path).examples[:MAX_VALIDATION_EXAMPLES]
@@ -254,7 +255,7 @@ def validation_losses(config: TrainConfig, path: Path, adapters: list[Path | Non
         losses = []
         for adapter in adapters:
             load_adapter_state(session.model, initial if adapter is None else load_file(str(adapter)))
-            losses.append(session.evaluate(examples))
+            losses.append(session.score(examples))
         return losses
     finally:
         session.close()
@@ -262,7 +263,7 @@ def validation_losses(config: TrainConfig, path: Path, adapters: list[Path | Non
 
 def load_shard(config: TrainConfig, tokenizer: Any, path: Path) -> PreparedShard:
     return prepare_examples(path, tokenizer, max_seq_len=config.max_seq_len, packing=config.packing,
-                            skip_bad=config.skip_bad_lines)
+                            skip_bad=config.skip_bad_lines, objective=config.objective)
 
 
 def check_base_model(config: TrainConfig) -> str:
@@ -534,16 +535,17 @@ def resume_point(session: LoraSession, recorder: ProofRecorder) -> tuple[int, in
 def _readme(request: TrainRequest, result: TrainResult, shard: PreparedShard, base_hash: str,
             started_at: datetime) -> str:
     config = request.config
+    dpo = config.objective == "dpo"
     finished_at = datetime.now(timezone.utc)
     validation = (f"{result.initial_validation_loss:.4f} -> {result.validation_loss:.4f}"
                   if result.validation_loss is not None else "no validation split")
     return f"""# LoRA training run
 
 - **Base model**: `{config.base_model}` (sha256 `{base_hash}`)
-- **Method**: {config.method} via {result.environment.get("backend")}, rank {config.rank}, alpha {config.alpha}, \
+- **Method**: {f"DPO (beta {config.dpo_beta}, reference: the base model), " if dpo else ""}{config.method} via {result.environment.get("backend")}, rank {config.rank}, alpha {config.alpha}, \
 dropout {config.dropout}, targets {", ".join(config.target_modules)}, A {"frozen (FFA-LoRA)" if config.freeze_a else "trained"}
-- **Data**: `{request.shard}`: {shard.records} records, {len(shard.examples)} examples \
-({shard.skipped_lines} bad lines skipped, {shard.dropped_examples} dropped with no assistant tokens)
+- **Data**: `{request.shard}`: {shard.records} records, {len(shard.examples)} {"preference pairs" if dpo else "examples"} \
+({shard.skipped_lines} bad lines skipped, {shard.dropped_examples} dropped with no {"completion" if dpo else "assistant"} tokens)
 - **Job**: `{request.job_id.hex()}` round {request.round}, shard {request.shard_index}, attempt {request.attempt}, worker `{request.worker}`
 - **When**: {started_at.isoformat(timespec="seconds")} to {finished_at.isoformat(timespec="seconds")} \
 ({(finished_at - started_at).total_seconds():.1f} s; training {result.train_seconds:.1f} s, \
