@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
     demo.add_argument("--dataset", type=Path, default=None, metavar="FILE",
                       help="train on this ChatML JSONL (e.g. from `train data`) instead of the demo task")
+    demo.add_argument("--type", choices=("sft", "dpo"), default="sft",
+                      help="sft (default), or dpo: a preference job (the demo task's right answers preferred over "
+                           "evasions and wrong ones; with --dataset, preference records)")
 
     agent = sub.add_parser("agent", help="run and inspect this machine's agent").add_subparsers(
         dest="action", metavar="ACTION", required=True)
@@ -1250,7 +1253,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.workers < 2:
         raise UserError("--workers must be at least 2: one coordinates, the others train")
     return run_demo(DemoOptions(workers=args.workers, shards=args.shards, rounds=args.rounds, steps=args.steps,
-                                directory=args.dir, timeout=args.timeout, dataset=args.dataset,
+                                directory=args.dir, timeout=args.timeout, dataset=args.dataset, type=args.type,
                                 verbose=bool(getattr(args, "verbose", False))))
 
 

@@ -409,9 +409,11 @@ def job_detail(agent: "Agent", view: Any) -> dict:
                        "rejected": sum(not v.accepted for v in view.verdicts.values())}
     out["aggregates"] = [{"round": a.round, "cid": a.adapter_cid, "method": a.method, "shards": list(a.shards),
                           "samples": a.samples, "final": a.final, "validation_loss": a.validation_loss,
-                          "base_validation_loss": a.base_validation_loss}
+                          "base_validation_loss": a.base_validation_loss, "reward_accuracy": a.reward_accuracy,
+                          "reward_margin": a.reward_margin}
                          for _, a in sorted(view.aggregates.items())]
     out["outer"] = view.terms.outer.optimizer if view.terms.outer else "none"
+    out["type"] = view.terms.training.objective
     from agent.utilization import of_mirror
 
     out["utilization"] = of_mirror(view).as_json()  # how busy the job kept its workers (issue 24)

@@ -58,6 +58,9 @@ class DemoOptions:
     # a ChatML dataset of your own instead of the demo's (`--dataset`): longer sequences, and the
     # validation loss measured on the job's own held-out split of it
     dataset: Path | None = None
+    # sft, or dpo: a preference job (the demo task's right answers preferred over evasions and wrong ones,
+    # agent/train/preference.demo_preferences; or `--dataset` preference records)
+    type: str = "sft"
 
     @property
     def max_seq_len(self) -> int:
@@ -77,18 +80,23 @@ VALIDATION_SPLIT = 0.1
 
 
 def dataset_name(options: DemoOptions) -> str:
-    return "demo.jsonl" if options.dataset is None else "dataset.jsonl"
+    if options.dataset is not None:
+        return "dataset.jsonl"
+    return "demo-preferences.jsonl" if options.type == "dpo" else "demo.jsonl"
 
 
 def demo_spec(options: DemoOptions) -> str:
     what = ("the demo task (colours, French words, counting, spelling)" if options.dataset is None
             else f"the records of {options.dataset.name}")
+    if options.type == "dpo":
+        what = f"to prefer the chosen answers of {'the demo task' if options.dataset is None else options.dataset.name}"
+    dpo = "type: dpo\ndpo:\n  beta: 0.1\n" if options.type == "dpo" else ""
     return f"""\
 # The demo job: the tiny model learns {what}.
-name: infernet-demo
+name: infernet-demo{"-dpo" if options.type == "dpo" else ""}
 base_model: {MODEL_NAME}
 seed: {SEED}
-input:
+{dpo}input:
   dataset: {dataset_name(options)}
   validation_split: {VALIDATION_SPLIT}
 training:
@@ -243,12 +251,19 @@ def run_demo(options: DemoOptions) -> int:
                       f"a {options.shards}-shard x {options.rounds}-round job  (files in {root})")
         with console.status("building the tiny base model (cached after the first run)"):
             model = tiny_model()
-        if options.dataset is None:
+        from agent.train.data import check_dataset
+
+        if options.dataset is None and options.type == "dpo":
+            from agent.train.data import write_chatml
+            from agent.train.preference import demo_preferences
+
+            dataset = root / dataset_name(options)
+            write_chatml(dataset, demo_preferences(400, seed=SEED))
+        elif options.dataset is None:
             dataset = shutil.copy(demo_dataset(), root / dataset_name(options))
         else:
-            from agent.train.data import check_dataset
-
-            check_dataset(options.dataset, options.shards, VALIDATION_SPLIT, SEED)  # DataError: one line
+            check_dataset(options.dataset, options.shards, VALIDATION_SPLIT, SEED,  # DataError: one line
+                          "preference" if options.type == "dpo" else "chatml")
             dataset = shutil.copy(options.dataset, root / dataset_name(options))
         spec = root / "infernet.train.yml"
         spec.write_text(demo_spec(options))
@@ -301,9 +316,10 @@ def run_demo(options: DemoOptions) -> int:
         fetched = request(submitter, "job.fetch", timeout=120, job=job["id"], out=str(root / "adapter"))
         _keep_job_record(submitter, detail, fetched)
         with console.status("measuring validation loss with stock transformers + peft"):
-            before, after = validation_losses(model, Path(fetched["path"]), root / "validation.jsonl",
-                                              dataset=None if options.dataset is None else Path(dataset),
-                                              max_seq_len=options.max_seq_len)
+            measure = preference_scores if options.type == "dpo" else validation_losses
+            before, after = measure(model, Path(fetched["path"]), root / "validation.jsonl",
+                                    dataset=None if options.dataset is None else Path(dataset),
+                                    max_seq_len=options.max_seq_len)
         console.print(f"\njob {job['id'][:16]} DONE in {time.monotonic() - started:.0f} s")
         from agent.progress import round_timing, utilization_line
 
@@ -313,12 +329,19 @@ def run_demo(options: DemoOptions) -> int:
                 base = agg.get("base_validation_loss")
                 console.print(f"round {agg['round']}: validation loss "
                               + (f"{base:.3f} (base) -> " if base is not None else "")
-                              + f"{agg['validation_loss']:.3f}" + timing.get(agg["round"], ""), highlight=False)
+                              + f"{agg['validation_loss']:.3f}"
+                              + (f", reward accuracy {agg['reward_accuracy']:.2f}" if agg.get("reward_accuracy") is not None
+                                 else "") + timing.get(agg["round"], ""), highlight=False)
 
         if line := utilization_line(detail):
             console.print(line, highlight=False)
         console.print(f"aggregate CID:   {fetched['cid']}")
-        console.print(f"validation loss: {before:.3f} (base) -> {after:.3f} (base + adapter)")
+        if options.type == "dpo":
+            console.print(f"validation DPO loss: {before.loss:.3f} (base) -> {after.loss:.3f} (base + adapter); "
+                          f"reward accuracy {after.reward_accuracy:.2f}, margin {after.reward_margin:.2f}")
+            before, after = before.loss, after.loss
+        else:
+            console.print(f"validation loss: {before:.3f} (base) -> {after:.3f} (base + adapter)")
         console.print(f"adapter (Hugging Face PEFT layout): {fetched['path']}")
         if scalars is not None:
             scalars.close()
@@ -395,3 +418,57 @@ def validation_losses(model_dir: Path, adapter_dir: Path, out: Path, *, dataset:
 
     before = loss(base)
     return before, loss(PeftModel.from_pretrained(base, str(adapter_dir)))
+
+
+def preference_scores(model_dir: Path, adapter_dir: Path, out: Path, *, dataset: Path | None = None,
+                      max_seq_len: int = 96) -> tuple:
+    """A DPO job's outcome on held-out preference pairs, measured with stock transformers + peft: the DPO
+    loss (beta 0.1, the reference being the base model: peft's ``disable_adapter``), reward accuracy and
+    margin, of the base model and of base + adapter (train.loop.Evaluation each). Held out: fresh demo
+    preference records, or with ``dataset`` the job's own validation split of it."""
+    import warnings
+
+    import torch
+    import torch.nn.functional as F
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+    from agent.train.data import split_dataset, write_chatml
+    from agent.train.loop import Evaluation
+    from agent.train.model import load_tokenizer
+    from agent.train.preference import demo_preferences, read_preferences, tokenize_pairs
+
+    torch.set_num_threads(max(1, min(os.cpu_count() or 1, 4)))
+    if dataset is None:
+        write_chatml(out, demo_preferences(48, seed=99))
+    else:
+        records = read_preferences(dataset).records
+        held = split_dataset(len(records), 1, VALIDATION_SPLIT, SEED).validation or range(len(records))
+        write_chatml(out, [records[i] for i in held])
+    pairs, _ = tokenize_pairs(load_tokenizer(str(model_dir)), read_preferences(out).records, max_seq_len)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32),
+                                      str(adapter_dir))
+    model.eval()
+
+    def log_prob(example) -> float:
+        logits = model(input_ids=torch.tensor([example.input_ids])).logits[0, :-1].float()
+        labels = torch.tensor(example.labels[1:])
+        keep = labels != -100
+        return float(logits.log_softmax(-1)[keep].gather(1, labels[keep].unsqueeze(1)).sum())
+
+    with torch.no_grad():
+        with model.disable_adapter():
+            reference = [log_prob(p.chosen) - log_prob(p.rejected) for p in pairs]
+        policy = [log_prob(p.chosen) - log_prob(p.rejected) for p in pairs]
+
+    def score(ratios: list[float]) -> Evaluation:
+        margins = torch.tensor([0.1 * (r - ref) for r, ref in zip(ratios, reference)])
+        return Evaluation(float(-F.logsigmoid(margins).mean()), float((margins > 0).float().mean()),
+                          float(margins.mean()))
+
+    return score(reference), score(policy)

@@ -121,11 +121,15 @@ def _verdict_text(verdict: dict | None, width: int) -> str:
 
 
 def aggregate_score(agg: dict) -> str:
-    """``  validation loss 0.412`` (``  validation loss 9.32 -> 0.412`` in round 1), or nothing."""
+    """``  validation loss 0.412`` (``  validation loss 9.32 -> 0.412`` in round 1), or nothing; a DPO job's
+    with ``, reward accuracy 0.88, margin 3.1``."""
     loss, base = agg.get("validation_loss"), agg.get("base_validation_loss")
     if loss is None:
         return ""
-    return f"  validation loss {base:.3f} -> {loss:.3f}" if base is not None else f"  validation loss {loss:.3f}"
+    text = f"  validation loss {base:.3f} -> {loss:.3f}" if base is not None else f"  validation loss {loss:.3f}"
+    if agg.get("reward_accuracy") is not None:
+        text += f", reward accuracy {agg['reward_accuracy']:.2f}, margin {agg['reward_margin']:.2f}"
+    return text
 
 
 def round_timing(job: dict) -> dict[int, str]:

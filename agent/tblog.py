@@ -91,6 +91,8 @@ def job_scalars(job: dict) -> Iterator[tuple[str, float | None, int]]:
     for aggregate in job.get("aggregates", []):
         yield "validation/aggregate", aggregate.get("validation_loss"), aggregate["round"]
         yield "validation/base", aggregate.get("base_validation_loss"), aggregate["round"]
+        yield "validation/reward_accuracy", aggregate.get("reward_accuracy"), aggregate["round"]  # a DPO job's
+        yield "validation/reward_margin", aggregate.get("reward_margin"), aggregate["round"]
     # each shard's curve by worker, its steps counted on across rounds (a round's steps start where the last ended)
     offsets: dict[int, int] = {}
     for curve in sorted(job.get("curves", []), key=lambda c: (c["round"], c["shard"], c["attempt"])):
