@@ -804,7 +804,7 @@ def cmd_train_init(args: argparse.Namespace) -> int:
     path.write_text(text)
     for line in notes:
         print(f"{args.source}: {line}")
-    print(f"wrote {path}{made}\nnext: edit name, base_model and input.dataset, then "
+    print(f"wrote {path}{made}\nnext: check name, base_model and the input (input.dataset or input.hf), then "
           f"`infernet train run --local --config {path}` or `infernet job announce {path}`")
     return 0
 

@@ -10,9 +10,12 @@ Rules of this file:
   or mean "unset" are not reported.
 - The input is the user's own file: read with a size bound, parsed with ``yaml.safe_load`` (JSON is
   YAML), and a file that is neither format is one clear line (UserError), naming the file.
-- What our spec cannot say stays a line: a Hugging Face dataset name (``input.dataset`` must be a
-  local ChatML file or a CID), full fine-tuning, schedulers within a run, weight decay, and the
-  settings that are a worker's own (dtype, gradient checkpointing, logging, saving).
+- A Hugging Face dataset name becomes ``input.hf`` (with its split and config); a local file
+  ``input.dataset``. A DPO config (TRL's DPOConfig fields ``beta``/``loss_type``, Axolotl's ``rl: dpo``)
+  becomes ``type: dpo`` with ``dpo.beta``.
+- What our spec cannot say stays a line: full fine-tuning, other preference losses (IPO, KTO, ORPO,
+  ...), schedulers within a run, weight decay, and the settings that are a worker's own (dtype, gradient
+  checkpointing, logging, saving).
 """
 
 from __future__ import annotations
@@ -33,11 +36,15 @@ submitter's announce checks them against the model's own linear layers)."""
 @dataclass
 class Conversion:
     source: str  # "trl" or "axolotl"
-    values: dict[tuple[str, str], str] = field(default_factory=dict)  # (section, key) -> YAML value text
+    values: dict[tuple[str, str], str | None] = field(default_factory=dict)  # (section, key) -> YAML value text
     notes: list[str] = field(default_factory=list)  # one line per field not honoured
 
     def set(self, section: str, key: str, value: Any) -> None:
         self.values[(section, key)] = _yaml_value(value)
+
+    def unset(self, section: str, key: str) -> None:
+        """Comment the template's key out (presets.spec_with_values)."""
+        self.values[(section, key)] = None
 
     def note(self, name: str, why: str) -> None:
         self.notes.append(f"{name}: {why}")
@@ -192,16 +199,22 @@ def _name(conversion: Conversion, value: Any) -> None:
         conversion.set("", "name", Path(value).name[:256])
 
 
-def _dataset(conversion: Conversion, name: str, value: Any, config_dir: Path) -> None:
-    """A local ChatML JSONL file becomes input.dataset; a Hub name is a line (our input is a file or a CID)."""
+def _dataset(conversion: Conversion, name: str, value: Any, config_dir: Path, *, split: Any = None,
+             config: Any = None) -> None:
+    """A local JSONL file becomes input.dataset; anything else a Hugging Face dataset (input.hf, its split and
+    config), which the submitter reads with the datasets library (agent/hfdata.py)."""
     text = str(value)
     candidate = Path(text).expanduser()
     local = candidate if candidate.is_absolute() else config_dir / candidate
-    if text.endswith((".jsonl", ".json")) or local.exists():
+    if text.endswith((".jsonl", ".json")) or local.is_file():
         conversion.set("input", "dataset", text)
-    else:
-        conversion.note(name, f"{text!r} looks like a Hugging Face dataset; input.dataset must be a local ChatML "
-                              "JSONL file or its CID: export it (e.g. datasets' to_json) and set input.dataset")
+        return
+    conversion.set("input", "hf", text)
+    conversion.unset("input", "dataset")
+    if isinstance(split, str) and split:
+        conversion.set("input", "split", split)
+    if isinstance(config, str) and config:
+        conversion.set("input", "config", config)
 
 
 def _scheduler(conversion: Conversion, name: str, value: Any) -> None:
@@ -271,7 +284,9 @@ def _from_trl(config: dict[str, Any], path: Path) -> Conversion:
         c.set("", "base_model", model)
     dataset = rest.pop("dataset_name", None)
     if dataset:
-        _dataset(c, "dataset_name", dataset, path.parent)
+        _dataset(c, "dataset_name", dataset, path.parent, split=rest.pop("dataset_train_split", None),
+                 config=rest.pop("dataset_config", None))
+    _trl_dpo(c, rest)
     if "num_train_epochs" in rest:
         _epochs(c, "num_train_epochs", rest.pop("num_train_epochs"))
     _numbers(c, rest, TRL_NUMBERS)
@@ -288,14 +303,49 @@ def _from_trl(config: dict[str, Any], path: Path) -> Conversion:
     _optimizer_notes(c, rest, scheduler="lr_scheduler_type", optimizer="optim")
     if rest.get("max_grad_norm") not in (None, 1.0, 1):
         c.note("max_grad_norm", "the gradient norm is clipped at 1.0")
-    if rest.get("dataset_config"):
-        c.note("dataset_config", "a Hugging Face dataset configuration: input.dataset is a local file or CID")
     if rest.get("gradient_checkpointing") is True or rest.get("bf16") is True or rest.get("fp16") is True:
         c.note("bf16/fp16/gradient_checkpointing", WORKER_OWN + " (dtype: bf16 on GPUs that have it; fp16 is not a "
                                                    "training dtype, IPIP-0005 §8.1)")
     for name, value in rest.items():
         _ignored(c, name, value, TRL_IGNORED)
     return c
+
+
+TRL_DPO_FIELDS = ("beta", "loss_type", "label_smoothing", "reference_free", "rpo_alpha", "max_prompt_length",
+                  "max_completion_length", "precompute_ref_log_probs", "sync_ref_model", "ref_model_init_kwargs",
+                  "use_weighting", "ld_alpha", "f_divergence_type", "generate_during_eval")
+
+
+def _beta(conversion: Conversion, name: str, value: Any) -> None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 100:
+        conversion.set("dpo", "beta", float(value))
+    elif value is not None:
+        conversion.note(name, f"{value!r} is not a beta in (0, 100]; the spec keeps 0.1")
+
+
+def _trl_dpo(c: Conversion, rest: dict[str, Any]) -> None:
+    """A DPOConfig (its own fields present): ``type: dpo``; the loss variants and options it cannot honour named."""
+    if not any(name in rest for name in TRL_DPO_FIELDS):
+        return
+    c.set("", "type", "dpo")
+    _beta(c, "beta", rest.pop("beta", None))
+    loss = rest.pop("loss_type", None)
+    if loss not in (None, "sigmoid", ["sigmoid"]):
+        c.note("loss_type", f"{loss!r}: the DPO loss is the sigmoid one (IPIP-0005 §6.2)")
+    if rest.pop("label_smoothing", 0) not in (0, 0.0, None):
+        c.note("label_smoothing", "the DPO loss has no label smoothing (robust/cDPO is not offered)")
+    if rest.pop("reference_free", False) is True:
+        c.note("reference_free", "the reference is always the base model (the adapter disabled)")
+    if rest.pop("rpo_alpha", None) is not None:
+        c.note("rpo_alpha", "no NLL term is added to the DPO loss (RPO is not offered)")
+    for name in ("max_prompt_length", "max_completion_length"):
+        if rest.pop(name, None) is not None:
+            c.note(name, "each side (prompt + completion) is cut at training.max_seq_len; no separate cut")
+    for name in ("precompute_ref_log_probs", "sync_ref_model", "ref_model_init_kwargs", "use_weighting", "ld_alpha",
+                 "f_divergence_type", "generate_during_eval"):
+        value = rest.pop(name, None)
+        if value not in (None, False, "reverse_kl") and name != "precompute_ref_log_probs":
+            c.note(name, f"{value!r}: not offered (the reference is the fixed base model, the loss the sigmoid one)")
 
 
 # -- Axolotl ---------------------------------------------------------------------------------------
@@ -322,11 +372,22 @@ def _from_axolotl(config: dict[str, Any], path: Path) -> Conversion:
     if rest.get("base_model"):
         c.set("", "base_model", rest.pop("base_model"))
     datasets = rest.pop("datasets", None)
+    rl = rest.pop("rl", None)
+    if rl in ("dpo", True):
+        c.set("", "type", "dpo")
+        beta = rest.pop("rl_beta", None)
+        _beta(c, "rl_beta" if beta is not None else "dpo_beta", beta if beta is not None else rest.pop("dpo_beta", None))
+    elif rl not in (None, False, ""):
+        c.note("rl", f"{rl!r} is not offered (sft, or rl: dpo)")
     if isinstance(datasets, list) and datasets and isinstance(datasets[0], dict) and datasets[0].get("path"):
         first = datasets[0]
-        _dataset(c, "datasets[0].path", first["path"], path.parent)
+        _dataset(c, "datasets[0].path", first["path"], path.parent, split=first.get("split"), config=first.get("name"))
         kind = first.get("type")
-        if kind not in (None, "chat_template", "sharegpt", "chatml"):
+        if rl in ("dpo", True):
+            if kind is not None:
+                c.note("datasets[0].type", f"{kind!r}: the spec reads preference records as TRL does (prompt, chosen, "
+                                           "rejected; text or messages), not Axolotl's per-dataset mappings")
+        elif kind not in (None, "chat_template", "sharegpt", "chatml"):
             c.note("datasets[0].type", f"{kind!r}: the spec reads ChatML records ({{\"messages\": [...]}}); convert "
                                        "the file to that format")
         if len(datasets) > 1:

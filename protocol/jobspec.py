@@ -420,9 +420,9 @@ input:
   # split: train                  #   or the Hub with HF_TOKEN, or a local folder datasets reads), its split,
   # config: ""                    #   config and revision; the submitter converts it to ChatML once and
   # revision: ""                  #   shards that file (messages, conversations, prompt/completion, alpaca)
-  format: chatml                  # chatml: JSON lines of {"messages": [{"role": ..., "content": ...}]};
-                                  #   preference (type dpo; the default there): {"prompt", "chosen",
-                                  #   "rejected"} as text or message lists, or chosen/rejected conversations
+  # format: chatml                # follows type. chatml (sft): JSON lines of {"messages": [{"role": ...,
+                                  #   "content": ...}]}; preference (dpo): {"prompt", "chosen", "rejected"}
+                                  #   as text or message lists, or chosen/rejected conversations
   validation_split: 0.0           # fraction held out before sharding to validate aggregates, in [0, 0.5)
 
 training:                         # what each worker does with its shard in each round

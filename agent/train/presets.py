@@ -152,7 +152,8 @@ def preset_spec(template: str, preset: str) -> str:
 
 def spec_with_values(template: str, values: dict[tuple[str, str], str], intro: str = "") -> str:
     """The commented spec ``template`` with ``values`` ({(section, key): YAML value text}, "" the top level)
-    set in place, comments kept; ValueError for a key the template does not show."""
+    set in place, comments kept; a key the template shows commented out (``# hf: ...``) is set by uncommenting
+    it, and a value None comments a key out. ValueError for a key the template does not show."""
     import re
 
     lines = template.splitlines()
@@ -165,14 +166,21 @@ def spec_with_values(template: str, values: dict[tuple[str, str], str], intro: s
             continue
         if line and not line[0].isspace():
             section = ""
-        match = re.match(r"^(\s*)([a-z_]+):( +)(\[[^\]]*\]|\"[^\"]*\"|\S+)( *)(#.*)?$", line)
-        if not match or (section, match.group(2)) not in values:
+        match = re.match(r"^(\s*)(# )?([a-z_]+):( +)(\[[^\]]*\]|\"[^\"]*\"|\S+)( *)(#.*)?$", line)
+        if not match or (section, match.group(3)) not in values:
             continue
-        key = (section, match.group(2))
+        key = (section, match.group(3))
         value = values[key]
-        head = f"{match.group(1)}{match.group(2)}:{match.group(3)}{value}"
-        comment = match.group(6)
-        column = match.start(6) if comment else 0  # keep the comment where it was, when the value fits
+        if value is None and match.group(2):
+            continue  # already commented out
+        if value is None:  # commented out, as the template shows the keys it leaves unset
+            lines[i] = f"{match.group(1)}# {match.group(3)}:{match.group(4)}{match.group(5)}{match.group(6)}" + \
+                (match.group(7) or "")
+            done.add(key)
+            continue
+        head = f"{match.group(1)}{match.group(3)}:{match.group(4)}{value}"
+        comment = match.group(7)
+        column = match.start(7) if comment else 0  # keep the comment where it was, when the value fits
         lines[i] = (head.ljust(column - 1) + " " + comment) if comment else head
         done.add(key)
     missing = set(values) - done

@@ -69,7 +69,11 @@ def test_an_axolotl_config_becomes_a_spec(capsys, tmp_path):
     ({"model_name_or_path": "m", "frobnicate": 3}, ["frobnicate"]),  # an unknown field is named, not dropped
     ({"model_name_or_path": "m", "use_peft": False}, ["use_peft"]),  # full fine-tuning is not offered
     ({"model_name_or_path": "m", "num_train_epochs": 2.5}, ["num_train_epochs"]),  # rounded up, said so
-    ({"model_name_or_path": "m", "dataset_name": "HuggingFaceH4/ultrachat_200k"}, ["dataset_name"]),
+    ({"model_name_or_path": "m", "dataset_name": "HuggingFaceH4/ultrachat_200k"}, []),  # input.hf
+    ({"base_model": "m", "adapter": "lora", "rl": "dpo", "dpo_beta": 0.05,
+      "datasets": [{"path": "Intel/orca_dpo_pairs", "split": "train", "type": "chatml.intel"}]}, ["datasets[0].type"]),
+    ({"base_model": "m", "adapter": "lora", "rl": "kto"}, ["rl"]),  # a preference loss not offered
+    ({"model_name_or_path": "m", "beta": 0.2, "loss_type": "ipo", "rpo_alpha": 1.0}, ["loss_type", "rpo_alpha"]),
     ({"model_name_or_path": "m", "load_in_4bit": True, "max_steps": -1}, []),  # qlora; -1 is "unset"
     ({"base_model": "m", "adapter": "qlora", "datasets": [{"path": "a.jsonl", "type": "alpaca"}, {"path": "b.jsonl"}]},
      ["datasets[0].type", "datasets[1]"]),
@@ -82,6 +86,37 @@ def test_each_field_not_honoured_is_named(capsys, tmp_path, config, named):
     spec = parse_spec(text)
     if config.get("load_in_4bit") or config.get("adapter") == "qlora":
         assert spec.method == "qlora"
+    if "HuggingFaceH4" in str(config) or "Intel" in str(config):  # a Hub name: input.hf, input.dataset left out
+        assert spec.input.hf in ("HuggingFaceH4/ultrachat_200k", "Intel/orca_dpo_pairs") and not spec.input.dataset
+    if config.get("rl") == "dpo" or "beta" in config:
+        assert (spec.type, spec.input.format, spec.dpo.beta) == ("dpo", "preference", config.get("dpo_beta", config.get("beta")))
+    elif config.get("rl"):
+        assert spec.type == "sft"
+
+
+def test_a_trl_dpo_config_becomes_a_dpo_spec_that_trains(capsys, tmp_path, tiny_dir):
+    from agent.train.preference import demo_preferences
+
+    text, notes = convert(capsys, tmp_path, EXAMPLES / "trl_dpo.yaml")
+    spec = parse_spec(text)
+    assert (spec.type, spec.dpo.beta, spec.input.hf, spec.input.split, spec.input.dataset) == (
+        "dpo", 0.1, "trl-lib/ultrafeedback_binarized", "train", "")
+    assert (spec.training.learning_rate, spec.training.batch_size, spec.training.max_seq_len) == (5e-6, 4, 1024)
+    assert [line.split(":", 1)[0] for line in notes] == ["max_prompt_length", "bf16/fp16/gradient_checkpointing"]
+    # the converted spec trains the DPO loss, here on a local preference file and the tiny model
+    write_chatml(tmp_path / "prefs.jsonl", demo_preferences(40, seed=3))
+    local = spec_with_values(text, {("", "base_model"): str(tiny_dir), ("input", "hf"): None,
+                                    ("input", "dataset"): str(tmp_path / "prefs.jsonl"),
+                                    ("training", "learning_rate"): "0.005", ("training", "max_seq_len"): "64",
+                                    ("training", "max_steps"): "4", ("training", "batch_size"): "2",
+                                    ("proof", "checkpoint_every"): "2"})
+    (tmp_path / "local.yml").write_text(local)
+    code, _, err = run_cli(capsys, "train", "run", "--local", "--config", str(tmp_path / "local.yml"), "--output",
+                           str(tmp_path / "run"), "--threads", "1", "--no-progress", "--json")
+    assert code == 0, err
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["steps"] == 4 and 0 < result["final_loss"] < 1.0  # a DPO loss: log 2 at the start
+    assert json.loads((tmp_path / "run" / "train_config.json").read_text())["objective"] == "dpo"
 
 
 @pytest.mark.parametrize("content, fragments", [

@@ -118,3 +118,29 @@ def test_an_unknown_split_in_a_spec_is_one_line_and_nothing_trains(capsys, tmp_p
                            "--home", str(tmp_path / "home"))
     assert_one_line_error(code, err, "input.hf", "split=nope", "Unknown split")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_preference_split_becomes_canonical_preference_records(tmp_path):
+    """A DPO job's input.hf: rows in the layouts TRL reads (here the implicit-prompt one, as in
+    trl-lib/ultrafeedback_binarized) become prompt/chosen/rejected records; other rows are dropped."""
+    from agent.train.preference import read_preferences
+
+    (tmp_path / "repo" / "data").mkdir(parents=True)
+    with open(tmp_path / "repo" / "data" / "train.jsonl", "w") as handle:
+        for i in range(12):
+            prompt = [{"role": "user", "content": f"What is {i} plus {i}?"}]
+            handle.write(json.dumps({"chosen": prompt + [{"role": "assistant", "content": f"{2 * i}"}],
+                                     "rejected": prompt + [{"role": "assistant", "content": f"{2 * i + 1}"}],
+                                     "score_chosen": 9.0}) + "\n")
+        handle.write(json.dumps({"chosen": [{"role": "assistant", "content": "x"}],
+                                 "rejected": [{"role": "assistant", "content": "y"}]}) + "\n")  # no prompt: dropped
+    path, written, dropped = materialize(str(tmp_path / "repo"), "train", cache_dir=tmp_path / "cache",
+                                         format="preference")
+    assert (written, dropped) == (12, 1)
+    first = read_preferences(path).records[0]
+    assert [m["content"] for m in first.prompt + first.chosen + first.rejected] == ["What is 0 plus 0?", "0", "1"]
+    with pytest.raises(HubDataError, match="columns .*chosen.*; expected messages"):  # the same split, for sft
+        materialize(str(tmp_path / "repo"), "train", cache_dir=tmp_path / "cache")
+    with pytest.raises(HubDataError, match="a DPO job expects chosen and rejected"):
+        materialize(str(sharegpt_repo(tmp_path / "sharegpt")), "train", cache_dir=tmp_path / "cache",
+                    format="preference")
