@@ -228,12 +228,15 @@ def build_parser() -> argparse.ArgumentParser:
                            help="print a file's CID (CIDv1, raw leaves: as `ipfs add --cid-version=1`)")
     dadd.add_argument("file", type=Path)
     dcheck = data.add_parser("check", parents=[common, reader],
-                             help="validate a ChatML JSONL file: every bad line, counts, tokens, duplicates")
+                             help="validate a ChatML (or DPO preference) JSONL file: every bad line, counts, tokens, "
+                                  "duplicates")
     dcheck.add_argument("file", type=Path)
     dcheck.add_argument("--model", default=None, metavar="PATH",
                         help=f"count tokens with this model's tokenizer and chat template ({TINY_MODEL_NAME}: the tiny model)")
     dcheck.add_argument("--max-seq-len", type=int, default=None, metavar="N",
                         help="also count records training would cut at N tokens (needs --model)")
+    dcheck.add_argument("--format", choices=("chatml", "preference"), default=None,
+                        help="what a record is (default: preference if the first record has \"chosen\", else chatml)")
     dverify = data.add_parser("verify", parents=[common, reader], help="check that a file has the given CID")
     dverify.add_argument("file", type=Path)
     dverify.add_argument("cid")
@@ -1063,7 +1066,7 @@ def cmd_data_check(args: argparse.Namespace) -> int:
         else:
             model = Path(args.model).expanduser().resolve()
         tokenizer = load_chat_tokenizer(model)
-    report = check_file(path, tokenizer=tokenizer, max_seq_len=args.max_seq_len)
+    report = check_file(path, tokenizer=tokenizer, max_seq_len=args.max_seq_len, format=args.format)
     _emit(args, report.to_json(), render_text(report))
     return 0 if report.ok else 1
 

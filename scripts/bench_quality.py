@@ -21,14 +21,16 @@ same number.
 Tasks: `demo` is the demo's dataset (agent/data/demo.jsonl; validation on the demo's 48 held-out
 records); `hard` is a second synthetic task made here so the defaults are not tuned to one dataset:
 single-digit sums, successors of two-digit numbers, sorting three digits and spelling random
-four-letter strings backwards (all need a rule, not recall).
+four-letter strings backwards (all need a rule, not recall). `dpo` is a preference job (IPIP-0005
+§6.2, beta 0.1): the demo task's right answers chosen over evasions (three in four) or plausible wrong
+answers (agent/train/preference.demo_preferences); its loss is the DPO loss on 48 held-out pairs.
 
 Prints one JSON object per figure:
   {"bench": "efficiency/<task>/W<w>/<optimizer>", "value": E, "unit": "E", "reference": 1.0,
    "ratio": E, "goal": 0.8}
 plus the same with "efficiency_sync/..." against sync-DP, and "val_loss/..." lines with the raw
 losses (reference = the centralized loss at T; ratio = reference / value, higher is better).
-Usage: python scripts/bench_quality.py [--tasks demo,hard] [--workers 2,4,8] [--total 800]
+Usage: python scripts/bench_quality.py [--tasks demo,hard,dpo] [--workers 2,4,8] [--total 800]
        [--rounds 8] [--outer nesterov:0.7:0.9,none] [--records N] [--quick]
 """
 
@@ -118,8 +120,13 @@ def make_task(name: str, directory: Path, records: int = 0) -> Task:
     elif name == "hard":
         write_chatml(train, hard_records(records or 400, seed=1))
         write_chatml(validation, hard_records(48, seed=99))
+    elif name == "dpo":
+        from agent.train.preference import demo_preferences
+
+        write_chatml(train, demo_preferences(records or 400, seed=1))
+        write_chatml(validation, demo_preferences(48, seed=99))
     else:
-        raise SystemExit(f"bench_quality: unknown task {name!r} (known: demo, hard)")
+        raise SystemExit(f"bench_quality: unknown task {name!r} (known: demo, hard, dpo)")
     return Task(name, train, validation)
 
 
@@ -355,11 +362,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-quality-") as tmp:
         for task_name in args.tasks.split(","):
             task = make_task(task_name, Path(tmp), args.records)
-            trainer = Trainer(config, task)
+            trainer = Trainer(config.with_(objective="dpo", dpo_beta=0.1) if task_name == "dpo" else config, task)
             started = time.perf_counter()
             [everything] = trainer.split(1)
             every = max(1, args.total // 32)
-            central = curve(trainer, everything, config, int(args.total * args.extend), every)
+            central = curve(trainer, everything, trainer.config, int(args.total * args.extend), every)
             central_at_total = min(loss for step, loss in central if step <= args.total)
             print("# centralized curve: " + " ".join(f"{step}:{loss:.3f}" for step, loss in central),
                   file=sys.stderr, flush=True)
@@ -370,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                 sync = None
                 if not args.no_sync:
                     sync_steps = args.total // workers
-                    sync = curve(trainer, everything, config.with_(batch_size=args.batch * workers), sync_steps,
+                    sync = curve(trainer, everything, trainer.config.with_(batch_size=args.batch * workers), sync_steps,
                                  max(1, sync_steps // 32))
                     sync_final = min(loss for _, loss in sync)
                     reached, capped = steps_to_reach(central, sync_final)
@@ -386,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                     for (label, outer), carried, codec, schedule, inner_scale, within, ramp_text in variants:
                         ramp = tuple(int(x) for x in ramp_text.split(",") if x)
                         started, sent = time.perf_counter(), []
-                        losses = network_run(trainer, shards, config, rounds=rounds, steps=steps, method=args.method,
+                        losses = network_run(trainer, shards, trainer.config, rounds=rounds, steps=steps, method=args.method,
                                              outer=outer, schedule=schedule, warmup_rounds=args.warmup_rounds,
                                              continue_data=not args.same_data_each_round,
                                              lr_scale=inner_lr_scale(inner_scale, workers),

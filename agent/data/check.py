@@ -1,4 +1,4 @@
-"""``infernet data check FILE``: is a ChatML JSONL file what a job will accept, and what is in it.
+"""``infernet data check FILE``: is a ChatML (or preference) JSONL file what a job will accept, and what is in it.
 
 Rules of this file:
 - Lines are judged by the training reader itself (agent.train.data.read_chatml, ``skip_bad``): every
@@ -7,6 +7,10 @@ Rules of this file:
 - Warnings do not fail it: a record repeating an earlier one (same messages, line of the first
   named), an assistant turn that is empty (nothing to learn from).
 - Counts: records, turns (messages) and characters of content, in all and by role.
+- A file of preference records (a DPO job's, agent/train/preference.py; ``--format preference``, or found
+  from its first record having "chosen") is read by the preference reader; its turns are the prompt's
+  and both completions', and with a tokenizer its tokens are both sides of each pair, labels the
+  completions', and a pair is dropped when a cut leaves either side without a label.
 - With a tokenizer (``--model``), tokens as training sees them: each record rendered with the
   model's chat template; per-record length (min, mean, median, p95, max), all tokens, assistant
   (label) tokens; with ``max_seq_len``, how many records training would cut, and how many it would
@@ -48,11 +52,31 @@ class CheckReport:
                 "empty_assistant_lines": self.empty_assistant, "tokens": self.tokens}
 
 
-def check_file(path: Path, *, tokenizer: Any = None, max_seq_len: int | None = None) -> CheckReport:
-    """Validate ``path`` and count what is in it (see the rules at the top of this file)."""
-    from agent.train.data import read_chatml
+def sniff_format(path: Path) -> str:
+    """``preference`` when the file's first JSON line is an object with "chosen", else ``chatml``."""
+    with open(path, "rb") as handle:
+        for raw in handle:
+            if raw.strip():
+                try:
+                    first = json.loads(raw)
+                except (ValueError, RecursionError):
+                    return "chatml"
+                return "preference" if isinstance(first, dict) and "chosen" in first else "chatml"
+    return "chatml"
 
-    data = read_chatml(path, skip_bad=True)
+
+def _messages(record: Any) -> tuple:
+    return record.messages if hasattr(record, "messages") else record.prompt + record.chosen + record.rejected
+
+
+def check_file(path: Path, *, tokenizer: Any = None, max_seq_len: int | None = None,
+               format: str | None = None) -> CheckReport:
+    """Validate ``path`` and count what is in it (see the rules at the top of this file); ``format`` None:
+    ``sniff_format``."""
+    from agent.train.data import read_records
+
+    format = format or sniff_format(path)
+    data = read_records(path, format, skip_bad=True)
     report = CheckReport(str(path), len(data.records), list(data.problems))
     if not data.records and not data.problems:
         report.problems.append(f"{path}: no records: the file is empty")
@@ -60,20 +84,20 @@ def check_file(path: Path, *, tokenizer: Any = None, max_seq_len: int | None = N
     chars: Counter[str] = Counter()
     first_line: dict[bytes, int] = {}
     for record in data.records:
-        for message in record.messages:
+        messages = _messages(record)
+        for message in messages:
             turns[message["role"]] += 1
             chars[message["role"]] += len(message["content"])
-        if any(m["role"] == "assistant" and not m["content"].strip() for m in record.messages):
+        if any(m["role"] == "assistant" and not m["content"].strip() for m in messages):
             report.empty_assistant.append(record.line)
-        key = hashlib.sha256(json.dumps(record.messages, sort_keys=True).encode("utf-8")).digest()
+        key = hashlib.sha256(json.dumps(messages, sort_keys=True).encode("utf-8")).digest()
         if key in first_line:
             report.duplicates.append((record.line, first_line[key]))
         else:
             first_line[key] = record.line
     report.turns = {"total": sum(turns.values()), **{role: turns[role] for role in ("system", "user", "assistant")}}
     report.chars = {"total": sum(chars.values()), **{role: chars[role] for role in ("system", "user", "assistant")}}
-    if data.records and not any(m["role"] == "assistant" and m["content"].strip()
-                                for r in data.records for m in r.messages):
+    if data.records and not any(r.learnable() for r in data.records):
         # what `train run` and `job announce` refuse (agent/train/data.check_dataset): `data check` said ok
         report.problems.append(f"{path}: no assistant text to learn from: every assistant message is empty "
                                "(or there is none)")
@@ -82,17 +106,30 @@ def check_file(path: Path, *, tokenizer: Any = None, max_seq_len: int | None = N
     return report
 
 
-def token_stats(tokenizer: Any, records: list, max_seq_len: int | None) -> dict[str, Any]:
-    from agent.train.data import assistant_mask
+def _sides(tokenizer: Any, record: Any) -> list[tuple[list[int], list[int]]]:
+    """(token ids, label mask) of each sequence training makes of a record: one, or a pair's two."""
+    from agent.train.data import IGNORE_INDEX, assistant_mask
 
+    if hasattr(record, "messages"):
+        return [assistant_mask(tokenizer, record.messages)]
+    from agent.train.preference import PreferencePair, tokenize_pairs
+
+    (pair,), _ = tokenize_pairs(tokenizer, [record], 1 << 30)  # whole: the cut is counted below
+    assert isinstance(pair, PreferencePair)
+    return [(list(e.input_ids), [int(label != IGNORE_INDEX) for label in e.labels]) for e in (pair.chosen, pair.rejected)]
+
+
+def token_stats(tokenizer: Any, records: list, max_seq_len: int | None) -> dict[str, Any]:
     lengths, labels, cut, dropped = [], 0, 0, 0
     for record in records:
-        ids, mask = assistant_mask(tokenizer, record.messages)
+        sides = _sides(tokenizer, record)
+        ids = [token for side, _ in sides for token in side]
+        mask = [keep for _, side in sides for keep in side]
         lengths.append(len(ids))
         labels += sum(mask)
-        if max_seq_len is not None and len(ids) > max_seq_len:
+        if max_seq_len is not None and any(len(side) > max_seq_len for side, _ in sides):
             cut += 1
-            if not any(mask[:max_seq_len]):
+            if not all(any(side_mask[:max_seq_len]) for _, side_mask in sides):
                 dropped += 1
     ordered = sorted(lengths)
     stats: dict[str, Any] = {

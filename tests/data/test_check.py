@@ -92,3 +92,25 @@ def test_one_line_errors(tmp_path, check):
     assert done.returncode == 1 and f"{empty}: no records" in done.stdout
     assert_one_line_error(cli("data", "check", str(empty), "--model", str(tmp_path / "nomodel")), "not a local model directory")
     assert_one_line_error(cli("data", "check", str(empty), "--max-seq-len", "10"), "--max-seq-len needs --model")
+
+
+def test_a_preference_file_is_checked_as_one_and_its_pairs_counted(tmp_path, check):
+    """A DPO job's records (found from the first one having "chosen"): bad lines named, both sides' tokens
+    counted, a pair cut to no label on either side counted as dropped."""
+    path = tmp_path / "prefs.jsonl"
+    path.write_text("\n".join([
+        json.dumps({"prompt": "What colour is snow?", "chosen": "White.", "rejected": "I do not know."}),
+        json.dumps({"prompt": "hi", "chosen": "hello"}),
+        json.dumps({"chosen": [{"role": "user", "content": "Sky?"}, {"role": "assistant", "content": "Blue."}],
+                    "rejected": [{"role": "user", "content": "Sky?"}, {"role": "assistant", "content": "No."}]}),
+    ]) + "\n")
+    result = check(str(path), "--model", "infernet-tiny", "--max-seq-len", "12", "--json")
+    report = json.loads(result.stdout)
+    assert result.returncode == 1 and report["records"] == 2
+    assert report["problems"] == [f"{path}:2: a preference record needs \"rejected\" (prompt/chosen/rejected as text "
+                                  "or as lists of messages, or chosen/rejected conversations)"]
+    assert report["turns"] == {"total": 6, "system": 0, "user": 2, "assistant": 4}
+    # at 12 tokens the first pair keeps no completion token (its prompt alone is 14), the second keeps one
+    assert report["tokens"]["over_max_seq_len"] == 2 and report["tokens"]["dropped_at_max_seq_len"] == 1
+    as_chatml = check(str(path), "--format", "chatml", "--json")  # the same file read as ChatML: every line bad
+    assert len(json.loads(as_chatml.stdout)["problems"]) == 3
