@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
     demo.add_argument("--dataset", type=Path, default=None, metavar="FILE",
                       help="train on this ChatML JSONL (e.g. from `train data`) instead of the demo task")
+    demo.add_argument("--method", choices=("lora", "full"), default="lora",
+                      help="lora (default), or full: every weight of the tiny model trains, and the result is a "
+                           "model directory")
     demo.add_argument("--type", choices=("sft", "dpo"), default="sft",
                       help="sft (default), or dpo: a preference job (the demo task's right answers preferred over "
                            "evasions and wrong ones; with --dataset, preference records)")
@@ -727,9 +730,13 @@ def cmd_job_fetch(args: argparse.Namespace) -> int:
 
     # the job it came from, beside it: `infer --base` checks the base model's hash against it (issue 25)
     keep_job_record(_home(args), request(_home(args), "job.show", job=result["id"]), result)
-    _emit(args, result, f"aggregate of round {result['round']}{' (final)' if result['final'] else ''}: {result['cid']}\n"
-                        f"  adapter (Hugging Face PEFT layout): {result['path']}\n"
-                        f"  load: PeftModel.from_pretrained(base_model, {result['path']!r})")
+    head = f"aggregate of round {result['round']}{' (final)' if result['final'] else ''}: {result['cid']}\n"
+    if result.get("layout") == "model":  # full fine-tuning: the weights themselves
+        _emit(args, result, head + f"  model (Hugging Face layout, every weight fine-tuned): {result['path']}\n"
+                                   f"  load: AutoModelForCausalLM.from_pretrained({result['path']!r})")
+        return 0
+    _emit(args, result, head + f"  adapter (Hugging Face PEFT layout): {result['path']}\n"
+                               f"  load: PeftModel.from_pretrained(base_model, {result['path']!r})")
     return 0
 
 
@@ -835,9 +842,9 @@ def cmd_train_run(args: argparse.Namespace) -> int:
     input_file(dataset, "dataset", f" (set input.dataset in {config_path.name} or give --dataset)")
     records = check_dataset(dataset, 1, spec.input.validation_split, spec.seed, spec.input.format).records  # before anything is written
     model = _local_model(args.model, spec.base_model, config_path.parent)
-    from agent.train.model import linear_names_on_disk, target_modules_refusal
+    from agent.train.model import model_refusal
 
-    problem = target_modules_refusal(spec.lora.target_modules, linear_names_on_disk(model))
+    problem = model_refusal(spec.method, spec.lora.target_modules, model)
     if problem is not None:
         raise UserError(f"{config_path.name}: {problem}")
     run_dir = (args.output or Path("runs") / f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}").expanduser().resolve()
@@ -1255,8 +1262,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
             raise UserError(f"--{name} must be at least 1")
     if args.workers < 2:
         raise UserError("--workers must be at least 2: one coordinates, the others train")
+    if args.method == "full" and args.type == "dpo":
+        raise UserError("--method full with --type dpo: DPO's reference is the base model with the adapter disabled, "
+                        "so it needs a LoRA")
     return run_demo(DemoOptions(workers=args.workers, shards=args.shards, rounds=args.rounds, steps=args.steps,
                                 directory=args.dir, timeout=args.timeout, dataset=args.dataset, type=args.type,
+                                method=args.method,
                                 verbose=bool(getattr(args, "verbose", False))))
 
 

@@ -332,8 +332,14 @@ async def _job_fetch(agent: "Agent", job: str, out: str, round: int | None = Non
 
     _, sealed = await trio.to_thread.run_sync(  # up to 4 GiB: off the event loop
         lambda: open_bundle(bundle, target, agent.identity, max_bytes=4 << 30), limiter=bundle_limiter())
+    layout = "peft-adapter"
+    if view.terms.method == "full":  # the weights as a model directory transformers loads (base files beside them)
+        from agent.train.model import as_model_dir
+
+        await trio.to_thread.run_sync(as_model_dir, target, agent.local_model(view.terms))
+        layout = "model"
     return {"id": view.job_id.hex(), "round": rnd, "final": published.final, "cid": published.adapter_cid,
-            "sealed": sealed,
+            "sealed": sealed, "layout": layout,
             "path": str(target), "method": published.method, "shards": list(published.shards),
             "base_model": view.terms.base_model}
 

@@ -61,6 +61,9 @@ class DemoOptions:
     # sft, or dpo: a preference job (the demo task's right answers preferred over evasions and wrong ones,
     # agent/train/preference.demo_preferences; or `--dataset` preference records)
     type: str = "sft"
+    # lora, or full: every weight of the tiny model trains (aggregation fedavg), and the fetched result is a
+    # model directory transformers loads
+    method: str = "lora"
 
     @property
     def max_seq_len(self) -> int:
@@ -91,16 +94,20 @@ def demo_spec(options: DemoOptions) -> str:
     if options.type == "dpo":
         what = f"to prefer the chosen answers of {'the demo task' if options.dataset is None else options.dataset.name}"
     dpo = "type: dpo\ndpo:\n  beta: 0.1\n" if options.type == "dpo" else ""
+    full = options.method == "full"
+    if full:
+        what += ", every weight of the model fine-tuned"
+    method = "method: full                      # every weight trains; fedavg averages the weights\n" if full else ""
     return f"""\
 # The demo job: the tiny model learns {what}.
-name: infernet-demo{"-dpo" if options.type == "dpo" else ""}
+name: infernet-demo{"-dpo" if options.type == "dpo" else ""}{"-full" if full else ""}
 base_model: {MODEL_NAME}
 seed: {SEED}
-{dpo}input:
+{method}{dpo}input:
   dataset: {dataset_name(options)}
   validation_split: {VALIDATION_SPLIT}
 training:
-  learning_rate: 0.01
+  learning_rate: {0.001 if full else 0.01}
   batch_size: 8
   max_steps: {options.steps}
   max_seq_len: {options.max_seq_len}
@@ -111,7 +118,7 @@ lora:
   target_modules: [{", ".join(TARGET_MODULES)}]
 shards: {options.shards}
 rounds: {options.rounds}
-aggregation: exact
+aggregation: {"fedavg" if full else "exact"}
 max_retries: 2
 proof:
   checkpoint_every: {max(1, options.steps // 4)}
@@ -341,8 +348,12 @@ def run_demo(options: DemoOptions) -> int:
                           f"reward accuracy {after.reward_accuracy:.2f}, margin {after.reward_margin:.2f}")
             before, after = before.loss, after.loss
         else:
-            console.print(f"validation loss: {before:.3f} (base) -> {after:.3f} (base + adapter)")
-        console.print(f"adapter (Hugging Face PEFT layout): {fetched['path']}")
+            console.print(f"validation loss: {before:.3f} (base) -> {after:.3f} "
+                          + ("(fine-tuned model)" if fetched.get("layout") == "model" else "(base + adapter)"))
+        if fetched.get("layout") == "model":
+            console.print(f"model (Hugging Face layout, every weight fine-tuned): {fetched['path']}")
+        else:
+            console.print(f"adapter (Hugging Face PEFT layout): {fetched['path']}")
         if scalars is not None:
             scalars.close()
             console.print(f"curves: tensorboard --logdir {scalars.logdir}", highlight=False)
@@ -417,7 +428,10 @@ def validation_losses(model_dir: Path, adapter_dir: Path, out: Path, *, dataset:
         return total / len(examples)
 
     before = loss(base)
-    return before, loss(PeftModel.from_pretrained(base, str(adapter_dir)))
+    if (adapter_dir / "adapter_config.json").exists():
+        return before, loss(PeftModel.from_pretrained(base, str(adapter_dir)))
+    # full fine-tuning: the fetched directory is a whole model (agent/train/model.as_model_dir)
+    return before, loss(AutoModelForCausalLM.from_pretrained(str(adapter_dir), dtype=torch.float32))
 
 
 def preference_scores(model_dir: Path, adapter_dir: Path, out: Path, *, dataset: Path | None = None,

@@ -60,9 +60,18 @@ def chain_refusal(reported_checkpoints: int, links: int, heads: Sequence[bytes],
 
 
 def adapter_refusal(config: Mapping[str, Any], tensors: Sequence[TensorFacts], rank: int,
-                    target_modules: Sequence[str]) -> str | None:
+                    target_modules: Sequence[str], method: str = "lora") -> str | None:
     """R4: the adapter is the job's: its config names the job's rank and target modules, it has tensors,
-    each LoRA factor has the rank, and every value is finite and at most ``MAX_ABS_VALUE`` in magnitude."""
+    each LoRA factor has the rank, and every value is finite and at most ``MAX_ABS_VALUE`` in magnitude.
+    A full fine-tuning job's (``method`` "full"): its config says ``"infernet_method": "full"`` and no LoRA
+    factor is among its tensors; which weights, and their shapes, the replay of its start holds to the job
+    (IPIP-0005 §8 rule 5)."""
+    if method == "full":
+        if config.get("infernet_method") != "full":
+            return "the job fine-tunes every weight, but the report's adapter_config.json does not say full"
+        if any("lora_" in t.name for t in tensors):
+            return next(f"{t.name}: a LoRA factor in a full fine-tuning's weights" for t in tensors if "lora_" in t.name)
+        return _values_refusal(tensors)
     if config.get("r") != rank:
         return f"adapter rank {config.get('r')!r}, the job trains rank {rank}"
     if sorted(config.get("target_modules") or []) != sorted(target_modules):
@@ -73,6 +82,13 @@ def adapter_refusal(config: Mapping[str, Any], tensors: Sequence[TensorFacts], r
         if ("lora_A" in t.name and (not t.shape or t.shape[0] != rank)) or \
                 ("lora_B" in t.name and (not t.shape or t.shape[-1] != rank)):
             return f"{t.name}: shape {tuple(t.shape)} does not have rank {rank}"
+    return _values_refusal(tensors)
+
+
+def _values_refusal(tensors: Sequence[TensorFacts]) -> str | None:
+    if not tensors:
+        return "adapter has no tensors"
+    for t in tensors:
         if not t.finite or not math.isfinite(t.max_abs):
             return f"{t.name}: non-finite values"
         if t.max_abs > MAX_ABS_VALUE:

@@ -66,6 +66,8 @@ TYPES = ("sft", "dpo")  # the terms' TrainingTerms.objective
 FORMATS = ("chatml", "preference")  # input.format: what a record is
 FORMAT_OF_TYPE = {"sft": "chatml", "dpo": "preference"}
 MAX_DPO_BETA = 100.0  # the terms' (protocol/messages.py MAX_DPO_BETA)
+TRAINING_METHODS = ("lora", "qlora", "full")  # the terms' (protocol/messages.py)
+FULL_AGGREGATIONS = ("fedavg", "median", "trimmed_mean")  # the terms' (protocol/messages.py)
 
 
 # --- rules: what one value must be -------------------------------------------------------------
@@ -343,7 +345,7 @@ class JobSpec:
     base_model: str = _key(MISSING, _Text())
     base_model_sha256: str | None = _key(None, _Sha256())
     type: str = _key("sft", _Choice(*TYPES))  # sft: supervised on ChatML; dpo: preferences (IPIP-0005 §6.2)
-    method: str = _key("lora", _Choice("lora", "qlora"))
+    method: str = _key("lora", _Choice(*TRAINING_METHODS))  # full: every weight (small models: FULL_MAX_PARAMETERS)
     runtime: str = _key("peft", _Choice("peft", "unsloth"))
     seed: int = _key(0, _Integer(0))
     input: InputSpec = _section(InputSpec)
@@ -409,7 +411,9 @@ base_model: ./base-model          # local path, or a hub name such as org/model
 type: sft                         # sft: learn the assistant turns of ChatML conversations
                                   # dpo: learn to prefer chosen over rejected completions (input.format
                                   #   preference; the reference model is the base, adapter disabled)
-method: lora                      # lora | qlora (qlora: 4-bit base model, needs a GPU and bitsandbytes)
+method: lora                      # lora | qlora | full (qlora: 4-bit base model, needs a GPU and
+                                  #   bitsandbytes; full: every weight trains, base models up to 80M
+                                  #   parameters; aggregation fedavg (its default), median or trimmed_mean)
 runtime: peft                     # peft (CPU or GPU) | unsloth (GPU only)
 seed: 0                           # job seed, same for every worker: LoRA A init, data shuffles
 
@@ -611,14 +615,18 @@ def _read_value(rule: _Rule, value: Any, path: _Path, where: Where) -> Any:
 
 
 def _read_job(data: Any, where: Where) -> JobSpec:
-    # freeze_a's default follows the aggregation, and input.format's the type: both read before the sections are
-    aggregation, kind = "exact", "sft"
+    # aggregation's default follows the method (fedavg for full), freeze_a's the aggregation, and input.format's
+    # the type: all read before the sections are
+    method, kind = "lora", "sft"
+    if isinstance(data, dict) and "method" in data:
+        method = _read_value(_Choice(*TRAINING_METHODS), data["method"], ("method",), where)
+    aggregation = "fedavg" if method == "full" else "exact"
     if isinstance(data, dict) and "aggregation" in data:
         aggregation = _read_value(_Choice(*AGGREGATIONS), data["aggregation"], ("aggregation",), where)
     if isinstance(data, dict) and "type" in data:
         kind = _read_value(_Choice(*TYPES), data["type"], ("type",), where)
     spec = _read_section(JobSpec, data, (), where,
-                         defaults={"lora": {"freeze_a": aggregation == "exact"},
+                         defaults={"aggregation": aggregation, "lora": {"freeze_a": aggregation == "exact"},
                                    "input": {"format": FORMAT_OF_TYPE[kind]}})
     _check_across_fields(spec, where)
     return spec
@@ -675,6 +683,15 @@ def _check_across_fields(spec: JobSpec, where: Where) -> None:
     if spec.input.format != FORMAT_OF_TYPE[spec.type]:
         raise where.bad_value(("input", "format"), f"a {spec.type} job reads {FORMAT_OF_TYPE[spec.type]} records, "
                               f"not {spec.input.format} (leave format out: it follows type)")
+    if spec.method == "full" and spec.aggregation not in FULL_AGGREGATIONS:
+        raise where.bad_value(("aggregation",), f"full fine-tuning averages weights: use {', '.join(FULL_AGGREGATIONS)}, "
+                              f"not {spec.aggregation!r} (a rule for LoRA factors)")
+    if spec.method == "full" and spec.type == "dpo":
+        raise where.bad_value(("type",), "dpo needs method lora or qlora: its reference model is the base model "
+                              "with the adapter disabled, and full fine-tuning has no adapter to disable")
+    if spec.method == "full" and spec.runtime != "peft":
+        raise where.bad_value(("runtime",), f"full fine-tuning runs on the peft runtime (torch + transformers), "
+                              f"not {spec.runtime}")
     if spec.type != "sft" and spec.training.packing:
         raise where.bad_value(("training", "packing"), f"packing concatenates sft examples; a {spec.type} job "
                               "trains on whole pairs (write packing: false)")

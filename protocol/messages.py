@@ -51,6 +51,11 @@ LR_SCHEDULES = ("constant", "cosine")
 OPTIMIZER_STATES = ("fresh", "carried")
 REPORT_CODECS = ("none", "int8", "int4")  # how a report carries its round's end state (IPIP-0006 §2.8)
 OBJECTIVES = ("sft", "dpo")  # what a step's loss is (IPIP-0005 §6.2)
+TRAINING_METHODS = ("lora", "qlora", "full")  # full: every weight of the base model trains (IPIP-0007 "method")
+FULL_AGGREGATIONS = ("fedavg", "median", "trimmed_mean")  # exact and svd are rules for LoRA factors
+# the largest base model a full fine-tuning job may name: its weights and carried AdamW moments in float32
+# (12 bytes a parameter) fit the 1 GiB a report, checkpoint or aggregate bundle may hold (IPIP-0003 §3)
+FULL_MAX_PARAMETERS = 80_000_000
 MAX_DPO_BETA = 100.0
 
 
@@ -373,7 +378,7 @@ class JobTerms(Wire):
     submitter: str = peer_field()
     base_model: str = text_field(MAX_STR)
     base_model_sha256: bytes = digest_field()
-    method: str = enum_field("lora", "qlora")
+    method: str = enum_field(*TRAINING_METHODS)
     runtime: str = enum_field("peft", "unsloth")
     seed: int = count_field()
     shards: tuple[ShardRef, ...] = field()
@@ -413,6 +418,12 @@ class JobTerms(Wire):
         if self.outer is not None and self.aggregation not in OUTER_METHODS:
             raise CodecError("bad-field", f"{path}.outer: an outer optimizer needs aggregation "
                              f"{' or '.join(OUTER_METHODS)}, not {self.aggregation}")
+        if self.method == "full" and self.aggregation not in FULL_AGGREGATIONS:
+            raise CodecError("bad-field", f"{path}.aggregation: full fine-tuning averages weights "
+                             f"({', '.join(FULL_AGGREGATIONS)}), not {self.aggregation}")
+        if self.method == "full" and self.training.objective == "dpo":
+            raise CodecError("bad-field", f"{path}.training.objective: dpo's reference is the base model with the "
+                             "adapter disabled: it needs method lora or qlora")
         if not self.shards:
             raise CodecError("bad-field", f"{path}.shards: a job needs at least one shard")
         if [s.index for s in self.shards] != list(range(len(self.shards))):

@@ -96,6 +96,33 @@ def hard_records(n: int, seed: int) -> list[dict]:
     return records
 
 
+def hard_preferences(n: int, seed: int) -> list[dict]:
+    """The hard task as preferences: each right answer chosen over a wrong one made by breaking the rule
+    (a sum off by one to three, a successor skipped or repeated, digits left unsorted, a word spelled
+    forwards), so that preferring the right one on new questions takes learning the rule."""
+    rng = random.Random(seed + 1)
+    out = []
+    for record in hard_records(n, seed):
+        question, answer = record["messages"][0]["content"], record["messages"][1]["content"]
+        kind = record["meta"]["id"] % 4
+        if kind == 0:
+            total = int(answer.rstrip(".").split()[-1])
+            wrong = answer[: answer.rindex(" ") + 1] + f"{total + rng.choice((-3, -2, -1, 1, 2, 3))}."
+        elif kind == 1:
+            k = int(question.rstrip("?").split()[-1])
+            wrong = f"After {k} comes {k + rng.choice((0, 2, 10))}."
+        elif kind == 2:
+            digits = question.split(": ")[1].split()
+            wrong = " ".join(digits) if digits != sorted(digits) else " ".join(sorted(digits, reverse=True))
+            wrong = wrong if wrong != answer else "0 " + answer
+        else:
+            word = question.split()[1]
+            wrong = "-".join(word.upper())
+        out.append({"prompt": record["messages"][:1], "chosen": record["messages"][1:],
+                    "rejected": [{"role": "assistant", "content": wrong}], "meta": record["meta"]})
+    return out
+
+
 @dataclass
 class Task:
     name: str
@@ -120,13 +147,16 @@ def make_task(name: str, directory: Path, records: int = 0) -> Task:
     elif name == "hard":
         write_chatml(train, hard_records(records or 400, seed=1))
         write_chatml(validation, hard_records(48, seed=99))
+    elif name == "dpo-hard":
+        write_chatml(train, hard_preferences(records or 400, seed=1))
+        write_chatml(validation, hard_preferences(48, seed=99))
     elif name == "dpo":
         from agent.train.preference import demo_preferences
 
         write_chatml(train, demo_preferences(records or 400, seed=1))
         write_chatml(validation, demo_preferences(48, seed=99))
     else:
-        raise SystemExit(f"bench_quality: unknown task {name!r} (known: demo, hard, dpo)")
+        raise SystemExit(f"bench_quality: unknown task {name!r} (known: demo, hard, dpo, dpo-hard)")
     return Task(name, train, validation)
 
 
@@ -362,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-quality-") as tmp:
         for task_name in args.tasks.split(","):
             task = make_task(task_name, Path(tmp), args.records)
-            trainer = Trainer(config.with_(objective="dpo", dpo_beta=0.1) if task_name == "dpo" else config, task)
+            trainer = Trainer(config.with_(objective="dpo", dpo_beta=0.1) if task_name.startswith("dpo") else config, task)
             started = time.perf_counter()
             [everything] = trainer.split(1)
             every = max(1, args.total // 32)

@@ -43,6 +43,16 @@ def adapter_cases():
     yield "a value at the bound", config, [["q.lora_B.weight", [16, 4], True, MAX_ABS_VALUE]]
 
 
+def full_cases():
+    weights = [["model.layers.0.self_attn.q_proj.weight", [128, 128], True, 0.3], ["lm_head.weight", [1024, 128], True, 0.9]]
+    full = {"infernet_method": "full", "base_model_name_or_path": "tiny"}
+    yield "full fine-tuning: the model's weights", full, weights
+    yield "full fine-tuning: a LoRA config", {"r": 4, "target_modules": ["q_proj", "v_proj"]}, weights
+    yield "full fine-tuning: a LoRA factor among the weights", full, weights + [["q.lora_A.weight", [4, 16], True, 0.9]]
+    yield "full fine-tuning: a non-finite weight", full, [["lm_head.weight", [1024, 128], False, 0.0]]
+    yield "full fine-tuning: no weights", full, []
+
+
 def main() -> None:
     cases = []
     for name, header, expected in header_cases():
@@ -59,11 +69,18 @@ def main() -> None:
         refusal = adapter_refusal(config, facts, 4, ("q_proj", "v_proj"))
         cases.append({"check": "adapter", "name": name, "config": config, "tensors": tensors, "rank": 4,
                       "target_modules": ["q_proj", "v_proj"], "accept": refusal is None, "refusal": refusal})
+    for name, config, tensors in full_cases():
+        facts = [TensorFacts(t[0], tuple(t[1]), t[2], t[3]) for t in tensors]
+        refusal = adapter_refusal(config, facts, 4, ("q_proj", "v_proj"), "full")
+        cases.append({"check": "adapter", "name": name, "config": config, "tensors": tensors, "rank": 4,
+                      "target_modules": ["q_proj", "v_proj"], "method": "full", "accept": refusal is None,
+                      "refusal": refusal})
     doc = {"description": "IPIP-0005 §8 report checks (protocol/acceptance.py): R2 the proof header's fields equal "
                           "the report's and the job's (hex strings stand for bytes); R3 the chain has the reported "
                           "checkpoints and passes through every gossiped head ([index, head]); R4 the adapter's "
                           "config (rank, target modules) and tensors ([name, shape, all finite, largest |x|]) "
-                          f"fit the job, |x| <= {MAX_ABS_VALUE:g}. 'accept' is normative, 'refusal' is not.",
+                          f"fit the job, |x| <= {MAX_ABS_VALUE:g}; with \"method\": \"full\" (full fine-tuning) the "
+                          "config says so and no tensor is a LoRA factor. 'accept' is normative, 'refusal' is not.",
            "max_abs_value": MAX_ABS_VALUE, "cases": cases}
     Path("ipips/vectors/acceptance-report.json").write_text(json.dumps(doc, indent=1) + "\n")
 

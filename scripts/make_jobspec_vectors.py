@@ -46,6 +46,7 @@ budget: {price_per_hour: 0.5, total: 100}
  ("a Hugging Face dataset as input: name, split, config and revision", "name: demo\nbase_model: ./tiny-model\ninput:\n  hf: HuggingFaceH4/ultrachat_200k\n  split: train_sft\n  revision: \"8049631\"\n"),
  ("a packed GPU job: examples concatenated into 1024-token sequences", HEAD + "training:\n  max_seq_len: 1024\n  packing: true\nresources:\n  min_vram_gb: 16\n"),
  ("a DPO job: preference records (the format follows the type) and its beta", HEAD + "type: dpo\ndpo:\n  beta: 0.25\n"),
+ ("full fine-tuning: aggregation follows the method (fedavg), freeze_a the aggregation", HEAD + "method: full\n"),
  ("robust aggregation with enough accepted shards: ceil(0.6 x 5) = 3", HEAD + "aggregation: trimmed_mean\nshards: 5\nmin_accepted_fraction: 0.6\n"),
  ("YAML 1.2 core scalars: 'no' is text, 1E-3 and .5 are numbers, +3 an integer; null and empty sections", """\
 name: no
@@ -140,6 +141,9 @@ invalid = [
  ("a DPO job packed", HEAD + "type: dpo\ntraining:\n  packing: true\n"),
  ("dpo.beta of 0", HEAD + "type: dpo\ndpo:\n  beta: 0\n"),
  ("an unknown type", HEAD + "type: grpo\n"),
+ ("full fine-tuning with the exact aggregation", HEAD + "method: full\naggregation: exact\n"),
+ ("full fine-tuning of a DPO job", HEAD + "method: full\ntype: dpo\n"),
+ ("full fine-tuning on unsloth", HEAD + "method: full\nruntime: unsloth\n"),
  ("packing given as a string", HEAD + "training:\n  packing: \"yes\"\n"),
 ]
 

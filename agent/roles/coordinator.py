@@ -814,7 +814,7 @@ def _check_adapter(adapter_dir: Path, terms: m.JobTerms) -> dict:
         finite = bool(torch.isfinite(values).all())
         facts.append(TensorFacts(name, tuple(tensor.shape), finite,
                                  float(values.abs().max()) if finite and values.numel() else 0.0))
-    problem = adapter_refusal(config, facts, terms.lora.rank, terms.lora.target_modules)  # R4 (IPIP-0005 §8)
+    problem = adapter_refusal(config, facts, terms.lora.rank, terms.lora.target_modules, terms.method)  # R4 (IPIP-0005 §8)
     if problem is not None:
         raise Rejection(problem)
     return tensors

@@ -86,12 +86,11 @@ class SubmitterRole:
         from agent.train.data import check_dataset, write_chatml
 
         agent = self.agent
-        from agent.train.model import linear_names_on_disk, target_modules_refusal
+        from agent.train.model import model_refusal
 
-        # LoRA targets the base model has, and every shard trainable (records, assistant text): checked
+        # LoRA targets the base model has (or its size, for full fine-tuning), and every shard trainable: checked
         # before anything is written or sent (a bad target used to fail on every worker, issue 25)
-        problem = target_modules_refusal(spec.lora.target_modules,
-                                         await trio.to_thread.run_sync(linear_names_on_disk, base_model_path))
+        problem = await trio.to_thread.run_sync(model_refusal, spec.method, spec.lora.target_modules, base_model_path)
         if problem is not None:
             raise SubmitRefused(f"{problem} ({spec.base_model})")
         records = (await trio.to_thread.run_sync(check_dataset, dataset, spec.shards, spec.input.validation_split,

@@ -27,7 +27,7 @@ from protocol.proof import shard_steps  # one rule: the mirrors' checkpoint cap 
 from protocol.messages import OBJECTIVES, REPORT_CODECS
 from protocol.schedule import INNER_SCHEDULES
 
-METHODS = ("lora", "qlora")
+METHODS = ("lora", "qlora", "full")
 RUNTIMES = ("peft", "unsloth")
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")

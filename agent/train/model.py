@@ -203,24 +203,56 @@ def linear_module_names(model: Any) -> set[str]:
     return names
 
 
-def linear_names_on_disk(model_dir: str | Path) -> set[str]:
-    """``linear_module_names`` read off a model directory's safetensors headers (2-D ``*.weight`` tensors),
-    without loading a weight: cheap enough for the submitter's check at announce time."""
+def _safetensors_entries(model_dir: str | Path) -> list[tuple[str, Any]]:
+    """(tensor name, header entry) of every tensor in a model directory's safetensors files, read off their
+    headers without loading a weight."""
     import json
     import struct
 
-    names = set()
+    entries = []
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with open(path, "rb") as file:
             (length,) = struct.unpack("<Q", file.read(8))
             if length > 100 << 20:
                 continue
-            header = json.loads(file.read(length))
-        for key, info in header.items():
-            if key.endswith(".weight") and isinstance(info, dict) and len(info.get("shape", ())) == 2:
-                parts = key.split(".")
-                if len(parts) >= 2:
-                    names.add(parts[-2])
+            entries += [(k, v) for k, v in json.loads(file.read(length)).items() if k != "__metadata__"]
+    return entries
+
+
+def parameters_on_disk(model_dir: str | Path) -> int:
+    """How many parameters a model directory's weights hold (what ``method: full`` trains)."""
+    return sum(math.prod(info.get("shape", ())) for _, info in _safetensors_entries(model_dir)
+               if isinstance(info, dict))
+
+
+def full_size_refusal(parameters: int) -> str | None:
+    """Why a base model is too large for full fine-tuning (None: it is not); the limit is the protocol's."""
+    from protocol.messages import FULL_MAX_PARAMETERS
+
+    if parameters <= FULL_MAX_PARAMETERS:
+        return None
+    return (f"method full: the base model has {parameters / 1e6:.0f}M parameters, more than the "
+            f"{FULL_MAX_PARAMETERS / 1e6:.0f}M full fine-tuning allows (its weights and AdamW state must fit a "
+            "1 GiB bundle); use method lora")
+
+
+def model_refusal(method: str, target_modules: Sequence[str], model_dir: str | Path) -> str | None:
+    """Why a job's settings do not fit a base model on disk, read off its headers (None: they fit): full
+    fine-tuning past the size limit, or LoRA targets the model does not have."""
+    if method == "full":
+        return full_size_refusal(parameters_on_disk(model_dir))
+    return target_modules_refusal(target_modules, linear_names_on_disk(model_dir))
+
+
+def linear_names_on_disk(model_dir: str | Path) -> set[str]:
+    """``linear_module_names`` read off a model directory's safetensors headers (2-D ``*.weight`` tensors),
+    without loading a weight: cheap enough for the submitter's check at announce time."""
+    names = set()
+    for key, info in _safetensors_entries(model_dir):
+        if key.endswith(".weight") and isinstance(info, dict) and len(info.get("shape", ())) == 2:
+            parts = key.split(".")
+            if len(parts) >= 2:
+                names.add(parts[-2])
     return names
 
 
@@ -252,9 +284,33 @@ def peft_name(name: str) -> str:
     return name.replace(f".{ADAPTER_NAME}.", ".").removesuffix(f".{ADAPTER_NAME}")
 
 
+FULL_MARK = "infernet_full_fine_tuning"
+
+
+def full_model(model: Any) -> Any:
+    """The base model itself as what trains (``method: full``, IPIP-0007): every parameter trainable. Its
+    "adapter" (``adapter_state``) is then every weight, named as in the model's own state dict. TrainError
+    for a model past the protocol's size limit."""
+    problem = full_size_refusal(sum(p.numel() for p in model.parameters()))
+    if problem is not None:
+        from agent.train.config import TrainError
+
+        raise TrainError(problem)
+    model.requires_grad_(True)
+    setattr(model, FULL_MARK, True)
+    return model
+
+
+def is_full(model: Any) -> bool:
+    return bool(getattr(model, FULL_MARK, False))
+
+
 def adapter_state(model: Any) -> dict[str, torch.Tensor]:
     """The adapter's tensors (A and B, trainable or not), copied to the CPU (never the live parameters, which
-    the next step changes: a checkpoint is hashed while training goes on), named as in adapter files."""
+    the next step changes: a checkpoint is hashed while training goes on), named as in adapter files. For
+    full fine-tuning (``full_model``): every weight of the model, named as in its state dict."""
+    if is_full(model):
+        return {name: p.detach().to("cpu", copy=True).contiguous() for name, p in model.named_parameters()}
     from peft import get_peft_model_state_dict
 
     return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in get_peft_model_state_dict(model).items()}
@@ -263,11 +319,24 @@ def adapter_state(model: Any) -> dict[str, torch.Tensor]:
 def load_adapter_state(model: Any, tensors: Mapping[str, torch.Tensor]) -> None:
     from peft import set_peft_model_state_dict
 
-    expected = set(adapter_state(model))
+    if is_full(model):
+        parameters = dict(model.named_parameters())
+        _check_names(set(parameters), tensors)
+        with torch.no_grad():
+            for name, parameter in parameters.items():
+                if tuple(tensors[name].shape) != tuple(parameter.shape):
+                    raise ValueError(f"weight {name} has shape {tuple(tensors[name].shape)}, the model "
+                                     f"{tuple(parameter.shape)}")
+                parameter.copy_(tensors[name].to(parameter.dtype))
+        return
+    _check_names(set(adapter_state(model)), tensors)
+    set_peft_model_state_dict(model, dict(tensors))
+
+
+def _check_names(expected: set[str], tensors: Mapping[str, torch.Tensor]) -> None:
     if set(tensors) != expected:
         missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
         raise ValueError(f"adapter tensors do not fit the model (missing {missing[:3]}, unexpected {extra[:3]})")
-    set_peft_model_state_dict(model, dict(tensors))
 
 
 def tensor_records(tensors: Mapping[str, torch.Tensor]) -> list[TensorRecord]:
@@ -285,9 +354,40 @@ def tensors_hash(tensors: Mapping[str, torch.Tensor]) -> bytes:
 
 
 def save_adapter(directory: Path, model: Any, tensors: Mapping[str, torch.Tensor]) -> None:
-    """adapter_config.json + adapter_model.safetensors, the layout peft.PeftModel.from_pretrained reads."""
+    """adapter_config.json + adapter_model.safetensors, the layout peft.PeftModel.from_pretrained reads. For
+    full fine-tuning the same two files (the bundles' layout, IPIP-0003): adapter_model.safetensors holds
+    every weight under the model's state-dict names (``model.load_state_dict`` takes it), and
+    adapter_config.json says so (``FULL_CONFIG``)."""
+    import json
+
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     save_file(dict(tensors), str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    if is_full(model):
+        (directory / "adapter_config.json").write_text(json.dumps(
+            {**FULL_CONFIG, "base_model_name_or_path": str(getattr(model, "name_or_path", ""))}, indent=2) + "\n")
+        return
     model.peft_config[ADAPTER_NAME].save_pretrained(str(directory))
+
+
+FULL_CONFIG = {"infernet_method": "full"}  # adapter_config.json of a full fine-tuning's weights (acceptance R4)
+FULL_MARKER_FILE = "infernet_full.json"
+BASE_FILES_SKIPPED = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".msgpack", ".h5", ".gguf")
+
+
+def as_model_dir(directory: Path, base_model_dir: str | Path | None) -> None:
+    """A full fine-tuning's weights (``save_adapter``'s two files) turned, in place, into a Hugging Face model
+    directory that ``AutoModelForCausalLM.from_pretrained`` loads: the weights become model.safetensors, the
+    marker infernet_full.json, and the base model's config, generation config and tokenizer files are copied
+    beside them (its other weight files are not)."""
+    import os
+    import shutil
+
+    os.replace(directory / "adapter_model.safetensors", directory / "model.safetensors")
+    os.replace(directory / "adapter_config.json", directory / FULL_MARKER_FILE)
+    if base_model_dir is None:
+        return
+    for path in sorted(Path(base_model_dir).iterdir()):
+        if path.is_file() and not path.name.endswith(BASE_FILES_SKIPPED) and not path.name.startswith("."):
+            shutil.copyfile(path, directory / path.name)

@@ -41,7 +41,7 @@ from agent.train.data import Example, PreparedShard, prepare_examples
 from agent.train.env import environment, set_threads
 from agent.train.loop import Evaluation, LoraSession, data_parallel, deterministic_cuda, refused_by_strict_mode, same_on_every_rank
 from agent.train.model import (
-    adapter_state, add_lora, base_model_sha256, load_adapter_state, load_base_model, load_tokenizer, pick_device,
+    adapter_state, add_lora, full_model, base_model_sha256, load_adapter_state, load_base_model, load_tokenizer, pick_device,
     pick_dtype, save_adapter, seed_lora_a, tensors_hash,
 )
 from agent.train.recorder import OnCheckpoint, ProofRecorder, checkpoint_name, is_checkpoint, read_checkpoint
@@ -139,6 +139,8 @@ def build_lora_model(config: TrainConfig, device: str, dtype: torch.dtype, backe
                     parameter.requires_grad_(False)
         return model
     model = load_base_model(config.base_model, device=device, dtype=dtype, quantize_4bit=config.method == "qlora")
+    if config.method == "full":
+        return full_model(model)
     if config.method == "qlora":
         from peft import prepare_model_for_kbit_training
 

@@ -23,6 +23,6 @@ def test_report_check_vectors():
         else:
             refusal = adapter_refusal(case["config"], [TensorFacts(t[0], tuple(t[1]), t[2], t[3])
                                                        for t in case["tensors"]],
-                                      case["rank"], case["target_modules"])
+                                      case["rank"], case["target_modules"], case.get("method", "lora"))
         assert (refusal is None) == case["accept"], (case["name"], refusal)
         assert refusal is None or "\n" not in refusal
