@@ -952,7 +952,7 @@ def _run_and_report(args: argparse.Namespace, request: Any, *, resume: bool) -> 
     validation_text = (f"; validation loss {result.initial_validation_loss:.4f} -> {result.validation_loss:.4f}"
                        if result.validation_loss is not None else "")
     _emit(args, out, f"done: {result.steps} steps in {result.train_seconds:.1f} s, final loss {result.final_loss:.4f}"
-                     f"{validation_text}\n  adapter: {result.adapter_dir}\n"
+                     f"{validation_text}\n  {'weights' if request.config.method == 'full' else 'adapter'}: {result.adapter_dir}\n"
                      f"  run:     {run_dir} (README.md, metrics.jsonl, proof.json)"
                      + (f"\n  curves:  tensorboard --logdir {scalars.logdir}" if scalars is not None else ""))
     return 0

@@ -23,14 +23,19 @@ records); `hard` is a second synthetic task made here so the defaults are not tu
 single-digit sums, successors of two-digit numbers, sorting three digits and spelling random
 four-letter strings backwards (all need a rule, not recall). `dpo` is a preference job (IPIP-0005
 §6.2, beta 0.1): the demo task's right answers chosen over evasions (three in four) or plausible wrong
-answers (agent/train/preference.demo_preferences); its loss is the DPO loss on 48 held-out pairs.
+answers (agent/train/preference.demo_preferences); its loss is the DPO loss on held-out pairs. It is
+learnt in a dozen steps (evasions) or not at all (the wrong answers, which need facts): a curve too flat
+for E. `dpo-hard` is the one to read: the hard task's right answers chosen over answers that break its
+rule (a sum off by a few, a skipped successor, unsorted digits, a word spelled forwards).
 
 Prints one JSON object per figure:
   {"bench": "efficiency/<task>/W<w>/<optimizer>", "value": E, "unit": "E", "reference": 1.0,
    "ratio": E, "goal": 0.8}
 plus the same with "efficiency_sync/..." against sync-DP, and "val_loss/..." lines with the raw
 losses (reference = the centralized loss at T; ratio = reference / value, higher is better).
-Usage: python scripts/bench_quality.py [--tasks demo,hard,dpo] [--workers 2,4,8] [--total 800]
+`--train-method full` trains every weight of the tiny model instead of an adapter (method: full;
+aggregate with --method fedavg and a smaller --lr, e.g. 1e-3).
+Usage: python scripts/bench_quality.py [--tasks demo,hard,dpo,dpo-hard] [--train-method lora|full] [--workers 2,4,8] [--total 800]
        [--rounds 8] [--outer nesterov:0.7:0.9,none] [--records N] [--quick]
 """
 
@@ -130,31 +135,31 @@ class Task:
     validation_file: Path
 
 
-def make_task(name: str, directory: Path, records: int = 0) -> Task:
+def make_task(name: str, directory: Path, records: int = 0, held_out: int = 48) -> Task:
     """The task's training and validation files; ``records`` > 0: that many generated training records
     (the demo task's generator for ``demo``) instead of the shipped 400, so long jobs are not many
     epochs over a small set."""
     train, validation = directory / f"{name}-train.jsonl", directory / f"{name}-validation.jsonl"
     if name == "demo" and records:
         write_chatml(train, demo_records(records, seed=1))
-        write_chatml(validation, demo_records(48, seed=99))
+        write_chatml(validation, demo_records(held_out, seed=99))
     elif name == "demo":
         from agent.demo import demo_dataset
 
         records = [{"messages": list(r.messages)} for r in read_chatml(demo_dataset()).records]
         write_chatml(train, records)
-        write_chatml(validation, demo_records(48, seed=99))
+        write_chatml(validation, demo_records(held_out, seed=99))
     elif name == "hard":
         write_chatml(train, hard_records(records or 400, seed=1))
-        write_chatml(validation, hard_records(48, seed=99))
+        write_chatml(validation, hard_records(held_out, seed=99))
     elif name == "dpo-hard":
         write_chatml(train, hard_preferences(records or 400, seed=1))
-        write_chatml(validation, hard_preferences(48, seed=99))
+        write_chatml(validation, hard_preferences(held_out, seed=99))
     elif name == "dpo":
         from agent.train.preference import demo_preferences
 
         write_chatml(train, demo_preferences(records or 400, seed=1))
-        write_chatml(validation, demo_preferences(48, seed=99))
+        write_chatml(validation, demo_preferences(held_out, seed=99))
     else:
         raise SystemExit(f"bench_quality: unknown task {name!r} (known: demo, hard, dpo, dpo-hard)")
     return Task(name, train, validation)
@@ -355,7 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--total", type=int, default=800, help="optimizer steps of compute, all workers together")
     parser.add_argument("--rounds", default="8", help="rounds per job (comma list to sweep)")
     parser.add_argument("--outer", default="none,nesterov:0.7:0.9", help="outer optimizers (comma list)")
-    parser.add_argument("--method", default="exact")
+    parser.add_argument("--method", default="exact", help="the aggregation rule (fedavg for --train-method full)")
+    parser.add_argument("--train-method", default="lora", choices=("lora", "full"),
+                        help="what trains: a LoRA adapter, or every weight of the tiny model (method: full)")
+    parser.add_argument("--validation", type=int, default=48, help="held-out records (pairs) each task is scored on")
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--schedule", default="constant", help="constant | cosine (comma list): inner lr across rounds")
     parser.add_argument("--warmup-rounds", type=int, default=0)
@@ -386,12 +394,12 @@ def main(argv: list[str] | None = None) -> int:
         args.tasks, args.workers, args.total, args.extend = "demo", "4", 200, 1.0
     model = tiny_model()
     config = TrainConfig(base_model=str(model), seed=7, learning_rate=args.lr, batch_size=args.batch,
-                         max_seq_len=96, rank=16, alpha=32.0, target_modules=TARGETS,
-                         freeze_a=args.method == "exact", threads=args.threads)
+                         max_seq_len=96, rank=16, alpha=32.0, target_modules=TARGETS, method=args.train_method,
+                         freeze_a=args.method == "exact" and args.train_method != "full", threads=args.threads)
     outers = [(text, parse_outer(text)) for text in args.outer.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench-quality-") as tmp:
         for task_name in args.tasks.split(","):
-            task = make_task(task_name, Path(tmp), args.records)
+            task = make_task(task_name, Path(tmp), args.records, args.validation)
             trainer = Trainer(config.with_(objective="dpo", dpo_beta=0.1) if task_name.startswith("dpo") else config, task)
             started = time.perf_counter()
             [everything] = trainer.split(1)

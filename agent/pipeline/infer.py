@@ -100,14 +100,26 @@ def load_model(source: Source, *, device: str = "cpu", merge: bool = False) -> t
         base = AutoModelForCausalLM.from_pretrained(str(source.base_dir), dtype=pick_dtype("auto", device))
     except (OSError, ValueError) as exc:
         raise PipelineError(f"base model {source.base_dir}: cannot load ({str(exc).splitlines()[0][:160]})") from None
-    tensors = load_file(str(source.adapter_dir / "adapter_model.safetensors"))
-    problems = adapter_mismatches(base, tensors)
-    if problems:
-        raise PipelineError(f"adapter {source.adapter_dir} does not fit base model {source.base_dir} "
-                            f"(adapter/base mismatch: {problems[0]}{f'; {len(problems) - 1} more' if len(problems) > 1 else ''})")
-    model = PeftModel.from_pretrained(base, str(source.adapter_dir))
-    if merge:
-        model = model.merge_and_unload()
+    from agent.train.model import FULL_MARKER_FILE, load_full_weights, saved_full
+
+    if (source.adapter_dir / FULL_MARKER_FILE).is_file() or saved_full(source.adapter_dir):
+        # a full fine-tuning's weights (method: full): the base model's architecture, every weight replaced
+        weights = "model.safetensors" if (source.adapter_dir / FULL_MARKER_FILE).is_file() else "adapter_model.safetensors"
+        try:
+            load_full_weights(base, load_file(str(source.adapter_dir / weights)))
+        except ValueError as exc:
+            raise PipelineError(f"{source.adapter_dir}: the fine-tuned weights do not fit base model "
+                                f"{source.base_dir} ({exc})") from None
+        model = base
+    else:
+        tensors = load_file(str(source.adapter_dir / "adapter_model.safetensors"))
+        problems = adapter_mismatches(base, tensors)
+        if problems:
+            raise PipelineError(f"adapter {source.adapter_dir} does not fit base model {source.base_dir} "
+                                f"(adapter/base mismatch: {problems[0]}{f'; {len(problems) - 1} more' if len(problems) > 1 else ''})")
+        model = PeftModel.from_pretrained(base, str(source.adapter_dir))
+        if merge:
+            model = model.merge_and_unload()
     model.to(device)
     model.eval()
     if not getattr(tokenizer, "chat_template", None):

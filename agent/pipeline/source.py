@@ -64,6 +64,12 @@ class Source:
 
 
 def _is_adapter_dir(path: Path) -> bool:
+    """An adapter directory, or the model directory a full fine-tuning job's fetch writes
+    (agent/train/model.as_model_dir)."""
+    from agent.train.model import FULL_MARKER_FILE
+
+    if (path / FULL_MARKER_FILE).is_file() and (path / "model.safetensors").is_file():
+        return True
     return all((path / name).is_file() for name in ADAPTER_FILES)
 
 
@@ -161,7 +167,10 @@ def _from_adapter(adapter: Path) -> Source:
 
 
 def _adapter_base_name(adapter: Path) -> str | None:
-    return (_read_json(adapter / "adapter_config.json") or {}).get("base_model_name_or_path")
+    from agent.train.model import FULL_MARKER_FILE
+
+    config = _read_json(adapter / "adapter_config.json") or _read_json(adapter / FULL_MARKER_FILE) or {}
+    return config.get("base_model_name_or_path") if isinstance(config, dict) else None
 
 
 def _spec_base_name(spec_text: str | None) -> str | None:

@@ -320,17 +320,32 @@ def load_adapter_state(model: Any, tensors: Mapping[str, torch.Tensor]) -> None:
     from peft import set_peft_model_state_dict
 
     if is_full(model):
-        parameters = dict(model.named_parameters())
-        _check_names(set(parameters), tensors)
-        with torch.no_grad():
-            for name, parameter in parameters.items():
-                if tuple(tensors[name].shape) != tuple(parameter.shape):
-                    raise ValueError(f"weight {name} has shape {tuple(tensors[name].shape)}, the model "
-                                     f"{tuple(parameter.shape)}")
-                parameter.copy_(tensors[name].to(parameter.dtype))
+        load_full_weights(model, tensors)
         return
     _check_names(set(adapter_state(model)), tensors)
     set_peft_model_state_dict(model, dict(tensors))
+
+
+@torch.no_grad()
+def load_full_weights(model: Any, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Every parameter of ``model`` from ``tensors`` (a full fine-tuning's weights, by state-dict name);
+    ValueError when they are not exactly the model's parameters and shapes."""
+    parameters = dict(model.named_parameters())
+    _check_names(set(parameters), tensors)
+    for name, parameter in parameters.items():
+        if tuple(tensors[name].shape) != tuple(parameter.shape):
+            raise ValueError(f"weight {name} has shape {tuple(tensors[name].shape)}, the model {tuple(parameter.shape)}")
+        parameter.copy_(tensors[name].to(parameter.dtype))
+
+
+def saved_full(directory: Path) -> bool:
+    """Whether ``directory`` (save_adapter's two files) holds a full fine-tuning's weights, not an adapter."""
+    import json
+
+    try:
+        return json.loads((directory / "adapter_config.json").read_text()).get("infernet_method") == "full"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _check_names(expected: set[str], tensors: Mapping[str, torch.Tensor]) -> None:

@@ -541,11 +541,19 @@ def _readme(request: TrainRequest, result: TrainResult, shard: PreparedShard, ba
     finished_at = datetime.now(timezone.utc)
     validation = (f"{result.initial_validation_loss:.4f} -> {result.validation_loss:.4f}"
                   if result.validation_loss is not None else "no validation split")
-    return f"""# LoRA training run
+    full = config.method == "full"
+    method = ("full fine-tuning (every weight trained) via torch" if full else
+              f"{config.method} via {result.environment.get('backend')}, rank {config.rank}, alpha {config.alpha}, "
+              f"dropout {config.dropout}, targets {', '.join(config.target_modules)}, "
+              f"A {'frozen (FFA-LoRA)' if config.freeze_a else 'trained'}")
+    load = ("The fine-tuned weights are in `checkpoint-final/adapter_model.safetensors`, under the base model's "
+            "state-dict names (`model.load_state_dict(safetensors.torch.load_file(...))` on the base model, or "
+            "`infernet infer`/`publish` on this run)" if full else
+            'The adapter is in `checkpoint-final/` (load with `peft.PeftModel.from_pretrained(base, "checkpoint-final")`)')
+    return f"""# {"Full fine-tuning" if full else "LoRA training"} run
 
 - **Base model**: `{config.base_model}` (sha256 `{base_hash}`)
-- **Method**: {f"DPO (beta {config.dpo_beta}, reference: the base model), " if dpo else ""}{config.method} via {result.environment.get("backend")}, rank {config.rank}, alpha {config.alpha}, \
-dropout {config.dropout}, targets {", ".join(config.target_modules)}, A {"frozen (FFA-LoRA)" if config.freeze_a else "trained"}
+- **Method**: {f"DPO (beta {config.dpo_beta}, reference: the base model), " if dpo else ""}{method}
 - **Data**: `{request.shard}`: {shard.records} records, {len(shard.examples)} {"preference pairs" if dpo else "examples"} \
 ({shard.skipped_lines} bad lines skipped, {shard.dropped_examples} dropped with no {"completion" if dpo else "assistant"} tokens)
 - **Job**: `{request.job_id.hex()}` round {request.round}, shard {request.shard_index}, attempt {request.attempt}, worker `{request.worker}`
@@ -558,6 +566,6 @@ learning rate {config.learning_rate}, seed {config.seed}
 - **Proof**: {result.checkpoints} checkpoints every {config.checkpoint_every} steps, chain head `{result.head.hex()}`
 - **Environment**: {", ".join(f"{k}={v}" for k, v in sorted(result.environment.items()))}
 
-The adapter is in `checkpoint-final/` (load with `peft.PeftModel.from_pretrained(base, "checkpoint-final")`);
+{load};
 `metrics.jsonl` has one line per logging step, `proof.json` the checkpoint hash chain.
 """
