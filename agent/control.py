@@ -419,7 +419,8 @@ def job_detail(agent: "Agent", view: Any) -> dict:
                           "reward_margin": a.reward_margin}
                          for _, a in sorted(view.aggregates.items())]
     out["outer"] = view.terms.outer.optimizer if view.terms.outer else "none"
-    out["type"] = view.terms.training.objective
+    out["type"] = view.terms.training.objective  # sft | dpo
+    out["method"] = view.terms.method  # lora | qlora | full
     from agent.utilization import of_mirror
 
     out["utilization"] = of_mirror(view).as_json()  # how busy the job kept its workers (issue 24)

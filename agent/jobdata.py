@@ -206,9 +206,12 @@ def facts_text(job: dict) -> list[str]:
     if "created" not in job:
         return []
     p = job["parameters"]
+    training = p["training"]
+    kind = f"dpo (beta {training.get('dpo_beta', 0.1):g}) " if training.get("objective") == "dpo" else ""
+    shape = "every weight" if p["method"] == "full" else f"rank {p['lora']['rank']}"
     lines = [f"created {job['created_utc']}  model sha256 {job['model_sha256'][:16]}…  "
-             f"{p['method']}/{p['runtime']} seed {p['seed']}  {p['aggregation']}  lr {p['training']['learning_rate']:g}"
-             f"  rank {p['lora']['rank']}  rounds {p['rounds']}"
+             f"{kind}{p['method']}/{p['runtime']} seed {p['seed']}  {p['aggregation']}  lr {training['learning_rate']:g}"
+             f"  {shape}  rounds {p['rounds']}"
              + ("  private (final aggregate sealed to the submitter)" if job["private"] else "")]
     if job["description"]:
         lines.append(f"description: {job['description'].splitlines()[0][:200]}")
