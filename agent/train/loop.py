@@ -181,10 +181,18 @@ class DpoObjective(Objective):
         batch = collate([p.chosen for p in pairs] + [p.rejected for p in pairs], pad_id, device)
         with torch.no_grad(), adapter_disabled(model):
             reference = sequence_log_probs(model, batch)
-        ratios = sequence_log_probs(model, batch) - reference
-        n = len(pairs)
-        margins = self.beta * (ratios[:n] - ratios[n:])
-        return Scores(-F.logsigmoid(margins).sum(), int(batch["attention_mask"].sum()), margins.detach())
+        policy, n = sequence_log_probs(model, batch), len(pairs)
+        losses, margins = dpo_loss(policy[:n], policy[n:], reference[:n], reference[n:], self.beta)
+        return Scores(losses.sum(), int(batch["attention_mask"].sum()), margins.detach())
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, reference_chosen: torch.Tensor,
+             reference_rejected: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per pair, DPO's loss -log sigmoid(m) and its reward margin m = beta x ((log pi(c) - log ref(c)) -
+    (log pi(r) - log ref(r))), from the sequences' summed log-probabilities (IPIP-0005 §6.2; vectors in
+    ipips/vectors/dpo-loss.json)."""
+    margins = beta * ((policy_chosen - reference_chosen) - (policy_rejected - reference_rejected))
+    return -F.logsigmoid(margins), margins
 
 
 @contextmanager

@@ -178,3 +178,28 @@ def test_the_reference_pass_leaves_a_frozen_for_the_next_session(base_config, tm
             assert not any(p.requires_grad for n, p in session.model.named_parameters() if ".lora_A." in n)
         finally:
             session.close()
+
+
+VECTORS = Path(__file__).resolve().parents[2] / "ipips" / "vectors"
+
+
+def test_the_dpo_loss_vectors():
+    from agent.train.loop import dpo_loss
+
+    for case in json.loads((VECTORS / "dpo-loss.json").read_text())["cases"]:
+        sides = [torch.tensor([case[k]], dtype=torch.float64) for k in
+                 ("policy_chosen", "policy_rejected", "reference_chosen", "reference_rejected")]
+        loss, margin = dpo_loss(*sides, case["beta"])
+        assert float(loss) == pytest.approx(case["loss"], rel=1e-6), case["name"]
+        assert float(margin) == pytest.approx(case["margin"], rel=1e-6, abs=1e-12), case["name"]
+
+
+def test_the_preference_record_vectors():
+    from agent.train.preference import PreferenceRecord, check_preference
+
+    for case in json.loads((VECTORS / "preference-records.json").read_text())["cases"]:
+        if case["canonical"] is None:
+            with pytest.raises(ValueError):
+                check_preference(case["line"])
+        else:
+            assert PreferenceRecord(1, *check_preference(case["line"])).to_json() == case["canonical"], case["name"]
