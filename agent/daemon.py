@@ -235,7 +235,7 @@ def metrics_text(agent: "Agent") -> str:
     lines += ["# HELP infernet_store_refusing_work 1 while the store cannot be written (a full disk): no new work.",
               "# TYPE infernet_store_refusing_work gauge",
               f"infernet_store_refusing_work {1 if agent.writer.store_full else 0}"]
-    devices = getattr(agent.machine, "devices", ()) or ()
+    devices = getattr(agent.capabilities.machine, "devices", ()) or ()
     if devices:  # as measured for the last capability (free memory is measured again for each)
         for metric, field_name, help_text in (
                 ("infernet_gpu_memory_total_bytes", "vram_total_gb", "Memory of each GPU."),

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 # ``agent`` below is the running agent (agent/node.py ``Agent``; its roles hand in their RolePort), typed
 # loosely: the node imports this module, so this one does not import the node back (issue 23)
 Agent = Any
+Capabilities = Any  # agent/capability.py ``Capabilities``, which reads our cached speeds from here
 
 SPEEDS_FILE = "speeds.json"
 BURST_STEPS = 6
@@ -80,19 +81,19 @@ def save_speed(home: Path, sha256: str, device: str, threads: int, tokens_per_s:
     os.replace(tmp, home / SPEEDS_FILE)
 
 
-def device_name(agent: "Agent") -> str:
-    machine = agent.machine
+def device_name(caps: "Capabilities") -> str:
+    machine = caps.machine
     if machine is not None and machine.cuda:
         return f"cuda:{max(machine.cuda, key=lambda d: d.vram_total_gb).name}"[:64]
     return "cpu"
 
 
-def advertised_speeds(agent: "Agent") -> tuple[m.ModelSpeed, ...]:
+def advertised_speeds(caps: "Capabilities") -> tuple[m.ModelSpeed, ...]:
     """The speeds our capability carries: those cached for the models we hold, on this device and thread count."""
-    data = load_speeds(agent.config.home)
-    device, out = device_name(agent), []
-    for held in agent.models_held:
-        entry = data.get(_speed_key(held.sha256.hex(), device, agent.config.threads))
+    data = load_speeds(caps.config.home)
+    device, out = device_name(caps), []
+    for held in caps.models_held:
+        entry = data.get(_speed_key(held.sha256.hex(), device, caps.config.threads))
         if entry and isinstance(entry.get("tokens_per_s"), (int, float)) and 0 < entry["tokens_per_s"] <= 1e9:
             out.append(m.ModelSpeed(held.sha256, float(entry["tokens_per_s"]), device))
     return tuple(out)
@@ -114,40 +115,41 @@ def burst_tokens_per_s(model_path: str, sha256: str, threads: int) -> float:
         return result.tokens_per_second
 
 
-async def measure_speeds(agent: "Agent") -> None:
+async def measure_speeds(caps: "Capabilities") -> None:
     """Measure each held model not measured yet on this device (one burst each), then re-advertise."""
     from agent.train.runner import run_torch
 
-    device, cached = device_name(agent), load_speeds(agent.config.home)
+    config = caps.config
+    device, cached = device_name(caps), load_speeds(config.home)
     measured = False
-    for name, path in agent.config.models:
-        held = next((h for h in agent.models_held if h.name == name[:m.MAX_STR]), None)
-        if held is None or _speed_key(held.sha256.hex(), device, agent.config.threads) in cached:
+    for name, path in config.models:
+        held = next((h for h in caps.models_held if h.name == name[:m.MAX_STR]), None)
+        if held is None or _speed_key(held.sha256.hex(), device, config.threads) in cached:
             continue
         try:
             speed = await trio.to_thread.run_sync(run_torch, burst_tokens_per_s, path, held.sha256.hex(),
-                                                  agent.config.threads, abandon_on_cancel=True)  # a stop waits not
+                                                  config.threads, abandon_on_cancel=True)  # a stop waits not
         except Exception as exc:  # noqa: BLE001 - a model we cannot train here is advertised without a speed
             log.warning("model %s: speed not measured: %s", name, exc)
             continue
         if speed > 0:
-            save_speed(agent.config.home, held.sha256.hex(), device, agent.config.threads, speed, "burst")
-            log.info("model %s: %.0f tokens/s on %s (%d threads)", name, speed, device, agent.config.threads)
+            save_speed(config.home, held.sha256.hex(), device, config.threads, speed, "burst")
+            log.info("model %s: %.0f tokens/s on %s (%d threads)", name, speed, device, config.threads)
             measured = True
     if measured:
-        agent.reload_speeds()
+        caps.reload_speeds()
         with trio.move_on_after(10):
-            await agent.publish_capability()
+            await caps.publish()
 
 
-def record_shard_speed(agent: "Agent", terms: m.JobTerms, tokens_per_s: float) -> None:
+def record_shard_speed(caps: "Capabilities", terms: m.JobTerms, tokens_per_s: float) -> None:
     """A real shard's speed replaces the cached figure for its model (advertised from the next capability)."""
-    if tokens_per_s <= 0 or not any(h.sha256 == terms.base_model_sha256 for h in agent.models_held):
+    if tokens_per_s <= 0 or not any(h.sha256 == terms.base_model_sha256 for h in caps.models_held):
         return
     try:
-        save_speed(agent.config.home, terms.base_model_sha256.hex(), device_name(agent), agent.config.threads,
+        save_speed(caps.config.home, terms.base_model_sha256.hex(), device_name(caps), caps.config.threads,
                    tokens_per_s, "shard")
-        agent.reload_speeds()
+        caps.reload_speeds()
     except OSError as exc:
         log.info("speed not saved: %s", exc)
 
@@ -314,7 +316,7 @@ def trainers(agent: "Agent", terms: m.JobTerms) -> tuple[list[str], str]:
 
     live = set(agent.live_peers())
     caps = {peer: info.capability for peer, info in agent.peers.items() if peer in live}
-    caps[agent.peer_id] = agent.capability()
+    caps[agent.peer_id] = agent.capabilities.capability()
     able, why = [], Counter()
     for peer, cap in sorted(caps.items()):
         reasons = lease_refusals(cap, terms)

@@ -27,8 +27,10 @@ Rules of this file:
   and its reader ends. The store keeps it: ``load_job_view`` rebuilds it in the store's worker
   thread, the last ``REBUILT_VIEWS`` rebuilt ended jobs kept in memory, and an announcement of a job
   our store holds as ended is not followed.
-- Hardware is measured at start (agent/hardware.py) and the base models we hold are hashed (once
-  per file size and mtime, the hashes kept in the store); both go into the signed ``cap``.
+- What we offer (agent/capability.py ``Capabilities``): hardware measured at start (agent/hardware.py),
+  the base models we hold hashed (once per file size and mtime, the hashes kept in the store), our
+  measured speeds; all go into the signed ``cap``, which goes out with the heartbeats that service
+  sends, and at once to a peer that arrives or when what we offer changes.
 - A restarted submitter learns what it missed from its live peers (sync.submitter_catch_up) and
   changes no election view until it has heard peers for ``missed_heartbeats`` heartbeats.
 - Election view: a job's coordinator is elected once the job has been known for ``grace_seconds``
@@ -69,7 +71,6 @@ from typing import Any, Callable
 
 import trio
 
-from agent import __version__
 from agent.content.service import ContentService, open_content
 from agent.net.errors import NetError
 from agent.net.gossip import GossipConfig
@@ -77,6 +78,7 @@ from agent.net.host import NetConfig
 from agent.net.stack import Network, open_network
 from agent.config import AgentConfig  # noqa: F401 - re-exported: agent.node.AgentConfig
 from agent.disk import Disk
+from agent.capability import Capabilities
 from agent.hooks import AgentHooks
 from agent.ledger_sync import LedgerService
 from agent.loopwatch import LoopWatch
@@ -98,7 +100,6 @@ from protocol import messages as m
 from protocol.mirror import JobMirror, Outcome
 from protocol import state as st
 from protocol.election import keep_or_elect
-from protocol.errors import CodecError
 from protocol.identity import Identity
 
 log = logging.getLogger(__name__)
@@ -115,8 +116,6 @@ class AgentStopped(Exception):
     """The agent was stopped before it had started (a SIGTERM while it waited to open its store)."""
 
 
-CAPABILITY_TELL_GAP = 2.0  # seconds: at most one capability published this way per gap
-CAPABILITY_EARLY, CAPABILITY_EARLY_GAP = 10.0, 2.0  # our first seconds, when our capability goes out more often
 FIRST_VIEW_WAIT = 5.0  # seconds past the grace a job's first election view waits for live peers' capabilities
 
 
@@ -131,7 +130,7 @@ class Agent:
         self.peer_id = identity.peer_id
         # the peers we hear: liveness, capabilities, who may coordinate (agent/peers.py)
         self.peer_table = PeerTable(self.peer_id, clock, config.heartbeat_seconds, config.missed_heartbeats,
-                                    self._coordinating_capability)
+                                    lambda: self.capabilities.coordinating())
         self.peers = self.peer_table.peers
         self.live_peers, self.eligible_coordinators = self.peer_table.live_peers, self.peer_table.eligible_coordinators
         self.hears_submitter = self.peer_table.hears_submitter
@@ -154,6 +153,10 @@ class Agent:
         self.loopwatch = LoopWatch()  # how long our event loop was blocked, and by what (agent/loopwatch.py)
         # the test harness's injections (agent/hooks.py): an observer tap, a Byzantine worker; never in production
         self.hooks = hooks or AgentHooks()
+        # what we offer (machine, models, speeds), our signed capability and heartbeats (agent/capability.py)
+        self.capabilities = Capabilities(config, clock, machine=machine, trains=config.accept_training,
+                                         store_full=lambda: self.store_full, publish=self.publish,
+                                         write_soon=self.write_soon, store=lambda: self.store)
         self.worker = WorkerRole(self, self.hooks.training) if config.accept_training else None
         self.coordinator = CoordinatorRole(self)
         self.submitter = SubmitterRole(self)
@@ -163,7 +166,6 @@ class Agent:
         self.ledger_service = LedgerService(self)  # copies of the job's other chains (agent/ledger_sync.py)
         self.job_events = trio.Event()  # set (and replaced) whenever a job's state changes
         self._stopping = trio.Event()
-        self._heartbeat_seq = 0
         self.counters: Counter[str] = Counter()  # shards_trained, verdicts_accepted, ... (metrics, status)
         # who owns each task (the agent's services, a job's tasks) and the wake-up of every wait (agent/tasks.py)
         self.tasks = Tasks(clock, self.counters, self.jobs.get, self.forget_job)
@@ -174,18 +176,10 @@ class Agent:
         self._coordinating: set[bytes] = set()  # jobs whose pending work we took over as coordinator
         self._resyncing: set[bytes] = set()  # jobs whose mirror is being rebuilt (agent/roles/sync.py)
         self._last_resync: dict[bytes, float] = {}
-        # agent/hardware.Machine: measured in run(), unless declared here (the harness declares GPUs this
-        # machine lacks, so that GPU jobs' decisions run on real agents; training itself runs on what torch has)
-        self.machine: Any = machine
-        self.models_held: tuple[m.ModelHeld, ...] = ()
-        self.speeds: tuple[m.ModelSpeed, ...] = ()  # measured tokens/s per held model (agent/market.py)
         from agent.market import Reputations
 
         self.reputations = Reputations(self)
-        self.published_capability: m.Capability | None = None
-        self._hashes_saved = 0  # position in FILE_HASHES already saved to the store
         self._disk_lock = trio.Lock()  # one disk collection at a time
-        self._capability_told = 0.0  # when we last published our capability for a peer that arrived
         # blocks we added for a round of a job that no message may name yet (a proof's checkpoints, a
         # report or aggregate not yet published): kept from collection while the round is live
         self.held: dict[bytes, dict[int, set[str]]] = {}
@@ -229,7 +223,7 @@ class Agent:
         """What we offer changed (we refuse work, or take it again): tell the peers at once, so that others
         coordinate our jobs meanwhile (a capability is otherwise published every 30 s)."""
         if self.nursery is not None:
-            self.one_shot("capability", self._publish_capability)
+            self.one_shot("capability", self._tell_peers)
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         home = self.config.home
@@ -251,7 +245,7 @@ class Agent:
             self.sync.install(self.net.host)
             self.keep.install(self.net.host)
             self.ledger_service.install(self.net.host)
-            await self._measure()
+            await self.capabilities.measure()
             self.started_at = self.clock()
             try:
                 await self._run_tasks(task_status)
@@ -287,7 +281,8 @@ class Agent:
             await self._resume_jobs()
             jobs_topic = await self.net.gossip.subscribe(m.TOPIC_JOBS)
             self.service("jobs topic reader", self._read_jobs_topic, jobs_topic)
-            self.service("heartbeats", self._heartbeats)
+            self.service("heartbeats", self.capabilities.heartbeats, self._coordinating_terms,
+                         lambda: len(self.worker.active) if self.worker else 0)
             self.service("ticks", self._ticks)
             self.service("ledger sync", ledger_sync_loop, self, self.ledger_sync_interval)
             self.service("discovery", partial(self.net.discovery.maintain, advertise=self.worker is not None,
@@ -297,7 +292,7 @@ class Agent:
                 if self.config.measure_speed:
                     from agent.market import measure_speeds
 
-                    self.service("speed measurement", measure_speeds, self)
+                    self.service("speed measurement", measure_speeds, self.capabilities)
             task_status.started(self)
             await self._stopping.wait()
             if self.worker is not None:
@@ -305,86 +300,6 @@ class Agent:
             nursery.cancel_scope.cancel()
 
     # -- peers and election ----------------------------------------------------------------------
-
-    async def _measure(self) -> None:
-        """Measure the hardware and hash the base models we hold (cached by file size and mtime)."""
-        from agent import hardware
-        from agent.train.model import FILE_HASHES
-
-        FILE_HASHES.load(self.store.file_hashes())
-        if self.machine is None:
-            self.machine = await trio.to_thread.run_sync(hardware.detect)
-        held = []
-        for name, path in self.config.models[:m.MAX_MODELS]:
-            try:
-                digest = await self.base_model_hash(path)
-            except Exception as exc:  # noqa: BLE001 - a model we cannot read is not advertised; the agent runs on
-                log.warning("model %s at %s: cannot hash it (%s); not advertised", name, path, exc)
-                continue
-            held.append(m.ModelHeld(name[:m.MAX_STR], bytes.fromhex(digest)))
-        self.models_held = tuple(held)
-        self.save_file_hashes()
-        self.reload_speeds()  # measured before (cached in the home); measure_speeds adds the rest
-
-    def reload_speeds(self) -> None:
-        """Our speeds per held model as cached in our home (agent/market.py): a worker that measured one
-        saves it there and asks us to read them again; our next capability carries them."""
-        from agent.market import advertised_speeds
-
-        self.speeds = advertised_speeds(self)
-
-    async def base_model_hash(self, path: str) -> str:
-        """A base model's content hash (agent/train/model.base_model_sha256), each file read once per
-        (path, size, mtime) across restarts: the hashes are kept in our store."""
-        from agent.train.model import base_model_sha256
-
-        digest = await trio.to_thread.run_sync(base_model_sha256, path)
-        self.save_file_hashes()
-        return digest
-
-    def save_file_hashes(self) -> None:
-        from agent.train.model import FILE_HASHES
-
-        entries, self._hashes_saved = FILE_HASHES.since(self._hashes_saved)
-        if entries and self.store is not None:  # a cache: on a full disk they are hashed again after a restart
-            self.write_soon(self.store.save_file_hashes, entries)
-
-    def capability(self) -> m.Capability:
-        """Our capability now: measured devices (free memory as last measured), runtimes, models held."""
-        from agent import hardware
-
-        machine = self.machine or hardware.Machine(hardware.cpu_model(), _cpu_count(), _ram_gb())
-        ok = self.store_full is None  # with a full disk we take no work and coordinate nothing (refuse_work)
-        return m.Capability(hardware.summary(machine), hardware.runtimes(machine), self.config.price_per_hour,
-                            self.worker is not None and ok, self.config.can_coordinate and ok,
-                            self.config.max_concurrent_shards, __version__, machine.cpu_model,
-                            tuple(hardware.within_limits(d) for d in machine.devices),
-                            self.models_held, self.speeds if self.worker is not None else ())
-
-    def refresh_machine(self) -> Any:
-        """Our machine with its GPUs' free memory measured again now (agent/hardware.refresh_free: a few
-        ms; call it off the event loop); a machine without CUDA as it was measured."""
-        from agent import hardware
-
-        if self.machine is not None and self.machine.cuda:
-            self.machine = hardware.refresh_free(self.machine)
-        return self.machine
-
-    async def publish_capability(self) -> None:
-        await trio.to_thread.run_sync(self.refresh_machine)
-        cap = self.capability()
-        try:  # gossip's publish opens our own envelope first and sends nothing that breaks the rules
-            await self.publish(cap)
-        except CodecError as exc:  # a measurement outside the rules: say so, keep the heartbeats going
-            log.error("capability not published: it breaks the message rules (%s)", exc)
-            return
-        self.published_capability = cap
-
-    def _coordinating_capability(self) -> m.Capability | None:
-        """Our capability, if we may coordinate now (config, and a store we can write); else None."""
-        if self.config.can_coordinate and self.store_full is None:
-            return self.published_capability or self.capability()
-        return None
 
     def update_election(self, view: JobMirror, now: float) -> None:
         """Elect after the grace period; replace a coordinator that fell silent (term + 1). The first view
@@ -427,23 +342,6 @@ class Agent:
     async def publish(self, message: Any) -> None:
         await self.net.gossip.publish(message)
 
-    async def _heartbeats(self) -> None:
-        await self.publish_capability()
-        started = last_cap = self.clock()
-        while True:
-            self._heartbeat_seq += 1
-            coordinating = tuple(m.CoordinatorTerm(v.job_id, v.coordination.term) for v in self.jobs.values()
-                                 if self.is_coordinator(v) and not v.state.terminal)
-            active = len(self.worker.active) if self.worker else 0
-            await self.publish(m.Heartbeat(self._heartbeat_seq, active, coordinating[:32]))
-            # every 30 s; every CAPABILITY_EARLY_GAP s in our first CAPABILITY_EARLY s, while the gossip mesh
-            # forms (a capability published before a peer joined our mesh never reaches it)
-            gap = CAPABILITY_EARLY_GAP if self.clock() - started < CAPABILITY_EARLY else 30
-            if self.clock() - last_cap > gap:
-                await self.publish_capability()
-                last_cap = self.clock()
-            await trio.sleep(self.config.heartbeat_seconds)
-
     async def _read_jobs_topic(self, subscription: Any) -> None:
         async for received in subscription:
             msg, signer, now = received.message, received.signer, self.clock()
@@ -451,11 +349,8 @@ class Agent:
                 self.hooks.observer("recv", received)
             if isinstance(msg, m.Heartbeat):
                 arrived = self.peer_table.heard(signer, msg, now)
-                if arrived and signer != self.peer_id and now - self._capability_told > CAPABILITY_TELL_GAP:
-                    # a peer new to us (or back) has not heard our capability, published every 30 s: tell it
-                    # now, so a restarted submitter need not wait half a minute to know who can train a job
-                    self._capability_told = now
-                    self.one_shot("capability", self._publish_capability)
+                if arrived and signer != self.peer_id and self.capabilities.tell_arrival(now):
+                    self.one_shot("capability", self._tell_peers)
                 self._notify()  # wait_until: someone may wait for a peer to be heard
                 for entry in msg.coordinating:
                     view = self.jobs.get(entry.job_id)
@@ -752,9 +647,15 @@ class Agent:
             await self.collect_disk()
             await trio.sleep(INTERVAL)
 
-    async def _publish_capability(self) -> None:
+    async def _tell_peers(self) -> None:
+        """Our capability now, for peers that have not heard it (arrived, or what we offer changed)."""
         with trio.move_on_after(10):
-            await self.publish(self.capability())
+            await self.capabilities.publish()
+
+    def _coordinating_terms(self) -> list[m.CoordinatorTerm]:
+        """The jobs we coordinate now, for our heartbeats."""
+        return [m.CoordinatorTerm(v.job_id, v.coordination.term) for v in self.jobs.values()
+                if self.is_coordinator(v) and not v.state.terminal]
 
     def provide_soon(self, cid: Any) -> None:
         """Announce in the DHT that we hold ``cid``, in the background (at most 30 s, failures logged):
@@ -774,7 +675,7 @@ class Agent:
             now = self.clock()
             for view in list(self.jobs.values()):
                 await self._tick_job(view, now)
-            self.save_file_hashes()  # hashes taken in training, replay or verification threads
+            self.capabilities.save_file_hashes()  # hashes taken in training, replay or verification threads
             await trio.sleep(0.5)
 
     async def _tick_job(self, view: JobMirror, now: float) -> None:
@@ -839,18 +740,3 @@ def _action_data(action: Any) -> dict:
     data = dict(action.__dict__)
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in data.items()
             if isinstance(v, (int, float, str, tuple)) and not (isinstance(v, float) and not math.isfinite(v))}
-
-
-def _cpu_count() -> int:
-    import os
-
-    return os.cpu_count() or 1
-
-
-def _ram_gb() -> float:
-    try:
-        import os
-
-        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError, AttributeError):
-        return 0.0

@@ -644,7 +644,7 @@ class Simulation:
             for job in list(agent.mirrors):
                 self._elect(agent.index, agent.epoch, job)
 
-    # -- coordinator terms in heartbeats (Agent._heartbeats, Agent._read_jobs_topic) ---------------
+    # -- coordinator terms in heartbeats (agent/capability.py heartbeats, Agent._read_jobs_topic) ---------------
 
     def _heartbeat_terms(self) -> None:
         """After a heal, heartbeats carry each coordinator's (job, term) claims to everyone: a deposed

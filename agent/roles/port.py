@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from agent.capability import Capabilities
     from protocol.mirror import JobMirror, Outcome
     from protocol import messages as m
 
@@ -27,22 +28,18 @@ class RolePort(Protocol):
     peer_id: str
     config: Any  # agent/node.py AgentConfig (read only)
     clock: Callable[[], float]
-    machine: Any  # agent/hardware.Machine as measured (read only: refresh_machine measures it again)
     counters: Counter[str]  # metrics the roles count
 
     @property
     def work_dir(self) -> Path: ...
 
-    # the base models we hold and our measured speed on each (read only: a worker records a shard's speed
-    # with agent/market.record_shard_speed, which saves it and asks ``reload_speeds``)
-    models_held: tuple["m.ModelHeld", ...]
-    speeds: tuple["m.ModelSpeed", ...]
+    # what we offer (agent/capability.py): the machine, the base models we hold and our speed on each, our
+    # capability now (read only: a worker asks ``refresh_machine``, records a shard's speed with
+    # agent/market.record_shard_speed, which saves it and asks ``reload_speeds``, and hashes a model with
+    # ``base_model_hash``)
+    capabilities: "Capabilities"
 
     def local_model(self, terms: "m.JobTerms") -> str | None: ...
-    async def base_model_hash(self, path: str) -> str: ...
-    def capability(self) -> "m.Capability": ...
-    def reload_speeds(self) -> None: ...
-    def refresh_machine(self) -> Any: ...  # the GPUs' free memory measured again (off the event loop)
 
     # -- peers and election --------------------------------------------------------------------------
     peers: Mapping[str, Any]  # peer ID -> PeerInfo (last heartbeat, capability)

@@ -84,12 +84,12 @@ class WorkerRole:
         market = worker_refusal(self.agent, terms)  # our price, its budget, its named providers (IPIP-0004 §12)
         if market is not None:
             return market
-        machine = self.agent.machine
+        machine = self.agent.capabilities.machine
         if terms.runtime == "peft" and machine is not None and machine.cuda and \
                 config.train_processes > len(machine.cuda):
             return (f"train_processes = {config.train_processes}, but this machine has {len(machine.cuda)} "
                     "CUDA device(s): one training process per GPU")
-        reasons = training_refusals(self.agent.capability(), terms)
+        reasons = training_refusals(self.agent.capabilities.capability(), terms)
         return "; ".join(reasons) if reasons else None
 
     def consider(self, view: JobMirror) -> None:
@@ -230,7 +230,7 @@ class WorkerRole:
         measured (agent/train/parallel.plan_processes); unsloth trains on one GPU."""
         from agent.train.parallel import plan_processes
 
-        machine = self.agent.machine
+        machine = self.agent.capabilities.machine
         processes = plan_processes(self.agent.config.train_processes, len(machine.cuda) if machine else 0)
         return 1 if terms.runtime != "peft" else processes
 
@@ -243,12 +243,12 @@ class WorkerRole:
         from agent.train.parallel import split_for
         from agent.train.presets import auto_micro_batch
 
-        machine = self.agent.machine
+        machine = self.agent.capabilities.machine
         if machine is None or not machine.cuda:
             if processes > 1 and not torch.cuda.is_available():
                 config = config.with_(threads=max(1, config.threads // processes))
             return split_for(config, processes)
-        machine = self.agent.refresh_machine()
+        machine = self.agent.capabilities.refresh_machine()
         free = min(d.vram_free_gb for d in machine.cuda[:processes]) if processes > 1 else machine.best_free_vram_gb()
         plan = auto_micro_batch(config, free, model_path)
         if not plan.fits:
@@ -260,7 +260,7 @@ class WorkerRole:
         """What the ledger says a report ran on: the device, its VRAM, dtype and runtime the proof names."""
         device = str(environment.get("device", "cpu"))
         return {"hardware": device, "device_class": str(environment.get("device_class", "cpu")),
-                "vram_gb": _device_vram_gb(self.agent.machine, device), "dtype": str(environment.get("dtype", "")),
+                "vram_gb": _device_vram_gb(self.agent.capabilities.machine, device), "dtype": str(environment.get("dtype", "")),
                 "runtime": str(environment.get("backend", "")), "micro_batch": int(environment.get("micro_batch", 0)),
                 "processes": int(environment.get("data_parallel", 1))}
 
@@ -323,7 +323,7 @@ class WorkerRole:
         if substitute is not None:
             model_path = substitute
         else:
-            have = await agent.base_model_hash(model_path)
+            have = await agent.capabilities.base_model_hash(model_path)
             if have != terms.base_model_sha256.hex():
                 raise RuntimeError(f"base model hash mismatch: local {terms.base_model!r} is {have[:16]}…, "
                                    f"the job names {terms.base_model_sha256.hex()[:16]}…")
@@ -397,7 +397,7 @@ class WorkerRole:
             **self._hardware_record(result.environment)})
         from agent.market import record_shard_speed
 
-        record_shard_speed(agent, terms, float(result.tokens_per_second))
+        record_shard_speed(agent.capabilities, terms, float(result.tokens_per_second))
         agent.counters["shards_trained"] += 1
         log.info("job %s shard %d: reported (loss %.3f, %d steps)", view.job_id.hex()[:8], lease.shard,
                  result.final_loss, result.steps)

@@ -5,6 +5,9 @@ Rules of this file:
   "content": str}, ...], "meta": {...}}``; other top-level keys are ignored, blank lines skipped.
   A record needs at least one assistant message. A bad line raises DataError ``FILE:LINE: problem``;
   with ``skip_bad=True`` bad lines are counted and skipped instead.
+- The bounded line reader, DataError, the tokenized Example and the assistant mask are
+  agent/train/records.py's (shared with preference records, agent/train/preference.py: a DPO job's
+  dataset; ``read_records``, ``check_dataset`` and ``prepare_examples`` take either kind).
 - Records are rendered with the tokenizer's own chat template. Labels are the token ids of the
   assistant turns and -100 everywhere else: from the template's ``{% generation %}`` mask when it
   has one, else by rendering each conversation prefix and taking the tokens each assistant turn
@@ -22,30 +25,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import struct
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
+from agent.train.preference import read_preferences, tokenize_pairs
+from agent.train.records import (  # noqa: F401 - re-exported: what data users import from here
+    IGNORE_INDEX, ROLES, ChatmlFile, DataError, Example, assistant_mask, read_jsonl,
+)
 from protocol import proof
-from protocol.errors import ProtocolError
-
-ROLES = ("system", "user", "assistant")
-IGNORE_INDEX = -100
-MAX_LINE_BYTES = 16 << 20
-GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
-
-
-class DataError(ProtocolError):
-    """A dataset line is not a valid ChatML record; ``str()`` is ``FILE:LINE: problem``."""
-
-    def __init__(self, location: str, problem: str) -> None:
-        self.location = location
-        self.problem = problem
-        super().__init__(f"{location}: {problem}")
-
 
 @dataclass(frozen=True)
 class Record:
@@ -59,14 +49,6 @@ class Record:
     def learnable(self) -> bool:
         """Whether it has assistant text to learn from."""
         return any(m["role"] == "assistant" and m["content"].strip() for m in self.messages)
-
-
-@dataclass
-class ChatmlFile:
-    path: str
-    records: list[Record]
-    skipped: int = 0
-    problems: list[str] = field(default_factory=list)
 
 
 def _check_record(obj: Any) -> tuple[tuple[dict[str, str], ...], dict[str, Any]]:
@@ -101,60 +83,10 @@ def read_records(path: str | Path, format: str = "chatml", *, skip_bad: bool = F
     """A dataset file in ``format`` (IPIP-0007 ``input.format``): ChatML conversations, or preference
     records (agent/train/preference.py) for a DPO job."""
     if format == "preference":
-        from agent.train.preference import read_preferences
-
         return read_preferences(path, skip_bad=skip_bad)
     if format != "chatml":
         raise ValueError(f"unknown dataset format {format!r}")
     return read_chatml(path, skip_bad=skip_bad)
-
-
-def read_jsonl(path: str | Path, make: Callable[[int, Any], Any], *, skip_bad: bool = False) -> ChatmlFile:
-    """Read a JSONL dataset line by line, each line within its bound: ``make(line_number, obj)`` builds a
-    record or raises ValueError with the problem in a few words; DataError ``FILE:LINE: problem`` on the
-    first bad line unless ``skip_bad`` (then counted and listed)."""
-    from agent.files import FileInputError, input_file
-
-    out = ChatmlFile(str(path), [])
-    try:
-        handle = open(input_file(path, "dataset"), "rb")  # a regular file: /dev/zero or a FIFO was read forever
-    except FileInputError as error:
-        raise DataError(str(path), str(error).split(": ", 1)[-1]) from None
-    except OSError as error:
-        raise DataError(str(path), f"cannot read: {error.strerror or error}") from None
-    with handle:
-        number = 0
-        while True:
-            raw = handle.readline(MAX_LINE_BYTES + 1)  # a line is read within its bound, never whole
-            if not raw:
-                break
-            number += 1
-            too_long = len(raw) > MAX_LINE_BYTES
-            if too_long:
-                while raw and not raw.endswith(b"\n"):  # skip the rest of it
-                    raw = handle.readline(1 << 20)
-            elif not raw.strip():
-                continue
-            try:
-                if too_long:
-                    raise ValueError(f"line longer than {MAX_LINE_BYTES} bytes")
-                record = make(number, json.loads(raw.decode("utf-8")))
-            except UnicodeDecodeError:
-                problem = "not UTF-8 text"
-            except json.JSONDecodeError as error:
-                problem = f"not valid JSON ({error.msg} at column {error.colno})"
-            except RecursionError:
-                problem = "JSON nested too deeply"
-            except ValueError as error:
-                problem = str(error)
-            else:
-                out.records.append(record)
-                continue
-            if not skip_bad:
-                raise DataError(f"{path}:{number}", problem)
-            out.skipped += 1
-            out.problems.append(f"{path}:{number}: {problem}")
-    return out
 
 
 def write_chatml(path: str | Path, records: Sequence[Any]) -> None:
@@ -172,37 +104,6 @@ def _chatml_line(record: Any) -> str:
 
 
 # --- tokenization -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Example:
-    input_ids: tuple[int, ...]
-    labels: tuple[int, ...]
-
-    @property
-    def n_label_tokens(self) -> int:
-        return sum(1 for label in self.labels if label != IGNORE_INDEX)
-
-
-def assistant_mask(tokenizer: Any, messages: Sequence[dict[str, str]]) -> tuple[list[int], list[int]]:
-    """A conversation's token IDs under the chat template, and 1 for each token an assistant turn wrote
-    (what ``tokenize`` trains on; agent/data/check.py counts them)."""
-    if GENERATION_BLOCK.search(tokenizer.chat_template or ""):
-        out = tokenizer.apply_chat_template(
-            list(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-        return list(out["input_ids"]), list(out["assistant_masks"])
-    # no {% generation %} block: each assistant turn is what it adds to the rendered prefix
-    ids = list(tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=True)["input_ids"])
-    mask = [0] * len(ids)
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = tokenizer.apply_chat_template(
-            list(messages[:i]), tokenize=True, return_dict=True, add_generation_prompt=True)["input_ids"]
-        upto = tokenizer.apply_chat_template(list(messages[: i + 1]), tokenize=True, return_dict=True)["input_ids"]
-        for position in range(len(before), min(len(upto), len(ids))):
-            mask[position] = 1
-    return ids, mask
 
 
 def tokenize(tokenizer: Any, records: Sequence[Record], max_seq_len: int) -> tuple[list[Example], int]:
@@ -339,8 +240,6 @@ def prepare_examples(path: str | Path, tokenizer: Any, *, max_seq_len: int, pack
     """Read, tokenize and (optionally) pack a shard: exactly what a step's indices refer to. A DPO shard
     (``objective`` "dpo") holds preference records, and its examples are PreferencePairs."""
     if objective == "dpo":
-        from agent.train.preference import read_preferences, tokenize_pairs
-
         chatml = read_preferences(path, skip_bad=skip_bad)
         pairs, dropped = tokenize_pairs(tokenizer, chatml.records, max_seq_len)
         return PreparedShard(pairs, len(chatml.records), chatml.skipped, dropped)

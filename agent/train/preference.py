@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from agent.train.data import IGNORE_INDEX, ROLES, ChatmlFile, Example, assistant_mask, read_jsonl
+from agent.train.records import IGNORE_INDEX, ROLES, ChatmlFile, Example, assistant_mask, read_jsonl
 
 LAYOUTS = "prompt/chosen/rejected as text or as lists of messages, or chosen/rejected conversations"
 

@@ -63,11 +63,11 @@ async def test_a_gpu_job_goes_to_gpu_workers_and_the_ledger_records_the_real_dev
         submitter = net.submitter
         cpu_worker, gpu_workers = net.agents["w0"], [net.agents["w1"], net.agents["w2"]]
         # the free VRAM the GPU workers measured: the declared 20 GB here, the real GPU's on a CUDA machine
-        free = gpu_workers[0].machine.best_free_vram_gb()
+        free = gpu_workers[0].capabilities.machine.best_free_vram_gb()
         if not torch.cuda.is_available():
             assert free == 20.0
         # the capability of a CPU-only machine: no GPU; the model we hold is listed by hash
-        cap = cpu_worker.published_capability
+        cap = cpu_worker.capabilities.published
         assert cap.hardware.device == "cpu" and cap.devices == () and cap.backends == ("peft",)
         assert [x.name for x in cap.models] == [MODEL_NAME]
         # the model's file hashes are in the store: a restart does not read the model again
@@ -84,7 +84,7 @@ async def test_a_gpu_job_goes_to_gpu_workers_and_the_ledger_records_the_real_dev
             "train_processes = 2, but this machine has 1 CUDA device(s): one training process per GPU"
         gpu_workers[0].config = config
         assert gpu_workers[0].worker.train_processes(terms) == 1  # 0: one per CUDA device, and it has one
-        free = gpu_workers[0].machine.best_free_vram_gb()  # read again: the capability is measured anew when published
+        free = gpu_workers[0].capabilities.machine.best_free_vram_gb()  # read again: the capability is measured anew when published
         need = math.floor(free) + 2
         assert gpu_workers[0].worker.refusal(replace(terms, min_vram_gb=float(need))).startswith(
             f"job needs {need} GB of free VRAM on one GPU; the most free here is {free:.1f} GB")
@@ -201,7 +201,7 @@ async def test_a_runtime_unsloth_job_goes_through_the_worker_s_unsloth_child(tmp
     async with network(tmp_path, tiny_model_dir, workers=2, machines={0: declared_gpu(), 1: declared_gpu()}) as net:
         submitter = net.submitter
         gpu_workers = [net.agents["w0"], net.agents["w1"]]
-        assert gpu_workers[0].published_capability.backends == ("peft", "unsloth")
+        assert gpu_workers[0].capabilities.published.backends == ("peft", "unsloth")
         terms = await submitter.submitter.prepare_terms(spec, dataset, str(tiny_model_dir))
         assert terms.runtime == "unsloth"
         assert gpu_workers[0].worker.refusal(terms) is None and gpu_workers[0].worker.train_processes(terms) == 1

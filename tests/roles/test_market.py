@@ -35,7 +35,7 @@ async def test_budget_runs_out_mid_round_and_the_bill_equals_the_ledger(tmp_path
             while not (submitter.peers.get(w0.peer_id) and submitter.peers[w0.peer_id].capability.speeds):
                 await trio.sleep(0.2)
         speed = submitter.peers[w0.peer_id].capability.speeds[0]
-        assert speed.sha256 == w0.models_held[0].sha256 and speed.tokens_per_s > 0 and speed.device == "cpu"
+        assert speed.sha256 == w0.capabilities.models_held[0].sha256 and speed.tokens_per_s > 0 and speed.device == "cpu"
         assert market.load_speeds(w0.config.home)  # cached in its home: not measured again on restart
 
         # providers and models: what the capabilities say
@@ -50,7 +50,7 @@ async def test_budget_runs_out_mid_round_and_the_bill_equals_the_ledger(tmp_path
         assert [s["tokens_per_s"] for s in rows[w0.peer_id]["speeds"]] == [speed.tokens_per_s]
         (model,) = market.models(submitter)
         assert model["name"] == "infernet-tiny" and model["providers"] == 4 and model["training"] == 4
-        assert model["sha256"] == w0.models_held[0].sha256.hex() and model["tokens_per_s"] == [speed.tokens_per_s]
+        assert model["sha256"] == w0.capabilities.models_held[0].sha256.hex() and model["tokens_per_s"] == [speed.tokens_per_s]
 
         # the estimate: tokens by the model's tokenizer, hours from the advertised speed, cost at the price
         est = await market.estimate(submitter, spec, dataset, str(tiny_model_dir))

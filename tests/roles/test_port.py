@@ -156,8 +156,9 @@ def test_what_the_roles_hand_the_agent_to_uses_only_the_port():
             for where, attr in uses_in_function(module, function, position):
                 if attr not in allowed:
                     outside.append(f"{path.name}:{line} -> {where}: agent.{attr}")
-    # the helpers the worker hands its agent to are followed (the check sees them)
-    assert {("agent.market", "worker_refusal"), ("agent.market", "record_shard_speed")} <= followed, followed
+    # the helpers the worker hands its agent to are followed (the check sees them); record_shard_speed is
+    # handed the agent's capabilities (agent/capability.py), not the agent
+    assert ("agent.market", "worker_refusal") in followed, followed
     assert not outside, "\n".join(outside)
     submitter = (ROLES / "submitter.py").read_text(encoding="utf-8")
     assert "async def _watch_budget(self" in submitter and "wait_until(" in submitter

@@ -47,7 +47,7 @@ def test_our_own_election_tick_applies_the_judges_verdict_held_for_our_term(tmp_
     agent = Agent(ME, AgentConfig(home=tmp_path, can_coordinate=True), clock=lambda: clock[0])
     agent.store = Store.in_data_dir(tmp_path, ME)
     agent.store.add_job(TERMS, "worker", NOW - 100)
-    agent.published_capability = sample_capability()
+    agent.capabilities.published = sample_capability()
     agent.peers[SUBMITTER.peer_id] = PeerInfo(NOW, live_since=NOW - 100)
     agent.peers[JUDGE.peer_id] = PeerInfo(NOW, capability=sample_capability(), live_since=NOW - 100)
     agent.peers[DEAD.peer_id] = PeerInfo(NOW - 100, capability=sample_capability(), live_since=NOW - 200)
