@@ -155,7 +155,7 @@ class Agent:
         self.hooks = hooks or AgentHooks()
         # what we offer (machine, models, speeds), our signed capability and heartbeats (agent/capability.py)
         self.capabilities = Capabilities(config, clock, machine=machine, trains=config.accept_training,
-                                         store_full=lambda: self.store_full, publish=self.publish,
+                                         store_full=lambda: self.store_full, publish=lambda msg: self.publish(msg),
                                          write_soon=self.write_soon, store=lambda: self.store)
         self.worker = WorkerRole(self, self.hooks.training) if config.accept_training else None
         self.coordinator = CoordinatorRole(self)
