@@ -76,7 +76,7 @@ def test_prompts_from_a_device_or_a_non_utf8_file_say_what_is_wrong(tmp_path):
     with pytest.raises(PipelineError, match="not UTF-8 text"):
         sample_prompts(latin, 2, 0)
     long_line = tmp_path / "long.jsonl"
-    from agent.train.data import MAX_LINE_BYTES
+    from agent.train.records import MAX_LINE_BYTES
 
     with open(long_line, "wb") as out:  # one line past the bound, then a good record: read within bounds
         out.write(b"x" * (MAX_LINE_BYTES + 10) + b"\n")
