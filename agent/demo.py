@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -385,35 +386,44 @@ def _keep_job_record(submitter: Path, detail: dict, fetched: dict) -> None:
     keep_job_record(submitter, detail, fetched)
 
 
-def validation_losses(model_dir: Path, adapter_dir: Path, out: Path, *, dataset: Path | None = None,
-                      max_seq_len: int = 96) -> tuple[float, float]:
-    """Mean loss on assistant tokens of held-out records: base model, then base + adapter (stock peft).
-    Held out: fresh demo records, or with ``dataset`` the job's own validation split of it (all of it
-    when the split is empty)."""
+def _stock_measure(out: Path, dataset: Path | None, fresh: list[dict], read: Any) -> None:
+    """Ready the stock (transformers + peft) measure of a demo's outcome: their logging quiet, a few torch
+    threads, and the held-out records in ``out``: ``fresh`` ones, or with ``dataset`` the job's own
+    validation split of it, read with ``read`` (all of it when the split is empty)."""
     import warnings
 
     import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
+
+    from agent.train.data import split_dataset, write_chatml
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(max(1, min(os.cpu_count() or 1, 4)))
+    if dataset is None:
+        write_chatml(out, fresh)
+    else:
+        records = read(dataset).records
+        held = split_dataset(len(records), 1, VALIDATION_SPLIT, SEED).validation or range(len(records))
+        write_chatml(out, [records[i] for i in held])
+
+
+def validation_losses(model_dir: Path, adapter_dir: Path, out: Path, *, dataset: Path | None = None,
+                      max_seq_len: int = 96) -> tuple[float, float]:
+    """Mean loss on assistant tokens of held-out records (``_stock_measure``): base model, then base +
+    adapter (stock peft), or the fetched model of a full fine-tuning."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
 
     from agent.train import TrainConfig
-    from agent.train.data import read_chatml, split_dataset, write_chatml
+    from agent.train.data import read_chatml
     from agent.train.model import load_tokenizer
     from agent.train.run import load_shard
     from agent.train.tiny import demo_records
 
-    torch.set_num_threads(max(1, min(os.cpu_count() or 1, 4)))
-    if dataset is None:
-        write_chatml(out, demo_records(48, seed=99))
-    else:
-        records = read_chatml(dataset).records
-        held = split_dataset(len(records), 1, VALIDATION_SPLIT, SEED).validation or range(len(records))
-        write_chatml(out, [records[i] for i in held])
+    _stock_measure(out, dataset, demo_records(48, seed=99), read_chatml)
     tokenizer = load_tokenizer(str(model_dir))
     examples = load_shard(TrainConfig(base_model=str(model_dir), max_seq_len=max_seq_len, threads=1), tokenizer,
                           out).examples
@@ -439,31 +449,17 @@ def preference_scores(model_dir: Path, adapter_dir: Path, out: Path, *, dataset:
     """A DPO job's outcome on held-out preference pairs, measured with stock transformers + peft: the DPO
     loss (beta 0.1, the reference being the base model: peft's ``disable_adapter``), reward accuracy and
     margin, of the base model and of base + adapter (train.loop.Evaluation each). Held out: fresh demo
-    preference records, or with ``dataset`` the job's own validation split of it."""
-    import warnings
-
+    preference records, or with ``dataset`` the job's own validation split of it (``_stock_measure``)."""
     import torch
     import torch.nn.functional as F
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    warnings.filterwarnings("ignore", category=FutureWarning)
-
-    from agent.train.data import split_dataset, write_chatml
     from agent.train.loop import Evaluation
     from agent.train.model import load_tokenizer
     from agent.train.preference import demo_preferences, read_preferences, tokenize_pairs
 
-    torch.set_num_threads(max(1, min(os.cpu_count() or 1, 4)))
-    if dataset is None:
-        write_chatml(out, demo_preferences(48, seed=99))
-    else:
-        records = read_preferences(dataset).records
-        held = split_dataset(len(records), 1, VALIDATION_SPLIT, SEED).validation or range(len(records))
-        write_chatml(out, [records[i] for i in held])
+    _stock_measure(out, dataset, demo_preferences(48, seed=99), read_preferences)
     pairs, _ = tokenize_pairs(load_tokenizer(str(model_dir)), read_preferences(out).records, max_seq_len)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32),
                                       str(adapter_dir))

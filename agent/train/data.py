@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 from agent.train.preference import read_preferences, tokenize_pairs
 from agent.train.records import (  # noqa: F401 - re-exported: what data users import from here
-    IGNORE_INDEX, ROLES, ChatmlFile, DataError, Example, assistant_mask, read_jsonl,
+    IGNORE_INDEX, ChatmlFile, DataError, Example, assistant_mask, check_messages, read_jsonl,
 )
 from protocol import proof
 
@@ -58,14 +58,7 @@ def _check_record(obj: Any) -> tuple[tuple[dict[str, str], ...], dict[str, Any]]
     messages = obj.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ValueError('"messages" must be a non-empty list')
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ValueError(f"messages[{i}] must be an object")
-        role, content = message.get("role"), message.get("content")
-        if role not in ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
-        if not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string")
+    messages = check_messages(messages, "messages")
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError("no assistant message to learn from")
     meta = obj.get("meta", {})

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from agent.train.records import IGNORE_INDEX, ROLES, ChatmlFile, Example, assistant_mask, read_jsonl
+from agent.train.records import IGNORE_INDEX, ChatmlFile, Example, assistant_mask, check_messages, read_jsonl
 
 LAYOUTS = "prompt/chosen/rejected as text or as lists of messages, or chosen/rejected conversations"
 
@@ -65,17 +65,7 @@ class PreferencePair:
 def _messages(value: Any, name: str) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise ValueError(f'"{name}" must be text or a non-empty list of messages')
-    out = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict):
-            raise ValueError(f"{name}[{i}] must be an object")
-        role, content = message.get("role"), message.get("content")
-        if role not in ROLES:
-            raise ValueError(f"{name}[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
-        if not isinstance(content, str):
-            raise ValueError(f"{name}[{i}].content must be a string")
-        out.append({"role": role, "content": content})
-    return out
+    return check_messages(value, name)
 
 
 def _side(value: Any, name: str, role: str) -> list[dict[str, str]]:

@@ -95,6 +95,22 @@ def read_jsonl(path: str | Path, make: Callable[[int, Any], Any], *, skip_bad: b
     return out
 
 
+def check_messages(messages: list, name: str) -> list[dict[str, str]]:
+    """``messages`` as plain {role, content} dicts, each an object with a known role and text content;
+    ValueError naming the first that is not (``name[i].role ...``)."""
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"{name}[{i}] must be an object")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise ValueError(f"{name}[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+        if not isinstance(content, str):
+            raise ValueError(f"{name}[{i}].content must be a string")
+        out.append({"role": role, "content": content})
+    return out
+
+
 @dataclass(frozen=True)
 class Example:
     input_ids: tuple[int, ...]
