@@ -75,7 +75,8 @@ function renderJob(job) {
   document.getElementById("job-name").textContent = job.name;
   document.getElementById("job-id").textContent = job.id.slice(0, 16);
   const facts = document.getElementById("job-facts");
-  facts.textContent = `state ${job.state}, round ${job.round} of ${job.rounds}, coordinator ${short(job.coordinator)} ` +
+  const kind = [job.type === "dpo" ? "DPO" : "", job.method === "full" ? "full fine-tuning" : ""].filter(Boolean).join(", ");
+  facts.textContent = (kind ? `${kind}; ` : "") + `state ${job.state}, round ${job.round} of ${job.rounds}, coordinator ${short(job.coordinator)} ` +
     `(term ${job.term}), verdicts ${job.verdicts.accepted} accepted / ${job.verdicts.rejected} rejected` +
     (job.reason ? ` — ${job.reason}` : "");
   facts.className = job.state;
@@ -86,6 +87,7 @@ function renderJob(job) {
   fill("aggregates", job.aggregates, (row, a) => {
     cell(row, a.round); cell(row, a.cid.slice(0, 16) + "…").title = a.cid; cell(row, a.method);
     cell(row, a.shards.join(", ")); cell(row, num(a.validation_loss)); cell(row, num(a.base_validation_loss));
+    cell(row, num(a.reward_accuracy, 2));  // a DPO job's; "–" for SFT
   });
   // charts, redrawn only when their data changed
   const rounds = job.aggregates.map((a) => a.round);
