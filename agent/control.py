@@ -174,11 +174,10 @@ def _hardware_fields(cap: Any) -> dict:
 async def _spec_inputs(agent: "Agent", spec: str, dataset: str | None) -> tuple[Any, Path, str, str | None]:
     """The job spec, its dataset file (fetched and checked when the spec names a CID), our local copy
     of its base model and the dataset's CID (None for a local file); ControlError naming what is missing."""
-    from agent.specfile import load_spec
     from agent.files import FileInputError, input_file
     from protocol.jobspec import dataset_cid
 
-    job_spec = load_spec(spec)
+    job_spec = agent.submitter.spec_of(spec)  # read once for an estimate and the announce after it
     cid = None if dataset or job_spec.input.hf else dataset_cid(job_spec.input.dataset)
     if cid is not None:  # data already in IPFS: fetched and checked against its CID, then sharded
         data = await agent.submitter.fetch_dataset(cid)

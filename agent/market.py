@@ -357,16 +357,15 @@ def speeds_for(agent: "Agent", sha256: bytes, providers_only: tuple[str, ...] = 
 DPO_COST = 4 / 3  # a DPO pair's tokens as training work: the reference pass is a forward without backward (~1/3)
 
 
-def count_tokens(spec: Any, dataset: Path, model_path: str) -> dict:
-    """Tokenize the job's training shards with the model's tokenizer: tokens, steps and tokens per step."""
-    from agent.train import split_dataset
+def count_tokens(spec: Any, plan: Any, model_path: str) -> dict:
+    """Tokenize the job's training shards (``plan``: agent/roles/submitter.ShardPlan) with the model's tokenizer:
+    tokens, steps and tokens per step."""
     from agent.train.config import TrainConfig
-    from agent.train.data import check_dataset, pack, tokenize
+    from agent.train.data import pack, tokenize
     from agent.train.model import load_tokenizer
     from agent.train.preference import tokenize_pairs
 
-    records = check_dataset(dataset, spec.shards, spec.input.validation_split, spec.seed, spec.input.format).records
-    split = split_dataset(len(records), spec.shards, spec.input.validation_split, spec.seed)
+    records, split = plan.records, plan.split
     tokenizer = load_tokenizer(model_path)
     config = TrainConfig.from_spec(spec)
     shard_tokens, shard_steps, per_step = [], [], []
@@ -391,7 +390,8 @@ async def estimate(agent: "Agent", spec: Any, dataset: Path, model_path: str, *,
     from agent.train.runner import run_torch
     from agent.train import base_model_sha256
 
-    counted = await trio.to_thread.run_sync(run_torch, count_tokens, spec, dataset, model_path)
+    plan = await trio.to_thread.run_sync(agent.submitter.shard_plan, spec, dataset)  # kept for the announce
+    counted = await trio.to_thread.run_sync(run_torch, count_tokens, spec, plan, model_path)
     digest = bytes.fromhex(await trio.to_thread.run_sync(base_model_sha256, model_path))
     result = mk.estimate(shard_tokens=counted["shard_tokens"], shard_steps=counted["shard_steps"],
                          tokens_per_step=counted["tokens_per_step"], rounds=spec.rounds,

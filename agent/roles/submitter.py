@@ -31,6 +31,8 @@ Rules of this file:
 from __future__ import annotations
 
 import logging
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +57,19 @@ class SubmitRefused(ValueError):
     """A job we will not announce; ``str()`` is the one line to show."""
 
 
+@dataclass(frozen=True)
+class ShardPlan:
+    """A job's dataset read, checked (train/data.check_dataset) and split (split_dataset): what announcing
+    shards and what an estimate counts, made once for both (issue 23: an interactive announce read and
+    split the dataset twice)."""
+
+    records: list
+    split: Any  # agent/train/data.Split
+
+
+PLANS_KEPT = 2  # an estimate's plan is kept for the announce that follows it
+
+
 class SubmitterRole:
     reannounce_seconds = 60.0
     keep_retry_delays: tuple[float, ...] = (2.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -65,6 +80,49 @@ class SubmitterRole:
         self.agent = agent
         self._keeping: set[tuple[bytes, str]] = set()  # (job, cid) copies under way
         self._keep_locks: dict[tuple[bytes, str], trio.Lock] = {}  # (job, cid) fetched now, one at a time
+        self._plans: dict[tuple, ShardPlan] = {}  # the last PLANS_KEPT plans, by dataset file and split settings
+        self._plans_lock = threading.Lock()  # plans are made in worker threads
+        self._specs: dict[tuple, Any] = {}  # the last PLANS_KEPT specs read, by file state
+
+    def spec_of(self, path: str | Path) -> Any:
+        """The job spec in file ``path`` (agent/specfile.load_spec: SpecError, one line, for a bad one), read
+        once per file state (path, size, mtime): the estimate before an announce and the announce share it."""
+        from agent.specfile import load_spec
+
+        try:
+            state = Path(path).stat()
+            key = (str(Path(path).resolve()), state.st_size, state.st_mtime_ns)
+        except OSError:
+            return load_spec(path)  # says what is wrong with the path
+        if key not in self._specs:
+            self._specs[key] = load_spec(path)
+            self.agent.counters["spec_reads"] += 1
+            while len(self._specs) > PLANS_KEPT:
+                del self._specs[next(iter(self._specs))]
+        return self._specs[key]
+
+    def shard_plan(self, spec: Any, dataset: Path) -> ShardPlan:
+        """The dataset's plan for ``spec`` (in a worker thread): made once per file state (path, size, mtime)
+        and split settings, so the estimate before an announce and the announce share one read and split.
+        DataError (one line) for a dataset that cannot be trained."""
+        from agent.train import split_dataset
+        from agent.train.data import check_dataset
+
+        state = Path(dataset).stat()
+        key = (str(Path(dataset).resolve()), state.st_size, state.st_mtime_ns, spec.shards,
+               spec.input.validation_split, spec.seed, spec.input.format)
+        with self._plans_lock:
+            plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        records = check_dataset(dataset, spec.shards, spec.input.validation_split, spec.seed, spec.input.format).records
+        plan = ShardPlan(records, split_dataset(len(records), spec.shards, spec.input.validation_split, spec.seed))
+        self.agent.counters["dataset_plans"] += 1
+        with self._plans_lock:
+            self._plans[key] = plan
+            while len(self._plans) > PLANS_KEPT:
+                del self._plans[next(iter(self._plans))]
+        return plan
 
     async def fetch_dataset(self, cid: str) -> Path:
         """A dataset named by CID in the spec (IPIP-0007 ``input.dataset``): fetched through our content
@@ -82,8 +140,8 @@ class SubmitterRole:
 
         ``created`` and ``deadline`` default to now and now + the spec's max runtime; the harness pins
         both so that a job's ID (the hash of its terms) depends only on its seed."""
-        from agent.train import base_model_sha256, split_dataset
-        from agent.train.data import check_dataset, write_chatml
+        from agent.train import base_model_sha256
+        from agent.train.data import write_chatml
 
         agent = self.agent
         from agent.train.model import model_refusal
@@ -93,9 +151,8 @@ class SubmitterRole:
         problem = await trio.to_thread.run_sync(model_refusal, spec.method, spec.lora.target_modules, base_model_path)
         if problem is not None:
             raise SubmitRefused(f"{problem} ({spec.base_model})")
-        records = (await trio.to_thread.run_sync(check_dataset, dataset, spec.shards, spec.input.validation_split,
-                                                 spec.seed, spec.input.format)).records
-        split = split_dataset(len(records), spec.shards, spec.input.validation_split, spec.seed)
+        plan = await trio.to_thread.run_sync(self.shard_plan, spec, dataset)
+        records, split = plan.records, plan.split
         out = agent.work_dir / f"submit-{int(agent.clock() * 1000)}"
         out.mkdir(parents=True)
         shards = []
