@@ -492,7 +492,7 @@ def verdict_signers(agent: "Agent", view: "JobMirror") -> dict[tuple, str]:
     out = {}
     for stored in agent.store.verdicts(view.job_id):
         msg = stored.message
-        key = (msg.round, msg.shard, msg.attempt)
+        key = m.attempt_of(msg)
         if view.verdicts.get(key) == msg:
             out[key] = stored.signer
     return out

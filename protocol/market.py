@@ -42,7 +42,7 @@ from protocol.codec import canonical_encode
 BILL_DOMAIN = b"infernet/bill/v1\x00"
 SECONDS_PER_HOUR = 3600.0
 
-Key = tuple[int, int, int]  # (round, shard, attempt)
+Key = tuple[int, int, int]  # (round, shard, attempt): protocol/messages.ShardAttempt
 
 
 def is_paid(price_per_hour: float) -> bool:

@@ -59,6 +59,20 @@ FULL_MAX_PARAMETERS = 80_000_000
 MAX_DPO_BETA = 100.0
 
 
+class ShardAttempt(typing.NamedTuple):
+    """One attempt at one shard of one round: the key of a job's leases, checkpoints, reports and verdicts
+    (a tuple, so ``(round, shard, attempt)`` finds the same entry)."""
+
+    round: int
+    shard: int
+    attempt: int
+
+
+def attempt_of(item: Any) -> ShardAttempt:
+    """The attempt a message or a state-machine action with ``round``, ``shard`` and ``attempt`` is about."""
+    return ShardAttempt(item.round, item.shard, item.attempt)
+
+
 def job_topic(job_id: bytes) -> str:
     """The per-job topic carrying claims, leases, commitments, reports, verdicts and aggregates."""
     return JOB_TOPIC_PREFIX + job_id.hex()

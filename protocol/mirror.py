@@ -67,7 +67,7 @@ from protocol.proof import max_checkpoints
 
 log = logging.getLogger(__name__)
 
-Key = tuple[int, int, int]  # (round, shard, attempt)
+Key = m.ShardAttempt  # (round, shard, attempt)
 DECISIONS = (m.ShardLease, m.Verdict, m.AggregatePublished)  # a coordinator's messages
 PENDING_MAX = 256
 PENDING_PER_SIGNER = 32  # held messages of one signer; its oldest goes first
@@ -433,13 +433,13 @@ class JobMirror:
                 return None
             actions = self._step(st.CheckpointSeen(msg.round, msg.shard, signer, msg.attempt), now, count=count)
             if actions is not None:
-                self.commits[(msg.round, msg.shard, msg.attempt)].append(msg)
+                self.commits[m.attempt_of(msg)].append(msg)
             return actions
         if isinstance(msg, m.ShardReport):
             actions = self._step(st.ReportReceived(msg.round, msg.shard, signer, msg.attempt), now, count=count)
             if actions is not None:
-                self.reports[(msg.round, msg.shard, msg.attempt)] = (msg, signer)
-                self.applied_at[("report", (msg.round, msg.shard, msg.attempt))] = now
+                self.reports[m.attempt_of(msg)] = (msg, signer)
+                self.applied_at[("report", m.attempt_of(msg))] = now
             return actions
         if isinstance(msg, m.ShardRelease):
             return self._step(st.Released(msg.round, msg.shard, signer, msg.attempt), now, count=count)
@@ -456,7 +456,7 @@ class JobMirror:
         if isinstance(msg, m.Verdict) and signer != self.me and isinstance(msg.term, int) and \
                 msg.term < self.coordination.term:
             # an earlier term's verdict (IPIP-0006 §1.3 rule 7): never moves the view
-            lease = self.leases.get((msg.round, msg.shard, msg.attempt))
+            lease = self.leases.get(m.attempt_of(msg))
             if not may_apply_past_verdict(self.coordination, signer, msg.worker, msg.term,
                                           None if lease is None else lease.term, eligible):
                 if count:
@@ -495,14 +495,14 @@ class JobMirror:
                           self.job_id.hex()[:8], msg.attempt, granted[0].attempt)
                 return None
             self.state = state
-            self.leases[(msg.round, msg.shard, msg.attempt)] = msg
-            self.applied_at[("lease", (msg.round, msg.shard, msg.attempt))] = now
+            self.leases[m.attempt_of(msg)] = msg
+            self.applied_at[("lease", m.attempt_of(msg))] = now
             return actions
         if isinstance(msg, m.Verdict):
             actions = self._step(st.VerdictGiven(msg.round, msg.shard, msg.attempt, msg.accepted, msg.reason), now,
                                 count=count)
             if actions is not None:
-                self.verdicts[(msg.round, msg.shard, msg.attempt)] = msg
+                self.verdicts[m.attempt_of(msg)] = msg
             return actions
         if isinstance(msg, m.AggregatePublished):
             if msg.final != self.ends_with(msg.round, msg.validation_loss):

@@ -759,7 +759,7 @@ class Simulation:
             for action in actions:
                 if isinstance(action, st.StartVerification):
                     if f.mirror.shard(action.shard).worker != agent.peer:  # our own: another peer judges it
-                        self._start_verification(agent, f, (action.round, action.shard, action.attempt))
+                        self._start_verification(agent, f, m.attempt_of(action))
                 elif isinstance(action, st.Aggregate):
                     self._start_aggregation(agent, f, action.round)
         if agent.worker and any(isinstance(a, (st.ReopenShard, st.StartRound, st.Done, st.FailJob)) for a in actions):

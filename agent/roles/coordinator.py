@@ -466,7 +466,7 @@ class CoordinatorRole:
             problem = header_refusal({name: getattr(header, name) for name in HEADER_FIELDS}, expected)  # R2
             if problem is None:  # R3
                 heads = chain_heads(header.genesis(), commitment.links)
-                gossiped = view.commits.get((report.round, report.shard, report.attempt), [])
+                gossiped = view.commits.get(m.attempt_of(report), [])
                 problem = chain_refusal(report.checkpoints, len(commitment.links), heads,
                                         [(c.index, c.chain_head) for c in gossiped])
             if problem is not None:

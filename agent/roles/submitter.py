@@ -252,7 +252,7 @@ class SubmitterRole:
     def on_verdict(self, view: "JobMirror", verdict: m.Verdict) -> None:
         """Keep a copy of every accepted adapter of our job, so no accepted work is lost with its worker."""
         if verdict.accepted and view.terms.submitter == self.agent.peer_id:
-            report, worker = view.reports.get((verdict.round, verdict.shard, verdict.attempt), (None, None))
+            report, worker = view.reports.get(m.attempt_of(verdict), (None, None))
             if report is not None:
                 self.agent.spawn(self._keep, view, report.adapter_cid, worker)
 
