@@ -17,7 +17,9 @@ Rules of this file:
   is the same model with the adapter disabled (the base model: no second model in memory),
   computed without gradients in the same micro-batch. ``Objective`` is the one place the two differ.
 - AdamW, weight decay 0, constant learning rate, gradient norm clipped to ``max_grad_norm``.
-  Only LoRA parameters train; with ``freeze_a`` only the B matrices.
+  Only LoRA parameters train; with ``freeze_a`` only the B matrices; with ``method: full`` every weight
+  (agent/train/model.full_model): the loop trains what requires a gradient, and names it as
+  ``adapter_state`` does.
 - Optimizer state is exported as named tensors ``<adapter tensor name>.<exp_avg|exp_avg_sq|step>``
   so it can be hashed and stored as safetensors, and imported back exactly.
 - Data parallel (one worker, several GPUs): when torch.distributed is initialised, rank r runs the
