@@ -51,7 +51,12 @@ QWEN25_05B = dict(  # Qwen/Qwen2.5-0.5B config.json, the fields that shape the w
     num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
     tie_word_embeddings=True, hidden_act="silu",
 )
-SHAPES = {"qwen2.5-0.5b": QWEN25_05B}
+# a model full fine-tuning may train (at most FULL_MAX_PARAMETERS = 80M): 8 Qwen2 layers of 768, the tiny
+# tokenizer's 1024-token vocabulary; about 71M parameters
+FULL_71M = dict(vocab_size=1024, hidden_size=768, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=12,
+                num_key_value_heads=4, max_position_embeddings=2048, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                tie_word_embeddings=False, hidden_act="silu")
+SHAPES = {"qwen2.5-0.5b": QWEN25_05B, "full-71m": FULL_71M}
 
 
 def build_shape_model(out: Path, shape: str = "qwen2.5-0.5b") -> Path:

@@ -126,6 +126,8 @@ def run_case(name: str, config, shard: Path, work: Path, backend_name: str, devi
     from scripts.bench_train import bare_loop
 
     backend = UnslothBackend() if backend_name == "unsloth" else PeftBackend()
+    if config.objective == "dpo" or config.method == "full":  # no stock loop to hold them to: their own rows
+        return run_kind_case(name, config, shard, work, backend, peft_rates, parameters)
     (a, a_wall), (b, b_wall) = (timed_train(backend, TrainRequest(config, shard, work / name / worker,
                                                                    worker=f"worker-{worker}")) for worker in "AB")
     env = {k: a.environment.get(k) for k in ("device", "device_class", "dtype", "quantization", "backend", "micro_batch")}
@@ -170,6 +172,35 @@ def run_case(name: str, config, shard: Path, work: Path, backend_name: str, devi
     emit(f"gpu_{name}_run_to_run_drift", run_to_run, "rel_l2", 1e-2, 1e-2 / max(run_to_run, 1e-8), 1.0, env=env)
 
 
+def run_kind_case(name: str, config, shard: Path, work: Path, backend, peft_rates: dict[str, float],
+                  parameters: int) -> None:
+    """A DPO or a full fine-tuning case (issue 26): two workers' runs, a replay of A's last segment, and the
+    speed. DPO against the peft SFT case of the same shape (goal 0.7: each pair adds a reference forward
+    without gradients, about a third more work a token); full fine-tuning against a LoRA run of the same model
+    and config (goal 0.5: the weights' gradients and AdamW over every weight), with its MFU (6 N a token)."""
+    from agent.train.run import TrainRequest
+
+    a, b = (backend.train(TrainRequest(config, shard, work / name / worker, worker=f"worker-{worker}")) for worker in "AB")
+    env = {k: a.environment.get(k) for k in ("device", "device_class", "dtype", "backend", "micro_batch")}
+    rate = b.tokens_per_second
+    if config.method == "full":
+        lora = backend.train(TrainRequest(config.with_(method="lora", target_modules=PROJECTIONS, freeze_a=True),
+                                          shard, work / name / "lora")).tokens_per_second
+        peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in (env["device"] or "")), None)
+        emit(f"gpu_{name}_vs_lora_tokens_per_s", round(rate, 1), "tokens/s", round(lora, 1), rate / lora, 0.5, env=env,
+             parameters=parameters, mfu=None if peak is None else round(6 * parameters * rate / peak, 4))
+    else:
+        sft = peft_rates.get((config.max_seq_len, config.packing, config.samples_per_step, config.method))
+        if sft is None:
+            sft = backend.train(TrainRequest(config.with_(objective="sft"), shard, work / name / "sft")).tokens_per_second
+        emit(f"gpu_{name}_vs_sft_tokens_per_s", round(rate, 1), "tokens/s", round(sft, 1), rate / sft, 0.7, env=env)
+    verdict, tolerance, replay, index = replay_last_segment(a, shard, config)
+    emit(f"gpu_{name}_replay_drift", replay, "rel_l2", tolerance, tolerance / max(replay, 1e-8), 1.0,
+         accepted=verdict.accepted, exact=verdict.exact, segment=index, reason=verdict.reason[:200], env=env)
+    run_to_run = max_drift(a.adapter_dir, b.adapter_dir)
+    emit(f"gpu_{name}_run_to_run_drift", run_to_run, "rel_l2", 1e-2, 1e-2 / max(run_to_run, 1e-8), 1.0, env=env)
+
+
 def run_parallel_case(config, shard: Path, work: Path, processes: int) -> None:
     """One worker, ``processes`` GPUs (agent/train/parallel.py): the data-parallel run against one process
     with the same micro-batch split, a one-process replay of its last segment, and its scaling."""
@@ -198,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--work", type=Path, default=None, help="working directory (default: a temporary one)")
     parser.add_argument("--only", nargs="*", default=None,
-                        help="cases to run: peft_bf16 packed qlora unsloth unsloth_packed ddp")
+                        help="cases to run: peft_bf16 packed qlora unsloth unsloth_packed dpo full ddp")
     parser.add_argument("--packed-len", type=int, default=1024, help="tokens per packed sequence (packed cases)")
     parser.add_argument("--packed-batch", type=int, default=16, help="packed sequences per optimizer step")
     parser.add_argument("--packed-steps", type=int, default=20, help="optimizer steps of the packed cases")
@@ -221,7 +252,6 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if smoke else "cuda"
     work = args.work or Path(tempfile.mkdtemp(prefix="gpu-check-"))
     model = build_model(work / "qwen2.5-0.5b-shape", smoke=smoke)
-    parameters = model_parameters(model)
     records = demo_records(400, seed=0)
     shard = work / "shard.jsonl"
     write_chatml(shard, [records[i] for i in split_dataset(len(records), 2, 0.0, seed=0).shards[0]])
@@ -246,8 +276,22 @@ def main(argv: list[str] | None = None) -> int:
 
         free = torch.cuda.mem_get_info()[0] / (1 << 30)
         packed = packed.with_(micro_batch_size=auto_micro_batch(packed, free, model).micro_batch)
+    # a DPO job's preference pairs, and full fine-tuning of a model within its size limit (issue 26)
+    from agent.train.preference import demo_preferences
+
+    preference_shard = work / "preferences.jsonl"
+    write_chatml(preference_shard, demo_preferences(200, seed=0))
+    if smoke:
+        full_model = model
+    else:
+        from scripts.bench_train import build_shape_model
+
+        full_model = build_shape_model(work / "full-71m", "full-71m")
+    full = config.with_(base_model=str(full_model), method="full", freeze_a=False, learning_rate=1e-4)
     cases = [("peft_bf16" if not smoke else "peft_fp32", config, "peft", shard),
-             ("packed", packed, "peft", packed_shard)]
+             ("packed", packed, "peft", packed_shard),
+             ("dpo", config.with_(objective="dpo"), "peft", preference_shard),
+             ("full", full, "peft", shard)]
     if importlib.util.find_spec("bitsandbytes") is not None:
         cases.append(("qlora", config.with_(method="qlora"), "peft", shard))
     from agent.hardware import unsloth_installed
@@ -276,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             torch.cuda.empty_cache()
         try:
-            run_case(name, case_config, case_shard, work, backend, device, peft_rates, parameters)
+            run_case(name, case_config, case_shard, work, backend, device, peft_rates,
+                     model_parameters(Path(case_config.base_model)))
         except Exception as exc:  # noqa: BLE001 - one failing case must not hide the others' figures
             import traceback
 

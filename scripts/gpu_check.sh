@@ -17,7 +17,7 @@
 # fit one call, run the sets separately, core first: `gpu_check.sh core`, then `gpu_check.sh qlora`, then
 # `gpu_check.sh unsloth` (each installs .whl/*.whl again: a fresh machine is bare).
 #
-# Usage: scripts/gpu_check.sh [all|core|qlora|unsloth|bench] [--out DIR]
+# Usage: scripts/gpu_check.sh [all|core|qlora|unsloth|kinds|bench] [--out DIR]
 #   (environment: CASES="..." the gpu_check.py cases instead of the set's; TESTS="..." the test paths;
 #    SKIP_NETWORK=1 leaves out the network step: for a second call that re-measures what the first one found)
 #   (default all; PYTHON=python3; run from anywhere). Every step's FULL output (stdout and stderr) is
@@ -30,10 +30,12 @@
 #   install  (every set) .whl/*.whl into /tmp/site, first on PYTHONPATH after this repository;
 #   detect   (every set) the real hardware detection (agent/hardware.py) and the capability it signs;
 #   tests    (core, all) the tests of this issue that mean something on a GPU, on the GPU machine;
-#   gpu_check (core: peft_bf16 [+ ddp]; qlora: qlora; unsloth: unsloth; all: every case)
+#   gpu_check (core: peft_bf16 [+ ddp]; qlora: qlora; unsloth: unsloth; kinds: dpo, full; all: every case)
 #            scripts/gpu_check.py: a random-weight Qwen2.5-0.5B-shape model; two workers' training, a replay
 #            of one segment, run-to-run and replay drift, tokens/s (peft/qlora against a bare loop, goal 0.95;
-#            unsloth against the worker's peft backend, goal 1.5); with two or more GPUs the ddp case (NCCL);
+#            unsloth against the worker's peft backend, goal 1.5; a DPO job against SFT at the same shape,
+#            goal 0.7; full fine-tuning of a 71M-parameter model against LoRA on it, goal 0.5, with MFU);
+#            with two or more GPUs the ddp case (NCCL);
 #   multi_gpu (core, all; only with two or more GPUs) the worker's data-parallel path through real agents;
 #   network  (core, all) `infernet demo`: a submitter and two worker processes sharing the GPU, one job;
 #   bench_train (core, unsloth, all) scripts/bench_train.py --device cuda --shape qwen2.5-0.5b: the worker vs
@@ -46,8 +48,8 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUTDIR="$2"; shift 2;;
     --out=*) OUTDIR="${1#--out=}"; shift;;
-    all|core|qlora|unsloth|bench) SET="$1"; shift;;
-    *) echo "gpu_check: unknown argument '$1' (a set: all, core, qlora, unsloth, bench; or --out DIR)" >&2; exit 2;;
+    all|core|qlora|unsloth|kinds|bench) SET="$1"; shift;;
+    *) echo "gpu_check: unknown argument '$1' (a set: all, core, qlora, unsloth, kinds, bench; or --out DIR)" >&2; exit 2;;
   esac
 done
 mkdir -p "$OUTDIR" || { echo "gpu_check: cannot create $OUTDIR" >&2; exit 2; }
@@ -136,7 +138,8 @@ if [ "$SET" = all ] || [ "$SET" = core ]; then
 fi
 
 case "$SET" in
-  all) cases="peft_bf16 packed unsloth unsloth_packed ddp" ;;   # qlora: its own set (replays exactly; measured)
+  all) cases="peft_bf16 packed dpo full unsloth unsloth_packed ddp" ;;   # qlora: its own set (replays exactly; measured)
+  kinds) cases="dpo full" ;;   # issue 26: DPO and full fine-tuning on the GPU
   core) cases="peft_bf16 packed ddp" ;;
   unsloth) cases="unsloth unsloth_packed" ;;
   bench) cases="" ;;
