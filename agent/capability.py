@@ -119,7 +119,10 @@ class Capabilities:
         return self.machine
 
     async def publish(self) -> None:
-        await trio.to_thread.run_sync(self.refresh_machine)
+        """Our capability now, gossiped; with CUDA, the GPUs' free memory measured again first (in a thread:
+        without a GPU there is nothing to measure, and no thread is waited for)."""
+        if self.machine is not None and self.machine.cuda:
+            await trio.to_thread.run_sync(self.refresh_machine)
         cap = self.capability()
         try:  # gossip's publish opens our own envelope first and sends nothing that breaks the rules
             await self._publish(cap)
