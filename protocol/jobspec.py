@@ -39,6 +39,9 @@ import yaml
 
 from protocol.errors import SpecError
 from protocol.schedule import INNER_SCHEDULES  # the rate within a round (IPIP-0006 §2.5)
+# what the terms allow, read from them (one list each): the training methods, the aggregations full
+# fine-tuning may use, the DPO objective and its beta's bound
+from protocol.messages import FULL_AGGREGATIONS, MAX_DPO_BETA, OBJECTIVES, TRAINING_METHODS
 
 MAX_SPEC_BYTES = 1 << 20  # a job spec is a page of settings; 1 MiB is generous
 MAX_DEPTH = 16  # the spec nests 3 deep; the cap keeps the recursive composer off the stack limit
@@ -62,12 +65,9 @@ REPORT_CODECS = ("none", "int8", "int4")  # a report's end state: whole tensors,
 # The outer optimizer a spec gets when it names none; chosen from scripts/bench_quality.py (IPIP-0006 §2.4).
 OUTER_DEFAULT = {"optimizer": "none", "lr": 1.0, "momentum": 0.0}
 MIN_SHARDS_FOR_ROBUST = 3  # a median or trimmed mean of two updates is just their mean
-TYPES = ("sft", "dpo")  # the terms' TrainingTerms.objective
+TYPES = OBJECTIVES  # `type` is the terms' TrainingTerms.objective
 FORMATS = ("chatml", "preference")  # input.format: what a record is
 FORMAT_OF_TYPE = {"sft": "chatml", "dpo": "preference"}
-MAX_DPO_BETA = 100.0  # the terms' (protocol/messages.py MAX_DPO_BETA)
-TRAINING_METHODS = ("lora", "qlora", "full")  # the terms' (protocol/messages.py)
-FULL_AGGREGATIONS = ("fedavg", "median", "trimmed_mean")  # the terms' (protocol/messages.py)
 
 
 # --- rules: what one value must be -------------------------------------------------------------
