@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_ABS_VALUE = 1e4
+# what a full fine-tuning's adapter_config.json says (IPIP-0005 §6.3): its adapter_model.safetensors holds weights
+FULL_CONFIG = {"infernet_method": "full"}
 
 HEADER_FIELDS = ("job_id", "round", "shard", "attempt", "worker", "seed", "checkpoint_every", "base_model_sha256")
 """The proof header's fields that must equal the report's and the job's (R2), in the order checked."""
@@ -67,7 +69,7 @@ def adapter_refusal(config: Mapping[str, Any], tensors: Sequence[TensorFacts], r
     factor is among its tensors; which weights, and their shapes, the replay of its start holds to the job
     (IPIP-0005 §8 rule 5)."""
     if method == "full":
-        if config.get("infernet_method") != "full":
+        if any(config.get(key) != value for key, value in FULL_CONFIG.items()):
             return "the job fine-tunes every weight, but the report's adapter_config.json does not say full"
         if any("lora_" in t.name for t in tensors):
             return next(f"{t.name}: a LoRA factor in a full fine-tuning's weights" for t in tensors if "lora_" in t.name)

@@ -20,11 +20,14 @@ Rules of this file:
   unsloth job's verifier must offer unsloth itself: unsloth replays its own segments exactly on the
   same GPU class, where peft replaying them drifted 1.7 % (> the 1 % tolerance) on an H200 (issue 22).
 - An empty list means the peer fits. Reasons are one line each, naming the number that failed.
+- ``full_size_refusal`` is the size rule of ``method: full`` (IPIP-0007): a base model of more than
+  ``FULL_MAX_PARAMETERS`` parameters is not fully fine-tuned; the submitter, a local run and a worker
+  each apply it to the parameters of their own copy of the model.
 """
 
 from __future__ import annotations
 
-from protocol.messages import Capability, JobTerms
+from protocol.messages import FULL_MAX_PARAMETERS, Capability, JobTerms
 
 GPU_RUNTIMES = frozenset({"unsloth"})
 
@@ -98,3 +101,12 @@ def replay_refusals(cap: Capability, terms: JobTerms) -> list[str]:
         reasons.append(f"replaying this job needs runtime {terms.runtime} (peft's kernels drift from it past the "
                        f"tolerance); this agent offers {', '.join(cap.backends) or 'none'}")
     return reasons
+
+
+def full_size_refusal(parameters: int) -> str | None:
+    """Why a base model of ``parameters`` parameters may not be fully fine-tuned (None: it may)."""
+    if parameters <= FULL_MAX_PARAMETERS:
+        return None
+    return (f"method full: the base model has {parameters / 1e6:.0f}M parameters, more than the "
+            f"{FULL_MAX_PARAMETERS / 1e6:.0f}M full fine-tuning allows (its weights and AdamW state must fit a "
+            "1 GiB bundle); use method lora")

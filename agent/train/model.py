@@ -26,6 +26,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from protocol.acceptance import FULL_CONFIG  # what a full fine-tuning's adapter_config.json says (R4)
+from protocol.fit import full_size_refusal  # the size rule of method: full
 from protocol.proof import TensorRecord, lora_a_seed, tensor_set_hash
 
 ADAPTER_NAME = "default"
@@ -225,17 +227,6 @@ def parameters_on_disk(model_dir: str | Path) -> int:
                if isinstance(info, dict))
 
 
-def full_size_refusal(parameters: int) -> str | None:
-    """Why a base model is too large for full fine-tuning (None: it is not); the limit is the protocol's."""
-    from protocol.messages import FULL_MAX_PARAMETERS
-
-    if parameters <= FULL_MAX_PARAMETERS:
-        return None
-    return (f"method full: the base model has {parameters / 1e6:.0f}M parameters, more than the "
-            f"{FULL_MAX_PARAMETERS / 1e6:.0f}M full fine-tuning allows (its weights and AdamW state must fit a "
-            "1 GiB bundle); use method lora")
-
-
 def model_refusal(method: str, target_modules: Sequence[str], model_dir: str | Path) -> str | None:
     """Why a job's settings do not fit a base model on disk, read off its headers (None: they fit): full
     fine-tuning past the size limit, or LoRA targets the model does not have."""
@@ -343,7 +334,8 @@ def saved_full(directory: Path) -> bool:
     import json
 
     try:
-        return json.loads((directory / "adapter_config.json").read_text()).get("infernet_method") == "full"
+        config = json.loads((directory / "adapter_config.json").read_text())
+        return all(config.get(key) == value for key, value in FULL_CONFIG.items())
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -386,7 +378,6 @@ def save_adapter(directory: Path, model: Any, tensors: Mapping[str, torch.Tensor
     model.peft_config[ADAPTER_NAME].save_pretrained(str(directory))
 
 
-FULL_CONFIG = {"infernet_method": "full"}  # adapter_config.json of a full fine-tuning's weights (acceptance R4)
 FULL_MARKER_FILE = "infernet_full.json"
 BASE_FILES_SKIPPED = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".msgpack", ".h5", ".gguf")
 

@@ -127,3 +127,12 @@ def test_lease_history_vectors():
         shards = [ShardState(s["index"], ShardPhase(s["phase"]), 1, s["worker"]) for s in case["shards"]]
         refusal = history_refusal(case["worker"], case["coordinator"], verdicts, shards)
         assert (refusal is None) == case["lease"], case["name"]
+
+
+def test_the_size_rule_of_full_fine_tuning():
+    from protocol.fit import full_size_refusal
+    from protocol.messages import FULL_MAX_PARAMETERS
+
+    assert full_size_refusal(FULL_MAX_PARAMETERS) is None
+    refusal = full_size_refusal(FULL_MAX_PARAMETERS + 1)
+    assert refusal is not None and "more than the 80M full fine-tuning allows" in refusal and "\n" not in refusal

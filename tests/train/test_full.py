@@ -12,10 +12,11 @@ from safetensors.torch import load_file
 
 from agent.train.config import TrainError
 from agent.train.model import (
-    FULL_MARKER_FILE, as_model_dir, full_size_refusal, model_refusal, parameters_on_disk,
+    FULL_MARKER_FILE, as_model_dir, model_refusal, parameters_on_disk,
 )
 from agent.train.replay import verify_segment
 from agent.train.run import POOL, TrainRequest, train_shard
+from protocol.fit import full_size_refusal
 from protocol.messages import FULL_MAX_PARAMETERS
 from protocol.proof import Commitment
 
@@ -76,7 +77,7 @@ def test_a_base_model_past_the_size_limit_is_refused_in_one_line(tiny_model_dir,
     assert model_refusal("full", ("nope",), tiny_model_dir) is None  # target_modules do not matter to full
     assert "not a linear layer" in model_refusal("lora", ("nope",), tiny_model_dir)
     # the tiny model (about 1M parameters) against a limit below it: refused at announce and at the build
-    monkeypatch.setattr("protocol.messages.FULL_MAX_PARAMETERS", 100_000)
+    monkeypatch.setattr("protocol.fit.FULL_MAX_PARAMETERS", 100_000)
     assert "more than the 0M full fine-tuning allows" in model_refusal("full", (), tiny_model_dir)
     POOL.clear()
     from agent.train.run import build_lora_model
