@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import tempfile
+from functools import partial
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -390,7 +391,7 @@ async def estimate(agent: "Agent", spec: Any, dataset: Path, model_path: str, *,
     from agent.train.runner import run_torch
     from agent.train import base_model_sha256
 
-    plan = await trio.to_thread.run_sync(agent.submitter.shard_plan, spec, dataset)  # kept for the announce
+    plan = await trio.to_thread.run_sync(partial(agent.submitter.shard_plan, spec, dataset, keep=True))  # for the announce
     counted = await trio.to_thread.run_sync(run_torch, count_tokens, spec, plan, model_path)
     digest = bytes.fromhex(await trio.to_thread.run_sync(base_model_sha256, model_path))
     result = mk.estimate(shard_tokens=counted["shard_tokens"], shard_steps=counted["shard_steps"],

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,7 +68,30 @@ class ShardPlan:
     split: Any  # agent/train/data.Split
 
 
-PLANS_KEPT = 2  # an estimate's plan is kept for the announce that follows it
+class RecentFiles:
+    """What was made from a file, kept for the next request about the same file state (path, size, mtime,
+    plus the caller's settings): at most ``keep`` entries, the oldest dropped first; thread-safe (plans are
+    made in worker threads). ``take`` hands an entry out and forgets it."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._entries: dict[tuple, Any] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(path: str | Path, *settings: Any) -> tuple:
+        state = Path(path).stat()
+        return (str(Path(path).resolve()), state.st_size, state.st_mtime_ns, *settings)
+
+    def get(self, key: tuple, *, take: bool = False) -> Any:
+        with self._lock:
+            return self._entries.pop(key, None) if take else self._entries.get(key)
+
+    def put(self, key: tuple, value: Any) -> None:
+        with self._lock:
+            self._entries[key] = value
+            while len(self._entries) > self.keep:
+                del self._entries[next(iter(self._entries))]
 
 
 class SubmitterRole:
@@ -80,9 +104,8 @@ class SubmitterRole:
         self.agent = agent
         self._keeping: set[tuple[bytes, str]] = set()  # (job, cid) copies under way
         self._keep_locks: dict[tuple[bytes, str], trio.Lock] = {}  # (job, cid) fetched now, one at a time
-        self._plans: dict[tuple, ShardPlan] = {}  # the last PLANS_KEPT plans, by dataset file and split settings
-        self._plans_lock = threading.Lock()  # plans are made in worker threads
-        self._specs: dict[tuple, Any] = {}  # the last PLANS_KEPT specs read, by file state
+        # an estimate's spec and dataset plan, for the announce that follows it (the plan is taken by it)
+        self._specs, self._plans = RecentFiles(), RecentFiles()
 
     def spec_of(self, path: str | Path) -> Any:
         """The job spec in file ``path`` (agent/specfile.load_spec: SpecError, one line, for a bad one), read
@@ -90,38 +113,32 @@ class SubmitterRole:
         from agent.specfile import load_spec
 
         try:
-            state = Path(path).stat()
-            key = (str(Path(path).resolve()), state.st_size, state.st_mtime_ns)
+            key = RecentFiles.key(path)
         except OSError:
             return load_spec(path)  # says what is wrong with the path
-        if key not in self._specs:
-            self._specs[key] = load_spec(path)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = load_spec(path)
             self.agent.counters["spec_reads"] += 1
-            while len(self._specs) > PLANS_KEPT:
-                del self._specs[next(iter(self._specs))]
-        return self._specs[key]
+            self._specs.put(key, spec)
+        return spec
 
-    def shard_plan(self, spec: Any, dataset: Path) -> ShardPlan:
-        """The dataset's plan for ``spec`` (in a worker thread): made once per file state (path, size, mtime)
-        and split settings, so the estimate before an announce and the announce share one read and split.
-        DataError (one line) for a dataset that cannot be trained."""
+    def shard_plan(self, spec: Any, dataset: Path, *, keep: bool) -> ShardPlan:
+        """The dataset's plan for ``spec`` (in a worker thread): an estimate's (``keep``) is kept for the
+        announce after it, which takes it (``keep`` False), so a dataset's records stay in memory no longer
+        than between the two. DataError (one line) for a dataset that cannot be trained."""
         from agent.train import split_dataset
         from agent.train.data import check_dataset
 
-        state = Path(dataset).stat()
-        key = (str(Path(dataset).resolve()), state.st_size, state.st_mtime_ns, spec.shards,
-               spec.input.validation_split, spec.seed, spec.input.format)
-        with self._plans_lock:
-            plan = self._plans.get(key)
-        if plan is not None:
-            return plan
-        records = check_dataset(dataset, spec.shards, spec.input.validation_split, spec.seed, spec.input.format).records
-        plan = ShardPlan(records, split_dataset(len(records), spec.shards, spec.input.validation_split, spec.seed))
-        self.agent.counters["dataset_plans"] += 1
-        with self._plans_lock:
-            self._plans[key] = plan
-            while len(self._plans) > PLANS_KEPT:
-                del self._plans[next(iter(self._plans))]
+        settings = (spec.shards, spec.input.validation_split, spec.seed, spec.input.format)
+        key = RecentFiles.key(dataset, *settings)
+        plan = self._plans.get(key, take=not keep)
+        if plan is None:
+            records = check_dataset(dataset, *settings).records
+            plan = ShardPlan(records, split_dataset(len(records), spec.shards, spec.input.validation_split, spec.seed))
+            self.agent.counters["dataset_plans"] += 1
+        if keep:
+            self._plans.put(key, plan)
         return plan
 
     async def fetch_dataset(self, cid: str) -> Path:
@@ -151,7 +168,7 @@ class SubmitterRole:
         problem = await trio.to_thread.run_sync(model_refusal, spec.method, spec.lora.target_modules, base_model_path)
         if problem is not None:
             raise SubmitRefused(f"{problem} ({spec.base_model})")
-        plan = await trio.to_thread.run_sync(self.shard_plan, spec, dataset)
+        plan = await trio.to_thread.run_sync(partial(self.shard_plan, spec, dataset, keep=False))
         records, split = plan.records, plan.split
         out = agent.work_dir / f"submit-{int(agent.clock() * 1000)}"
         out.mkdir(parents=True)
