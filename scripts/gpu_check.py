@@ -162,6 +162,15 @@ def run_case(name: str, config, shard: Path, work: Path, backend_name: str, devi
         emit(f"gpu_{name}_tokens_per_s", round(rate, 1), "tokens/s", round(bare, 1), rate / bare, 0.95, env=env,
              shape=shape, mfu=None if utilisation is None else round(utilisation, 4),
              bare_mfu=None if utilisation is None else round(utilisation * bare / rate, 4))
+        # the same bare loop under the worker's own determinism (IPIP-0005 §8.2, what the process runs in now):
+        # worker against it is what the recording, hashing and checkpointing cost; it against the stock loop is
+        # what exact replay costs
+        tokens, seconds = bare_loop(config.with_(device=device), shard)
+        strict = tokens / seconds
+        emit(f"gpu_{name}_vs_bare_same_mode_tokens_per_s", round(rate, 1), "tokens/s", round(strict, 1), rate / strict,
+             0.95, env=env, deterministic=torch.are_deterministic_algorithms_enabled(),
+             warn_only=torch.is_deterministic_algorithms_warn_only_enabled())
+        emit(f"gpu_{name}_determinism_speed", round(strict, 1), "tokens/s", round(bare, 1), strict / bare, 0.9, env=env)
     runtimes = ("unsloth", "peft") if backend_name == "unsloth" else (None,)
     for runtime in runtimes:
         verdict, tolerance, replay, index = replay_last_segment(a, shard, config, runtime)
