@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import trio
+
 from agent.store import StoreFullError
 from protocol.cid import parse_cid
 from protocol.errors import CIDError
@@ -45,6 +47,8 @@ from protocol.unixfs import child_cids
 if TYPE_CHECKING:
     from agent.content.blockstore import BlockStore
     from protocol.mirror import JobMirror
+
+ActiveShard = tuple[bytes, int, int, int]  # a shard we train now: (job ID, round, shard, attempt)
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +268,42 @@ class Disk:
         self._after_last_claim: int | None = None  # our work's use just after the last claim's check
         self._peak = 0  # the most our work used since then (measured before each collection)
         self._growths: deque[int] = deque(maxlen=RESERVE_OVER)  # growth of our work between recent claims
+        # blocks we added for a round of a job that no message may name yet (a proof's checkpoints, a
+        # report or aggregate not yet published): kept from collection while the round is live
+        self.held: dict[bytes, dict[int, set[str]]] = {}
+        self._lock = trio.Lock()  # one collection at a time
+
+    def hold(self, job_id: bytes, rnd: int, cid: Any) -> None:
+        """Keep ``cid``, added for round ``rnd`` of the job, from collection while that round is live,
+        though no message names it."""
+        self.held.setdefault(job_id, {}).setdefault(rnd, set()).add(str(cid))
+
+    async def collect_jobs(self, views: Iterable["JobMirror"], me: str, active: Iterable[ActiveShard],
+                           blocks: "BlockStore") -> None:
+        """Delete the blocks and work directories none of ``views`` (the jobs we follow) needs any more,
+        ``active`` (our shards in training) and what we hold kept, measuring the home's use before and
+        after; in a worker thread, one collection at a time."""
+        busy: dict[bytes, list[tuple[int, int, int]]] = {}
+        for job_id, rnd, shard, attempt in active:
+            busy.setdefault(job_id, []).append((rnd, shard, attempt))
+        plans = [plan_job(view, me, busy.get(view.job_id, ()), self.held.get(view.job_id, {})) for view in views]
+        for plan in plans:  # what the plans no longer hold is forgotten
+            held = self.held.get(plan.job_id, {})
+            for rnd in [r for r in held if r < plan.oldest]:
+                del held[rnd]
+
+        def run() -> None:
+            self.observe()
+            found = collect(self.work, blocks, plans, grace=self.grace)
+            self.account(found)
+            if found:
+                self.observe()
+                log.info("disk: collected %d blocks and %d work directories (%.1f MB) no job needs; home uses "
+                         "%.1f MB", found.blocks, found.dirs, found.bytes / 1e6, self.usage.total / 1e6)
+
+        async with self._lock:
+            await trio.to_thread.run_sync(run)
+            self.collected_at = trio.current_time()
 
     def observe(self) -> Usage:
         """Measure the use now (a worker thread: it walks the home)."""

@@ -16,28 +16,20 @@ Rules of this file:
   heartbeats arrive (protocol/election.live_peers); a job's coordinator is elected among live peers
   whose capability can coordinate *that job* (protocol/election.eligible_for_job: it holds the base
   model and, for GPU jobs, a GPU), ourselves judged by the capability we last published.
-- Following jobs (``follow_job``): an announcement by its submitter is followed once, within
-  ``MAX_JOBS_FOLLOWED`` jobs in all and ``MAX_LIVE_JOBS_PER_SUBMITTER`` unended jobs per announcing
-  peer (one identity cannot fill the room; IPIP-0004 §13). Our own jobs are held to the same limit
-  when we announce them (agent/roles/submitter.py), so every follower can follow all of them. An
-  ended job is forgotten ``Tasks.retention`` seconds after its tasks ended, or at once when a new
-  job needs its room (the one that ended first goes first; never one whose tasks still run in their
-  end grace: then the new job is refused): its mirror leaves ``jobs``, the roles drop what they kept
-  for it (``forget``), its topic is left (``_leaving`` until done: it is not followed again before)
-  and its reader ends. The store keeps it: ``load_job_view`` rebuilds it in the store's worker
-  thread, the last ``REBUILT_VIEWS`` rebuilt ended jobs kept in memory, and an announcement of a job
-  our store holds as ended is not followed.
+- Following jobs (agent/following.py ``Following``): an announcement by its submitter is followed once,
+  within ``MAX_JOBS_FOLLOWED`` jobs in all and ``MAX_LIVE_JOBS_PER_SUBMITTER`` unended jobs per announcing
+  peer (IPIP-0004 §13); an ended job is forgotten after ``Tasks.retention`` seconds, or when a new job
+  needs its room. The store keeps it: ``load_job_view`` rebuilds it in the store's worker thread, the
+  last ``REBUILT_VIEWS`` rebuilt ended jobs kept in memory (agent/jobbook.py).
 - What we offer (agent/capability.py ``Capabilities``): hardware measured at start (agent/hardware.py),
   the base models we hold hashed (once per file size and mtime, the hashes kept in the store), our
   measured speeds; all go into the signed ``cap``, which goes out with the heartbeats that service
   sends, and at once to a peer that arrives or when what we offer changes.
 - A restarted submitter learns what it missed from its live peers (sync.submitter_catch_up) and
   changes no election view until it has heard peers for ``missed_heartbeats`` heartbeats.
-- Election view: a job's coordinator is elected once the job has been known for ``grace_seconds``
-  (so that peers whose views converged agree on term 1), and stays until it falls silent; then the
-  next peer by rendezvous takes the job with term + 1 (protocol/election.Coordination). A peer acts
-  as coordinator only while its own view says so. Both the view changes and acting as coordinator
-  need the job's submitter to be heard: in a partition the submitter's side decides.
+- Elections, the state machines' timers, rebuilds of a diverged mirror and taking a job over run on one
+  clock, ``JobClock`` (agent/jobclock.py); a peer acts as a job's coordinator only while its own view
+  says so (``is_coordinator``).
 - A job-topic message is recorded in the store once it applies to our mirror (a held one when it
   finally applies), in the order it applied, and before any action it caused is carried out; what
   our mirror refuses (a flood of well-signed junk from many identities, say) is never written to disk
@@ -86,27 +78,21 @@ from agent.ledger_sync import sync_loop as ledger_sync_loop
 from agent.roles.coordinator import CoordinatorRole
 from agent.roles.keep import KeepService
 from agent.roles.submitter import SubmitterRole
-from agent.roles.sync import (
-    RESYNC_INTERVAL, SyncService, catch_up, needs_resync, resync, stalled, submitter_catch_up,
-)
+from agent.roles.sync import SyncService, catch_up, resync, submitter_catch_up
 from agent.roles.worker import WorkerRole
 from agent.store import Store, StoreFullError
 from agent.peers import PeerInfo, PeerTable  # noqa: F401 - PeerInfo re-exported (tests, harness)
-from agent.jobbook import TERMINAL_STATES, JobBook
+from agent.jobbook import JobBook
+from agent.following import Following
+from agent.jobclock import JobClock
 from agent.tasks import Tasks
 from agent.writer import StoreWriter
-from agent.supervise import supervised
 from protocol import messages as m
 from protocol.mirror import JobMirror, Outcome
-from protocol import state as st
-from protocol.election import keep_or_elect
 from protocol.identity import Identity
 
 log = logging.getLogger(__name__)
 
-MAX_JOBS_FOLLOWED = 256  # jobs followed at once; an ended job makes room for a new one
-# jobs not yet ended followed per announcing peer; we announce no more of our own (IPIP-0004 §13)
-MAX_LIVE_JOBS_PER_SUBMITTER = st.MAX_LIVE_JOBS_PER_SUBMITTER
 
 
 STORE_OPEN_WAIT = 120  # seconds an agent starting on a full disk waits for room to open its store
@@ -114,9 +100,6 @@ STORE_OPEN_WAIT = 120  # seconds an agent starting on a full disk waits for room
 
 class AgentStopped(Exception):
     """The agent was stopped before it had started (a SIGTERM while it waited to open its store)."""
-
-
-FIRST_VIEW_WAIT = 5.0  # seconds past the grace a job's first election view waits for live peers' capabilities
 
 
 class Agent:
@@ -173,16 +156,22 @@ class Agent:
         self.service, self.one_shot, self.spawn = self.tasks.service, self.tasks.one_shot, self.tasks.spawn
         self.spawn_in_job, self.wait_until = self.tasks.spawn_in_job, self.tasks.wait_until
         self._notify = self.tasks.notify
-        self._coordinating: set[bytes] = set()  # jobs whose pending work we took over as coordinator
-        self._resyncing: set[bytes] = set()  # jobs whose mirror is being rebuilt (agent/roles/sync.py)
-        self._last_resync: dict[bytes, float] = {}
+        # which jobs we follow, their topics read, resumed after a restart, forgotten (agent/following.py)
+        self.following = Following(self.peer_id, clock, self.counters, self.book, self.tasks, self.writer,
+                                   lambda: self.net, lambda: self.content.store, trains=self.worker is not None,
+                                   receive=self.on_job_message, settled=lambda view: self.apply_actions(view, ()),
+                                   catch_up=partial(catch_up, self), submitter_catch_up=partial(submitter_catch_up, self),
+                                   on_follow=self._followed, on_resume=self._resumed, on_forget=self._forgotten,
+                                   observer=self.hooks.observer)
+        # elections, the state machines' timers, rebuilds, taking a job over (agent/jobclock.py)
+        self.jobclock = JobClock(self.peer_id, config.grace_seconds, clock, self.peer_table, self.jobs, self.tasks,
+                                 self.coordinator, commit=self.commit, ledger=self.ledger,
+                                 rebuild=partial(resync, self), catch_up_submitter=partial(submitter_catch_up, self),
+                                 refuse_work=self.refuse_work)
         from agent.market import Reputations
 
         self.reputations = Reputations(self)
-        self._disk_lock = trio.Lock()  # one disk collection at a time
-        # blocks we added for a round of a job that no message may name yet (a proof's checkpoints, a
-        # report or aggregate not yet published): kept from collection while the round is live
-        self.held: dict[bytes, dict[int, set[str]]] = {}
+        self.hold = self.disk.hold  # a block no message names yet, kept from collection (agent/disk.py)
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -278,12 +267,13 @@ class Agent:
             self.service("store writer", self.writer.run)
             self.service("event loop watch", self.loopwatch.run)
             self.service("disk collection", self._collect_disk_loop)
-            await self._resume_jobs()
+            await self.following.resume_jobs()
             jobs_topic = await self.net.gossip.subscribe(m.TOPIC_JOBS)
             self.service("jobs topic reader", self._read_jobs_topic, jobs_topic)
-            self.service("heartbeats", self.capabilities.heartbeats, self._coordinating_terms,
+            self.service("heartbeats", self.capabilities.heartbeats, self.jobclock.coordinating_terms,
                          lambda: len(self.worker.active) if self.worker else 0)
-            self.service("ticks", self._ticks)
+            # (file hashes taken in training, replay or verification threads are saved after each pass)
+            self.service("ticks", self.jobclock.run, self.capabilities.save_file_hashes)
             self.service("ledger sync", ledger_sync_loop, self, self.ledger_sync_interval)
             self.service("discovery", partial(self.net.discovery.maintain, advertise=self.worker is not None,
                                               interval=10.0))
@@ -301,27 +291,6 @@ class Agent:
 
     # -- peers and election ----------------------------------------------------------------------
 
-    def update_election(self, view: JobMirror, now: float) -> None:
-        """Elect after the grace period; replace a coordinator that fell silent (term + 1). The first view
-        also waits (at most ``FIRST_VIEW_WAIT`` s more) for the capability of every live peer: a peer whose
-        capability we lack is not eligible in our view, and two peers that each lacked the other's both
-        elected themselves in term 1 (the CLI job test under load; IPIP-0006 §1.3 rule 8 resolves it)."""
-        if now - view.first_seen < self.config.grace_seconds or view.state.terminal:
-            return
-        if view.coordination.term == 0 and now - view.first_seen < self.config.grace_seconds + FIRST_VIEW_WAIT and \
-                any(self.peer_table.capability_of(p) is None for p in self.live_peers()):
-            return
-        if not self.hears_submitter(view, settled=True):
-            return  # cut off from the submitter (or just back): its side decides; we wait
-        before = view.coordination
-        view.coordination = keep_or_elect(before, self.eligible_coordinators(view.terms))
-        if before.coordinator is not None and view.coordination.coordinator != before.coordinator:
-            log.info("job %s: coordinator %s went silent; %s takes over in term %d",
-                     view.job_id.hex()[:8], before.coordinator[-8:], (view.coordination.coordinator or "none")[-8:],
-                     view.coordination.term)
-            self.ledger(view.job_id, "coordinator", {"term": view.coordination.term,
-                                                     "coordinator": view.coordination.coordinator or ""})
-
     def local_model(self, terms: m.JobTerms) -> str | None:
         """Our local copy of a job's base model (``models`` by name, or the path itself), or None."""
         models = dict(self.config.models)
@@ -330,12 +299,8 @@ class Agent:
         return terms.base_model if Path(terms.base_model).is_dir() else None
 
     def is_coordinator(self, view: JobMirror) -> bool:
-        """Do we act as the job's coordinator now? Our view names us, its grace period is over, we hear
-        the submitter, and our mirror is not catching up on history: a coordinator restarted from its
-        store believed itself term 1's coordinator again while the others had moved to term 2, and the
-        two granted conflicting leases until the job ran out of attempts (the soak, issue 21)."""
-        return view.coordination.is_coordinator(self.peer_id) and not view.catching_up and \
-            self.clock() - view.first_seen >= self.config.grace_seconds and self.hears_submitter(view)
+        """Do we act as the job's coordinator now? (agent/jobclock.py)"""
+        return self.jobclock.is_coordinator(view)
 
     # -- gossip in ---------------------------------------------------------------------------------
 
@@ -367,183 +332,33 @@ class Agent:
                 if view is not None and signer == view.terms.submitter:
                     await self.commit(view, view.cancel(msg.reason, now))
 
-    async def _resume_jobs(self) -> None:
-        """Rebuild the mirror of every unfinished job in our store, as if its messages arrived again.
-
-        A restarted agent carries on where it was: the stored envelopes of each job's topic are
-        replayed in stored order (``JobMirror.replay``: our own decisions as when we made them), with
-        each envelope's own timestamp as the clock. The election view starts over with a fresh grace
-        period, so we do not crown ourselves before the peers' heartbeats
-        arrive; lease expiry and take-over then follow from the ticks as for any job.
-        """
-        for record in self.store.jobs():
-            if record.state in TERMINAL_STATES:
-                continue
-            view = self.rebuild_view(record)
-            view.catching_up = record.terms.submitter != self.peer_id  # until the submitter's history is in
-            self.book.add(view)
-            await self.nursery.start(self.tasks.own_job, record.job_id)
-            log.info("job %s: resumed from the store: %s, round %d, term %d", record.job_id.hex()[:8],
-                     view.state.phase.value, view.state.round, view.coordination.term)
-            if view.state.phase.value != record.state:  # queued: a full disk makes us refuse work, not stop
-                self.write_soon(self.store.update_job, record.job_id, self.clock(), state=view.state.phase.value,
-                                round=view.state.round)
-            subscription = await self.net.gossip.subscribe(m.job_topic(record.job_id))
-            self.nursery.start_soon(partial(self._read_job_topic, view, subscription, True, resumed=True))  # supervised
-            if record.terms.submitter == self.peer_id:
-                self.spawn_in_job(view.job_id, self.submitter.resume, view)
-            if self.worker is not None:
-                self.worker.consider(view)
-                self.spawn_in_job(view.job_id, self.worker.release_stale, view)
-            self.one_shot(f"job {view.job_id.hex()[:8]}: provide again", self._provide_again, view)
-
-    async def _provide_again(self, view: JobMirror) -> None:
-        """After a restart our address changed: provide again the job's aggregates and adapters we hold."""
-        from protocol.cid import parse_cid
-
-        cids = [a.adapter_cid for a in view.aggregates.values()]
-        cids += [report.adapter_cid for report, _ in view.reports.values()]
-        for text in cids:
-            cid = parse_cid(text)
-            if self.content.store.has(cid):
-                with trio.move_on_after(30):
-                    await self.net.discovery.provide(cid)
-
     async def follow_job(self, terms: m.JobTerms, signer: str, envelope: bytes | None = None) -> JobMirror | None:
-        """Start following a job we saw announced (once); subscribe to its topic."""
-        job_id = terms.job_id()
-        if job_id in self.jobs:
-            return self.jobs[job_id]
-        if signer != terms.submitter:
-            log.warning("job %s announced by %s, not its submitter; ignored", job_id.hex()[:8], signer[-8:])
-            return None
-        if job_id in self.book.leaving:  # forgotten a moment ago: its topic is still being left (forget_job)
-            if signer != self.peer_id:  # the jobs topic's reader waits for nobody: its next announcement will do
-                log.debug("job %s: its topic is still being left; not followed again yet", job_id.hex()[:8])
-                return None
-            await self.wait_until(lambda: job_id not in self.book.leaving, 15)  # leave() gives up after 10 s
-            if job_id in self.jobs:
-                return self.jobs[job_id]
-        if signer != self.peer_id and self.store.pending():
-            await self.flush_writes()  # _room_to_follow reads the job's row: that of a job just forgotten is queued
-            if job_id in self.jobs:
-                return self.jobs[job_id]
-        if signer != self.peer_id and not self._room_to_follow(job_id, signer):
-            return None
-        now = self.clock()
-        role = "submitter" if signer == self.peer_id else ("worker" if self.worker else "observer")
-        if not self.stored(self.store.add_job, terms, role, now):
-            if signer == self.peer_id:
-                raise StoreFullError(self.store_full or "the store cannot be written")
-            return None  # we cannot keep its evidence: we do not follow it (refused, logged)
-        if envelope is not None:
-            self.stored(self.store.record, envelope, now)
-        view = JobMirror(terms, now, self.peer_id)
-        view.catching_up = signer != self.peer_id  # until the submitter's history is in (_read_job_topic)
-        self.book.add(view)
-        await self.nursery.start(self.tasks.own_job, job_id)
-        subscription = await self.net.gossip.subscribe(m.job_topic(job_id))
-        # the job may have a history we missed (we joined late, or were down): ask its submitter
-        self.nursery.start_soon(self._read_job_topic, view, subscription, True)  # its reading loop is supervised
-        if self.worker is not None:
-            self.worker.consider(view)
-        return view
-
-    def _room_to_follow(self, job_id: bytes, signer: str) -> bool:
-        """May we follow a job ``signer`` (not us) announced? Not if our store holds it as ended (we
-        forgot it: an old announcement came again), nor past ``MAX_LIVE_JOBS_PER_SUBMITTER`` unended
-        jobs of that signer, nor past ``MAX_JOBS_FOLLOWED`` unended jobs; an ended job, the one that
-        ended first, is forgotten to make room, never one whose tasks still run (its end grace)."""
-        record = self.store.job(job_id)
-        if record is not None and record.state in TERMINAL_STATES:
-            return False
-        live = [v for v in self.jobs.values() if not v.state.terminal]
-        if len(self.unended_jobs(signer)) >= MAX_LIVE_JOBS_PER_SUBMITTER:
-            self.counters["jobs_not_followed"] += 1
-            log.debug("job %s: %s already has %d jobs we follow; not followed", job_id.hex()[:8], signer[-8:],
-                      MAX_LIVE_JOBS_PER_SUBMITTER)
-            return False
-        if len(self.jobs) < MAX_JOBS_FOLLOWED:
-            return True
-        if len(live) >= MAX_JOBS_FOLLOWED:
-            self.counters["jobs_not_followed"] += 1
-            log.debug("job %s: we follow %d jobs already; not followed", job_id.hex()[:8], len(live))
-            return False
-        # an ended job whose tasks still run (its end grace: the decision that ended it being published)
-        # is never forgotten: without any other, the new job is refused as when all are live
-        ended = [j for j, v in self.jobs.items() if v.state.terminal and j not in self.job_tasks]
-        if not ended:
-            self.counters["jobs_not_followed"] += 1
-            log.debug("job %s: we follow %d jobs already, none ended long enough to forget; not followed",
-                      job_id.hex()[:8], len(self.jobs))
-            return False
-        now = self.clock()
-        self.forget_job(min(ended, key=lambda j: self.tasks.ended_at.get(j, now)))
-        return True
+        """Start following a job we saw announced (once; agent/following.py)."""
+        return await self.following.follow_job(terms, signer, envelope)
 
     def forget_job(self, job_id: bytes) -> None:
-        """Stop following a job that ended: its mirror leaves ``jobs`` (it counts no more toward
-        MAX_JOBS_FOLLOWED), its tasks are cancelled, its topic is left (in the background, within 10 s)
-        and its reader ends. The store keeps the job and its evidence."""
-        view = self.jobs.get(job_id)
-        if view is None or not view.state.terminal:
-            return
-        del self.jobs[job_id]
-        self.writer.forget(job_id)
-        self._last_resync.pop(job_id, None)
-        self._coordinating.discard(job_id)
-        self.tasks.drop(job_id)
+        """Stop following a job that ended (agent/following.py); the store keeps it."""
+        self.following.forget_job(job_id)
+
+    def _followed(self, view: JobMirror) -> None:
+        if self.worker is not None:
+            self.worker.consider(view)
+
+    def _resumed(self, view: JobMirror) -> None:
+        """A job of our store taken up again after a restart: by us as its submitter, by our worker."""
+        if view.terms.submitter == self.peer_id:
+            self.spawn_in_job(view.job_id, self.submitter.resume, view)
+        if self.worker is not None:
+            self.worker.consider(view)
+            self.spawn_in_job(view.job_id, self.worker.release_stale, view)
+
+    def _forgotten(self, job_id: bytes) -> None:
+        """A job we no longer follow: every role drops what it kept for it."""
+        self.jobclock.forget(job_id)
         self.coordinator.forget(job_id)
         if self.worker is not None:
             self.worker.forget(job_id)
         self.ledger_service.forget(job_id)
-        log.info("job %s: ended (%s); no longer followed", job_id.hex()[:8], view.state.phase.value)
-        self.book.leaving.add(job_id)  # not followed again until its topic is left (a new subscription would be closed)
-
-        async def leave() -> None:
-            try:
-                with trio.move_on_after(10):
-                    await self.net.gossip.unsubscribe(m.job_topic(job_id))
-            finally:
-                self.book.leaving.discard(job_id)
-                self._notify()
-
-        self.nursery.start_soon(leave)
-        self._notify()
-
-    async def _read_job_topic(self, view: JobMirror, subscription: Any, catch_up_first: bool = False, *,
-                              resumed: bool = False) -> None:
-        """Apply the job topic's messages to our mirror; first, if asked, catch up on the job's history
-        from its submitter, or, if we are the submitter and ``resumed`` it after a restart, from its
-        live peers (live messages wait in the subscription meanwhile; agent/roles/sync.py)."""
-        synced: set[bytes] = set()
-        try:
-            if catch_up_first and view.terms.submitter != self.peer_id:  # (catching_up set when followed)
-                synced = await catch_up(self, view)
-            elif catch_up_first and resumed:
-                synced = await submitter_catch_up(self, view)
-        except StoreFullError as exc:
-            self.refuse_work(exc)
-        except Exception as exc:  # noqa: BLE001 - a failed catch-up is logged; live messages still apply
-            self.counters["task_failures"] += 1
-            log.error("job %s: catching up failed (%s: %s)", view.job_id.hex()[:8], type(exc).__name__, exc,
-                      exc_info=exc)
-        finally:
-            view.catching_up = False
-        if synced:
-            self.apply_actions(view, ())
-        await supervised(f"job {view.job_id.hex()[:8]} topic reader", self._apply_job_topic, view, subscription,
-                         synced, counters=self.counters)
-
-    async def _apply_job_topic(self, view: JobMirror, subscription: Any, synced: set[bytes]) -> None:
-        async for received in subscription:
-            if self.hooks.observer is not None:
-                self.hooks.observer("recv", received)
-            if self.jobs.get(view.job_id) is not view:
-                break  # the job was forgotten (forget_job): what is still buffered is not applied
-            if received.envelope.message_id in synced:
-                continue  # already applied from the history
-            await self.on_job_message(view, received)
 
     async def on_job_message(self, view: JobMirror, received: Any) -> None:
         """One verified message of the job's topic (``received``: message, signer, envelope): our mirror
@@ -607,38 +422,10 @@ class Agent:
         self.job_events = trio.Event()
         self._notify()
 
-    def hold(self, job_id: bytes, rnd: int, cid: Any) -> None:
-        """Keep ``cid``, added for round ``rnd`` of the job, from disk collection while that round is
-        live, though no message names it (agent/disk.py)."""
-        self.held.setdefault(job_id, {}).setdefault(rnd, set()).add(str(cid))
-
     async def collect_disk(self) -> None:
-        """Delete the blocks and work directories no job needs any more (agent/disk.py), measuring the
-        home's use before and after; in a worker thread (one at a time)."""
-        from agent import disk
-
-        busy: dict[bytes, list[tuple[int, int, int]]] = {}
-        for job_id, rnd, shard, attempt in (self.worker.active if self.worker else {}):
-            busy.setdefault(job_id, []).append((rnd, shard, attempt))
-        plans = [disk.plan_job(view, self.peer_id, busy.get(view.job_id, ()), self.held.get(view.job_id, {}))
-                 for view in list(self.jobs.values())]
-        for plan in plans:  # what the plans no longer hold is forgotten
-            held = self.held.get(plan.job_id, {})
-            for rnd in [r for r in held if r < plan.oldest]:
-                del held[rnd]
-
-        def collect() -> None:
-            self.disk.observe()
-            found = disk.collect(self.work_dir, self.content.store, plans, grace=self.disk.grace)
-            self.disk.account(found)
-            if found:
-                self.disk.observe()
-                log.info("disk: collected %d blocks and %d work directories (%.1f MB) no job needs; home uses "
-                         "%.1f MB", found.blocks, found.dirs, found.bytes / 1e6, self.disk.usage.total / 1e6)
-
-        async with self._disk_lock:
-            await trio.to_thread.run_sync(collect)
-            self.disk.collected_at = trio.current_time()
+        """Delete the blocks and work directories no job we follow needs any more (agent/disk.py)."""
+        await self.disk.collect_jobs(list(self.jobs.values()), self.peer_id,
+                                     self.worker.active if self.worker else (), self.content.store)
 
     async def _collect_disk_loop(self) -> None:
         from agent.disk import INTERVAL
@@ -652,11 +439,6 @@ class Agent:
         with trio.move_on_after(10):
             await self.capabilities.publish()
 
-    def _coordinating_terms(self) -> list[m.CoordinatorTerm]:
-        """The jobs we coordinate now, for our heartbeats."""
-        return [m.CoordinatorTerm(v.job_id, v.coordination.term) for v in self.jobs.values()
-                if self.is_coordinator(v) and not v.state.terminal]
-
     def provide_soon(self, cid: Any) -> None:
         """Announce in the DHT that we hold ``cid``, in the background (at most 30 s, failures logged):
         nothing we must send waits on one DHT peer; those who need it first are told our peer ID."""
@@ -667,63 +449,6 @@ class Agent:
                 log.info("provide %s: %s", cid, exc)
 
         self.nursery.start_soon(provide)
-
-    # -- the clock: elections, timers, rebuilds ------------------------------------------------------
-
-    async def _ticks(self) -> None:
-        while True:
-            now = self.clock()
-            for view in list(self.jobs.values()):
-                await self._tick_job(view, now)
-            self.capabilities.save_file_hashes()  # hashes taken in training, replay or verification threads
-            await trio.sleep(0.5)
-
-    async def _tick_job(self, view: JobMirror, now: float) -> None:
-        """One tick of a job: the election, the state machine's clock, a rebuild if the mirror diverged,
-        taking the job over when we were just elected, judging the coordinator's own reports."""
-        before = view.coordination
-        self.update_election(view, now)
-        if view.coordination != before:
-            await self._retry_held(view, now)
-        await self.commit(view, view.tick(now))
-        if view.job_id not in self._resyncing and \
-                now - self._last_resync.get(view.job_id, 0.0) > RESYNC_INTERVAL and \
-                (needs_resync(view, self.eligible_coordinators(view.terms), now) or stalled(view, self.peer_id, now)):
-            self._last_resync[view.job_id] = now
-            view.resynced_at = now  # what is held now does not ask for another rebuild (sync.needs_resync)
-            self._resyncing.add(view.job_id)
-            self.one_shot(f"job {view.job_id.hex()[:8]}: resync", self._resync, view)
-        if not self.is_coordinator(view):
-            self._coordinating.discard(view.job_id)
-        elif view.job_id not in self._coordinating:  # newly elected, or resumed after a restart
-            self._coordinating.add(view.job_id)
-            self.coordinator.take_over(view)
-        self.coordinator.judge_reports(view)  # the coordinator's own reports, if we are their judge
-
-    async def _retry_held(self, view: JobMirror, now: float) -> None:
-        """Our view of the job's term moved (an election tick, a coordinator's heartbeat): the messages
-        held for that term may apply now -- e.g. the judge's verdict on our own report, which reached us
-        before our own tick made us the coordinator (IPIP-0006 §1.3 rule 6); held until another message
-        applied, it left our mirror a round behind the submitter's and the round never aggregated."""
-        if view.pending:
-            await self.commit(view, view.retry(now, self.eligible_coordinators(view.terms)))
-
-    async def _resync(self, view: JobMirror) -> None:
-        try:
-            await self._resync_once(view)
-        except StoreFullError as exc:
-            self.refuse_work(exc)
-        finally:
-            self._resyncing.discard(view.job_id)
-
-    async def _resync_once(self, view: JobMirror) -> None:
-        if view.terms.submitter == self.peer_id:  # our history is the reference: ask peers what we missed
-            await submitter_catch_up(self, view)
-            return
-        if await resync(self, view):  # (held live messages that apply on the rebuilt mirror are committed)
-            if self.is_coordinator(view) and view.job_id in self._coordinating:
-                # the rebuilt mirror's pending work (its replay's actions were nobody's): verify, aggregate
-                self.coordinator.resume(view)
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> None:
         """Wait until ``predicate()`` holds, re-checked whenever a job changes; TooSlowError after ``timeout``."""

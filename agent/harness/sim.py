@@ -16,7 +16,7 @@ Rules of this file:
   this file keeps none of its own. Each door's ``Outcome`` is committed as agent/node.py ``commit``
   does: store the evidence, publish what goes out, then act and react. Who may be leased is
   ``protocol.leasing.history_refusal`` over the mirror's verdicts (no ban is kept in memory); the view
-  moves by ``keep_or_elect`` as ``Agent.update_election`` moves it, and by the terms heartbeats carry
+  moves by ``keep_or_elect`` as ``JobClock.update_election`` moves it, and by the terms heartbeats carry
   (``observe_term``); Byzantine detection is ``select_segments`` over a seed fixed after the report, as
   a verifier does. What agents do with the outcomes mirrors agent/node.py and agent/roles/*.py (named
   at each handler); this file decides no protocol question itself.
@@ -212,7 +212,7 @@ class Followed:
         self.tick_at: float | None = None
         self.store: list[Envelope] = []  # the evidence committed, in order (agent/node.py _store_evidence)
         self.stored: set[int] = set()  # ids of those (the store keeps an envelope once)
-        self.resynced = -math.inf  # Agent._last_resync
+        self.resynced = -math.inf  # JobClock.last_resync
         self.check_at: float | None = None  # when the resync rule is next checked
 
 
@@ -239,7 +239,7 @@ class SimAgent:
         self.lease: tuple[int, int, int, int] | None = None  # (job, round, shard, attempt) being trained
         self.torch_free = 0.0  # when the agent's training/replay lock is next free
         self.running: set[tuple] = set()  # coordinator tasks under way
-        self.coordinating: set[int] = set()  # jobs taken over (Agent._coordinating)
+        self.coordinating: set[int] = set()  # jobs taken over (JobClock.coordinating)
         self.last_claim: dict[int, float] = {}
         self.poll_pending = False
 
@@ -557,7 +557,7 @@ class Simulation:
 
     def _sync_view(self, agent: SimAgent, f: Followed) -> None:
         """The mirror's election view moved (any door may move it): keep the index of who names whom,
-        count the submitter's failovers, and step down or take over (Agent._tick_job)."""
+        count the submitter's failovers, and step down or take over (JobClock.tick_job)."""
         view, old = f.mirror.coordination, f.view
         if view is old:
             return
@@ -593,7 +593,7 @@ class Simulation:
         return f.mirror.coordination.coordinator == agent.peer and self._past_grace(f)
 
     def _check_coordinating(self, agent: SimAgent, f: Followed) -> None:
-        """Agent._tick_job: take the job over when we just became its coordinator; forget it when not."""
+        """JobClock.tick_job: take the job over when we just became its coordinator; forget it when not."""
         if not self._is_coordinator(agent, f):
             agent.coordinating.discard(f.job.index)
         elif f.job.index not in agent.coordinating and not f.mirror.state.terminal:
@@ -601,8 +601,8 @@ class Simulation:
             self._take_over(agent, f)
 
     def _elect(self, index: int, epoch: int, job_index: int) -> None:
-        """Agent.update_election (its view moved, what it held is tried again: Agent._retry_held), then
-        take_over if we just became the coordinator (Agent._tick_job)."""
+        """JobClock.update_election (its view moved, what it held is tried again: JobClock._retry_held), then
+        take_over if we just became the coordinator (JobClock.tick_job)."""
         agent = self.agents[index]
         f = agent.mirrors.get(job_index)
         if agent.epoch != epoch or f is None:
@@ -905,7 +905,7 @@ class Simulation:
                    for seen, msg, signer, _ in view.pending)
 
     def _resync_check(self, index: int, epoch: int, job_index: int) -> None:
-        """Agent._tick_job's resync rule, checked when it may hold: a rebuild from the submitter's history
+        """JobClock.tick_job's resync rule, checked when it may hold: a rebuild from the submitter's history
         (sync.resync), or for the submitter a catch-up from its live peers (sync.submitter_catch_up)."""
         agent = self.agents[index]
         f = agent.mirrors.get(job_index)

@@ -22,7 +22,7 @@ import threading
 import pytest
 import trio
 
-import agent.node as node
+import agent.following as following
 from agent import cli, control
 from agent.harness.network import MODEL_NAME
 from agent.roles.submitter import SubmitRefused
@@ -47,9 +47,9 @@ async def test_one_announcer_cannot_fill_the_jobs_an_agent_follows(tmp_path, tin
     async with network(tmp_path, tiny_model_dir, workers=1) as net:
         (w0,) = net.workers
         sybil = Identity.generate()
-        views = [(await announce_to(w0, sybil, f"sybil-{i}"))[1] for i in range(node.MAX_LIVE_JOBS_PER_SUBMITTER + 4)]
+        views = [(await announce_to(w0, sybil, f"sybil-{i}"))[1] for i in range(following.MAX_LIVE_JOBS_PER_SUBMITTER + 4)]
         followed = [v for v in views if v is not None]
-        assert len(followed) == node.MAX_LIVE_JOBS_PER_SUBMITTER
+        assert len(followed) == following.MAX_LIVE_JOBS_PER_SUBMITTER
         assert w0.counters["jobs_not_followed"] == 4
         # another announcer's job is followed, and so is the Sybil's next one once one of its jobs ended
         assert (await announce_to(w0, Identity.generate(), "honest"))[1] is not None
@@ -60,7 +60,7 @@ async def test_one_announcer_cannot_fill_the_jobs_an_agent_follows(tmp_path, tin
 
 async def test_ended_jobs_make_room_are_forgotten_after_their_retention_and_leave_their_topics(
         tmp_path, tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(node, "MAX_JOBS_FOLLOWED", 4)
+    monkeypatch.setattr(following, "MAX_JOBS_FOLLOWED", 4)
     async with network(tmp_path, tiny_model_dir, workers=1) as net:
         (w0,) = net.workers
         gossip = w0.net.gossip
@@ -127,7 +127,7 @@ async def test_a_submitter_announces_no_more_live_jobs_than_its_followers_follow
     refused with one line naming the limit (the CLI's `job announce` exits 1 with it), until one ends."""
     from tests.roles.conftest import write_dataset
 
-    limit = node.MAX_LIVE_JOBS_PER_SUBMITTER
+    limit = following.MAX_LIVE_JOBS_PER_SUBMITTER
     async with network(tmp_path, tiny_model_dir, workers=1) as net, trio.open_nursery() as served:
         submitter, (w0,) = net.submitter, net.workers
 
@@ -169,7 +169,7 @@ async def test_a_job_in_its_end_grace_is_not_forgotten_to_make_room(tmp_path, ti
     """Review finding 4: eviction forgot an ended job whose tasks still ran (the coordinator publishing
     the decision that ended it), cancelling them. Such a job keeps its room: the new one is refused,
     as when every followed job is live; once its tasks are done it makes room."""
-    monkeypatch.setattr(node, "MAX_JOBS_FOLLOWED", 2)
+    monkeypatch.setattr(following, "MAX_JOBS_FOLLOWED", 2)
     async with network(tmp_path, tiny_model_dir, workers=1) as net:
         (w0,) = net.workers
         (_, ended), (_, live) = [await announce_to(w0, Identity.generate(), f"job-{i}") for i in range(2)]

@@ -9,7 +9,7 @@ another message that applied did). Every shard was reported, so nothing else cam
 TRAINING while the submitter's was AGGREGATING, nobody aggregated, and the job failed.
 
 Real parts: a real Agent (not on a network) with its SQLite store, fed real signed envelopes through
-the job topic's code path, and driven by one real election tick (``Agent._tick_job``).
+the job topic's code path, and driven by one real election tick (``JobClock.tick_job``, agent/jobclock.py).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_our_own_election_tick_applies_the_judges_verdict_held_for_our_term(tmp_
         assert view.shard(0).phase is st.ShardPhase.REPORTED and len(view.pending) == 1
         assert view.coordination.term == 1
         clock[0] = NOW + 0.5
-        await agent._tick_job(view, clock[0])  # our own tick: DEAD is silent, we take term 2
+        await agent.jobclock.tick_job(view, clock[0])  # our own tick: DEAD is silent, we take term 2
 
     trio.run(main)
     assert (view.coordination.term, view.coordination.coordinator) == (2, ME.peer_id)

@@ -1,0 +1,159 @@
+"""The clock of the jobs we follow: elections, the state machines' timers, rebuilds, taking a job over.
+
+Rules of this file:
+- Twice a second every followed job gets one ``tick``: its election view moves (``update_election``),
+  what its mirror held for a term is tried again when the view moved, the state machine's clock runs
+  (``JobMirror.tick``: leases expire, rounds time out), and what that caused is committed through the
+  agent's one ``commit`` (agent/node.py).
+- Election view: a job's coordinator is elected once the job has been known for ``grace_seconds`` (so
+  that peers whose views converged agree on term 1), and stays until it falls silent; then the next
+  peer by rendezvous takes the job with term + 1 (protocol/election.keep_or_elect). The view moves only
+  while we hear the job's submitter (in a partition the submitter's side decides), and the first one
+  waits up to ``FIRST_VIEW_WAIT`` s more for the capability of every live peer.
+- We act as a job's coordinator only while our own view says so (``is_coordinator``); the tick that
+  first finds us so hands the job to the coordinator role (``take_over``), and the role judges the
+  coordinator's own reports when we are their judge.
+- A mirror that diverged or stalled (agent/roles/sync.py ``needs_resync``, ``stalled``) is rebuilt from
+  its submitter's history, at most once per ``RESYNC_INTERVAL`` and one rebuild of a job at a time; the
+  submitter asks its live peers what it missed instead. A rebuild that leaves us coordinator resumes the
+  pending work (``CoordinatorRole.resume``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
+
+import trio
+
+from agent.roles.sync import RESYNC_INTERVAL, needs_resync, stalled
+from agent.store import StoreFullError
+from protocol import messages as m
+from protocol.election import keep_or_elect
+
+if TYPE_CHECKING:
+    from agent.peers import PeerTable
+    from agent.roles.coordinator import CoordinatorRole
+    from agent.tasks import Tasks
+    from protocol.mirror import JobMirror, Outcome
+
+log = logging.getLogger(__name__)
+
+FIRST_VIEW_WAIT = 5.0  # seconds past the grace a job's first election view waits for live peers' capabilities
+TICK = 0.5  # seconds between two ticks of every job
+
+
+class JobClock:
+    """Elections, ticks and rebuilds of the jobs in ``jobs`` (our live mirrors, agent/jobbook.py)."""
+
+    def __init__(self, peer_id: str, grace_seconds: float, clock: Callable[[], float], peers: "PeerTable",
+                 jobs: Mapping[bytes, "JobMirror"], tasks: "Tasks", coordinator: "CoordinatorRole", *,
+                 commit: Callable[["JobMirror", "Outcome"], Awaitable[bool]],
+                 ledger: Callable[[bytes, str, dict], None],
+                 rebuild: Callable[["JobMirror"], Awaitable[bool]],
+                 catch_up_submitter: Callable[["JobMirror"], Awaitable[Any]],
+                 refuse_work: Callable[[Exception], None]) -> None:
+        self.peer_id, self.grace_seconds, self.clock = peer_id, grace_seconds, clock
+        self.peers, self.jobs, self.tasks, self.coordinator = peers, jobs, tasks, coordinator
+        self.commit, self.ledger, self.refuse_work = commit, ledger, refuse_work
+        self.rebuild, self.catch_up_submitter = rebuild, catch_up_submitter
+        self.coordinating: set[bytes] = set()  # jobs whose pending work we took over as coordinator
+        self.resyncing: set[bytes] = set()  # jobs whose mirror is being rebuilt
+        self.last_resync: dict[bytes, float] = {}
+
+    def forget(self, job_id: bytes) -> None:
+        self.last_resync.pop(job_id, None)
+        self.coordinating.discard(job_id)
+
+    # -- the election ------------------------------------------------------------------------------
+
+    def update_election(self, view: "JobMirror", now: float) -> None:
+        """Elect after the grace period; replace a coordinator that fell silent (term + 1). The first view
+        also waits (at most ``FIRST_VIEW_WAIT`` s more) for the capability of every live peer: a peer whose
+        capability we lack is not eligible in our view, and two peers that each lacked the other's both
+        elected themselves in term 1 (the CLI job test under load; IPIP-0006 §1.3 rule 8 resolves it)."""
+        if now - view.first_seen < self.grace_seconds or view.state.terminal:
+            return
+        if view.coordination.term == 0 and now - view.first_seen < self.grace_seconds + FIRST_VIEW_WAIT and \
+                any(self.peers.capability_of(p) is None for p in self.peers.live_peers()):
+            return
+        if not self.peers.hears_submitter(view, settled=True):
+            return  # cut off from the submitter (or just back): its side decides; we wait
+        before = view.coordination
+        view.coordination = keep_or_elect(before, self.peers.eligible_coordinators(view.terms))
+        if before.coordinator is not None and view.coordination.coordinator != before.coordinator:
+            log.info("job %s: coordinator %s went silent; %s takes over in term %d",
+                     view.job_id.hex()[:8], before.coordinator[-8:], (view.coordination.coordinator or "none")[-8:],
+                     view.coordination.term)
+            self.ledger(view.job_id, "coordinator", {"term": view.coordination.term,
+                                                     "coordinator": view.coordination.coordinator or ""})
+
+    def is_coordinator(self, view: "JobMirror") -> bool:
+        """Do we act as the job's coordinator now? Our view names us, its grace period is over, we hear
+        the submitter, and our mirror is not catching up on history: a coordinator restarted from its
+        store believed itself term 1's coordinator again while the others had moved to term 2, and the
+        two granted conflicting leases until the job ran out of attempts (the soak, issue 21)."""
+        return view.coordination.is_coordinator(self.peer_id) and not view.catching_up and \
+            self.clock() - view.first_seen >= self.grace_seconds and self.peers.hears_submitter(view)
+
+    def coordinating_terms(self) -> list[m.CoordinatorTerm]:
+        """The jobs we coordinate now, for our heartbeats."""
+        return [m.CoordinatorTerm(v.job_id, v.coordination.term) for v in self.jobs.values()
+                if self.is_coordinator(v) and not v.state.terminal]
+
+    # -- the ticks -----------------------------------------------------------------------------------
+
+    async def run(self, each_round: Callable[[], None] = lambda: None) -> None:
+        """Tick every followed job every ``TICK`` seconds; ``each_round`` after each pass."""
+        while True:
+            now = self.clock()
+            for view in list(self.jobs.values()):
+                await self.tick_job(view, now)
+            each_round()
+            await trio.sleep(TICK)
+
+    async def tick_job(self, view: "JobMirror", now: float) -> None:
+        """One tick of a job: the election, the state machine's clock, a rebuild if the mirror diverged,
+        taking the job over when we were just elected, judging the coordinator's own reports."""
+        before = view.coordination
+        self.update_election(view, now)
+        if view.coordination != before:
+            await self._retry_held(view, now)
+        await self.commit(view, view.tick(now))
+        if view.job_id not in self.resyncing and \
+                now - self.last_resync.get(view.job_id, 0.0) > RESYNC_INTERVAL and \
+                (needs_resync(view, self.peers.eligible_coordinators(view.terms), now)
+                 or stalled(view, self.peer_id, now)):
+            self.last_resync[view.job_id] = now
+            view.resynced_at = now  # what is held now does not ask for another rebuild (sync.needs_resync)
+            self.resyncing.add(view.job_id)
+            self.tasks.one_shot(f"job {view.job_id.hex()[:8]}: resync", self._resync, view)
+        if not self.is_coordinator(view):
+            self.coordinating.discard(view.job_id)
+        elif view.job_id not in self.coordinating:  # newly elected, or resumed after a restart
+            self.coordinating.add(view.job_id)
+            self.coordinator.take_over(view)
+        self.coordinator.judge_reports(view)  # the coordinator's own reports, if we are their judge
+
+    async def _retry_held(self, view: "JobMirror", now: float) -> None:
+        """Our view of the job's term moved (an election tick, a coordinator's heartbeat): the messages
+        held for that term may apply now -- e.g. the judge's verdict on our own report, which reached us
+        before our own tick made us the coordinator (IPIP-0006 §1.3 rule 6); held until another message
+        applied, it left our mirror a round behind the submitter's and the round never aggregated."""
+        if view.pending:
+            await self.commit(view, view.retry(now, self.peers.eligible_coordinators(view.terms)))
+
+    # -- rebuilds ------------------------------------------------------------------------------------
+
+    async def _resync(self, view: "JobMirror") -> None:
+        try:
+            if view.terms.submitter == self.peer_id:  # our history is the reference: ask peers what we missed
+                await self.catch_up_submitter(view)
+            elif await self.rebuild(view):  # (held live messages that apply on the rebuilt mirror are committed)
+                if self.is_coordinator(view) and view.job_id in self.coordinating:
+                    # the rebuilt mirror's pending work (its replay's actions were nobody's): verify, aggregate
+                    self.coordinator.resume(view)
+        except StoreFullError as exc:
+            self.refuse_work(exc)
+        finally:
+            self.resyncing.discard(view.job_id)
