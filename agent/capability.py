@@ -19,6 +19,7 @@ Rules of this file:
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable
 
 import trio
@@ -130,6 +131,18 @@ class Capabilities:
             log.error("capability not published: it breaks the message rules (%s)", exc)
             return
         self.published = cap
+
+    async def tell_peers(self) -> None:
+        """Our capability now, for peers that have not heard it (arrived, or what we offer changed); at most 10 s."""
+        with trio.move_on_after(10):
+            await self.publish()
+
+    def local_model(self, terms: m.JobTerms) -> str | None:
+        """Our local copy of a job's base model (``models`` by name, or the path itself), or None."""
+        models = dict(self.config.models)
+        if terms.base_model in models:
+            return models[terms.base_model]
+        return terms.base_model if Path(terms.base_model).is_dir() else None
 
     def coordinating(self) -> m.Capability | None:
         """Our capability, if we may coordinate now (config, and a store we can write); else None."""

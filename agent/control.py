@@ -335,7 +335,7 @@ async def _job_fetch(agent: "Agent", job: str, out: str, round: int | None = Non
     if view.terms.method == "full":  # the weights as a model directory transformers loads (base files beside them)
         from agent.train.model import as_model_dir
 
-        await trio.to_thread.run_sync(as_model_dir, target, agent.local_model(view.terms))
+        await trio.to_thread.run_sync(as_model_dir, target, agent.capabilities.local_model(view.terms))
         layout = "model"
     return {"id": view.job_id.hex(), "round": rnd, "final": published.final, "cid": published.adapter_cid,
             "sealed": sealed, "layout": layout,

@@ -113,7 +113,8 @@ def _end_process() -> None:
 
 
 async def _main(identity: "Identity", config: "AgentConfig", metrics_port: int | None) -> None:
-    from agent.node import Agent, AgentStopped
+    from agent.node import Agent
+    from agent.writer import StoreNotOpened
 
     if config.threads:
         import os
@@ -138,7 +139,7 @@ async def _main(identity: "Identity", config: "AgentConfig", metrics_port: int |
 
                 try:
                     await nursery.start(run_agent)
-                except AgentStopped:
+                except StoreNotOpened:
                     nursery.cancel_scope.cancel()
                 else:
                     agent.nursery.start_soon(serve_control, agent, listener)

@@ -32,7 +32,7 @@ import re
 import shutil
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -277,6 +277,12 @@ class Disk:
         """Keep ``cid``, added for round ``rnd`` of the job, from collection while that round is live,
         though no message names it."""
         self.held.setdefault(job_id, {}).setdefault(rnd, set()).add(str(cid))
+
+    async def every_interval(self, collect: Callable[[], Awaitable[None]]) -> None:
+        """The collection service: ``collect`` now, then every ``INTERVAL`` seconds."""
+        while True:
+            await collect()
+            await trio.sleep(INTERVAL)
 
     async def collect_jobs(self, views: Iterable["JobMirror"], me: str, active: Iterable[ActiveShard],
                            blocks: "BlockStore") -> None:

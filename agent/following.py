@@ -1,7 +1,10 @@
-"""Following jobs: which announced jobs we follow, reading each one's topic, resuming them after a restart,
-forgetting them once they ended.
+"""Following jobs: the jobs topic read, which announced jobs we follow, reading each one's topic, resuming
+them after a restart, forgetting them once they ended.
 
 Rules of this file:
+- The jobs topic carries peers' heartbeats and capabilities (to the peer table, agent/peers.py; a peer
+  new to us hears our capability at once), announcements (``follow_job``) and cancels (applied only
+  when the job's submitter signed them).
 - An announcement by its submitter is followed once (``follow_job``), within ``MAX_JOBS_FOLLOWED`` jobs in
   all and ``MAX_LIVE_JOBS_PER_SUBMITTER`` unended jobs per announcing peer (one identity cannot fill the
   room; IPIP-0004 §13). Our own jobs are held to the same limit when we announce them
@@ -38,11 +41,14 @@ from protocol import state as st
 from protocol.mirror import JobMirror
 
 if TYPE_CHECKING:
+    from agent.capability import Capabilities
     from agent.content.blockstore import BlockStore
+    from agent.peers import PeerTable
     from agent.jobbook import JobBook
     from agent.net.stack import Network
     from agent.tasks import Tasks
     from agent.writer import StoreWriter
+    from protocol.mirror import Outcome
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +70,8 @@ class Following:
                  catch_up: Callable[[JobMirror], Awaitable[set[bytes]]],
                  submitter_catch_up: Callable[[JobMirror], Awaitable[set[bytes]]],
                  on_follow: Callable[[JobMirror], None], on_resume: Callable[[JobMirror], None],
-                 on_forget: Callable[[bytes], None], observer: Observer | None = None) -> None:
+                 on_forget: Callable[[bytes], None], peers: "PeerTable", capabilities: "Capabilities",
+                 commit: Callable[[JobMirror, "Outcome"], Awaitable[bool]], observer: Observer | None = None) -> None:
         self.peer_id, self.clock, self.counters = peer_id, clock, counters
         self.book, self.tasks, self.writer, self.net, self.blocks = book, tasks, writer, net, blocks
         self.trains = trains  # do we train (a followed job's row says "worker"), or only observe
@@ -72,6 +79,34 @@ class Following:
         self.catch_up, self.submitter_catch_up = catch_up, submitter_catch_up
         self.on_follow, self.on_resume, self.on_forget = on_follow, on_resume, on_forget
         self.observer = observer
+        self.peers, self.capabilities, self.commit = peers, capabilities, commit  # the jobs topic's other readers
+
+    async def read_jobs_topic(self, subscription: Any) -> None:
+        """The jobs topic: peers' heartbeats and capabilities (the peer table; a heartbeat's coordinating terms
+        may let what our mirrors held apply), job announcements (followed), cancels by a job's submitter."""
+        async for received in subscription:
+            msg, signer, now = received.message, received.signer, self.clock()
+            if self.observer is not None:
+                self.observer("recv", received)
+            if isinstance(msg, m.Heartbeat):
+                arrived = self.peers.heard(signer, msg, now)
+                if arrived and signer != self.peer_id and self.capabilities.tell_arrival(now):
+                    self.tasks.one_shot("capability", self.capabilities.tell_peers)
+                self.tasks.notify()  # wait_until: someone may wait for a peer to be heard
+                for entry in msg.coordinating:
+                    view = self.book.jobs.get(entry.job_id)
+                    if view is not None and signer != self.peer_id:  # (what was held for its term may apply)
+                        await self.commit(view, view.observe_term(signer, entry.term, now,
+                                                                  self.peers.eligible_coordinators(view.terms)))
+            elif isinstance(msg, m.Capability):
+                self.peers.told(signer, msg, now)
+                self.tasks.notify()
+            elif isinstance(msg, m.JobAnnouncement):
+                await self.follow_job(msg.terms, signer, received.envelope.to_bytes())
+            elif isinstance(msg, m.JobCancel):
+                view = self.book.jobs.get(msg.job_id)
+                if view is not None and signer == view.terms.submitter:
+                    await self.commit(view, view.cancel(msg.reason, now))
 
     async def resume_jobs(self) -> None:
         """Rebuild the mirror of every unfinished job in our store, as if its messages arrived again.

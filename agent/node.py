@@ -80,7 +80,7 @@ from agent.roles.keep import KeepService
 from agent.roles.submitter import SubmitterRole
 from agent.roles.sync import SyncService, catch_up, resync, submitter_catch_up
 from agent.roles.worker import WorkerRole
-from agent.store import Store, StoreFullError
+from agent.store import Store
 from agent.peers import PeerInfo, PeerTable  # noqa: F401 - PeerInfo re-exported (tests, harness)
 from agent.jobbook import JobBook
 from agent.following import Following
@@ -95,11 +95,6 @@ log = logging.getLogger(__name__)
 
 
 
-STORE_OPEN_WAIT = 120  # seconds an agent starting on a full disk waits for room to open its store
-
-
-class AgentStopped(Exception):
-    """The agent was stopped before it had started (a SIGTERM while it waited to open its store)."""
 
 
 class Agent:
@@ -162,7 +157,8 @@ class Agent:
                                    receive=self.on_job_message, settled=lambda view: self.apply_actions(view, ()),
                                    catch_up=partial(catch_up, self), submitter_catch_up=partial(submitter_catch_up, self),
                                    on_follow=self._followed, on_resume=self._resumed, on_forget=self._forgotten,
-                                   observer=self.hooks.observer)
+                                   observer=self.hooks.observer, peers=self.peer_table,
+                                   capabilities=self.capabilities, commit=self.commit)
         # elections, the state machines' timers, rebuilds, taking a job over (agent/jobclock.py)
         self.jobclock = JobClock(self.peer_id, config.grace_seconds, clock, self.peer_table, self.jobs, self.tasks,
                                  self.coordinator, commit=self.commit, ledger=self.ledger,
@@ -212,7 +208,7 @@ class Agent:
         """What we offer changed (we refuse work, or take it again): tell the peers at once, so that others
         coordinate our jobs meanwhile (a capability is otherwise published every 30 s)."""
         if self.nursery is not None:
-            self.one_shot("capability", self._tell_peers)
+            self.one_shot("capability", self.capabilities.tell_peers)
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         home = self.config.home
@@ -221,7 +217,7 @@ class Agent:
         net_config = NetConfig(listen=self.config.listen, bootstrap=self.config.bootstrap,
                                announce=self.config.announce, relay=self.config.relay)
         async with AsyncExitStack() as stack:
-            self.store = stack.enter_context(await self._open_store(home))
+            self.store = stack.enter_context(await self.writer.open(home, self.identity, self._stopping))
             gossip_config = GossipConfig(max_rate=float(self.config.gossip_max_rate),
                                          max_burst=float(self.config.gossip_max_burst))
             self.net = await stack.enter_async_context(open_network(self.identity, net_config, gossip_config,
@@ -241,35 +237,15 @@ class Agent:
             finally:
                 self.writer.flush_now()  # the writes still queued, before the store closes
 
-    async def _open_store(self, home: Path) -> Store:
-        """Our store; on a full disk, tried again every second for ``STORE_OPEN_WAIT`` seconds (said in
-        the log) before the StoreFullError ends the start. The soak filled a worker's disk 4 s after
-        it restarted: SQLite could not grow its WAL at open ("disk I/O error") and the agent exited 1.
-        A stop (SIGTERM) meanwhile ends the wait: ``AgentStopped``."""
-        waited = 0
-        while True:
-            try:
-                return Store.in_data_dir(home, self.identity)
-            except StoreFullError as exc:
-                if self._stopping.is_set():
-                    raise AgentStopped("stopped while waiting for room to open the store") from None
-                if waited >= STORE_OPEN_WAIT:
-                    raise
-                if waited % 30 == 0:
-                    log.error("%s; trying again every second for up to %d s", exc, STORE_OPEN_WAIT - waited)
-            with trio.move_on_after(1):
-                await self._stopping.wait()
-            waited += 1
-
     async def _run_tasks(self, task_status: Any) -> None:
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
             self.service("store writer", self.writer.run)
             self.service("event loop watch", self.loopwatch.run)
-            self.service("disk collection", self._collect_disk_loop)
+            self.service("disk collection", self.disk.every_interval, self.collect_disk)
             await self.following.resume_jobs()
             jobs_topic = await self.net.gossip.subscribe(m.TOPIC_JOBS)
-            self.service("jobs topic reader", self._read_jobs_topic, jobs_topic)
+            self.service("jobs topic reader", self.following.read_jobs_topic, jobs_topic)
             self.service("heartbeats", self.capabilities.heartbeats, self.jobclock.coordinating_terms,
                          lambda: len(self.worker.active) if self.worker else 0)
             # (file hashes taken in training, replay or verification threads are saved after each pass)
@@ -291,13 +267,6 @@ class Agent:
 
     # -- peers and election ----------------------------------------------------------------------
 
-    def local_model(self, terms: m.JobTerms) -> str | None:
-        """Our local copy of a job's base model (``models`` by name, or the path itself), or None."""
-        models = dict(self.config.models)
-        if terms.base_model in models:
-            return models[terms.base_model]
-        return terms.base_model if Path(terms.base_model).is_dir() else None
-
     def is_coordinator(self, view: JobMirror) -> bool:
         """Do we act as the job's coordinator now? (agent/jobclock.py)"""
         return self.jobclock.is_coordinator(view)
@@ -306,31 +275,6 @@ class Agent:
 
     async def publish(self, message: Any) -> None:
         await self.net.gossip.publish(message)
-
-    async def _read_jobs_topic(self, subscription: Any) -> None:
-        async for received in subscription:
-            msg, signer, now = received.message, received.signer, self.clock()
-            if self.hooks.observer is not None:
-                self.hooks.observer("recv", received)
-            if isinstance(msg, m.Heartbeat):
-                arrived = self.peer_table.heard(signer, msg, now)
-                if arrived and signer != self.peer_id and self.capabilities.tell_arrival(now):
-                    self.one_shot("capability", self._tell_peers)
-                self._notify()  # wait_until: someone may wait for a peer to be heard
-                for entry in msg.coordinating:
-                    view = self.jobs.get(entry.job_id)
-                    if view is not None and signer != self.peer_id:  # (what was held for its term may apply)
-                        await self.commit(view, view.observe_term(signer, entry.term, now,
-                                                                  self.eligible_coordinators(view.terms)))
-            elif isinstance(msg, m.Capability):
-                self.peer_table.told(signer, msg, now)
-                self._notify()
-            elif isinstance(msg, m.JobAnnouncement):
-                await self.follow_job(msg.terms, signer, received.envelope.to_bytes())
-            elif isinstance(msg, m.JobCancel):
-                view = self.jobs.get(msg.job_id)
-                if view is not None and signer == view.terms.submitter:
-                    await self.commit(view, view.cancel(msg.reason, now))
 
     async def follow_job(self, terms: m.JobTerms, signer: str, envelope: bytes | None = None) -> JobMirror | None:
         """Start following a job we saw announced (once; agent/following.py)."""
@@ -426,18 +370,6 @@ class Agent:
         """Delete the blocks and work directories no job we follow needs any more (agent/disk.py)."""
         await self.disk.collect_jobs(list(self.jobs.values()), self.peer_id,
                                      self.worker.active if self.worker else (), self.content.store)
-
-    async def _collect_disk_loop(self) -> None:
-        from agent.disk import INTERVAL
-
-        while True:
-            await self.collect_disk()
-            await trio.sleep(INTERVAL)
-
-    async def _tell_peers(self) -> None:
-        """Our capability now, for peers that have not heard it (arrived, or what we offer changed)."""
-        with trio.move_on_after(10):
-            await self.capabilities.publish()
 
     def provide_soon(self, cid: Any) -> None:
         """Announce in the DHT that we hold ``cid``, in the background (at most 30 s, failures logged):

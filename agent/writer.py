@@ -32,6 +32,11 @@ from agent.store import Store, StoreFullError
 log = logging.getLogger(__name__)
 
 WORK_PROBE_BYTES = 1 << 20
+STORE_OPEN_WAIT = 120  # seconds an agent starting on a full disk waits for room to open its store
+
+
+class StoreNotOpened(Exception):
+    """The agent was stopped before it had started (a SIGTERM while it waited to open its store)."""
 
 
 class StoreWriter:
@@ -48,6 +53,26 @@ class StoreWriter:
         self._full_logged = 0.0
         self._queued = trio.Event()  # set when write_soon queued a write for run()
         self._job_rows: dict[bytes, tuple[str, int, int]] = {}  # (state, round, term) last written per job
+
+    async def open(self, home: Path, identity: Any, stopping: trio.Event) -> Store:
+        """Our store; on a full disk, tried again every second for ``STORE_OPEN_WAIT`` seconds (said in
+        the log) before the StoreFullError ends the start. The soak filled a worker's disk 4 s after
+        it restarted: SQLite could not grow its WAL at open ("disk I/O error") and the agent exited 1.
+        ``stopping`` set meanwhile (a SIGTERM) ends the wait: ``StoreNotOpened``."""
+        waited = 0
+        while True:
+            try:
+                return Store.in_data_dir(home, identity)
+            except StoreFullError as exc:
+                if stopping.is_set():
+                    raise StoreNotOpened("stopped while waiting for room to open the store") from None
+                if waited >= STORE_OPEN_WAIT:
+                    raise
+                if waited % 30 == 0:
+                    log.error("%s; trying again every second for up to %d s", exc, STORE_OPEN_WAIT - waited)
+            with trio.move_on_after(1):
+                await stopping.wait()
+            waited += 1
 
     # -- evidence: awaited -----------------------------------------------------------------------------
 

@@ -255,11 +255,19 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
                 steps: int, method: str, outer: OuterOptimizer, schedule: str = "constant",
                 warmup_rounds: int = 0, continue_data: bool = True, lr_scale: float = 1.0,
                 carry: bool = True, codec: str = "none", sent: list | None = None,
-                within: str = "constant", ramp: tuple[int, ...] = ()) -> list[float]:
+                within: str = "constant", ramp: tuple[int, ...] = (), overlap: str = "none") -> list[float]:
     """The protocol's training, in process: validation loss after each round's aggregate. With
     ``codec`` int8 every worker's end state goes through the report codec (agent/train/codec.py), as
     a worker's does; ``sent`` collects (payload bytes, whole-report bytes) per report. ``ramp``: the
-    first rounds' steps (a study of shorter first rounds), then ``steps`` a round to the same total."""
+    first rounds' steps (a study of shorter first rounds), then ``steps`` a round to the same total.
+    ``overlap`` (issue 24 step 2, a study): rounds that do not wait for the last round's aggregate.
+    ``own``: a worker starts round r+1 at once from what it knows then, the aggregate of round r-1 plus
+    its own round-r update (Streaming DiLoCo's merge with a one-round delay), with its own AdamW state;
+    round r's aggregate is round r-1's plus the shard-weighted mean of the workers' round-r updates.
+    ``stale``: the same without its own update (a one-round-delayed outer step: PCCL's async DiLoCo)."""
+    if overlap != "none":
+        return overlapped_run(trainer, shards, config, rounds=rounds, steps=steps, schedule=schedule,
+                              warmup_rounds=warmup_rounds, within=within, mode=overlap)
     plan = round_plan(steps, rounds, ramp)
     rounds = len(plan)
     aggregate_now, state, optimizer = trainer.initial, {}, None
@@ -280,6 +288,29 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
         if carry:  # IPIP-0006 §2.3: the next round starts from the averaged AdamW state
             optimizer = average_optimizer_states([(opt, n) for (_, opt), n in trained])
         aggregate_now, state = outer_step(aggregate_now, mean, state, outer, step=rnd, frozen=trainer.frozen)
+        losses.append(trainer.evaluate(aggregate_now))
+    return losses
+
+
+def overlapped_run(trainer: Trainer, shards: list[list[Example]], config: TrainConfig, *, rounds: int, steps: int,
+                   schedule: str, warmup_rounds: int, within: str, mode: str) -> list[float]:
+    """``network_run`` with ``overlap`` (its docstring): validation loss of each round's aggregate."""
+    if mode not in ("own", "stale"):
+        raise SystemExit(f"bench_quality: --overlap: {mode!r} is not one of none, own, stale")
+    weights = [len(shard) / sum(len(s) for s in shards) for shard in shards]
+    known = trainer.initial  # the aggregate a worker knows at the end of a round: the round before's
+    aggregate_now = trainer.initial
+    starts, optimizers = [trainer.initial] * len(shards), [None] * len(shards)
+    losses = []
+    for rnd in range(1, rounds + 1):
+        lr = round_learning_rate(config.learning_rate, rnd, rounds, schedule=schedule, warmup_rounds=warmup_rounds)
+        trained = [trainer.train(starts[i], shard, config.with_(learning_rate=lr), steps, offset=(rnd - 1) * steps,
+                                 optimizer=optimizers[i], within=within) for i, shard in enumerate(shards)]
+        updates = [{k: end[k] - starts[i][k] for k in end} for i, (end, _) in enumerate(trained)]
+        mean = {k: sum(w * u[k] for w, u in zip(weights, updates)) for k in updates[0]}
+        known, aggregate_now = aggregate_now, {k: aggregate_now[k] + mean[k] for k in aggregate_now}
+        starts = [{k: known[k] + (updates[i][k] if mode == "own" else 0) for k in known} for i in range(len(shards))]
+        optimizers = [opt for _, opt in trained]
         losses.append(trainer.evaluate(aggregate_now))
     return losses
 
@@ -383,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ramp", default="",
                         help="first rounds' steps, ';'-separated plans of ','-separated steps (e.g. '25,25,50;12,12,25,50'); "
                              "an empty plan is no ramp")
+    parser.add_argument("--overlap", default="none",
+                        help="none | own | stale (comma list): rounds that do not wait for the last aggregate (a study)")
     parser.add_argument("--quick", action="store_true", help="demo task, W=4, T=200: a smoke run")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--records", type=int, default=0,
@@ -427,8 +460,8 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     variants = itertools.product(outers, args.optimizer_state.split(","), args.codec.split(","),
                                                  args.schedule.split(","), args.inner_scale.split(","),
-                                                 args.within.split(","), args.ramp.split(";"))
-                    for (label, outer), carried, codec, schedule, inner_scale, within, ramp_text in variants:
+                                                 args.within.split(","), args.ramp.split(";"), args.overlap.split(","))
+                    for (label, outer), carried, codec, schedule, inner_scale, within, ramp_text, overlap in variants:
                         ramp = tuple(int(x) for x in ramp_text.split(",") if x)
                         started, sent = time.perf_counter(), []
                         losses = network_run(trainer, shards, trainer.config, rounds=rounds, steps=steps, method=args.method,
@@ -436,11 +469,12 @@ def main(argv: list[str] | None = None) -> int:
                                              continue_data=not args.same_data_each_round,
                                              lr_scale=inner_lr_scale(inner_scale, workers),
                                              carry=carried == "carried", codec=codec, sent=sent, within=within,
-                                             ramp=ramp)
+                                             ramp=ramp, overlap=overlap)
                         label = f"{label}+{carried}" + "".join(f"+{x}" for x in (codec, schedule, inner_scale)
                                                                if x not in ("none", "constant"))
                         label += f"+within-{within}" if within != "constant" else ""
                         label += f"+ramp-{'-'.join(map(str, ramp))}" if ramp else ""
+                        label += f"+overlap-{overlap}" if overlap != "none" else ""
                         final = losses[-1]
                         reached, capped = steps_to_reach(central, final)
                         efficiency = reached / args.total

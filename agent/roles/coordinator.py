@@ -487,7 +487,7 @@ class CoordinatorRole:
             await fetched.get("adapter")
             adapter_dir = await _unpack_worker_bundle(work / "adapter.tar", work / "adapter", allowed=REPORT_FILES,
                                                       max_bytes=1 << 30)
-            model_path = agent.local_model(terms)
+            model_path = agent.capabilities.local_model(terms)
             if model_path is None or await trio.to_thread.run_sync(base_model_sha256, model_path) != terms.base_model_sha256.hex():
                 raise RuntimeError(f"this coordinator does not hold base model {terms.base_model!r}")
             config = train_config(terms, model_path, round=report.round, threads=agent.config.threads)
@@ -599,7 +599,7 @@ class CoordinatorRole:
         work.mkdir(parents=True)
         config = None  # the round's train config: for a coded report, the outer step or the score
         if terms.outer is not None or terms.validation_cid or terms.training.report_codec != "none":
-            model_path = agent.local_model(terms)
+            model_path = agent.capabilities.local_model(terms)
             if model_path is None:
                 raise RuntimeError(f"this coordinator does not hold base model {terms.base_model!r}")
             config = train_config(terms, model_path, round=action.round, threads=agent.config.threads)

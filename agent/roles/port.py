@@ -35,11 +35,9 @@ class RolePort(Protocol):
 
     # what we offer (agent/capability.py): the machine, the base models we hold and our speed on each, our
     # capability now (read only: a worker asks ``refresh_machine``, records a shard's speed with
-    # agent/market.record_shard_speed, which saves it and asks ``reload_speeds``, and hashes a model with
-    # ``base_model_hash``)
+    # agent/market.record_shard_speed, which saves it and asks ``reload_speeds``, hashes a model with
+    # ``base_model_hash``, finds a job's base model with ``local_model``)
     capabilities: "Capabilities"
-
-    def local_model(self, terms: "m.JobTerms") -> str | None: ...
 
     # -- peers and election --------------------------------------------------------------------------
     peers: Mapping[str, Any]  # peer ID -> PeerInfo (last heartbeat, capability)

@@ -75,7 +75,7 @@ class WorkerRole:
         config = self.agent.config
         if config.allowed_base_models and terms.base_model not in config.allowed_base_models:
             return f"base model {terms.base_model!r} is not in allowed_base_models"
-        if self.agent.local_model(terms) is None:
+        if self.agent.capabilities.local_model(terms) is None:
             return f"base model {terms.base_model!r} is not available locally"
         if terms.price_per_hour < config.min_price_per_hour:
             return f"price {terms.price_per_hour}/h is below our minimum {config.min_price_per_hour}/h"
@@ -318,7 +318,7 @@ class WorkerRole:
         await self._fetch(view, lease, ref.cid, shard_path, [terms.submitter], exact_size=ref.size)
         agent.provide_soon(parse_cid(ref.cid))  # every block was checked on arrival: serve it too (IPIP-0003 §4.1)
         self.training.before_training()
-        model_path = self.agent.local_model(terms)
+        model_path = self.agent.capabilities.local_model(terms)
         substitute = await self.training.base_model(agent.config.home)
         if substitute is not None:
             model_path = substitute

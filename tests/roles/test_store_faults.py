@@ -147,7 +147,7 @@ def test_a_full_work_disk_is_found_by_the_claim_probe_even_when_the_store_has_ro
 def test_a_store_opened_on_a_full_disk_is_a_full_disk_not_a_damaged_store(tmp_path):
     """The soak filled a worker's disk 4 s after it restarted: SQLite could not grow its WAL at open and
     said "disk I/O error"; the agent called its store unusable and exited 1. On a full disk that is
-    StoreFullError (the agent waits for room: Agent._open_store). A real full disk: a tmpfs (root only)."""
+    StoreFullError (the agent waits for room: StoreWriter.open, agent/writer.py). A real full disk: a tmpfs (root only)."""
     import subprocess
 
     from agent.store import STORE_FILENAME, Store, StoreFullError
