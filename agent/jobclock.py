@@ -13,10 +13,11 @@ Rules of this file:
 - We act as a job's coordinator only while our own view says so (``is_coordinator``); the tick that
   first finds us so hands the job to the coordinator role (``take_over``), and the role judges the
   coordinator's own reports when we are their judge.
-- A mirror that diverged or stalled (agent/roles/sync.py ``needs_resync``, ``stalled``) is rebuilt from
-  its submitter's history, at most once per ``RESYNC_INTERVAL`` and one rebuild of a job at a time; the
-  submitter asks its live peers what it missed instead. A rebuild that leaves us coordinator resumes the
-  pending work (``CoordinatorRole.resume``).
+- A mirror that diverged or stalled (protocol/resync.py ``needs_resync``, ``stalled``) is rebuilt from
+  its submitter's history; the submitter asks its live peers what it missed instead. A mirror that holds
+  worker messages it cannot apply (``repair_sources``) asks their signers for their history
+  (agent/roles/sync.py ``repair``). At most one of these per job per ``RESYNC_INTERVAL``, one at a time.
+  A rebuild that leaves us coordinator resumes the pending work (``CoordinatorRole.resume``).
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 
 import trio
 
-from agent.roles.sync import RESYNC_INTERVAL, needs_resync, stalled
 from agent.store import StoreFullError
 from protocol import messages as m
 from protocol.election import keep_or_elect
+from protocol.resync import RESYNC_INTERVAL, needs_resync, repair_sources, stalled
 
 if TYPE_CHECKING:
     from agent.peers import PeerTable
@@ -52,11 +53,12 @@ class JobClock:
                  ledger: Callable[[bytes, str, dict], None],
                  rebuild: Callable[["JobMirror"], Awaitable[bool]],
                  catch_up_submitter: Callable[["JobMirror"], Awaitable[Any]],
+                 repair: Callable[["JobMirror", tuple[str, ...]], Awaitable[Any]],
                  refuse_work: Callable[[Exception], None]) -> None:
         self.peer_id, self.grace_seconds, self.clock = peer_id, grace_seconds, clock
         self.peers, self.jobs, self.tasks, self.coordinator = peers, jobs, tasks, coordinator
         self.commit, self.ledger, self.refuse_work = commit, ledger, refuse_work
-        self.rebuild, self.catch_up_submitter = rebuild, catch_up_submitter
+        self.rebuild, self.catch_up_submitter, self.repair = rebuild, catch_up_submitter, repair
         self.coordinating: set[bytes] = set()  # jobs whose pending work we took over as coordinator
         self.resyncing: set[bytes] = set()  # jobs whose mirror is being rebuilt
         self.last_resync: dict[bytes, float] = {}
@@ -120,20 +122,24 @@ class JobClock:
         if view.coordination != before:
             await self._retry_held(view, now)
         await self.commit(view, view.tick(now))
-        if view.job_id not in self.resyncing and \
-                now - self.last_resync.get(view.job_id, 0.0) > RESYNC_INTERVAL and \
-                (needs_resync(view, self.peers.eligible_coordinators(view.terms), now)
-                 or stalled(view, self.peer_id, now)):
-            self.last_resync[view.job_id] = now
-            view.resynced_at = now  # what is held now does not ask for another rebuild (sync.needs_resync)
-            self.resyncing.add(view.job_id)
-            self.tasks.one_shot(f"job {view.job_id.hex()[:8]}: resync", self._resync, view)
+        if view.job_id not in self.resyncing and now - self.last_resync.get(view.job_id, 0.0) > RESYNC_INTERVAL:
+            if needs_resync(view, self.peers.eligible_coordinators(view.terms), now) or stalled(view, self.peer_id, now):
+                self._start(view, now, "resync", self._resync, view)
+            elif sources := repair_sources(view, now):  # worker messages held: ask their signers (IPIP-0004 §11.1)
+                self._start(view, now, "repair", self._repair, view, sources)
         if not self.is_coordinator(view):
             self.coordinating.discard(view.job_id)
         elif view.job_id not in self.coordinating:  # newly elected, or resumed after a restart
             self.coordinating.add(view.job_id)
             self.coordinator.take_over(view)
         self.coordinator.judge_reports(view)  # the coordinator's own reports, if we are their judge
+
+    def _start(self, view: "JobMirror", now: float, what: str, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """One rebuild or repair of the job's mirror, in the background; what is held now asks for no other."""
+        self.last_resync[view.job_id] = now
+        view.resynced_at = now  # (protocol/resync.py: only what is held after this counts)
+        self.resyncing.add(view.job_id)
+        self.tasks.one_shot(f"job {view.job_id.hex()[:8]}: {what}", fn, *args)
 
     async def _retry_held(self, view: "JobMirror", now: float) -> None:
         """Our view of the job's term moved (an election tick, a coordinator's heartbeat): the messages
@@ -144,6 +150,14 @@ class JobClock:
             await self.commit(view, view.retry(now, self.peers.eligible_coordinators(view.terms)))
 
     # -- rebuilds ------------------------------------------------------------------------------------
+
+    async def _repair(self, view: "JobMirror", sources: tuple[str, ...]) -> None:
+        try:
+            await self.repair(view, sources)
+        except StoreFullError as exc:
+            self.refuse_work(exc)
+        finally:
+            self.resyncing.discard(view.job_id)
 
     async def _resync(self, view: "JobMirror") -> None:
         try:

@@ -78,7 +78,7 @@ from agent.ledger_sync import sync_loop as ledger_sync_loop
 from agent.roles.coordinator import CoordinatorRole
 from agent.roles.keep import KeepService
 from agent.roles.submitter import SubmitterRole
-from agent.roles.sync import SyncService, catch_up, resync, submitter_catch_up
+from agent.roles.sync import SyncService, catch_up, repair, resync, submitter_catch_up
 from agent.roles.worker import WorkerRole
 from agent.store import Store
 from agent.peers import PeerInfo, PeerTable  # noqa: F401 - PeerInfo re-exported (tests, harness)
@@ -163,6 +163,7 @@ class Agent:
         self.jobclock = JobClock(self.peer_id, config.grace_seconds, clock, self.peer_table, self.jobs, self.tasks,
                                  self.coordinator, commit=self.commit, ledger=self.ledger,
                                  rebuild=partial(resync, self), catch_up_submitter=partial(submitter_catch_up, self),
+                                 repair=partial(repair, self),
                                  refuse_work=self.refuse_work)
         from agent.market import Reputations
 

@@ -90,6 +90,7 @@ from protocol.election import keep_or_elect, rank_peers
 from protocol.identity import Identity
 from protocol.leasing import history_refusal
 from protocol.mirror import DECISIONS, JobMirror, Outcome, job_config
+from protocol.resync import STALL_SECONDS, WORKER_MESSAGES, needs_resync, repair_sources, stalled
 from protocol.proof import catch_probability, faked_segments, segment_selection_seed, select_segments
 
 HOUR = 3600.0
@@ -98,12 +99,10 @@ HOUR = 3600.0
 CLAIM, LEASE, RELEASE, CKPT = m.ShardClaim.TYPE, m.ShardLease.TYPE, m.ShardRelease.TYPE, m.CheckpointCommit.TYPE
 REPORT, VERDICT, AGGREGATE = m.ShardReport.TYPE, m.Verdict.TYPE, m.AggregatePublished.TYPE
 MESSAGE_KINDS = (CLAIM, LEASE, RELEASE, CKPT, REPORT, VERDICT, AGGREGATE)
-WORKER_MESSAGES = (m.CheckpointCommit, m.ShardReport, m.ShardRelease)
 
 # The agent's constants the simulator follows (agent/roles/sync.py and agent/node.py import trio, which
 # the simulator must not load; the values are theirs)
 TICK_SECONDS = 0.5  # agent/node.py _ticks: how often the agent checks a job (its resync rule here)
-STALL_SECONDS = 60.0  # sync.STALL_SECONDS: a submitter's job with nothing applied this long asks its peers
 PEERS_ASKED = 8  # sync.PEERS_ASKED: a stalled (or behind) submitter asks at most this many live peers
 
 # The job's content, by CID (the simulator fetches nothing: any well-formed CID will do)
@@ -172,8 +171,9 @@ class SimConfig:
     coordinators_train: bool = True  # a coordinator still claims shards of other jobs
     reorder_buffer: bool = True  # the mirror holds refused messages (False: emptied after each door)
     catch_up: bool = True  # catch-up on follow, resync of a mirror that fell behind (agent/roles/sync.py)
-    sync_after: float = 5.0  # sync.RESYNC_HELD_SECONDS: a decision held this long means the mirror fell behind
-    resync_interval: float = 15.0  # sync.RESYNC_INTERVAL: at most one rebuild of a mirror this often
+    repair: bool = True  # a mirror holding worker messages asks their signers (protocol/resync.repair_sources)
+    sync_after: float = 5.0  # resync.RESYNC_HELD_SECONDS: a message held this long means the mirror fell behind
+    resync_interval: float = 15.0  # resync.RESYNC_INTERVAL: at most one rebuild or repair of a mirror this often
     verdict_margin: float = 0.0  # a coordinator withholds a verdict this close to its window's end
 
     @property
@@ -282,6 +282,7 @@ class Result:
     syncs: int  # catch_up: mirrors that took in a peer's history (follow, resync, submitter catch-up)
     digest: str
     mirror_warnings: Counter = field(default_factory=Counter)  # what the mirrors logged as warnings, by kind
+    repairs: int = 0  # repairs asked of held worker messages' signers (protocol/resync.repair_sources)
 
     def summary(self) -> dict[str, Any]:
         """The figures of the run, as plain values."""
@@ -328,6 +329,7 @@ class Result:
             "mirrors": self.mirrors,
             "mirrors_diverged": self.mirrors_diverged,
             "mirror_syncs": self.syncs,
+            "mirror_repairs": self.repairs,
             "mirror_warnings": dict(self.mirror_warnings.most_common()),
             "sim_hours": self.sim_seconds / HOUR,
             "events": self.events,
@@ -361,6 +363,7 @@ class Simulation:
         self._viewers: dict[int, dict[tuple[int, int], None]] = {}
         self._running_jobs = config.jobs
         self.syncs = 0  # catch_up: mirrors that took in a peer's history (follow, resync, submitter catch-up)
+        self.repairs = 0  # repairs asked of held worker messages' signers (protocol/resync.repair_sources)
         # what Byzantine workers faked: (job, round, shard, attempt, worker peer) -> faked segments
         self.faked: dict[tuple[int, int, int, int, str], frozenset[int]] = {}
         # liveness: agents that left (index -> when), and the live sets handed to mirrors, per side
@@ -479,7 +482,7 @@ class Simulation:
                 mirrors += 1
                 diverged += (state.phase, state.round) != (record.phase, record.round)
         return Result(self.cfg, self.jobs, end, self.events, heartbeats, self.refused, mirrors, diverged,
-                      self.syncs, self._trace.hexdigest())
+                      self.syncs, self._trace.hexdigest(), repairs=self.repairs)
 
     def _latency(self) -> float:
         return self.rng.lognormvariate(math.log(self.cfg.latency_median), self.cfg.latency_sigma)
@@ -853,7 +856,7 @@ class Simulation:
             return
         mirror = f.mirror
         self._commit(agent, f, mirror.receive(msg, envelope.signer, self.now, self._live_set(index), envelope))
-        if self.cfg.catch_up and isinstance(msg, DECISIONS) and mirror.pending and mirror.pending[-1][1] is msg:
+        if self.cfg.catch_up and isinstance(msg, self._asks_history()) and mirror.pending and mirror.pending[-1][1] is msg:
             self._check_later(agent, f, self.now + self.cfg.sync_after + TICK_SECONDS)  # held: we may be behind
 
     # -- catching up (agent/roles/sync.py) ------------------------------------------------------
@@ -891,18 +894,15 @@ class Simulation:
             f.check_at = when
             self._at(when, self._resync_check, agent.index, agent.epoch, f.job.index)
 
+    def _asks_history(self) -> tuple[type, ...]:
+        """The held messages that may ask for history: decisions; with ``repair``, worker messages too."""
+        return DECISIONS + WORKER_MESSAGES if self.cfg.repair else DECISIONS
+
     def _needs_resync(self, f: Followed, eligible: frozenset[str]) -> bool:
-        """sync.needs_resync: an eligible coordinator's decision held over ``sync_after`` (since the last
-        rebuild); or, for the submitter, sync.stalled: nothing applied for a long while."""
-        view, now = f.mirror, self.now
-        if view.state.terminal:
-            return False
-        if view.terms.submitter == view.me and now - view.last_applied > self._stall_seconds():
-            return True
-        since = view.resynced_at
-        return any(isinstance(msg, DECISIONS) and signer in eligible and signer != view.me
-                   and now - seen > self.cfg.sync_after and (since is None or seen > since)
-                   for seen, msg, signer, _ in view.pending)
+        """protocol/resync.needs_resync (an eligible coordinator's decision held over ``sync_after`` since the
+        last rebuild), or for the submitter resync.stalled (nothing applied for a long while)."""
+        return needs_resync(f.mirror, eligible, self.now, self.cfg.sync_after) or \
+            stalled(f.mirror, f.mirror.me, self.now, STALL_SECONDS)
 
     def _resync_check(self, index: int, epoch: int, job_index: int) -> None:
         """JobClock.tick_job's resync rule, checked when it may hold: a rebuild from the submitter's history
@@ -924,12 +924,18 @@ class Simulation:
                 self._submitter_catch_up(agent, f)
             else:
                 self._resync(agent, f)
+        elif self.cfg.repair and (sources := repair_sources(mirror, self.now, self.cfg.sync_after)):
+            if self.now - f.resynced <= self.cfg.resync_interval:
+                self._check_later(agent, f, f.resynced + self.cfg.resync_interval + TICK_SECONDS)
+                return
+            f.resynced = mirror.resynced_at = self.now
+            self._repair(agent, f, sources)
         if agent.epoch != epoch or f.mirror.state.terminal:
             return
         # when the rule may hold next: a held decision comes of age, or the submitter's job stalls
         since = mirror.resynced_at
         due = [seen + self.cfg.sync_after + TICK_SECONDS for seen, msg, _, _ in mirror.pending
-               if isinstance(msg, DECISIONS) and (since is None or seen > since)
+               if isinstance(msg, self._asks_history()) and (since is None or seen > since)
                and seen + self.cfg.sync_after + TICK_SECONDS > self.now]
         if index == f.job.submitter:
             due.append(max(mirror.last_applied + self._stall_seconds(), self.now) + TICK_SECONDS)
@@ -964,9 +970,32 @@ class Simulation:
         self.rng.shuffle(live)
         coordinator = self.by_peer.get(mirror.coordination.coordinator or "")
         live.sort(key=lambda i: i != coordinator)
+        caught = self._receive_histories(agent, f, live[:PEERS_ASKED])
+        if caught:
+            self.syncs += 1
+            self._rebuilt(agent, f)
+
+    def _repair(self, agent: SimAgent, f: Followed, sources: tuple[str, ...]) -> None:
+        """sync.repair: the signers of the worker messages our mirror holds are asked for their histories,
+        received as the submitter's catch-up receives its peers' (those online and reachable answer)."""
+        peers = [i for i in (self.by_peer.get(p) for p in sources) if i is not None and i != agent.index
+                 and self.agents[i].online and not self._separated(agent.index, i, self.now)]
+        self.repairs += 1
+        if self._receive_histories(agent, f, peers, act=True):
+            self.syncs += 1
+            self._rebuilt(agent, f)
+            if self._is_coordinator(agent, f) and f.job.index in agent.coordinating:
+                self._resume(agent, f)
+
+    def _receive_histories(self, agent: SimAgent, f: Followed, peers: list[int], *, act: bool = False) -> int:
+        """sync._receive_histories: what each of ``peers`` stored of the job and we did not, received as live
+        messages at their signed time; the held live ones tried once at the real now. How many applied.
+        ``act``: what applied is carried out as for live messages (a repair: they are what we missed), else
+        only the reactions (the submitter's catch-up: the past's actions are nobody's)."""
+        mirror = f.mirror
         caught = 0
-        for peer in live[:PEERS_ASKED]:
-            held = self.agents[peer].mirrors.get(job.index)
+        for peer in peers:
+            held = self.agents[peer].mirrors.get(f.job.index)
             for envelope in list(held.store) if held is not None else ():
                 if id(envelope) in f.stored:
                     continue
@@ -974,13 +1003,13 @@ class Simulation:
                                          envelope, history=True)
                 if outcome.changed:
                     caught += 1
-                    outcome = Outcome((), outcome.applied, outcome.evidence, outcome.outgoing)
+                    if not act:
+                        outcome = Outcome((), outcome.applied, outcome.evidence, outcome.outgoing)
                 self._commit(agent, f, outcome)
             outcome = mirror.retry(self.now, self._live_set(agent.index))  # held live ones, at the real now
-            self._commit(agent, f, Outcome((), outcome.applied, outcome.evidence) if outcome.changed else outcome)
-        if caught:
-            self.syncs += 1
-            self._rebuilt(agent, f)
+            self._commit(agent, f, Outcome((), outcome.applied, outcome.evidence) if outcome.changed and not act
+                         else outcome)
+        return caught
 
     # -- the worker (WorkerRole) --------------------------------------------------------------
 

@@ -164,6 +164,33 @@ async def submitter_catch_up(agent: RolePort, view: Any, timeout: float = TIMEOU
     # job on the others. They are asked at once (a dead one costs its timeout once, not in turn).
     random.shuffle(live)
     peers = sorted(live, key=lambda p: p != coordinator)[:PEERS_ASKED]
+    applied = await _receive_histories(agent, view, peers, timeout)
+    if applied:
+        log.info("job %s: caught up on %d messages from %d peers after a restart: %s, round %d, term %d",
+                 view.job_id.hex()[:8], len(applied), len(peers), view.state.phase.value, view.state.round,
+                 view.coordination.term)
+        agent.save_job_row(view)
+    return applied
+
+
+async def repair(agent: RolePort, view: Any, peers: tuple[str, ...], timeout: float = TIMEOUT) -> set[bytes]:
+    """Our mirror holds worker messages it cannot apply (protocol/resync.repair_sources): ask their signers,
+    not the submitter, for their history of the job, and receive what we lack as any peer's messages
+    (IPIP-0004 §11.1). Returns the message IDs applied."""
+    applied = await _receive_histories(agent, view, list(peers), timeout)
+    if applied:
+        log.info("job %s: repaired %d messages from %s: %s, round %d", view.job_id.hex()[:8], len(applied),
+                 ", ".join(p[-8:] for p in peers), view.state.phase.value, view.state.round)
+        agent.save_job_row(view)
+    return applied
+
+
+async def _receive_histories(agent: RolePort, view: Any, peers: list[str], timeout: float) -> set[bytes]:
+    """Fetch ``peers``' histories of the job at once, then receive, peer by peer, the envelopes our store lacks
+    as live messages with their own timestamps (``history=True``): coordinator decisions pass our election
+    view like live ones (nobody's stored junk can move our term), the rest is applied as anyone's; then
+    the live messages held meanwhile are tried once at the real now. What applied is committed with its
+    reactions; the state machine's actions of the past are nobody's to carry out."""
     histories: dict[str, list[Any] | None] = {}
 
     async def fetch(peer: str) -> None:
@@ -187,13 +214,7 @@ async def submitter_catch_up(agent: RolePort, view: Any, timeout: float = TIMEOU
             outcomes.append(view.retry(agent.clock(), agent.eligible_coordinators(view.terms)))
         outcome = Outcome.join(outcomes)
         # what applied, in the order it did; then our copies of the accepted work and aggregates we missed
-        # (the state machine's actions of the past are nobody's to carry out: only the reactions)
         await _commit(agent, view, replace(outcome, actions=() if outcome.changed else None))
-    if applied:
-        log.info("job %s: caught up on %d messages from %d peers after a restart: %s, round %d, term %d",
-                 view.job_id.hex()[:8], len(applied), len(peers), view.state.phase.value, view.state.round,
-                 view.coordination.term)
-        agent.save_job_row(view)
     return applied
 
 
@@ -226,38 +247,6 @@ async def catch_up(agent: RolePort, view: Any, timeout: float = TIMEOUT) -> set[
                  view.coordination.term)
         agent.save_job_row(view)
     return applied
-
-
-RESYNC_HELD_SECONDS = 5.0  # a coordinator's decision held this long means our mirror missed something
-RESYNC_INTERVAL = 15.0  # at most one rebuild per job this often
-
-
-STALL_SECONDS = 60.0  # a submitter's unended job with no message applied this long (nor 2 leases' time) asks peers
-
-
-def stalled(view: Any, me: str, now: float) -> bool:
-    """Is this our own job, not ended, with nothing applied for STALL_SECONDS (and two lease times)? The
-    soak found a submitter, killed and restarted twice while coordinators failed over, whose mirror
-    lacked the leases that spent a shard's attempts: its peers had ended the job FAILED, nobody acted
-    for it any more, and the submitter's mirror said TRAINING forever. A stalled submitter catches up
-    from its live peers (sync.submitter_catch_up), as after a restart."""
-    return view.terms.submitter == me and not view.state.terminal and \
-        now - view.last_applied > max(STALL_SECONDS, 2.0 * float(view.terms.lease_seconds))
-
-
-def needs_resync(view: Any, eligible: frozenset[str], now: float) -> bool:
-    """Does the mirror hold a decision of an eligible coordinator that it could not apply for a while?
-    Its term does not matter: our view of the term may be the wrong one (we changed it while the
-    others did not). Messages of anyone else, an attacker's included, never trigger a rebuild. Nor do
-    decisions held since before the last rebuild (``view.resynced_at``): the submitter's history did
-    not make them apply, so another rebuild would not either (they wait out PENDING_SECONDS); nor
-    anything once the job ended: its outcome is signed and no history changes it."""
-    if view.state.terminal:
-        return False
-    since = view.resynced_at
-    return any(isinstance(msg, (m.ShardLease, m.Verdict, m.AggregatePublished)) and signer in eligible
-               and signer != view.me and now - seen > RESYNC_HELD_SECONDS and (since is None or seen > since)
-               for seen, msg, signer, _ in view.pending)
 
 
 async def resync(agent: RolePort, view: JobMirror, timeout: float = TIMEOUT) -> bool:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from protocol.mirror import JobMirror
-from agent.roles.sync import _replay, _verified, history_for, needs_resync
+from agent.roles.sync import _replay, _verified, history_for
+from protocol.resync import needs_resync
 from agent.store import Store
 from protocol import messages as m
 from protocol.envelope import seal
@@ -104,7 +105,7 @@ def test_a_submitters_job_with_nothing_applied_for_long_is_stalled_and_asks_its_
     """The soak: a submitter killed twice while coordinators failed over missed the leases that spent a
     shard's attempts; its peers ended the job FAILED and nobody acted for it again, while its own mirror
     said TRAINING for ever. A submitter's unended job with nothing applied for long now catches up."""
-    from agent.roles.sync import STALL_SECONDS, stalled
+    from protocol.resync import STALL_SECONDS, stalled
 
     view = JobMirror(TERMS, NOW, SUBMITTER.peer_id)
     wait = max(STALL_SECONDS, 2.0 * TERMS.lease_seconds)

@@ -1,0 +1,99 @@
+"""A mirror that missed a lease asks the signer of the worker messages it holds (IPIP-0004 §11.1).
+
+Before, only a held *decision* asked for history, from the submitter: a worker's mirror that missed
+another worker's lease held that worker's checkpoints and kept claiming its shard until a decision it
+could not apply came, about a shard's training time later (IPIP-0009: claims per job 383 -> 630 on the
+real mirror). The rule (protocol/resync.repair_sources) and two real agents on loopback: the one that
+missed the lease fetches the other's history over the job-sync protocol and applies the lease and the
+held checkpoint; junk from an identity that is nobody's worker is asked of its signer, never of the
+submitter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from agent.net.gossip import Received
+from agent.node import PeerInfo
+from protocol import messages as m
+from protocol import state as st
+from protocol.election import Coordination
+from protocol.envelope import open_envelope, seal
+from protocol.identity import Identity
+from protocol.mirror import JobMirror
+from protocol.resync import needs_resync, repair_sources
+from scripts.make_envelope_vectors import sample_capability, sample_terms
+from tests.roles.conftest import network
+
+VECTORS = Path(__file__).resolve().parents[2] / "ipips" / "vectors" / "resync.json"
+SUBMITTER, COORD = Identity(bytes([1]) * 32), Identity(bytes([3]) * 32)
+TERMS = dataclasses.replace(sample_terms(SUBMITTER), deadline=0)  # no deadline: it lives until ended
+JOB = TERMS.job_id()
+
+
+def _message(kind: str, worker: str):
+    cid = TERMS.shards[0].cid
+    return {"lease": m.ShardLease(JOB, 1, 0, 1, worker, 1, 2e9, None),
+            "ckpt": m.CheckpointCommit(JOB, 1, 0, 1, 10, 0, bytes(32), bytes(32), 1.0, None),
+            "report": m.ShardReport(JOB, 1, 0, 1, cid, cid, bytes(32), 1, 4, 32, 1.0, {}),
+            "release": m.ShardRelease(JOB, 1, 0, 1, "bye"),
+            "verdict": m.Verdict(JOB, 1, 0, 1, worker, 1, True, "ok", (0,))}[kind]
+
+
+def test_the_rules_vectors():
+    """ipips/vectors/resync.json: what the mirror holds, since when, by whom -> rebuild, and whom to ask."""
+    cases = json.loads(VECTORS.read_text())["cases"]
+    assert len(cases) >= 6
+    for case in cases:
+        view = JobMirror(TERMS, 0.0, case["me"])
+        view.resynced_at = case.get("resynced_at")
+        for held in case["pending"]:
+            view.pending.append((held["seen"], _message(held["kind"], held["signer"]), held["signer"], None))
+        if case.get("ended"):
+            from dataclasses import replace
+
+            view.state = replace(view.state, phase=st.JobPhase.DONE)
+        eligible = frozenset(case["eligible"])
+        assert needs_resync(view, eligible, case["now"]) is case["needs_resync"], case["name"]
+        assert list(repair_sources(view, case["now"])) == case["repair_sources"], case["name"]
+
+
+def received(identity: Identity, message, at: float) -> Received:
+    opened = open_envelope(seal(identity, message, now=at), now=at)
+    return Received(m.job_topic(JOB), opened.message, opened.envelope, identity.peer_id)
+
+
+@pytest.mark.network
+async def test_a_worker_that_missed_a_lease_gets_it_from_the_lease_holder(tmp_path, tiny_model_dir):
+    async with network(tmp_path, tiny_model_dir, workers=2) as net:
+        w0, w1 = net.workers
+        now = time.time()
+        views = {}
+        for agent in (w0, w1):  # both follow the job; COORD (not running) coordinates term 1
+            agent.store.add_job(TERMS, "worker", now - 100)
+            agent.peers[COORD.peer_id] = PeerInfo(now, capability=sample_capability(), live_since=now - 100)
+            agent.peers[SUBMITTER.peer_id] = PeerInfo(now, live_since=now - 100)
+            view = JobMirror(TERMS, now - 100, agent.peer_id)
+            view.coordination = Coordination(JOB, 1, COORD.peer_id)
+            agent.jobs[JOB] = view
+            views[agent] = view
+        lease = received(COORD, m.ShardLease(JOB, 1, 0, 1, w1.peer_id, 1, now + 600, None), now - 10)
+        checkpoint = received(w1.identity, m.CheckpointCommit(JOB, 1, 0, 1, 10, 0, bytes(32), bytes(32), 1.0, None),
+                              now - 9)
+        await w1.on_job_message(views[w1], lease)  # w1 holds its lease and its first checkpoint
+        await w1.on_job_message(views[w1], checkpoint)
+        await w0.on_job_message(views[w0], checkpoint)  # w0 missed the lease: the checkpoint is held
+        assert views[w0].shard(0).phase is st.ShardPhase.OPEN and len(views[w0].pending) == 1
+        started = trio.current_time()
+        # w0's own ticks: held over 5 s, its signer w1 is asked for its history (never the submitter)
+        await w0.wait_until(lambda: views[w0].shard(0).phase is st.ShardPhase.LEASED and not views[w0].pending, 30)
+        assert trio.current_time() - started < 20
+        assert views[w0].shard(0).worker == w1.peer_id
+        stored = [s.type for s in w0.store.envelopes(JOB, stored_order=True)]
+        assert stored[-2:] == ["lease", "ckpt"]  # kept as evidence, in the order they applied
