@@ -57,6 +57,9 @@ class AgentConfig:
     gossip_max_rate: float = 200.0  # messages per second accepted from one peer (its signed messages) ...
     gossip_max_burst: float = 400.0  # ... with this much burst; beyond it they are dropped at the first hop
     measure_speed: bool = False  # measure tokens/s per held model once (agent/market.py); `agent run` turns it on
+    # a mirror holding another worker's messages asks their signer for its history (IPIP-0004 §11.1): off by
+    # default (the simulator: a third fewer claims, about one job in a hundred less published)
+    repair_from_senders: bool = False
 
 
 
@@ -134,6 +137,10 @@ gossip_max_burst = 400.0
 # (cached in speeds.json here) and advertise it, so submitters can estimate a job's hours and cost.
 measure_speed = true
 
+# A job's mirror that holds another worker's messages it cannot apply asks their signer for its history
+# (IPIP-0004 §11.1). Off: in the simulator it saved a third of the claims but published ~1 % fewer jobs.
+repair_from_senders = false
+
 # Base models held locally: the name a job's base_model uses = a local Hugging Face directory.
 [models]
 # "Qwen/Qwen2.5-0.5B-Instruct" = "/srv/models/qwen2.5-0.5b-instruct"
@@ -150,7 +157,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "max_disk_gb": (int, float),
     "heartbeat_seconds": (int, float), "missed_heartbeats": int, "grace_seconds": (int, float),
     "claim_interval": (int, float), "models": dict, "gossip_max_rate": (int, float),
-    "gossip_max_burst": (int, float), "measure_speed": bool,
+    "gossip_max_burst": (int, float), "measure_speed": bool, "repair_from_senders": bool,
 }
 
 RANGES: dict[str, tuple[float, float, str]] = {

@@ -16,7 +16,8 @@ Rules of this file:
 - A mirror that diverged or stalled (protocol/resync.py ``needs_resync``, ``stalled``) is rebuilt from
   its submitter's history; the submitter asks its live peers what it missed instead. A mirror that holds
   worker messages it cannot apply (``repair_sources``) asks their signers for their history
-  (agent/roles/sync.py ``repair``). At most one of these per job per ``RESYNC_INTERVAL``, one at a time.
+  (agent/roles/sync.py ``repair``), when the operator turned that on (``repair_from_senders``). At most
+  one of these per job per ``RESYNC_INTERVAL``, one at a time.
   A rebuild that leaves us coordinator resumes the pending work (``CoordinatorRole.resume``).
 """
 
@@ -53,7 +54,7 @@ class JobClock:
                  ledger: Callable[[bytes, str, dict], None],
                  rebuild: Callable[["JobMirror"], Awaitable[bool]],
                  catch_up_submitter: Callable[["JobMirror"], Awaitable[Any]],
-                 repair: Callable[["JobMirror", tuple[str, ...]], Awaitable[Any]],
+                 repair: Callable[["JobMirror", tuple[str, ...]], Awaitable[Any]] | None,
                  refuse_work: Callable[[Exception], None]) -> None:
         self.peer_id, self.grace_seconds, self.clock = peer_id, grace_seconds, clock
         self.peers, self.jobs, self.tasks, self.coordinator = peers, jobs, tasks, coordinator
@@ -125,7 +126,7 @@ class JobClock:
         if view.job_id not in self.resyncing and now - self.last_resync.get(view.job_id, 0.0) > RESYNC_INTERVAL:
             if needs_resync(view, self.peers.eligible_coordinators(view.terms), now) or stalled(view, self.peer_id, now):
                 self._start(view, now, "resync", self._resync, view)
-            elif sources := repair_sources(view, now):  # worker messages held: ask their signers (IPIP-0004 §11.1)
+            elif self.repair is not None and (sources := repair_sources(view, now)):  # IPIP-0004 §11.1
                 self._start(view, now, "repair", self._repair, view, sources)
         if not self.is_coordinator(view):
             self.coordinating.discard(view.job_id)

@@ -163,7 +163,7 @@ class Agent:
         self.jobclock = JobClock(self.peer_id, config.grace_seconds, clock, self.peer_table, self.jobs, self.tasks,
                                  self.coordinator, commit=self.commit, ledger=self.ledger,
                                  rebuild=partial(resync, self), catch_up_submitter=partial(submitter_catch_up, self),
-                                 repair=partial(repair, self),
+                                 repair=partial(repair, self) if config.repair_from_senders else None,
                                  refuse_work=self.refuse_work)
         from agent.market import Reputations
 

@@ -48,8 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="what-if: empty the mirror's held messages after each event (the agent before it held any)")
     parser.add_argument("--no-catch-up", action="store_true",
                         help="turn off the agent's catch-up and resync (a mirror keeps only what it heard live)")
-    parser.add_argument("--no-repair", action="store_true",
-                        help="turn off the repair from held worker messages' signers (protocol/resync.repair_sources)")
+    parser.add_argument("--repair", action="store_true",
+                        help="what-if: a mirror asks the signers of worker messages it holds for their history "
+                             "(protocol/resync.repair_sources; the agent's repair_from_senders)")
     parser.add_argument("--coordinators-dont-train", action="store_true",
                         help="remedy: a coordinator claims no shards, so its replays never wait for training")
     parser.add_argument("--verdict-margin", type=float, default=0.0, metavar="SECONDS",
@@ -69,7 +70,7 @@ def config_from(args: argparse.Namespace) -> SimConfig:
                      shards=args.shards, rounds=args.rounds, lease_seconds=args.lease_seconds,
                      worker_failure=args.worker_failure, partitions=partitions,
                      reorder_buffer=not args.no_reorder_buffer, catch_up=not args.no_catch_up,
-                     repair=not args.no_repair and not args.no_catch_up,
+                     repair=args.repair and not args.no_catch_up,
                      coordinators_train=not (args.coordinators_dont_train or args.remedies),
                      verdict_margin=args.verdict_margin or (60.0 if args.remedies else 0.0))
 

@@ -171,7 +171,8 @@ class SimConfig:
     coordinators_train: bool = True  # a coordinator still claims shards of other jobs
     reorder_buffer: bool = True  # the mirror holds refused messages (False: emptied after each door)
     catch_up: bool = True  # catch-up on follow, resync of a mirror that fell behind (agent/roles/sync.py)
-    repair: bool = True  # a mirror holding worker messages asks their signers (protocol/resync.repair_sources)
+    repair: bool = False  # a mirror holding worker messages asks their signers (protocol/resync.repair_sources; off
+    # by default, as in the agent: IPIP-0004 §11.1 says why)
     sync_after: float = 5.0  # resync.RESYNC_HELD_SECONDS: a message held this long means the mirror fell behind
     resync_interval: float = 15.0  # resync.RESYNC_INTERVAL: at most one rebuild or repair of a mirror this often
     verdict_margin: float = 0.0  # a coordinator withholds a verdict this close to its window's end

@@ -3,10 +3,9 @@
 Before, only a held *decision* asked for history, from the submitter: a worker's mirror that missed
 another worker's lease held that worker's checkpoints and kept claiming its shard until a decision it
 could not apply came, about a shard's training time later (IPIP-0009: claims per job 383 -> 630 on the
-real mirror). The rule (protocol/resync.repair_sources) and two real agents on loopback: the one that
-missed the lease fetches the other's history over the job-sync protocol and applies the lease and the
-held checkpoint; junk from an identity that is nobody's worker is asked of its signer, never of the
-submitter.
+real mirror). The rule (protocol/resync.repair_sources, its vectors) and two real agents on loopback:
+the one that missed the lease (with ``repair_from_senders`` on: it is off by default, IPIP-0004 §11.1)
+fetches the other's history over the job-sync protocol and applies the lease and the held checkpoint.
 """
 
 from __future__ import annotations
@@ -71,8 +70,10 @@ def received(identity: Identity, message, at: float) -> Received:
 
 @pytest.mark.network
 async def test_a_worker_that_missed_a_lease_gets_it_from_the_lease_holder(tmp_path, tiny_model_dir):
-    async with network(tmp_path, tiny_model_dir, workers=2) as net:
+    # the repair is the operator's choice (repair_from_senders, off by default): w0 turned it on
+    async with network(tmp_path, tiny_model_dir, workers=2, overrides={0: {"repair_from_senders": True}}) as net:
         w0, w1 = net.workers
+        assert w0.jobclock.repair is not None and w1.jobclock.repair is None
         now = time.time()
         views = {}
         for agent in (w0, w1):  # both follow the job; COORD (not running) coordinates term 1
