@@ -154,7 +154,8 @@ class JobClock:
 
     async def _repair(self, view: "JobMirror", sources: tuple[str, ...]) -> None:
         try:
-            await self.repair(view, sources)
+            if await self.repair(view, sources) and self.is_coordinator(view) and view.job_id in self.coordinating:
+                self.coordinator.resume(view)  # what the repair let apply may be ours to verify or aggregate
         except StoreFullError as exc:
             self.refuse_work(exc)
         finally:

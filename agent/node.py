@@ -78,7 +78,7 @@ from agent.ledger_sync import sync_loop as ledger_sync_loop
 from agent.roles.coordinator import CoordinatorRole
 from agent.roles.keep import KeepService
 from agent.roles.submitter import SubmitterRole
-from agent.roles.sync import SyncService, catch_up, repair, resync, submitter_catch_up
+from agent.roles.sync import JobSync, SyncService
 from agent.roles.worker import WorkerRole
 from agent.store import Store
 from agent.peers import PeerInfo, PeerTable  # noqa: F401 - PeerInfo re-exported (tests, harness)
@@ -138,7 +138,7 @@ class Agent:
         self.worker = WorkerRole(self, self.hooks.training) if config.accept_training else None
         self.coordinator = CoordinatorRole(self)
         self.submitter = SubmitterRole(self)
-        self.sync = SyncService(self)
+        self.sync = SyncService(lambda: self.store)  # serves our history of any job (agent/roles/sync.py)
         # a round's aggregate of our job, copied here before it is published (agent/roles/keep.py)
         self.keep = KeepService(self, self.jobs.get, self.submitter.keep_once)
         self.ledger_service = LedgerService(self)  # copies of the job's other chains (agent/ledger_sync.py)
@@ -151,19 +151,22 @@ class Agent:
         self.service, self.one_shot, self.spawn = self.tasks.service, self.tasks.one_shot, self.tasks.spawn
         self.spawn_in_job, self.wait_until = self.tasks.spawn_in_job, self.tasks.wait_until
         self._notify = self.tasks.notify
+        # catching up on a job's history, rebuilding and repairing its mirror (agent/roles/sync.py)
+        self.jobsync = JobSync(self.peer_id, clock, config.heartbeat_seconds * config.missed_heartbeats,
+                               self.peer_table, self.tasks, self.writer, lambda: self.net, self.commit)
         # which jobs we follow, their topics read, resumed after a restart, forgotten (agent/following.py)
         self.following = Following(self.peer_id, clock, self.counters, self.book, self.tasks, self.writer,
                                    lambda: self.net, lambda: self.content.store, trains=self.worker is not None,
                                    receive=self.on_job_message, settled=lambda view: self.apply_actions(view, ()),
-                                   catch_up=partial(catch_up, self), submitter_catch_up=partial(submitter_catch_up, self),
+                                   catch_up=self.jobsync.catch_up, submitter_catch_up=self.jobsync.submitter_catch_up,
                                    on_follow=self._followed, on_resume=self._resumed, on_forget=self._forgotten,
                                    observer=self.hooks.observer, peers=self.peer_table,
                                    capabilities=self.capabilities, commit=self.commit)
         # elections, the state machines' timers, rebuilds, taking a job over (agent/jobclock.py)
         self.jobclock = JobClock(self.peer_id, config.grace_seconds, clock, self.peer_table, self.jobs, self.tasks,
                                  self.coordinator, commit=self.commit, ledger=self.ledger,
-                                 rebuild=partial(resync, self), catch_up_submitter=partial(submitter_catch_up, self),
-                                 repair=partial(repair, self) if config.repair_from_senders else None,
+                                 rebuild=self.jobsync.resync, catch_up_submitter=self.jobsync.submitter_catch_up,
+                                 repair=self.jobsync.repair if config.repair_from_senders else None,
                                  refuse_work=self.refuse_work)
         from agent.market import Reputations
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import trio
 
@@ -41,7 +41,10 @@ from protocol.cid import varint_encode
 from protocol.envelope import MAX_ENVELOPE_BYTES
 
 if TYPE_CHECKING:
-    from agent.roles.port import RolePort
+    from agent.peers import PeerTable
+    from agent.store import Store
+    from agent.tasks import Tasks
+    from agent.writer import StoreWriter
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +82,8 @@ def history_for(store: Any, job_id: bytes, max_count: int = MAX_HISTORY,
 class SyncService:
     """Serves our stored history of any job (installed on every agent)."""
 
-    def __init__(self, agent: RolePort) -> None:
-        self.agent = agent
+    def __init__(self, store: Callable[[], "Store"]) -> None:
+        self.store = store  # the agent's store, once open
         self.served = 0
 
     def install(self, host: Any) -> None:
@@ -90,7 +93,7 @@ class SyncService:
         reader = FrameReader(stream, chunk=64)
         job_id = await reader.read_exactly(32, f"{PROTOCOL} job id")
         # reading and re-verifying up to MAX_HISTORY envelopes takes seconds: not on the event loop
-        history = await trio.to_thread.run_sync(history_for, self.agent.store, job_id)
+        history = await trio.to_thread.run_sync(history_for, self.store(), job_id)
         for data in history:
             await stream.write(frame(data))
         await stream.write(END)
@@ -124,148 +127,160 @@ def _verified(history: list[bytes], job_id: bytes) -> tuple[list[Any], int]:
     return out, refused
 
 
-async def _fetch_verified(agent: RolePort, view: Any, timeout: float, what: str,
-                          peer: str | None = None) -> list[Any] | None:
-    """The history of the job held by ``peer`` (by default its submitter), each envelope verified;
-    None (logged) if that is us or it could not be had."""
-    peer = peer or view.terms.submitter
-    if peer == agent.peer_id:
-        return None
-    try:
-        history = await fetch_history(agent.net.host, peer, view.job_id, timeout)
-    except (NetError, PeerProtocolError, trio.TooSlowError) as exc:
-        log.info("job %s: could not %s from %s: %s", view.job_id.hex()[:8], what, peer[-8:], exc)
-        return None
-    verified, refused = await trio.to_thread.run_sync(_verified, history, view.job_id)  # signatures: off the loop
-    if refused:
-        log.warning("job %s: %d envelopes from %s's history refused", view.job_id.hex()[:8], refused, peer[-8:])
-    return verified
-
-
 PEERS_ASKED = 8  # a restarted (or stalled) submitter asks at most this many live peers for what it missed
 
 
-async def submitter_catch_up(agent: RolePort, view: Any, timeout: float = TIMEOUT) -> set[bytes]:
-    """We are the job's submitter, back after being down (or our mirror holds decisions it cannot
-    apply): the job went on without us. Once we hear peers, ask up to PEERS_ASKED live ones that follow
-    the job, its coordinator first, for the envelopes we did not store, and apply them as live
-    messages with their own timestamps: coordinator decisions pass our election view like live
-    ones (nobody's stored junk can move our term), the rest is applied as anyone's. Returns the
-    message IDs applied (the live reader skips them). IPIP-0004 §11, IPIP-0006 §1.3 rule 5."""
-    window = agent.config.heartbeat_seconds * agent.config.missed_heartbeats
-    # until we hear someone (our view waits as long: election.py)
-    await agent.wait_until(lambda: bool(agent.live_peers()), 2 * timeout)
-    # a moment for the others' heartbeats and capabilities
-    await agent.wait_until(lambda: len(agent.live_peers()) >= 2, min(window, 2.0))
-    live = sorted(agent.live_peers())
-    coordinator = view.coordination.coordinator
-    # the coordinator first, the others in a new order each time: the soak saw a stalled submitter ask the
-    # same three peers (sorted by ID) every minute while none of them held the release that had ended the
-    # job on the others. They are asked at once (a dead one costs its timeout once, not in turn).
-    random.shuffle(live)
-    peers = sorted(live, key=lambda p: p != coordinator)[:PEERS_ASKED]
-    applied = await _receive_histories(agent, view, peers, timeout)
-    if applied:
-        log.info("job %s: caught up on %d messages from %d peers after a restart: %s, round %d, term %d",
-                 view.job_id.hex()[:8], len(applied), len(peers), view.state.phase.value, view.state.round,
-                 view.coordination.term)
-        agent.save_job_row(view)
-    return applied
+class JobSync:
+    """Catching up on jobs, rebuilding and repairing their mirrors (the module docstring), for one agent:
+    the peers we hear (who is live, who may coordinate), the agent's tasks (waits with a deadline), its
+    store writer (what we hold, job rows, a full disk), its network (fetched once it runs) and its one
+    ``commit``."""
+
+    def __init__(self, peer_id: str, clock: Callable[[], float], window: float, peers: "PeerTable", tasks: "Tasks",
+                 writer: "StoreWriter", net: Callable[[], Any],
+                 commit: Callable[..., Awaitable[bool]]) -> None:
+        self.peer_id, self.clock = peer_id, clock
+        self.window = window  # heartbeat_seconds x missed_heartbeats: how long a restarted submitter listens first
+        self.peers, self.tasks, self.writer, self.net, self.commit = peers, tasks, writer, net, commit
+
+    async def _fetch_verified(self, view: Any, timeout: float, what: str, peer: str | None = None) -> list[Any] | None:
+        """The history of the job held by ``peer`` (by default its submitter), each envelope verified;
+        None (logged) if that is us or it could not be had."""
+        peer = peer or view.terms.submitter
+        if peer == self.peer_id:
+            return None
+        try:
+            history = await fetch_history(self.net().host, peer, view.job_id, timeout)
+        except (NetError, PeerProtocolError, trio.TooSlowError) as exc:
+            log.info("job %s: could not %s from %s: %s", view.job_id.hex()[:8], what, peer[-8:], exc)
+            return None
+        verified, refused = await trio.to_thread.run_sync(_verified, history, view.job_id)  # signatures: off the loop
+        if refused:
+            log.warning("job %s: %d envelopes from %s's history refused", view.job_id.hex()[:8], refused, peer[-8:])
+        return verified
 
 
-async def repair(agent: RolePort, view: Any, peers: tuple[str, ...], timeout: float = TIMEOUT) -> set[bytes]:
-    """Our mirror holds worker messages it cannot apply (protocol/resync.repair_sources): ask their signers,
-    not the submitter, for their history of the job, and receive what we lack as any peer's messages
-    (IPIP-0004 §11.1). Returns the message IDs applied."""
-    applied = await _receive_histories(agent, view, list(peers), timeout)
-    if applied:
-        log.info("job %s: repaired %d messages from %s: %s, round %d", view.job_id.hex()[:8], len(applied),
-                 ", ".join(p[-8:] for p in peers), view.state.phase.value, view.state.round)
-        agent.save_job_row(view)
-    return applied
+    async def submitter_catch_up(self, view: Any, timeout: float = TIMEOUT) -> set[bytes]:
+        """We are the job's submitter, back after being down (or our mirror holds decisions it cannot
+        apply): the job went on without us. Once we hear peers, ask up to PEERS_ASKED live ones that follow
+        the job, its coordinator first, for the envelopes we did not store, and apply them as live
+        messages with their own timestamps: coordinator decisions pass our election view like live
+        ones (nobody's stored junk can move our term), the rest is applied as anyone's. Returns the
+        message IDs applied (the live reader skips them). IPIP-0004 §11, IPIP-0006 §1.3 rule 5."""
+        window = self.window
+        # until we hear someone (our view waits as long: election.py)
+        await self.tasks.wait_until(lambda: bool(self.peers.live_peers()), 2 * timeout)
+        # a moment for the others' heartbeats and capabilities
+        await self.tasks.wait_until(lambda: len(self.peers.live_peers()) >= 2, min(window, 2.0))
+        live = sorted(self.peers.live_peers())
+        coordinator = view.coordination.coordinator
+        # the coordinator first, the others in a new order each time: the soak saw a stalled submitter ask the
+        # same three peers (sorted by ID) every minute while none of them held the release that had ended the
+        # job on the others. They are asked at once (a dead one costs its timeout once, not in turn).
+        random.shuffle(live)
+        peers = sorted(live, key=lambda p: p != coordinator)[:PEERS_ASKED]
+        applied = await self._receive_histories(view, peers, timeout)
+        if applied:
+            log.info("job %s: caught up on %d messages from %d peers after a restart: %s, round %d, term %d",
+                     view.job_id.hex()[:8], len(applied), len(peers), view.state.phase.value, view.state.round,
+                     view.coordination.term)
+            self.writer.save_job_row(view)
+        return applied
 
 
-async def _receive_histories(agent: RolePort, view: Any, peers: list[str], timeout: float) -> set[bytes]:
-    """Fetch ``peers``' histories of the job at once, then receive, peer by peer, the envelopes our store lacks
-    as live messages with their own timestamps (``history=True``): coordinator decisions pass our election
-    view like live ones (nobody's stored junk can move our term), the rest is applied as anyone's; then
-    the live messages held meanwhile are tried once at the real now. What applied is committed with its
-    reactions; the state machine's actions of the past are nobody's to carry out."""
-    histories: dict[str, list[Any] | None] = {}
+    async def repair(self, view: Any, peers: tuple[str, ...], timeout: float = TIMEOUT) -> set[bytes]:
+        """Our mirror holds worker messages it cannot apply (protocol/resync.repair_sources): ask their signers,
+        not the submitter, for their history of the job, and receive what we lack as any peer's messages
+        (IPIP-0004 §11.1). Returns the message IDs applied."""
+        applied = await self._receive_histories(view, list(peers), timeout, act=True)
+        if applied:
+            log.info("job %s: repaired %d messages from %s: %s, round %d", view.job_id.hex()[:8], len(applied),
+                     ", ".join(p[-8:] for p in peers), view.state.phase.value, view.state.round)
+            self.writer.save_job_row(view)
+        return applied
 
-    async def fetch(peer: str) -> None:
-        histories[peer] = await _fetch_verified(agent, view, timeout, "catch up", peer)
 
-    async with trio.open_nursery() as nursery:
+    async def _receive_histories(self, view: Any, peers: list[str], timeout: float, *, act: bool = False) -> set[bytes]:
+        """Fetch ``peers``' histories of the job at once, then receive, peer by peer, the envelopes our store lacks
+        as live messages with their own timestamps (``history=True``): coordinator decisions pass our election
+        view like live ones (nobody's stored junk can move our term), the rest is applied as anyone's; then
+        the live messages held meanwhile are tried once at the real now. What applied is committed with its
+        reactions; the state machine's actions of the past are nobody's to carry out."""
+        histories: dict[str, list[Any] | None] = {}
+
+        async def fetch(peer: str) -> None:
+            histories[peer] = await self._fetch_verified(view, timeout, "catch up", peer)
+
+        async with trio.open_nursery() as nursery:
+            for peer in peers:
+                nursery.start_soon(fetch, peer)
+        applied: set[bytes] = set()
         for peer in peers:
-            nursery.start_soon(fetch, peer)
-    applied: set[bytes] = set()
-    for peer in peers:
-        verified = histories.get(peer)
+            verified = histories.get(peer)
+            outcomes = []
+            for data, opened in verified or ():
+                if self.writer.store.has_envelope(opened.envelope.message_id):
+                    continue
+                signer, at = opened.envelope.signer, opened.envelope.timestamp_ms / 1000.0
+                outcomes.append(view.receive(opened.message, signer, at, self.peers.eligible_coordinators(view.terms), data,
+                                             history=True))
+                applied.add(opened.envelope.message_id)
+            if outcomes:  # the live messages held meanwhile, tried once at the real now (not at a stored time)
+                outcomes.append(view.retry(self.clock(), self.peers.eligible_coordinators(view.terms)))
+            outcome = Outcome.join(outcomes)
+            # what applied, in the order it did; then our copies of the accepted work and aggregates we missed
+            await self._commit(view, outcome if act else replace(outcome, actions=() if outcome.changed else None))
+        return applied
+
+
+    async def _commit(self, view: JobMirror, outcome: Outcome, *, act: bool = True) -> None:
+        """The agent's ``commit``; a full disk raises StoreFullError to the caller, as a direct store write would."""
+        if not await self.commit(view, outcome, act=act):
+            raise StoreFullError(self.writer.store_full or "the store cannot be written")
+
+
+    async def catch_up(self, view: Any, timeout: float = TIMEOUT) -> set[bytes]:
+        """Replay into ``view`` the job's history held by its submitter that is not in our store yet.
+        Returns the message IDs applied (the live reader skips them); failures are logged, not raised."""
+        verified = await self._fetch_verified(view, timeout, "catch up")
+        applied: set[bytes] = set()
         outcomes = []
         for data, opened in verified or ():
-            if agent.store.has_envelope(opened.envelope.message_id):
+            if self.writer.store.has_envelope(opened.envelope.message_id):
                 continue
-            signer, at = opened.envelope.signer, opened.envelope.timestamp_ms / 1000.0
-            outcomes.append(view.receive(opened.message, signer, at, agent.eligible_coordinators(view.terms), data,
-                                         history=True))
+            outcomes.append(_replay(view, opened, data))
             applied.add(opened.envelope.message_id)
-        if outcomes:  # the live messages held meanwhile, tried once at the real now (not at a stored time)
-            outcomes.append(view.retry(agent.clock(), agent.eligible_coordinators(view.terms)))
         outcome = Outcome.join(outcomes)
-        # what applied, in the order it did; then our copies of the accepted work and aggregates we missed
-        await _commit(agent, view, replace(outcome, actions=() if outcome.changed else None))
-    return applied
+        await self._commit(view, outcome, act=False)  # history: stored, nothing to carry out
+        if applied:
+            log.info("job %s: caught up on %d messages from the submitter: %s, round %d, term %d",
+                     view.job_id.hex()[:8], len(applied), view.state.phase.value, view.state.round,
+                     view.coordination.term)
+            self.writer.save_job_row(view)
+        return applied
+
+
+    async def resync(self, view: JobMirror, timeout: float = TIMEOUT) -> bool:
+        """Our mirror has diverged (it holds messages it cannot apply: we missed some, or we were cut off
+        and decided things the rest never saw): rebuild it from the submitter's whole history, in place
+        (``JobMirror.adopt``: the submitter's record wins, its coordinator term included), then commit the
+        history and what held live messages did on it (e.g. a held verdict that completes the round:
+        Aggregate), reactions included. False if the mirror was kept."""
+        verified = await self._fetch_verified(view, timeout, "resync")
+        if not verified:
+            return False
+        fresh = JobMirror(view.terms, view.first_seen, view.me)
+        history = Outcome.join([_replay(fresh, opened, data) for data, opened in verified])
+        before = (view.state.phase.value, view.state.round, len(view.pending))
+        # nothing may run on the old mirror between the rebuild and the swap: no await until adopt
+        outcome = view.adopt(fresh, history, self.clock(), self.peers.eligible_coordinators(view.terms))
+        await self._commit(view, outcome)
+        log.warning("job %s: mirror rebuilt from the submitter's history (%d messages): was %s round %d with %d held, "
+                    "now %s round %d, term %d", view.job_id.hex()[:8], len(verified), *before,
+                    view.state.phase.value, view.state.round, view.coordination.term)
+        self.writer.save_job_row(view)
+        return True
 
 
 def _replay(view: JobMirror, opened: Any, data: bytes | None = None) -> Outcome:
     return view.replay(opened.message, opened.envelope.signer, opened.envelope.timestamp_ms / 1000.0, data)
-
-
-async def _commit(agent: RolePort, view: JobMirror, outcome: Outcome, *, act: bool = True) -> None:
-    """``agent.commit``; a full disk raises StoreFullError to the caller, as a direct store write would."""
-    if not await agent.commit(view, outcome, act=act):
-        raise StoreFullError(agent.store_full or "the store cannot be written")
-
-
-async def catch_up(agent: RolePort, view: Any, timeout: float = TIMEOUT) -> set[bytes]:
-    """Replay into ``view`` the job's history held by its submitter that is not in our store yet.
-    Returns the message IDs applied (the live reader skips them); failures are logged, not raised."""
-    verified = await _fetch_verified(agent, view, timeout, "catch up")
-    applied: set[bytes] = set()
-    outcomes = []
-    for data, opened in verified or ():
-        if agent.store.has_envelope(opened.envelope.message_id):
-            continue
-        outcomes.append(_replay(view, opened, data))
-        applied.add(opened.envelope.message_id)
-    outcome = Outcome.join(outcomes)
-    await _commit(agent, view, outcome, act=False)  # history: stored, nothing to carry out
-    if applied:
-        log.info("job %s: caught up on %d messages from the submitter: %s, round %d, term %d",
-                 view.job_id.hex()[:8], len(applied), view.state.phase.value, view.state.round,
-                 view.coordination.term)
-        agent.save_job_row(view)
-    return applied
-
-
-async def resync(agent: RolePort, view: JobMirror, timeout: float = TIMEOUT) -> bool:
-    """Our mirror has diverged (it holds messages it cannot apply: we missed some, or we were cut off
-    and decided things the rest never saw): rebuild it from the submitter's whole history, in place
-    (``JobMirror.adopt``: the submitter's record wins, its coordinator term included), then commit the
-    history and what held live messages did on it (e.g. a held verdict that completes the round:
-    Aggregate), reactions included. False if the mirror was kept."""
-    verified = await _fetch_verified(agent, view, timeout, "resync")
-    if not verified:
-        return False
-    fresh = JobMirror(view.terms, view.first_seen, view.me)
-    history = Outcome.join([_replay(fresh, opened, data) for data, opened in verified])
-    before = (view.state.phase.value, view.state.round, len(view.pending))
-    # nothing may run on the old mirror between the rebuild and the swap: no await until adopt
-    outcome = view.adopt(fresh, history, agent.clock(), agent.eligible_coordinators(view.terms))
-    await _commit(agent, view, outcome)
-    log.warning("job %s: mirror rebuilt from the submitter's history (%d messages): was %s round %d with %d held, "
-                "now %s round %d, term %d", view.job_id.hex()[:8], len(verified), *before,
-                view.state.phase.value, view.state.round, view.coordination.term)
-    agent.save_job_row(view)
-    return True
