@@ -285,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
 
         free = torch.cuda.mem_get_info()[0] / (1 << 30)
         packed = packed.with_(micro_batch_size=auto_micro_batch(packed, free, model).micro_batch)
+        # the small cases too, as a GPU worker does (agent/roles/worker.py): the 2026-11-27 run split their steps as
+        # the spec's batch_size (2 micro-batches of 4) where a worker runs 1 of 8, against a bare loop of 8
+        config = config.with_(micro_batch_size=auto_micro_batch(config, free, model).micro_batch)
     # a DPO job's preference pairs, and full fine-tuning of a model within its size limit (issue 26)
     from agent.train.preference import demo_preferences
 
