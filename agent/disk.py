@@ -278,6 +278,10 @@ class Disk:
         though no message names it."""
         self.held.setdefault(job_id, {}).setdefault(rnd, set()).add(str(cid))
 
+    def forget(self, job_id: bytes) -> None:
+        """A job we no longer follow: nothing of it is held (its blocks go by the rules of a finished job)."""
+        self.held.pop(job_id, None)
+
     async def every_interval(self, collect: Callable[[], Awaitable[None]]) -> None:
         """The collection service: ``collect`` now, then every ``INTERVAL`` seconds."""
         while True:

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from agent.capability import Capabilities
     from agent.content.blockstore import BlockStore
     from agent.peers import PeerTable
+    from agent.roles.sync import JobSync
     from agent.jobbook import JobBook
     from agent.net.stack import Network
     from agent.tasks import Tasks
@@ -67,8 +68,7 @@ class Following:
                  writer: "StoreWriter", net: Callable[[], "Network"], blocks: Callable[[], "BlockStore"], *,
                  trains: bool, receive: Callable[[JobMirror, Any], Awaitable[None]],
                  settled: Callable[[JobMirror], None],
-                 catch_up: Callable[[JobMirror], Awaitable[set[bytes]]],
-                 submitter_catch_up: Callable[[JobMirror], Awaitable[set[bytes]]],
+                 sync: "JobSync",
                  on_follow: Callable[[JobMirror], None], on_resume: Callable[[JobMirror], None],
                  on_forget: Callable[[bytes], None], peers: "PeerTable", capabilities: "Capabilities",
                  commit: Callable[[JobMirror, "Outcome"], Awaitable[bool]], observer: Observer | None = None) -> None:
@@ -76,7 +76,7 @@ class Following:
         self.book, self.tasks, self.writer, self.net, self.blocks = book, tasks, writer, net, blocks
         self.trains = trains  # do we train (a followed job's row says "worker"), or only observe
         self.receive, self.settled = receive, settled  # a job topic's message; a mirror caught up on history
-        self.catch_up, self.submitter_catch_up = catch_up, submitter_catch_up
+        self.sync = sync  # a job's history: from its submitter, or for our own job from live peers
         self.on_follow, self.on_resume, self.on_forget = on_follow, on_resume, on_forget
         self.observer = observer
         self.peers, self.capabilities, self.commit = peers, capabilities, commit  # the jobs topic's other readers
@@ -250,9 +250,9 @@ class Following:
         synced: set[bytes] = set()
         try:
             if catch_up_first and view.terms.submitter != self.peer_id:  # (catching_up set when followed)
-                synced = await self.catch_up(view)
+                synced = await self.sync.catch_up(view)
             elif catch_up_first and resumed:
-                synced = await self.submitter_catch_up(view)
+                synced = await self.sync.submitter_catch_up(view)
         except StoreFullError as exc:
             self.writer.refuse_work(exc)
         except Exception as exc:  # noqa: BLE001 - a failed catch-up is logged; live messages still apply

@@ -24,7 +24,7 @@ Rules of this file:
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Awaitable, Callable, Mapping
 
 import trio
 
@@ -35,6 +35,7 @@ from protocol.resync import RESYNC_INTERVAL, needs_resync, repair_sources, stall
 
 if TYPE_CHECKING:
     from agent.peers import PeerTable
+    from agent.roles.sync import JobSync
     from agent.roles.coordinator import CoordinatorRole
     from agent.tasks import Tasks
     from protocol.mirror import JobMirror, Outcome
@@ -49,17 +50,14 @@ class JobClock:
     """Elections, ticks and rebuilds of the jobs in ``jobs`` (our live mirrors, agent/jobbook.py)."""
 
     def __init__(self, peer_id: str, grace_seconds: float, clock: Callable[[], float], peers: "PeerTable",
-                 jobs: Mapping[bytes, "JobMirror"], tasks: "Tasks", coordinator: "CoordinatorRole", *,
+                 jobs: Mapping[bytes, "JobMirror"], tasks: "Tasks", coordinator: "CoordinatorRole", sync: "JobSync", *,
                  commit: Callable[["JobMirror", "Outcome"], Awaitable[bool]],
-                 ledger: Callable[[bytes, str, dict], None],
-                 rebuild: Callable[["JobMirror"], Awaitable[bool]],
-                 catch_up_submitter: Callable[["JobMirror"], Awaitable[Any]],
-                 repair: Callable[["JobMirror", tuple[str, ...]], Awaitable[Any]] | None,
-                 refuse_work: Callable[[Exception], None]) -> None:
+                 ledger: Callable[[bytes, str, dict], None], refuse_work: Callable[[Exception], None],
+                 repair: bool = False) -> None:
         self.peer_id, self.grace_seconds, self.clock = peer_id, grace_seconds, clock
-        self.peers, self.jobs, self.tasks, self.coordinator = peers, jobs, tasks, coordinator
+        self.peers, self.jobs, self.tasks, self.coordinator, self.sync = peers, jobs, tasks, coordinator, sync
         self.commit, self.ledger, self.refuse_work = commit, ledger, refuse_work
-        self.rebuild, self.catch_up_submitter, self.repair = rebuild, catch_up_submitter, repair
+        self.repair = repair  # the operator's repair_from_senders (IPIP-0004 §11.1)
         self.coordinating: set[bytes] = set()  # jobs whose pending work we took over as coordinator
         self.resyncing: set[bytes] = set()  # jobs whose mirror is being rebuilt
         self.last_resync: dict[bytes, float] = {}
@@ -124,23 +122,23 @@ class JobClock:
             await self._retry_held(view, now)
         await self.commit(view, view.tick(now))
         if view.job_id not in self.resyncing and now - self.last_resync.get(view.job_id, 0.0) > RESYNC_INTERVAL:
+            sources: tuple[str, ...] | None = None
             if needs_resync(view, self.peers.eligible_coordinators(view.terms), now) or stalled(view, self.peer_id, now):
-                self._start(view, now, "resync", self._resync, view)
-            elif self.repair is not None and (sources := repair_sources(view, now)):  # IPIP-0004 §11.1
-                self._start(view, now, "repair", self._repair, view, sources)
+                sources = ()  # the submitter's history (or, for the submitter, its live peers')
+            elif self.repair:
+                sources = repair_sources(view, now) or None  # held worker messages: their signers'
+            if sources is not None:
+                self.last_resync[view.job_id] = now
+                view.resynced_at = now  # (protocol/resync.py: only what is held after this counts)
+                self.resyncing.add(view.job_id)
+                self.tasks.one_shot(f"job {view.job_id.hex()[:8]}: {'repair' if sources else 'resync'}",
+                                    self._fetch_history, view, sources)
         if not self.is_coordinator(view):
             self.coordinating.discard(view.job_id)
         elif view.job_id not in self.coordinating:  # newly elected, or resumed after a restart
             self.coordinating.add(view.job_id)
             self.coordinator.take_over(view)
         self.coordinator.judge_reports(view)  # the coordinator's own reports, if we are their judge
-
-    def _start(self, view: "JobMirror", now: float, what: str, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
-        """One rebuild or repair of the job's mirror, in the background; what is held now asks for no other."""
-        self.last_resync[view.job_id] = now
-        view.resynced_at = now  # (protocol/resync.py: only what is held after this counts)
-        self.resyncing.add(view.job_id)
-        self.tasks.one_shot(f"job {view.job_id.hex()[:8]}: {what}", fn, *args)
 
     async def _retry_held(self, view: "JobMirror", now: float) -> None:
         """Our view of the job's term moved (an election tick, a coordinator's heartbeat): the messages
@@ -152,23 +150,20 @@ class JobClock:
 
     # -- rebuilds ------------------------------------------------------------------------------------
 
-    async def _repair(self, view: "JobMirror", sources: tuple[str, ...]) -> None:
+    async def _fetch_history(self, view: "JobMirror", sources: tuple[str, ...]) -> None:
+        """Rebuild the mirror from the submitter's history (no ``sources``; the submitter itself asks its live
+        peers), or repair it from ``sources``' (agent/roles/sync.py). If that changed it and we coordinate the
+        job, the pending work (whose actions the history's replay gave nobody) is resumed: verify, aggregate."""
         try:
-            if await self.repair(view, sources) and self.is_coordinator(view) and view.job_id in self.coordinating:
-                self.coordinator.resume(view)  # what the repair let apply may be ours to verify or aggregate
-        except StoreFullError as exc:
-            self.refuse_work(exc)
-        finally:
-            self.resyncing.discard(view.job_id)
-
-    async def _resync(self, view: "JobMirror") -> None:
-        try:
-            if view.terms.submitter == self.peer_id:  # our history is the reference: ask peers what we missed
-                await self.catch_up_submitter(view)
-            elif await self.rebuild(view):  # (held live messages that apply on the rebuilt mirror are committed)
-                if self.is_coordinator(view) and view.job_id in self.coordinating:
-                    # the rebuilt mirror's pending work (its replay's actions were nobody's): verify, aggregate
-                    self.coordinator.resume(view)
+            if sources:
+                changed = bool(await self.sync.repair(view, sources))
+            elif view.terms.submitter == self.peer_id:  # our history is the reference: ask peers what we missed
+                await self.sync.submitter_catch_up(view)
+                changed = False
+            else:  # (held live messages that apply on the rebuilt mirror are committed)
+                changed = await self.sync.resync(view)
+            if changed and self.is_coordinator(view) and view.job_id in self.coordinating:
+                self.coordinator.resume(view)
         except StoreFullError as exc:
             self.refuse_work(exc)
         finally:

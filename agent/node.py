@@ -94,9 +94,6 @@ from protocol.identity import Identity
 log = logging.getLogger(__name__)
 
 
-
-
-
 class Agent:
     ledger_sync_interval = 10.0  # seconds between pulls of a job's ledger chains from its peers
 
@@ -158,16 +155,14 @@ class Agent:
         self.following = Following(self.peer_id, clock, self.counters, self.book, self.tasks, self.writer,
                                    lambda: self.net, lambda: self.content.store, trains=self.worker is not None,
                                    receive=self.on_job_message, settled=lambda view: self.apply_actions(view, ()),
-                                   catch_up=self.jobsync.catch_up, submitter_catch_up=self.jobsync.submitter_catch_up,
+                                   sync=self.jobsync,
                                    on_follow=self._followed, on_resume=self._resumed, on_forget=self._forgotten,
                                    observer=self.hooks.observer, peers=self.peer_table,
                                    capabilities=self.capabilities, commit=self.commit)
         # elections, the state machines' timers, rebuilds, taking a job over (agent/jobclock.py)
         self.jobclock = JobClock(self.peer_id, config.grace_seconds, clock, self.peer_table, self.jobs, self.tasks,
-                                 self.coordinator, commit=self.commit, ledger=self.ledger,
-                                 rebuild=self.jobsync.resync, catch_up_submitter=self.jobsync.submitter_catch_up,
-                                 repair=self.jobsync.repair if config.repair_from_senders else None,
-                                 refuse_work=self.refuse_work)
+                                 self.coordinator, self.jobsync, commit=self.commit, ledger=self.ledger,
+                                 refuse_work=self.refuse_work, repair=config.repair_from_senders)
         from agent.market import Reputations
 
         self.reputations = Reputations(self)
@@ -303,6 +298,7 @@ class Agent:
     def _forgotten(self, job_id: bytes) -> None:
         """A job we no longer follow: every role drops what it kept for it."""
         self.jobclock.forget(job_id)
+        self.disk.forget(job_id)
         self.coordinator.forget(job_id)
         if self.worker is not None:
             self.worker.forget(job_id)

@@ -69,6 +69,12 @@ def repair_sources(view: Any, now: float, held_seconds: float = RESYNC_HELD_SECO
     return tuple(out[:limit])
 
 
+def stall_after(terms: Any, stall_seconds: float = STALL_SECONDS) -> float:
+    """Seconds with nothing applied after which our own job counts as stalled: ``stall_seconds``, and
+    at least two lease times."""
+    return max(stall_seconds, 2.0 * float(terms.lease_seconds))
+
+
 def stalled(view: Any, me: str, now: float, stall_seconds: float = STALL_SECONDS) -> bool:
     """Is this our own job, not ended, with nothing applied for ``stall_seconds`` (and two lease times)? The
     soak found a submitter, killed and restarted twice while coordinators failed over, whose mirror
@@ -76,4 +82,4 @@ def stalled(view: Any, me: str, now: float, stall_seconds: float = STALL_SECONDS
     for it any more, and the submitter's mirror said TRAINING forever. A stalled submitter catches up
     from its live peers, as after a restart."""
     return view.terms.submitter == me and not view.state.terminal and \
-        now - view.last_applied > max(stall_seconds, 2.0 * float(view.terms.lease_seconds))
+        now - view.last_applied > stall_after(view.terms, stall_seconds)

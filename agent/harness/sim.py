@@ -90,7 +90,7 @@ from protocol.election import keep_or_elect, rank_peers
 from protocol.identity import Identity
 from protocol.leasing import history_refusal
 from protocol.mirror import DECISIONS, JobMirror, Outcome, job_config
-from protocol.resync import STALL_SECONDS, WORKER_MESSAGES, needs_resync, repair_sources, stalled
+from protocol.resync import STALL_SECONDS, WORKER_MESSAGES, needs_resync, repair_sources, stall_after, stalled
 from protocol.proof import catch_probability, faked_segments, segment_selection_seed, select_segments
 
 HOUR = 3600.0
@@ -863,7 +863,7 @@ class Simulation:
     # -- catching up (agent/roles/sync.py) ------------------------------------------------------
 
     def _stall_seconds(self) -> float:
-        return max(STALL_SECONDS, 2.0 * float(self.jobs[0].terms.lease_seconds)) if self.jobs else STALL_SECONDS
+        return stall_after(self.jobs[0].terms) if self.jobs else STALL_SECONDS
 
     def _catch_up(self, agent: SimAgent, f: Followed) -> None:
         """sync.catch_up: replay the submitter's history that is not in our store (history: stored,
@@ -916,21 +916,22 @@ class Simulation:
         mirror = f.mirror
         if mirror.state.terminal:
             return
+        sources: tuple[str, ...] | None = None  # () the submitter's history (or its live peers'); else signers'
         if self._needs_resync(f, self._live_set(index)):
+            sources = ()
+        elif self.cfg.repair:
+            sources = repair_sources(mirror, self.now, self.cfg.sync_after) or None
+        if sources is not None:
             if self.now - f.resynced <= self.cfg.resync_interval:
                 self._check_later(agent, f, f.resynced + self.cfg.resync_interval + TICK_SECONDS)
                 return
             f.resynced = mirror.resynced_at = self.now
-            if index == f.job.submitter:
+            if sources:
+                self._repair(agent, f, sources)
+            elif index == f.job.submitter:
                 self._submitter_catch_up(agent, f)
             else:
                 self._resync(agent, f)
-        elif self.cfg.repair and (sources := repair_sources(mirror, self.now, self.cfg.sync_after)):
-            if self.now - f.resynced <= self.cfg.resync_interval:
-                self._check_later(agent, f, f.resynced + self.cfg.resync_interval + TICK_SECONDS)
-                return
-            f.resynced = mirror.resynced_at = self.now
-            self._repair(agent, f, sources)
         if agent.epoch != epoch or f.mirror.state.terminal:
             return
         # when the rule may hold next: a held decision comes of age, or the submitter's job stalls

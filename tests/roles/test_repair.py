@@ -73,7 +73,7 @@ async def test_a_worker_that_missed_a_lease_gets_it_from_the_lease_holder(tmp_pa
     # the repair is the operator's choice (repair_from_senders, off by default): w0 turned it on
     async with network(tmp_path, tiny_model_dir, workers=2, overrides={0: {"repair_from_senders": True}}) as net:
         w0, w1 = net.workers
-        assert w0.jobclock.repair is not None and w1.jobclock.repair is None
+        assert w0.jobclock.repair and not w1.jobclock.repair
         now = time.time()
         views = {}
         for agent in (w0, w1):  # both follow the job; COORD (not running) coordinates term 1
