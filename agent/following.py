@@ -146,6 +146,10 @@ class Following:
                 with trio.move_on_after(30):
                     await self.net().discovery.provide(cid)
 
+    def unended_jobs(self, submitter: str) -> list[bytes]:
+        """The followed jobs of ``submitter`` not ended (MAX_LIVE_JOBS_PER_SUBMITTER)."""
+        return self.book.unended(submitter)
+
     async def follow_job(self, terms: m.JobTerms, signer: str, envelope: bytes | None = None) -> JobMirror | None:
         """Start following a job we saw announced (once); subscribe to its topic."""
         job_id = terms.job_id()

@@ -90,12 +90,8 @@ class JobClock:
                                                      "coordinator": view.coordination.coordinator or ""})
 
     def is_coordinator(self, view: "JobMirror") -> bool:
-        """Do we act as the job's coordinator now? Our view names us, its grace period is over, we hear
-        the submitter, and our mirror is not catching up on history: a coordinator restarted from its
-        store believed itself term 1's coordinator again while the others had moved to term 2, and the
-        two granted conflicting leases until the job ran out of attempts (the soak, issue 21)."""
-        return view.coordination.is_coordinator(self.peer_id) and not view.catching_up and \
-            self.clock() - view.first_seen >= self.grace_seconds and self.peers.hears_submitter(view)
+        """Do we act as the job's coordinator now? (agent/peers.py ``PeerTable.is_coordinator``)"""
+        return self.peers.is_coordinator(view)
 
     def coordinating_terms(self) -> list[m.CoordinatorTerm]:
         """The jobs we coordinate now, for our heartbeats."""

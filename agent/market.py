@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# ``agent`` below is the running agent (agent/node.py ``Agent``; its roles hand in their RolePort), typed
+# ``agent`` below is the running agent (agent/node.py ``Agent``; the worker hands ``worker_refusal`` its ``Local``), typed
 # loosely: the node imports this module, so this one does not import the node back (issue 23)
 Agent = Any
 Capabilities = Any  # agent/capability.py ``Capabilities``, which reads our cached speeds from here

@@ -5,8 +5,8 @@ Rules of this file:
   which every task of the agent lives (gossip readers, heartbeats, ticks, the worker's claims and
   shard trainings, the coordinator's verifications and aggregations). Leaving ``run`` (``stop()``,
   cancellation or an error) ends them all.
-- The roles see the agent through one port (agent/roles/port.py ``RolePort``), which ``Agent``
-  satisfies. Each followed job has its own nursery (``job_tasks``, owned by agent/tasks.py ``own_job`` in
+- The roles never see the agent: each is built with the few services it uses (agent/roles/port.py
+  lists them: ``Local``, ``PeerTable``, ``Tasks``, ``Blocks``, ``Evidence``, ...). Each followed job has its own nursery (``job_tasks``, owned by agent/tasks.py ``own_job`` in
   the agent's nursery): the roles' tasks of a job (claim grants, verifications, aggregations, shard
   trainings, re-announcing, the budget watch) are started in it with ``spawn_in_job``; once the job
   ends they have ``Tasks.end_grace`` seconds to finish, then are cancelled. Waits on peers or a job
@@ -35,8 +35,9 @@ Rules of this file:
   our mirror refuses (a flood of well-signed junk from many identities, say) is never written to disk
   and is held in memory within per-signer bounds (protocol/mirror.py). Our own decisions (leases,
   verdicts, aggregates) are recorded when we make them, before they are published; our own worker
-  messages when they come back to us. All of it goes through one function, ``commit``: store the
-  outcome's evidence, publish what it sends, then carry out its actions and our roles' reactions.
+  messages when they come back to us. All of it goes through one function, ``commit``
+  (agent/evidence.py ``Evidence``): store the outcome's evidence, publish what it sends, then carry out
+  its actions and our roles' reactions (``changed``).
   The writes (one fsync each) run in a worker thread (agent/writer.py), one at a time, so heartbeats
   and gossip never wait on the disk. So do the other writes made from the event loop:
   ledger entries, job rows and file hashes are queued (``write_soon``, agent/store.py ``later``) and
@@ -69,7 +70,9 @@ from agent.net.gossip import GossipConfig
 from agent.net.host import NetConfig
 from agent.net.stack import Network, open_network
 from agent.config import AgentConfig  # noqa: F401 - re-exported: agent.node.AgentConfig
+from agent.blocks import Blocks
 from agent.disk import Disk
+from agent.evidence import Evidence
 from agent.capability import Capabilities
 from agent.hooks import AgentHooks
 from agent.ledger_sync import LedgerService
@@ -77,6 +80,7 @@ from agent.loopwatch import LoopWatch
 from agent.ledger_sync import sync_loop as ledger_sync_loop
 from agent.roles.coordinator import CoordinatorRole
 from agent.roles.keep import KeepService
+from agent.roles.port import Local
 from agent.roles.submitter import SubmitterRole
 from agent.roles.sync import JobSync, SyncService
 from agent.roles.worker import WorkerRole
@@ -88,7 +92,7 @@ from agent.jobclock import JobClock
 from agent.tasks import Tasks
 from agent.writer import StoreWriter
 from protocol import messages as m
-from protocol.mirror import JobMirror, Outcome
+from protocol.mirror import JobMirror
 from protocol.identity import Identity
 
 log = logging.getLogger(__name__)
@@ -100,12 +104,13 @@ class Agent:
     def __init__(self, identity: Identity, config: AgentConfig, *, clock: Callable[[], float] = time.time,
                  machine: Any = None, hooks: AgentHooks | None = None) -> None:
         self.identity = identity
-        self.config = config
         self.clock = clock
         self.peer_id = identity.peer_id
+        self.counters: Counter[str] = Counter()  # shards_trained, verdicts_accepted, ... (metrics, status)
+        self._config = config
         # the peers we hear: liveness, capabilities, who may coordinate (agent/peers.py)
         self.peer_table = PeerTable(self.peer_id, clock, config.heartbeat_seconds, config.missed_heartbeats,
-                                    lambda: self.capabilities.coordinating())
+                                    lambda: self.capabilities.coordinating(), config.grace_seconds)
         self.peers = self.peer_table.peers
         self.live_peers, self.eligible_coordinators = self.peer_table.live_peers, self.peer_table.eligible_coordinators
         self.hears_submitter = self.peer_table.hears_submitter
@@ -132,33 +137,42 @@ class Agent:
         self.capabilities = Capabilities(config, clock, machine=machine, trains=config.accept_training,
                                          store_full=lambda: self.store_full, publish=lambda msg: self.publish(msg),
                                          write_soon=self.write_soon, store=lambda: self.store)
-        self.worker = WorkerRole(self, self.hooks.training) if config.accept_training else None
-        self.coordinator = CoordinatorRole(self)
-        self.submitter = SubmitterRole(self)
-        self.sync = SyncService(lambda: self.store)  # serves our history of any job (agent/roles/sync.py)
-        # a round's aggregate of our job, copied here before it is published (agent/roles/keep.py)
-        self.keep = KeepService(self, self.jobs.get, self.submitter.keep_once)
-        self.ledger_service = LedgerService(self)  # copies of the job's other chains (agent/ledger_sync.py)
         self.job_events = trio.Event()  # set (and replaced) whenever a job's state changes
         self._stopping = trio.Event()
-        self.counters: Counter[str] = Counter()  # shards_trained, verdicts_accepted, ... (metrics, status)
         # who owns each task (the agent's services, a job's tasks) and the wake-up of every wait (agent/tasks.py)
         self.tasks = Tasks(clock, self.counters, self.jobs.get, self.forget_job)
         self.job_tasks = self.tasks.job_tasks
         self.service, self.one_shot, self.spawn = self.tasks.service, self.tasks.one_shot, self.tasks.spawn
         self.spawn_in_job, self.wait_until = self.tasks.spawn_in_job, self.tasks.wait_until
         self._notify = self.tasks.notify
+        # what we say on a job's topic and keep as proof, in the one commit order (agent/evidence.py)
+        self.evidence = Evidence(self.writer, clock, lambda: self.net, self.changed)
+        self.publish, self.decide, self.commit = self.evidence.publish, self.evidence.decide, self.evidence.commit
+        # content fetched and added, held from collection, announced in the DHT (agent/blocks.py)
+        self.hold = self.disk.hold  # a block no message names yet, kept from collection (agent/disk.py)
+        self.blocks = Blocks(lambda: self.content, lambda: self.net, self.tasks, self.hold)
+        self.provide_soon = self.blocks.provide_soon
         # catching up on a job's history, rebuilding and repairing its mirror (agent/roles/sync.py)
         self.jobsync = JobSync(self.peer_id, clock, config.heartbeat_seconds * config.missed_heartbeats,
                                self.peer_table, self.tasks, self.writer, lambda: self.net, self.commit)
         # which jobs we follow, their topics read, resumed after a restart, forgotten (agent/following.py)
         self.following = Following(self.peer_id, clock, self.counters, self.book, self.tasks, self.writer,
-                                   lambda: self.net, lambda: self.content.store, trains=self.worker is not None,
+                                   lambda: self.net, lambda: self.content.store, trains=config.accept_training,
                                    receive=self.on_job_message, settled=lambda view: self.apply_actions(view, ()),
                                    sync=self.jobsync,
                                    on_follow=self._followed, on_resume=self._resumed, on_forget=self._forgotten,
                                    observer=self.hooks.observer, peers=self.peer_table,
                                    capabilities=self.capabilities, commit=self.commit)
+        # the roles, each built with the services it uses (agent/roles/port.py), never with the agent
+        self.local = Local(self.peer_id, config, clock, self.capabilities, self.counters)
+        roles = (self.local, self.peer_table, self.tasks, self.blocks, self.evidence)
+        self.worker = WorkerRole(*roles, self.book, self.hooks.training) if config.accept_training else None
+        self.coordinator = CoordinatorRole(*roles, lambda: self.net)
+        self.submitter = SubmitterRole(*roles, self.following)
+        self.sync = SyncService(lambda: self.store)  # serves our history of any job (agent/roles/sync.py)
+        # a round's aggregate of our job, copied here before it is published (agent/roles/keep.py)
+        self.keep = KeepService(self.local, self.peer_table, self.jobs.get, self.submitter.keep_once)
+        self.ledger_service = LedgerService(self)  # copies of the job's other chains (agent/ledger_sync.py)
         # elections, the state machines' timers, rebuilds, taking a job over (agent/jobclock.py)
         self.jobclock = JobClock(self.peer_id, config.grace_seconds, clock, self.peer_table, self.jobs, self.tasks,
                                  self.coordinator, self.jobsync, commit=self.commit, ledger=self.ledger,
@@ -166,13 +180,26 @@ class Agent:
         from agent.market import Reputations
 
         self.reputations = Reputations(self)
-        self.hold = self.disk.hold  # a block no message names yet, kept from collection (agent/disk.py)
+        self.peer_table.reputations = self.reputations.get
 
     # -- life cycle -----------------------------------------------------------------------------
 
     @property
     def work_dir(self) -> Path:
         return self.config.home / "work"
+
+    @property
+    def config(self) -> AgentConfig:
+        """Our settings (agent/config.py), read by every service."""
+        return self._config
+
+    @config.setter
+    def config(self, config: AgentConfig) -> None:
+        """Settings replaced while we run (the tests do): every service reads the new ones."""
+        self._config = config
+        if hasattr(self, "local"):
+            self.local.config = config
+            self.peer_table.grace_seconds = self.jobclock.grace_seconds = config.grace_seconds
 
     def addrs(self) -> list[str]:
         return self.net.host.addrs()
@@ -272,9 +299,6 @@ class Agent:
 
     # -- gossip in ---------------------------------------------------------------------------------
 
-    async def publish(self, message: Any) -> None:
-        await self.net.gossip.publish(message)
-
     async def follow_job(self, terms: m.JobTerms, signer: str, envelope: bytes | None = None) -> JobMirror | None:
         """Start following a job we saw announced (once; agent/following.py)."""
         return await self.following.follow_job(terms, signer, envelope)
@@ -315,27 +339,10 @@ class Agent:
         await self.commit(view, view.receive(msg, signer, now, self.eligible_coordinators(view.terms),
                                              received.envelope.to_bytes()))
 
-    async def decide(self, view: JobMirror, decision: Any) -> bool:
-        """Our own decision as the job's coordinator or judge (a lease, a verdict, an aggregate): signed,
-        applied to our mirror, stored, published, then carried out (``commit``). False if the mirror
-        refused it (it moved on meanwhile) or the disk is full: then it was not published."""
-        outcome = view.decide(decision, self.clock(), self.net.gossip.seal(decision))
-        return outcome.changed and await self.commit(view, outcome)
-
-    async def commit(self, view: JobMirror, outcome: Outcome, *, act: bool = True) -> bool:
-        """The one place where what our mirror did reaches the world (protocol/mirror.py), always in this
-        order: store its evidence (one transaction), publish what goes out, then carry out its actions
-        and our roles' reactions (``act=False``: history, nothing to carry out). A crash at any point
-        leaves nothing published that is not stored. False (we refuse new work; nothing published,
-        nothing carried out: the mirror moved, a restart catches up) if the disk is full."""
-        if outcome.evidence and not await self.writer.store_evidence(outcome.evidence):
-            return False
-        if outcome.outgoing is not None:  # our decision: the first message its outcome applied (JobMirror.decide)
-            await self.net.gossip.publish_sealed(outcome.applied[0][0], outcome.outgoing)
-        if act and outcome.changed:
-            self.apply_actions(view, outcome.actions)
-            self.react(view, list(outcome.applied))  # this message and any held one it unblocked
-        return True
+    def changed(self, view: JobMirror, actions: tuple[Any, ...] | None, applied: list[tuple[Any, str]]) -> None:
+        """What a committed outcome asks for (agent/evidence.py ``commit``): its actions, then our roles' reactions."""
+        self.apply_actions(view, actions)
+        self.react(view, applied)
 
     def react(self, view: JobMirror, applied: list[tuple[Any, str]]) -> None:
         """Our roles' reactions to messages the mirror applied: a lease for us, verdicts, aggregates."""
@@ -370,17 +377,6 @@ class Agent:
         """Delete the blocks and work directories no job we follow needs any more (agent/disk.py)."""
         await self.disk.collect_jobs(list(self.jobs.values()), self.peer_id,
                                      self.worker.active if self.worker else (), self.content.store)
-
-    def provide_soon(self, cid: Any) -> None:
-        """Announce in the DHT that we hold ``cid``, in the background (at most 30 s, failures logged):
-        nothing we must send waits on one DHT peer; those who need it first are told our peer ID."""
-        async def provide() -> None:
-            try:
-                await self.net.discovery.provide(cid)
-            except Exception as exc:  # noqa: BLE001 - best effort: the message names us as provider
-                log.info("provide %s: %s", cid, exc)
-
-        self.nursery.start_soon(provide)
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> None:
         """Wait until ``predicate()`` holds, re-checked whenever a job changes; TooSlowError after ``timeout``."""

@@ -9,7 +9,10 @@ Rules of this file:
   ``heartbeat_seconds`` x ``missed_heartbeats`` old; one back after such a silence (it restarted, or a
   partition healed) is live again from its next heartbeat, ``live_since`` then.
 - We are eligible to coordinate only while ``ours()`` gives our capability (the agent gives None when
-  it may not coordinate: its config says so, or its disk is full).
+  it may not coordinate: its config says so, or its disk is full); we act as a job's coordinator only
+  while ``is_coordinator`` says so (our mirror's election names us, and the rest of its conditions).
+- ``reputations()``: each worker's record across the jobs in our store (agent/market.Reputations, set by
+  the agent; none before), read by the coordinator to order the claims it grants.
 """
 
 from __future__ import annotations
@@ -31,14 +34,16 @@ class PeerInfo:
 
 class PeerTable:
     def __init__(self, me: str, clock: Callable[[], float], heartbeat_seconds: float, missed_heartbeats: int,
-                 ours: Callable[[], m.Capability | None]) -> None:
+                 ours: Callable[[], m.Capability | None], grace_seconds: float = 0.0) -> None:
         self.me = me
+        self.grace_seconds = grace_seconds  # how long a job is followed before we may act as its coordinator
         self.clock = clock
         self.heartbeat_seconds = heartbeat_seconds
         self.missed_heartbeats = missed_heartbeats
         self.ours = ours
         self.peers: dict[str, PeerInfo] = {}
         self.hearing_peers_since: float | None = None  # other peers' heartbeats arrive without a break since
+        self.reputations: Callable[[], dict[str, Any]] = dict  # worker -> protocol/market.Reputation
 
     @property
     def silence(self) -> float:
@@ -98,3 +103,11 @@ class PeerTable:
             since = {} if self.hearing_peers_since is None else {self.me: self.hearing_peers_since}
         return hears_submitter(submitter, self.me, heard, since, self.clock(), settled=settled,
                                heartbeat_seconds=self.heartbeat_seconds, missed_heartbeats=self.missed_heartbeats)
+
+    def is_coordinator(self, view: Any) -> bool:
+        """Do we act as the job's coordinator now? Our view names us, its grace period is over, we hear
+        the submitter, and our mirror is not catching up on history: a coordinator restarted from its
+        store believed itself term 1's coordinator again while the others had moved to term 2, and the
+        two granted conflicting leases until the job ran out of attempts (the soak, issue 21)."""
+        return view.coordination.is_coordinator(self.me) and not view.catching_up and \
+            self.clock() - view.first_seen >= self.grace_seconds and self.hears_submitter(view)

@@ -4,7 +4,7 @@ Rules of this file:
 - One service with one job (issue 23: the agent as a few services): the agent's writes to its store
   (agent/store.py) run in a worker thread, one at a time (``limiter``), in order, so heartbeats and
   gossip never wait on the disk.
-- Evidence (``store_evidence``: the envelopes a mirror's outcome applied, agent/node.py ``commit``) is
+- Evidence (``store_evidence``: the envelopes a mirror's outcome applied, agent/evidence.py ``Evidence.commit``) is
   written in one transaction and awaited: nothing is published or carried out before it is stored.
   Everything else (ledger entries, job rows, file hashes) is queued (``write_soon``, agent/store.py
   ``later``) and made in order by ``run`` (the store writer task); ``flush`` makes the queue now, for

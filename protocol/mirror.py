@@ -1,6 +1,6 @@
 """The job mirror: one peer's copy of a job, fed by the signed messages it sees on the job's topic,
 and the only door to it (issue 23). It does no I/O, like h11's ``Connection``: events in, an ``Outcome``
-out, and what the outcome asks for is the caller's to carry out, in one order (agent/node.py ``commit``:
+out, and what the outcome asks for is the caller's to carry out, in one order (agent/evidence.py ``Evidence.commit``:
 store the evidence, publish what goes out, then act).
 
 The doors, each returning an ``Outcome`` (``actions``: what the state machine asks for, None when

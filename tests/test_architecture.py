@@ -20,8 +20,6 @@ ALLOWED_CIRCLE_EDGES: frozenset[tuple[str, str]] = frozenset()
 
 # Private names of other modules that may be imported, each (importer, module, name).
 ALLOWED_PRIVATE: frozenset[tuple[str, str, str]] = frozenset({
-    # typing's own helper for a Protocol's members on Python < 3.12 (agent/roles/port.py ``members``)
-    ("agent.roles.port", "typing", "_get_protocol_attrs"),
     # py-libp2p has no public way to read a host's TCP listen addresses for hole punching
     ("agent.net.reach", "libp2p.relay.circuit_v2.dcutr", "_local_tcp_listen_addrs"),
 })

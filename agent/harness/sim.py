@@ -13,7 +13,7 @@ Rules of this file:
   ``receive``, ``lease_for`` + ``decide``, ``replay``, ``tick``, ``observe_term``, ``retry``, ``adopt``.
   Its state machine, its election view (``coordination``) and its held messages with their limits
   (``PENDING_MAX``, ``PENDING_PER_SIGNER``, ``PENDING_SECONDS``, the checkpoint cap) are the agent's;
-  this file keeps none of its own. Each door's ``Outcome`` is committed as agent/node.py ``commit``
+  this file keeps none of its own. Each door's ``Outcome`` is committed as agent/evidence.py ``Evidence.commit``
   does: store the evidence, publish what goes out, then act and react. Who may be leased is
   ``protocol.leasing.history_refusal`` over the mirror's verdicts (no ban is kept in memory); the view
   moves by ``keep_or_elect`` as ``JobClock.update_election`` moves it, and by the terms heartbeats carry
@@ -712,10 +712,10 @@ class Simulation:
         if index == job.submitter and self.cfg.catch_up:
             self._check_later(agent, f, self.now + self._stall_seconds() + TICK_SECONDS)
 
-    # -- committing what a mirror did (Agent.commit, apply_actions, react) -------------------------
+    # -- committing what a mirror did (Evidence.commit, Agent.apply_actions, react) -------------------------
 
     def _commit(self, agent: SimAgent, f: Followed, outcome: Outcome, *, act: bool = True) -> None:
-        """Agent.commit: store the evidence, publish what goes out, then carry out the actions and the
+        """Evidence.commit (agent/evidence.py): store the evidence, publish what goes out, then carry out the actions and the
         roles' reactions (``act=False``: history, only stored)."""
         if outcome.evidence:
             stored = f.stored

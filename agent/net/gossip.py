@@ -354,7 +354,7 @@ class Gossip:
 
     def seal(self, message: Any) -> bytes:
         """``message`` signed by us, now: the envelope ``publish_sealed`` sends (a decision is stored
-        as this envelope before it is published: agent/node.py ``commit``)."""
+        as this envelope before it is published: agent/evidence.py ``Evidence.commit``)."""
         return seal(self.host.identity, message, now=self.clock())
 
     async def publish_sealed(self, message: Any, data: bytes) -> bytes:

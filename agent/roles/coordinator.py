@@ -63,7 +63,7 @@ import shutil
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import trio
 
@@ -84,7 +84,12 @@ from protocol.leasing import history_refusal
 from protocol.mirror import JobMirror
 
 if TYPE_CHECKING:
-    from agent.roles.port import RolePort
+    from agent.blocks import Blocks
+    from agent.evidence import Evidence
+    from agent.peers import PeerTable
+    from agent.roles.port import Local
+    from agent.tasks import Tasks
+    from agent.net.stack import Network
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +110,10 @@ class CoordinatorRole:
     early_claim_seconds: float = 5.0
     early_claims_max: int = 256
 
-    def __init__(self, agent: "RolePort") -> None:
-        self.agent = agent
+    def __init__(self, local: "Local", peer_table: "PeerTable", tasks: "Tasks", blocks: "Blocks", evidence: "Evidence",
+                 net: Callable[[], "Network"]) -> None:
+        self.local, self.peer_table, self.tasks, self.blocks, self.evidence = local, peer_table, tasks, blocks, evidence
+        self.net = net  # a getter: the network exists once the agent runs (asking the submitter to keep a copy)
         self._running: set[tuple] = set()
         self.accepted_adapters: dict[tuple[bytes, int, int], tuple[Path, int]] = {}
         # (job, round) -> the adapter training starts from, and the outer state it carries
@@ -125,7 +132,7 @@ class CoordinatorRole:
     async def on_claim(self, view: JobMirror, claim: m.ShardClaim, worker: str) -> None:
         """Queue a claim that may be granted; the claims of one ``claim_window`` are granted in order
         of the claimants' reputation (protocol/market.order_claims, IPIP-0004 §12)."""
-        if not self.agent.is_coordinator(view):
+        if not self.peer_table.is_coordinator(view):
             self._remember_early(view, claim, worker)
             return
         self._queue(view, worker, claim.round, claim.shard)
@@ -137,17 +144,17 @@ class CoordinatorRole:
         if any(w == worker for w, _, _ in queue):
             return
         queue.append((worker, rnd, shard))
-        if len(queue) == 1 and not self.agent.spawn_in_job(view.job_id, self._grant_claims, view):
+        if len(queue) == 1 and not self.tasks.spawn_in_job(view.job_id, self._grant_claims, view):
             self._claims.pop(view.job_id, None)  # the job ended
 
     def _remember_early(self, view: JobMirror, claim: m.ShardClaim, worker: str) -> None:
         """A claim we cannot grant because we do not coordinate the job (yet): kept for ``take_over``."""
-        if claim.round != view.state.round or view.state.terminal or worker == self.agent.peer_id:
+        if claim.round != view.state.round or view.state.terminal or worker == self.local.peer_id:
             return
         if view.job_id not in self._early and len(self._early) >= 64:
             del self._early[next(iter(self._early))]  # the job we heard of longest ago
         early = self._early.setdefault(view.job_id, {})
-        now = self.agent.clock()
+        now = self.local.clock()
         if worker not in early and len(early) >= self.early_claims_max:
             for w in [w for w, (_, last, _, _) in early.items() if now - last > self.early_claim_seconds]:
                 del early[w]
@@ -158,22 +165,20 @@ class CoordinatorRole:
 
     def _may_lease(self, view: JobMirror, rnd: int, worker: str, *, count: bool = True) -> bool:
         from agent.market import lease_refusal as market_lease_refusal
-
-        agent = self.agent
-        if not agent.is_coordinator(view) or rnd != view.state.round:
+        if not self.peer_table.is_coordinator(view) or rnd != view.state.round:
             return False
         if view.state.phase not in (st.JobPhase.ANNOUNCED, st.JobPhase.TRAINING):
             return False
-        if history_refusal(worker, agent.peer_id, view.verdicts.values(), view.state.shards) is not None:
+        if history_refusal(worker, self.local.peer_id, view.verdicts.values(), view.state.shards) is not None:
             return False  # ourselves, a worker rejected in any term, or one training a shard of it (protocol/leasing.py)
-        if worker not in agent.live_peers():
+        if worker not in self.peer_table.live_peers():
             return False
         # its signed capability fits the job (protocol/fit.py), then the market's rules (protocol/market.py:
         # budget, named providers, max_nodes)
         refusal = self.lease_refusal(view, worker) or market_lease_refusal(view, worker)
         if refusal is not None:
             if count:  # a claim is checked when queued, then again when granted: counted once
-                agent.counters["leases_refused"] += 1
+                self.local.counters["leases_refused"] += 1
             if self._refused.get((view.job_id, worker)) != refusal:  # claims repeat: say each reason once
                 log.info("job %s: no lease for %s: %s", view.job_id.hex()[:8], worker, refusal)
             self._refused[(view.job_id, worker)] = refusal
@@ -186,7 +191,7 @@ class CoordinatorRole:
         if self._shards_scarce(view):
             await trio.sleep(self.claim_window)
         claims = self._claims.pop(view.job_id, [])
-        reputations = self.agent.reputations.get()
+        reputations = self.peer_table.reputations()
         ordered = order_claims([(w, i) for i, (w, _, _) in enumerate(claims)], reputations)
         for worker, i in ordered:
             try:
@@ -200,16 +205,16 @@ class CoordinatorRole:
         as many as the live peers that could claim one (they train, fit the job, hold no live lease of it,
         are not banned), every claimant gets a lease whatever the order, and waiting only slows a round."""
         open_shards = len(view.open_shards())
-        live = self.agent.live_peers()
+        live = self.peer_table.live_peers()
         if open_shards >= len(live):
             return False
         if len(live) > 256:  # too many to check one by one on every claim: assume they compete
             return True
         could_claim = 0
         for peer in live:
-            if history_refusal(peer, self.agent.peer_id, view.verdicts.values(), view.state.shards) is not None:
+            if history_refusal(peer, self.local.peer_id, view.verdicts.values(), view.state.shards) is not None:
                 continue  # ourselves, rejected in any term, or training a shard of it (protocol/leasing.py)
-            info = self.agent.peers.get(peer)
+            info = self.peer_table.peers.get(peer)
             if info is None or lease_refusals(info.capability, view.terms):
                 continue
             could_claim += 1
@@ -218,35 +223,34 @@ class CoordinatorRole:
         return False
 
     async def _grant(self, view: JobMirror, worker: str, rnd: int, wanted: int) -> None:
-        agent = self.agent
         if not self._may_lease(view, rnd, worker):
             return
         open_shards = view.open_shards()
         if not open_shards:
             return
         shard = wanted if wanted in open_shards else open_shards[0]
-        lease = view.lease_for(shard, worker, agent.clock())
-        if lease is None or not await agent.decide(view, lease):
+        lease = view.lease_for(shard, worker, self.local.clock())
+        if lease is None or not await self.evidence.decide(view, lease):
             return
-        agent.ledger(view.job_id, "lease", {"round": lease.round, "shard": lease.shard, "attempt": lease.attempt,
+        self.evidence.ledger(view.job_id, "lease", {"round": lease.round, "shard": lease.shard, "attempt": lease.attempt,
                                             "worker": worker, "expires_at": lease.expires_at})
 
     def lease_refusal(self, view: JobMirror, worker: str) -> str | None:
         """Why we grant ``worker`` no lease of this job, read off its latest signed capability
         (protocol/fit.lease_refusals: it trains, offers the runtime, holds the model, a large enough GPU);
         None if it fits."""
-        info = self.agent.peers.get(worker)
+        info = self.peer_table.peers.get(worker)
         reasons = lease_refusals(info.capability if info is not None else None, view.terms)
         return "; ".join(reasons) if reasons else None
 
     # -- reacting to the state machine -------------------------------------------------------------
 
     def on_actions(self, view: JobMirror, actions: tuple[Any, ...]) -> None:
-        if not self.agent.is_coordinator(view):
+        if not self.peer_table.is_coordinator(view):
             return
         for action in actions:
             if isinstance(action, st.StartVerification):
-                if view.shard(action.shard).worker == self.agent.peer_id:
+                if view.shard(action.shard).worker == self.local.peer_id:
                     continue  # our own report: another peer judges it (judge_reports)
                 self._start(("verify", view.job_id, action.round, action.shard, action.attempt),
                             self._verify, view, action.round, action.shard, action.attempt)
@@ -266,11 +270,11 @@ class CoordinatorRole:
         """We just became this job's coordinator: resume what is pending."""
         state = view.state
         log.info("job %s: coordinating (term %d)", view.job_id.hex()[:8], view.coordination.term)
-        now = self.agent.clock()
+        now = self.local.clock()
         for worker, (_, last, rnd, shard) in sorted(self._early.pop(view.job_id, {}).items(), key=lambda kv: kv[1][0]):
             if now - last <= self.early_claim_seconds and rnd == state.round:
                 self._queue(view, worker, rnd, shard)  # claims heard just before we were elected
-        self.agent.spawn_in_job(view.job_id, self._prefetch_validation, view)
+        self.tasks.spawn_in_job(view.job_id, self._prefetch_validation, view)
         self.resume(view)
 
     def resume(self, view: JobMirror) -> None:
@@ -279,7 +283,7 @@ class CoordinatorRole:
         submitter's history: agent/roles/sync.resync). Work already running is not started twice."""
         state = view.state
         for shard in state.shards:
-            if shard.phase is st.ShardPhase.REPORTED and shard.worker != self.agent.peer_id:
+            if shard.phase is st.ShardPhase.REPORTED and shard.worker != self.local.peer_id:
                 self._start(("verify", view.job_id, state.round, shard.index, shard.attempt),
                             self._verify, view, state.round, shard.index, shard.attempt)
         if state.phase is st.JobPhase.AGGREGATING:
@@ -291,7 +295,7 @@ class CoordinatorRole:
         """Verify the reports of the job's coordinator that fall to us (IPIP-0006 §1.3: a coordinator
         never judges its own work; the first eligible peer by rank after it does). Called every tick."""
         coordinator = view.coordination.coordinator
-        if coordinator is None or coordinator == self.agent.peer_id or view.state.terminal:
+        if coordinator is None or coordinator == self.local.peer_id or view.state.terminal:
             return
         for shard in view.state.shards:
             if shard.phase is st.ShardPhase.REPORTED and shard.worker == coordinator and \
@@ -303,14 +307,13 @@ class CoordinatorRole:
     def may_verify(self, view: JobMirror, worker: str) -> bool:
         """Is it ours to judge ``worker``'s report now: we coordinate and it is not ours, or it is
         the coordinator's own and we are its judge (protocol/election.judge_of)?"""
-        agent = self.agent
-        if worker == agent.peer_id:
+        if worker == self.local.peer_id:
             return False
         if worker != view.coordination.coordinator:
-            return agent.is_coordinator(view)
-        judge = judge_of(view.job_id, view.coordination.coordinator, worker, agent.eligible_coordinators(view.terms))
-        return judge == agent.peer_id and agent.clock() - view.first_seen >= agent.config.grace_seconds and \
-            agent.hears_submitter(view)
+            return self.peer_table.is_coordinator(view)
+        judge = judge_of(view.job_id, view.coordination.coordinator, worker, self.peer_table.eligible_coordinators(view.terms))
+        return judge == self.local.peer_id and self.local.clock() - view.first_seen >= self.local.config.grace_seconds and \
+            self.peer_table.hears_submitter(view)
 
     def _start(self, key: tuple, fn: Any, *args: Any) -> None:
         if key in self._running:
@@ -325,7 +328,7 @@ class CoordinatorRole:
             finally:
                 self._running.discard(key)
 
-        if not self.agent.spawn_in_job(args[0].job_id, run):
+        if not self.tasks.spawn_in_job(args[0].job_id, run):
             self._running.discard(key)  # the job ended
 
     # -- verification -------------------------------------------------------------------------------
@@ -336,14 +339,13 @@ class CoordinatorRole:
         if tries > len(self.retry_delays):
             return None
         delay = self.retry_delays[tries - 1]
-        if window_end is not None and self.agent.clock() + delay >= window_end:
+        if window_end is not None and self.local.clock() + delay >= window_end:
             return None
         return delay
 
     async def _verify(self, view: JobMirror, rnd: int, shard: int, attempt: int) -> None:
-        agent = self.agent
         report, worker = view.reports[(rnd, shard, attempt)]
-        work = agent.work_dir / view.job_id.hex()[:16] / f"verify-r{rnd}-s{shard}-a{attempt}"
+        work = self.local.work_dir / view.job_id.hex()[:16] / f"verify-r{rnd}-s{shard}-a{attempt}"
         segments: tuple[int, ...] = ()
         tries = 0
         # the submitter's copy of the adapter (durable before announced, IPIP-0006 §2.6.1) is asked for once the
@@ -374,13 +376,13 @@ class CoordinatorRole:
                     delay = self._retry_delay(tries, current.expires_at)
                     problem = f"{type(exc).__name__}: {str(exc)[:300]}"
                     if delay is None:
-                        agent.counters["verifications_given_up"] += 1
+                        self.local.counters["verifications_given_up"] += 1
                         log.warning("job %s shard %d attempt %d: cannot verify after %d tries, no verdict (the "
                                     "shard stays REPORTED until its window ends; the worker is not blamed): %s",
                                     view.job_id.hex()[:8], shard, attempt, tries, problem)
                         keeping.nursery.cancel_scope.cancel()
                         return
-                    agent.counters["verifications_retried"] += 1
+                    self.local.counters["verifications_retried"] += 1
                     log.warning("job %s shard %d attempt %d: cannot verify (try %d), again in %.0f s: %s",
                                 view.job_id.hex()[:8], shard, attempt, tries, delay, problem)
                     await trio.sleep(delay)
@@ -399,10 +401,10 @@ class CoordinatorRole:
                  "accepted" if accepted else "REJECTED", reason)
         verdict = m.Verdict(view.job_id, rnd, shard, attempt, worker, view.coordination.term, accepted,
                             reason, segments)
-        if not await agent.decide(view, verdict):
+        if not await self.evidence.decide(view, verdict):
             return
-        agent.counters["verdicts_accepted" if accepted else "verdicts_rejected"] += 1
-        agent.ledger(view.job_id, "verdict", {"round": rnd, "shard": shard, "attempt": attempt, "worker": worker,
+        self.local.counters["verdicts_accepted" if accepted else "verdicts_rejected"] += 1
+        self.evidence.ledger(view.job_id, "verdict", {"round": rnd, "shard": shard, "attempt": attempt, "worker": worker,
                                               "accepted": accepted, "reason": reason})
 
     async def _keep_accepted(self, view: JobMirror, rnd: int, shard: int, attempt: int, cid: str) -> bool:
@@ -418,7 +420,7 @@ class CoordinatorRole:
                 view.state.round == rnd and self.may_verify(view, current.worker or "")
 
         try:
-            await keep_within(self.agent, view, rnd, cid, still_ours=still_ours,
+            await keep_within(self.local, self.net, view, rnd, cid, still_ours=still_ours,
                               window_end=view.shard(shard).expires_at)
             return True
         except KeepRefused as exc:
@@ -435,7 +437,7 @@ class CoordinatorRole:
         from agent.train.replay import check_initial_adapter, verify_segment
         from protocol.proof import Commitment, ProofError, chain_heads, segment_selection_seed, select_segments
 
-        agent, terms = self.agent, view.terms
+        terms = view.terms
         providers = [worker]
         shard_path = work / "shard.jsonl"
         # Everything the checks read is fetched at once: the adapter and the shard (their CIDs are in the report
@@ -444,12 +446,12 @@ class CoordinatorRole:
         # reject, in IPIP-0005 §8's order; a rejection cancels the fetches still running.
         async with _prefetching() as fetched:
             # every worker-chosen CID is bounded by what we would unpack of it (IPIP-0003 "Size bounds")
-            fetched.start("adapter", _fetch_worker_content, agent, report.adapter_cid, work / "adapter.tar", worker,
+            fetched.start("adapter", _fetch_worker_content, self.blocks, self.local, report.adapter_cid, work / "adapter.tar", worker,
                           providers, max_size=bundle_size_bound(1 << 30, REPORT_FILES))
             fetched.start("shard", partial(_fetch_worker_content, named_by_worker=False,
                                            exact_size=terms.shards[report.shard].size),
-                          agent, terms.shards[report.shard].cid, shard_path, worker, [terms.submitter, worker])
-            await _fetch_worker_content(agent, report.proof_cid, work / "proof.tar", worker, providers,
+                          self.blocks, self.local, terms.shards[report.shard].cid, shard_path, worker, [terms.submitter, worker])
+            await _fetch_worker_content(self.blocks, self.local, report.proof_cid, work / "proof.tar", worker, providers,
                                         max_size=bundle_size_bound(16 << 20, PROOF_FILES))
             proof_dir = await _unpack_worker_bundle(work / "proof.tar", work / "proof", allowed=PROOF_FILES,
                                                     max_bytes=16 << 20)
@@ -487,10 +489,10 @@ class CoordinatorRole:
             await fetched.get("adapter")
             adapter_dir = await _unpack_worker_bundle(work / "adapter.tar", work / "adapter", allowed=REPORT_FILES,
                                                       max_bytes=1 << 30)
-            model_path = agent.capabilities.local_model(terms)
+            model_path = self.local.capabilities.local_model(terms)
             if model_path is None or await trio.to_thread.run_sync(base_model_sha256, model_path) != terms.base_model_sha256.hex():
                 raise RuntimeError(f"this coordinator does not hold base model {terms.base_model!r}")
-            config = train_config(terms, model_path, round=report.round, threads=agent.config.threads)
+            config = train_config(terms, model_path, round=report.round, threads=self.local.config.threads)
             expected, _, expected_optimizer = await self._round_start(view, report.round, config, work)
             await trio.to_thread.run_sync(run_torch, _materialize_report, adapter_dir, terms, expected)
             adapter = await trio.to_thread.run_sync(run_torch, _check_adapter, adapter_dir, terms)
@@ -537,8 +539,8 @@ class CoordinatorRole:
                 if previous is None:
                     raise RuntimeError(f"round {rnd - 1}'s aggregate is not known here yet")
                 bundle = work / f"initial-r{rnd}.tar"
-                providers = [p for p in (view.terms.submitter,) if p != self.agent.peer_id]
-                await self.agent.content.fetch(previous.adapter_cid, bundle, timeout=self.agent.config.fetch_timeout,
+                providers = [p for p in (view.terms.submitter,) if p != self.local.peer_id]
+                await self.blocks.content.fetch(previous.adapter_cid, bundle, timeout=self.local.config.fetch_timeout,
                                                providers=providers, max_size=bundle_size_bound(1 << 30, AGGREGATE_FILES))
                 directory = await unpack_off_loop(bundle, work / f"initial-r{rnd}", allowed=AGGREGATE_FILES, max_bytes=1 << 30)
             if len(self._initial) > 64:
@@ -560,7 +562,7 @@ class CoordinatorRole:
         target = work / f"ckpt-{step}"
         if not target.exists():
             bundle = work / f"ckpt-{step}.tar"
-            await _fetch_worker_content(self.agent, checkpoints[step], bundle, providers[0], providers,
+            await _fetch_worker_content(self.blocks, self.local, checkpoints[step], bundle, providers[0], providers,
                                         max_size=bundle_size_bound(1 << 30, CHECKPOINT_FILES))
             await _unpack_worker_bundle(bundle, target, allowed=CHECKPOINT_FILES, max_bytes=1 << 30)
         return target
@@ -578,31 +580,31 @@ class CoordinatorRole:
                 return
             except Exception as exc:  # noqa: BLE001 - logged; the window's end fails the job, not us
                 if view.state.phase is not st.JobPhase.AGGREGATING or view.state.round != action.round or \
-                        not self.agent.is_coordinator(view):
+                        not self.peer_table.is_coordinator(view):
                     return
                 delay = self._retry_delay(tries, action.expires_at)
                 problem = f"{type(exc).__name__}: {str(exc)[:300]}"
                 if delay is None:
-                    self.agent.counters["aggregations_given_up"] += 1
+                    self.local.counters["aggregations_given_up"] += 1
                     log.warning("job %s: round %d aggregation failed %d times, giving up (the job fails when the "
                                 "aggregation window ends): %s", view.job_id.hex()[:8], action.round, tries, problem)
                     return
-                self.agent.counters["aggregations_retried"] += 1
+                self.local.counters["aggregations_retried"] += 1
                 log.warning("job %s: round %d aggregation failed (try %d), again in %.0f s: %s",
                             view.job_id.hex()[:8], action.round, tries, delay, problem)
                 await trio.sleep(delay)
 
     async def _aggregate(self, view: JobMirror, action: st.Aggregate) -> None:
-        agent, terms = self.agent, view.terms
-        work = agent.work_dir / view.job_id.hex()[:16] / f"aggregate-r{action.round}"
+        terms = view.terms
+        work = self.local.work_dir / view.job_id.hex()[:16] / f"aggregate-r{action.round}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         config = None  # the round's train config: for a coded report, the outer step or the score
         if terms.outer is not None or terms.validation_cid or terms.training.report_codec != "none":
-            model_path = agent.capabilities.local_model(terms)
+            model_path = self.local.capabilities.local_model(terms)
             if model_path is None:
                 raise RuntimeError(f"this coordinator does not hold base model {terms.base_model!r}")
-            config = train_config(terms, model_path, round=action.round, threads=agent.config.threads)
+            config = train_config(terms, model_path, round=action.round, threads=self.local.config.threads)
         inputs = []
         for shard in action.accepted_shards:
             entry = self.accepted_adapters.get((view.job_id, action.round, shard))
@@ -610,7 +612,7 @@ class CoordinatorRole:
                 attempt = view.shard(shard).attempt
                 report, worker = view.reports[(action.round, shard, attempt)]
                 bundle = work / f"adapter-{shard}.tar"
-                await agent.content.fetch(report.adapter_cid, bundle, timeout=agent.config.fetch_timeout,
+                await self.blocks.content.fetch(report.adapter_cid, bundle, timeout=self.local.config.fetch_timeout,
                                           providers=[terms.submitter, worker],
                                           max_size=bundle_size_bound(1 << 30, REPORT_FILES))
                 directory = await unpack_off_loop(bundle, work / f"adapter-{shard}", allowed=REPORT_FILES,
@@ -638,19 +640,19 @@ class CoordinatorRole:
         sealed = must_seal(terms, final)
         if sealed:  # a private job's final aggregate: only its submitter can open it (ipips/0010)
             out = await trio.to_thread.run_sync(seal_dir, out, work / "sealed", terms.submitter)
-        cid = await agent.content.add_file(await pack_dir_off_loop(out, work / "adapter.tar"), provide=False)
-        agent.hold(view.job_id, action.round, cid)
-        agent.provide_soon(cid)  # in the background: a slow DHT peer must not delay the aggregate
-        if not agent.is_coordinator(view):
+        cid = await self.blocks.content.add_file(await pack_dir_off_loop(out, work / "adapter.tar"), provide=False)
+        self.blocks.hold(view.job_id, action.round, cid)
+        self.blocks.provide_soon(cid)  # in the background: a slow DHT peer must not delay the aggregate
+        if not self.peer_table.is_coordinator(view):
             return
         # durable before announced (IPIP-0006 §2.6.1): the submitter holds a copy before anyone hears of it,
         # so a crash of ours from here on loses nothing; asked again while the round is ours to publish and
         # its window lasts (the aggregate is not computed again); the last refusal goes to the retry loop
         def still_ours() -> bool:
-            return agent.is_coordinator(view) and view.state.phase is st.JobPhase.AGGREGATING and \
+            return self.peer_table.is_coordinator(view) and view.state.phase is st.JobPhase.AGGREGATING and \
                 view.state.round == action.round
 
-        await keep_within(agent, view, action.round, str(cid), still_ours=still_ours, window_end=action.expires_at)
+        await keep_within(self.local, self.net, view, action.round, str(cid), still_ours=still_ours, window_end=action.expires_at)
         if not still_ours():
             return
         published = m.AggregatePublished(view.job_id, action.round, view.coordination.term, str(cid),
@@ -658,9 +660,9 @@ class CoordinatorRole:
                                          sum(n for _, n in inputs), final, loss, base_loss,
                                          score.reward_accuracy if score is not None else None,
                                          score.reward_margin if score is not None else None)
-        if not await agent.decide(view, published):
+        if not await self.evidence.decide(view, published):
             return
-        agent.counters["aggregates_published"] += 1
+        self.local.counters["aggregates_published"] += 1
         entry = {"round": action.round, "adapter_cid": str(cid), "method": terms.aggregation,
                  "shards": list(action.accepted_shards)}
         if terms.outer is not None:
@@ -674,7 +676,7 @@ class CoordinatorRole:
         if published.reward_accuracy is not None:
             entry["reward_accuracy"] = published.reward_accuracy
             entry["reward_margin"] = published.reward_margin
-        agent.ledger(view.job_id, "aggregate", entry)
+        self.evidence.ledger(view.job_id, "aggregate", entry)
         log.info("job %s: round %d aggregate %s (%s%s over shards %s)%s%s", view.job_id.hex()[:8], action.round, cid,
                  terms.aggregation, f" + {terms.outer.optimizer}" if terms.outer else "",
                  list(action.accepted_shards), (f", validation loss {loss:.4f}" if loss is not None else "") +
@@ -688,20 +690,19 @@ class CoordinatorRole:
         submitter: with the split not held here and the submitter heard before but silent now,
         RuntimeError at once, saying so, instead of a fetch that waits out its timeout (issue 21 §5: a
         coordinator idled 63 s after the submitter was killed, then published the round unscored)."""
-        agent = self.agent
         path = self._validation.get(view.job_id)
         if path is not None and path.exists():
             return path
         path = directory / "validation.jsonl"
         submitter = view.terms.submitter
-        if submitter != agent.peer_id and submitter in agent.peers and submitter not in agent.live_peers() and \
-                not agent.content.store.has(parse_cid(view.terms.validation_cid)):
+        if submitter != self.local.peer_id and submitter in self.peer_table.peers and submitter not in self.peer_table.live_peers() and \
+                not self.blocks.content.store.has(parse_cid(view.terms.validation_cid)):
             raise RuntimeError(f"the validation split {view.terms.validation_cid[:24]}… is not held here and its "
                                f"provider, the submitter {submitter[-8:]}, is not live")
-        providers = [p for p in (submitter,) if p != agent.peer_id]
+        providers = [p for p in (submitter,) if p != self.local.peer_id]
         path.parent.mkdir(parents=True, exist_ok=True)
         # bounded by the training shards' bytes (IPIP-0003 §3): the submitter chose this CID
-        await agent.content.fetch(view.terms.validation_cid, path, timeout=agent.config.fetch_timeout,
+        await self.blocks.content.fetch(view.terms.validation_cid, path, timeout=self.local.config.fetch_timeout,
                                   providers=providers, max_size=view.terms.validation_size_bound())
         self._validation[view.job_id] = path
         return path
@@ -711,7 +712,7 @@ class CoordinatorRole:
         if not view.terms.validation_cid:
             return
         try:
-            await self._validation_split(view, self.agent.work_dir / view.job_id.hex()[:16])
+            await self._validation_split(view, self.local.work_dir / view.job_id.hex()[:16])
         except Exception as exc:  # noqa: BLE001 - tried again when a round is scored
             log.info("job %s: validation split not fetched yet: %s", view.job_id.hex()[:8], exc)
 
@@ -773,13 +774,13 @@ async def _prefetching() -> AsyncIterator[_Prefetch]:
         raise first_error(group) from None
 
 
-async def _fetch_worker_content(agent: "RolePort", cid: str, out: Path, worker: str, providers: list[str], *,
+async def _fetch_worker_content(blocks: "Blocks", local: "Local", cid: str, out: Path, worker: str, providers: list[str], *,
                                 named_by_worker: bool = True, **bounds: int) -> None:
     """Fetch for a verification, within ``bounds`` (max_size / exact_size, IPIP-0003 §3); Rejection if
     the failure is the worker's: it sent blocks that do not verify, or (content it named) the CID names
     no valid file or a file over the bound. Any other failure is ours (FetchError)."""
     try:
-        await agent.content.fetch(cid, out, timeout=agent.config.fetch_timeout, providers=providers, **bounds)
+        await blocks.content.fetch(cid, out, timeout=local.config.fetch_timeout, providers=providers, **bounds)
     except FetchError as exc:
         if worker in exc.corrupt or named_by_worker and (exc.invalid or exc.refused):
             raise Rejection(f"content {cid[:24]}…: {str(exc)[:600]}") from None

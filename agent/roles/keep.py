@@ -35,7 +35,9 @@ from agent.net.streams import FrameReader, frame, remote_peer, request_frames
 from protocol.cid import parse_cid, varint_encode
 
 if TYPE_CHECKING:
-    from agent.roles.port import RolePort
+    from agent.net.stack import Network
+    from agent.peers import PeerTable
+    from agent.roles.port import Local
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +70,11 @@ def decode_request(data: bytes) -> tuple[bytes, int, str]:
     return data[:32], int.from_bytes(data[32:36], "big"), cid
 
 
-async def ask_to_keep(agent: "RolePort", view: Any, rnd: int, cid: str, timeout: float = TIMEOUT) -> None:
+async def ask_to_keep(net: "Network", view: Any, rnd: int, cid: str, timeout: float = TIMEOUT) -> None:
     """Ask the job's submitter to hold aggregate ``cid`` of round ``rnd`` (fetched from us); returns once
     it does. KeepRefused (its reason), NetError, PeerProtocolError or TooSlowError otherwise."""
     submitter = view.terms.submitter
-    frames = await request_frames(agent.net.host, submitter, PROTOCOL, encode_request(view.job_id, rnd, cid),
+    frames = await request_frames(net.host, submitter, PROTOCOL, encode_request(view.job_id, rnd, cid),
                                   max_frame=1024, max_frames=1, max_bytes=1024, what="answer", timeout=timeout)
     if not frames or frames[0][:1] != b"\x00":
         reason = frames[0][1:].decode(errors="replace") if frames else "no answer"
@@ -84,9 +86,9 @@ class KeepService:
     ``find_job``: the mirror of a job we follow, by ID (or None); ``keep_once``: the submitter role's
     one try at copying a CID of a job into its kept files (agent/roles/submitter.py)."""
 
-    def __init__(self, agent: "RolePort", find_job: Callable[[bytes], Any],
+    def __init__(self, local: "Local", peer_table: "PeerTable", find_job: Callable[[bytes], Any],
                  keep_once: Callable[[Any, str, str], Awaitable[None]]) -> None:
-        self.agent = agent
+        self.local, self.peer_table = local, peer_table
         self.find_job = find_job
         self.keep_once = keep_once
         self.kept = 0
@@ -124,11 +126,10 @@ class KeepService:
 
     def refusal(self, job_id: bytes, rnd: int, peer: str) -> str | None:
         """Why we do not take a copy for ``peer`` (None: we do)."""
-        agent = self.agent
         view = self.find_job(job_id)
-        if view is None or view.terms.submitter != agent.peer_id:
+        if view is None or view.terms.submitter != self.local.peer_id:
             return "this agent is not the submitter of a job it follows with that ID"
-        if peer not in agent.eligible_coordinators(view.terms):
+        if peer not in self.peer_table.eligible_coordinators(view.terms):
             return "the asking peer is not an eligible coordinator of the job here"
         if view.state.terminal:
             return f"the job has ended ({view.state.phase.value})"
@@ -140,31 +141,31 @@ class KeepService:
 KEEP_RETRY = 2.0  # seconds between asks while the window lasts
 
 
-async def keep_within(agent: "RolePort", view: Any, rnd: int, cid: str, *, still_ours: Callable[[], bool],
+async def keep_within(local: "Local", net: Callable[[], "Network"], view: Any, rnd: int, cid: str, *, still_ours: Callable[[], bool],
                       window_end: float | None) -> None:
     """``keep_before_publishing``, asked again every KEEP_RETRY seconds while ``still_ours()`` and the
     window (ending at ``window_end`` on the agent's clock) lasts; the last KeepRefused otherwise. (A
     submitter back from a restart found its round failed when the next try was 30 s off.)"""
     while True:
         try:
-            await keep_before_publishing(agent, view, rnd, cid)
+            await keep_before_publishing(local, net(), view, rnd, cid)
             return
         except KeepRefused as exc:
-            if not still_ours() or (window_end is not None and agent.clock() + KEEP_RETRY >= window_end):
+            if not still_ours() or (window_end is not None and local.clock() + KEEP_RETRY >= window_end):
                 raise
-            agent.counters["keeps_retried"] += 1
+            local.counters["keeps_retried"] += 1
             log.info("job %s: %s not published yet, asking the submitter again in %.0f s: %s",
                      view.job_id.hex()[:8], cid[:24], KEEP_RETRY, exc)
             await trio.sleep(KEEP_RETRY)
 
 
-async def keep_before_publishing(agent: "RolePort", view: Any, rnd: int, cid: str) -> None:
+async def keep_before_publishing(local: "Local", net: "Network", view: Any, rnd: int, cid: str) -> None:
     """The coordinator's step before it publishes round ``rnd``'s aggregate, or a verdict accepting an
     adapter, ``cid``: the submitter holds a copy (nothing to ask when we are the submitter). Raises as ``ask_to_keep`` does: the
     caller's retry loop tries again, and nothing is published meanwhile."""
-    if view.terms.submitter == agent.peer_id:
+    if view.terms.submitter == local.peer_id:
         return
     try:
-        await ask_to_keep(agent, view, rnd, cid)
+        await ask_to_keep(net, view, rnd, cid)
     except (NetError, PeerProtocolError, trio.TooSlowError) as exc:
         raise KeepRefused(f"could not reach the submitter {view.terms.submitter[-8:]} to keep {cid}: {exc}") from None

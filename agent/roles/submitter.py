@@ -48,7 +48,12 @@ from protocol.cid import parse_cid
 from protocol.jobspec import to_terms
 
 if TYPE_CHECKING:
-    from agent.roles.port import RolePort
+    from agent.blocks import Blocks
+    from agent.evidence import Evidence
+    from agent.peers import PeerTable
+    from agent.roles.port import Local
+    from agent.tasks import Tasks
+    from agent.following import Following
     from protocol.mirror import JobMirror
 
 log = logging.getLogger(__name__)
@@ -100,8 +105,10 @@ class SubmitterRole:
     # the budget watch re-checks at least this often (job changes wake it at once; this is the deadline)
     budget_check_seconds = 30.0
 
-    def __init__(self, agent: "RolePort") -> None:
-        self.agent = agent
+    def __init__(self, local: "Local", peer_table: "PeerTable", tasks: "Tasks", blocks: "Blocks", evidence: "Evidence",
+                 following: "Following") -> None:
+        self.local, self.peer_table, self.tasks, self.blocks, self.evidence = local, peer_table, tasks, blocks, evidence
+        self.following = following  # following the jobs we announce, and which of ours have not ended
         self._keeping: set[tuple[bytes, str]] = set()  # (job, cid) copies under way
         self._keep_locks: dict[tuple[bytes, str], trio.Lock] = {}  # (job, cid) fetched now, one at a time
         # an estimate's spec and dataset plan, for the announce that follows it (the plan is taken by it)
@@ -119,7 +126,7 @@ class SubmitterRole:
         spec = self._specs.get(key)
         if spec is None:
             spec = load_spec(path)
-            self.agent.counters["spec_reads"] += 1
+            self.local.counters["spec_reads"] += 1
             self._specs.put(key, spec)
         return spec
 
@@ -136,7 +143,7 @@ class SubmitterRole:
         if plan is None:
             records = check_dataset(dataset, *settings).records
             plan = ShardPlan(records, split_dataset(len(records), spec.shards, spec.input.validation_split, spec.seed))
-            self.agent.counters["dataset_plans"] += 1
+            self.local.counters["dataset_plans"] += 1
         if keep:
             self._plans.put(key, plan)
         return plan
@@ -144,9 +151,9 @@ class SubmitterRole:
     async def fetch_dataset(self, cid: str) -> Path:
         """A dataset named by CID in the spec (IPIP-0007 ``input.dataset``): fetched through our content
         service, every block checked against the CID, into our work directory."""
-        out = self.agent.work_dir / "datasets" / f"{cid}.jsonl"
+        out = self.local.work_dir / "datasets" / f"{cid}.jsonl"
         if not out.exists():
-            await self.agent.content.fetch(cid, out, timeout=self.agent.config.fetch_timeout)
+            await self.blocks.content.fetch(cid, out, timeout=self.local.config.fetch_timeout)
         return out
 
     async def prepare_terms(self, spec: Any, dataset: Path, base_model_path: str, *,
@@ -159,8 +166,6 @@ class SubmitterRole:
         both so that a job's ID (the hash of its terms) depends only on its seed."""
         from agent.train import base_model_sha256
         from agent.train.data import write_chatml
-
-        agent = self.agent
         from agent.train.model import model_refusal
 
         # LoRA targets the base model has (or its size, for full fine-tuning), and every shard trainable: checked
@@ -170,36 +175,36 @@ class SubmitterRole:
             raise SubmitRefused(f"{problem} ({spec.base_model})")
         plan = await trio.to_thread.run_sync(partial(self.shard_plan, spec, dataset, keep=False))
         records, split = plan.records, plan.split
-        out = agent.work_dir / f"submit-{int(agent.clock() * 1000)}"
+        out = self.local.work_dir / f"submit-{int(self.local.clock() * 1000)}"
         out.mkdir(parents=True)
         shards = []
         for index, indices in enumerate(split.shards):
             path = out / f"shard-{index}.jsonl"
             write_chatml(path, [records[i] for i in indices])
-            cid = await agent.content.add_file(path, provide=False)
-            agent.provide_soon(cid)  # in the background: workers ask us first (the terms name us)
+            cid = await self.blocks.content.add_file(path, provide=False)
+            self.blocks.provide_soon(cid)  # in the background: workers ask us first (the terms name us)
             shards.append(m.ShardRef(index, str(cid), len(indices), path.stat().st_size))
         validation_cid = None
         if split.validation:
             path = out / "validation.jsonl"
             write_chatml(path, [records[i] for i in split.validation])
-            cid = await agent.content.add_file(path, provide=False)
-            agent.provide_soon(cid)
+            cid = await self.blocks.content.add_file(path, provide=False)
+            self.blocks.provide_soon(cid)
             validation_cid = str(cid)
         if spec.input.hf and dataset_cid is None:  # the converted file, by CID beside its Hub source in the terms
-            dataset_cid = str(await agent.content.add_file(dataset, provide=False))
-            agent.provide_soon(dataset_cid)
+            dataset_cid = str(await self.blocks.content.add_file(dataset, provide=False))
+            self.blocks.provide_soon(dataset_cid)
         model_hash = await trio.to_thread.run_sync(base_model_sha256, base_model_path)
-        return to_terms(spec, submitter=agent.peer_id, base_model_sha256=bytes.fromhex(model_hash),
+        return to_terms(spec, submitter=self.local.peer_id, base_model_sha256=bytes.fromhex(model_hash),
                         shards=tuple(shards), validation_cid=validation_cid,
-                        created=int(agent.clock()) if created is None else created, deadline=deadline,
+                        created=int(self.local.clock()) if created is None else created, deadline=deadline,
                         dataset_cid=dataset_cid, max_nodes=max_nodes, providers=tuple(providers))
 
     def check_room(self, job_id: bytes | None = None) -> None:
         """SubmitRefused while ``MAX_LIVE_JOBS_PER_SUBMITTER`` of our jobs have not ended (IPIP-0004 §13:
         followers follow no more of one submitter's, so a job past it would not run); ``job_id``, one of
         them announced again, passes."""
-        unended = self.agent.unended_jobs(self.agent.peer_id)
+        unended = self.following.unended_jobs(self.local.peer_id)
         if job_id not in unended and len(unended) >= st.MAX_LIVE_JOBS_PER_SUBMITTER:
             raise SubmitRefused(f"{len(unended)} of this agent's jobs have not ended, the most a submitter may have "
                                 f"(MAX_LIVE_JOBS_PER_SUBMITTER = {st.MAX_LIVE_JOBS_PER_SUBMITTER}, IPIP-0004 §13); "
@@ -209,39 +214,36 @@ class SubmitterRole:
         """Gossip the job (and keep re-announcing it until it ends); return our view of it. SubmitRefused
         (nothing announced) past ``MAX_LIVE_JOBS_PER_SUBMITTER`` jobs of ours not yet ended."""
         from agent.store import announced_data
-
-        agent = self.agent
         self.check_room(terms.job_id())
-        view = await agent.follow_job(terms, agent.peer_id)
-        agent.ledger(view.job_id, "announced", announced_data(terms))
-        await agent.publish(m.JobAnnouncement.for_terms(terms))
-        agent.spawn_in_job(view.job_id, self._reannounce, view)
-        agent.spawn_in_job(view.job_id, self._watch_budget, view)  # a paid job ends when its budget is spent
+        view = await self.following.follow_job(terms, self.local.peer_id)
+        self.evidence.ledger(view.job_id, "announced", announced_data(terms))
+        await self.evidence.publish(m.JobAnnouncement.for_terms(terms))
+        self.tasks.spawn_in_job(view.job_id, self._reannounce, view)
+        self.tasks.spawn_in_job(view.job_id, self._watch_budget, view)  # a paid job ends when its budget is spent
         log.info("job %s announced: %s, %d shards x %d rounds", view.job_id.hex()[:8], terms.name,
                  len(terms.shards), terms.rounds)
         return view
 
     async def resume(self, view: "JobMirror") -> None:
         """After a restart: announce our unfinished job again at once, then keep re-announcing it."""
-        agent = self.agent
-        await agent.wait_until(lambda: bool(agent.peers.keys() - {agent.peer_id}), 10)
-        await agent.publish(m.JobAnnouncement.for_terms(view.terms))
+        await self.tasks.wait_until(lambda: bool(self.peer_table.peers.keys() - {self.local.peer_id}), 10)
+        await self.evidence.publish(m.JobAnnouncement.for_terms(view.terms))
         for item in self.not_held(view):  # copies a restart interrupted (the agent's: kept after the job ends)
-            agent.spawn(self._keep, view, item["cid"], item["provider"])
-        agent.spawn_in_job(view.job_id, self._watch_budget, view)
+            self.tasks.spawn(self._keep, view, item["cid"], item["provider"])
+        self.tasks.spawn_in_job(view.job_id, self._watch_budget, view)
         await self._reannounce(view)
 
     async def _reannounce(self, view: "JobMirror") -> None:
         while not view.state.terminal:
-            if not await self.agent.wait_until(lambda: view.state.terminal, self.reannounce_seconds):
-                await self.agent.publish(m.JobAnnouncement.for_terms(view.terms))
+            if not await self.tasks.wait_until(lambda: view.state.terminal, self.reannounce_seconds):
+                await self.evidence.publish(m.JobAnnouncement.for_terms(view.terms))
 
     async def _watch_budget(self, view: "JobMirror") -> None:
         """Our paid job's budget is spent: once none of its leases is in flight, cancel it with that reason."""
         if not mk.is_paid(view.terms.price_per_hour):
             return
         while not view.state.terminal:
-            await self.agent.wait_until(lambda: view.state.terminal or self.budget_cancel_reason(view) is not None,
+            await self.tasks.wait_until(lambda: view.state.terminal or self.budget_cancel_reason(view) is not None,
                                         self.budget_check_seconds)
             reason = None if view.state.terminal else self.budget_cancel_reason(view)
             if reason is not None:
@@ -263,23 +265,23 @@ class SubmitterRole:
 
     def on_aggregate(self, view: "JobMirror", published: m.AggregatePublished, coordinator: str) -> None:
         """Keep a copy of every aggregate of our job: the next round starts from it, whoever coordinates."""
-        if view.terms.submitter == self.agent.peer_id:
-            self.agent.spawn(self._keep, view, published.adapter_cid, coordinator)  # outlives the job
+        if view.terms.submitter == self.local.peer_id:
+            self.tasks.spawn(self._keep, view, published.adapter_cid, coordinator)  # outlives the job
 
     def on_verdict(self, view: "JobMirror", verdict: m.Verdict) -> None:
         """Keep a copy of every accepted adapter of our job, so no accepted work is lost with its worker."""
-        if verdict.accepted and view.terms.submitter == self.agent.peer_id:
+        if verdict.accepted and view.terms.submitter == self.local.peer_id:
             report, worker = view.reports.get(m.attempt_of(verdict), (None, None))
             if report is not None:
-                self.agent.spawn(self._keep, view, report.adapter_cid, worker)
+                self.tasks.spawn(self._keep, view, report.adapter_cid, worker)
 
     def kept_path(self, view: "JobMirror", cid: str) -> Path:
         """Where our copy of accepted work ``cid`` of the job lies once we hold it."""
-        return self.agent.work_dir / view.job_id.hex()[:16] / "accepted" / f"{cid}.tar"
+        return self.local.work_dir / view.job_id.hex()[:16] / "accepted" / f"{cid}.tar"
 
     def not_held(self, view: "JobMirror") -> list[dict]:
         """Accepted adapters and aggregates of our job of which we hold no copy yet (``job show``)."""
-        if view.terms.submitter != self.agent.peer_id:
+        if view.terms.submitter != self.local.peer_id:
             return []
         out = []
         for (rnd, shard, attempt), verdict in sorted(view.verdicts.items()):
@@ -297,24 +299,24 @@ class SubmitterRole:
         """One try to fetch accepted work ``cid`` (from ``provider`` first) into ``kept_path``, and provide
         it; raises why it failed. (A coordinator asks this of us before it publishes an aggregate:
         agent/roles/keep.py.)"""
-        agent, out, key = self.agent, self.kept_path(view, cid), (view.job_id, cid)
+        out, key = self.kept_path(view, cid), (view.job_id, cid)
         lock = self._keep_locks.setdefault(key, trio.Lock())  # one fetch of a CID at a time: the other waits
         try:
             async with lock:
                 if out.exists():
                     return
                 out.parent.mkdir(parents=True, exist_ok=True)
-                await agent.content.fetch(cid, out, timeout=agent.config.fetch_timeout,
+                await self.blocks.content.fetch(cid, out, timeout=self.local.config.fetch_timeout,
                                           providers=[provider] if provider else [],
                                           max_size=bundle_size_bound(4 << 30, AGGREGATE_FILES))
-                agent.provide_soon(parse_cid(cid))
+                self.blocks.provide_soon(parse_cid(cid))
         finally:
             if not lock.statistics().tasks_waiting:
                 self._keep_locks.pop(key, None)
 
     async def _keep(self, view: "JobMirror", cid: str, provider: str | None) -> None:
         """Fetch accepted work ``cid`` into ``kept_path`` and provide it; tried again until held."""
-        agent, key = self.agent, (view.job_id, cid)
+        key = (view.job_id, cid)
         if key in self._keeping:
             return
         self._keeping.add(key)
@@ -341,7 +343,7 @@ class SubmitterRole:
             self._keeping.discard(key)
 
     async def cancel(self, view: "JobMirror", reason: str) -> None:
-        await self.agent.publish(m.JobCancel(view.job_id, reason))
-        await self.agent.commit(view, view.cancel(reason, self.agent.clock()))
+        await self.evidence.publish(m.JobCancel(view.job_id, reason))
+        await self.evidence.commit(view, view.cancel(reason, self.local.clock()))
 
 

@@ -48,7 +48,12 @@ from protocol.cid import parse_cid
 from protocol.fit import training_refusals
 
 if TYPE_CHECKING:
-    from agent.roles.port import RolePort
+    from agent.blocks import Blocks
+    from agent.evidence import Evidence
+    from agent.peers import PeerTable
+    from agent.roles.port import Local
+    from agent.tasks import Tasks
+    from agent.jobbook import JobBook
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +62,10 @@ CHECKPOINTS_FILE = "checkpoints.json"
 
 
 class WorkerRole:
-    def __init__(self, agent: "RolePort", training: HonestTraining | None = None) -> None:
-        self.agent = agent
+    def __init__(self, local: "Local", peer_table: "PeerTable", tasks: "Tasks", blocks: "Blocks", evidence: "Evidence",
+                 book: "JobBook", training: HonestTraining | None = None) -> None:
+        self.local, self.peer_table, self.tasks, self.blocks, self.evidence = local, peer_table, tasks, blocks, evidence
+        self.book = book  # our live mirror of each job we follow (a rebuild replaces it)
         self.training = training or HonestTraining()  # the harness's faults (agent/hooks.py), if any
         self.candidates: dict[bytes, JobMirror] = {}
         self.active: dict[tuple[bytes, int, int, int], m.ShardLease] = {}
@@ -72,24 +79,24 @@ class WorkerRole:
 
     def refusal(self, terms: m.JobTerms) -> str | None:
         """Why we won't take this job, or None if we will."""
-        config = self.agent.config
+        config = self.local.config
         if config.allowed_base_models and terms.base_model not in config.allowed_base_models:
             return f"base model {terms.base_model!r} is not in allowed_base_models"
-        if self.agent.capabilities.local_model(terms) is None:
+        if self.local.capabilities.local_model(terms) is None:
             return f"base model {terms.base_model!r} is not available locally"
         if terms.price_per_hour < config.min_price_per_hour:
             return f"price {terms.price_per_hour}/h is below our minimum {config.min_price_per_hour}/h"
         from agent.market import worker_refusal
 
-        market = worker_refusal(self.agent, terms)  # our price, its budget, its named providers (IPIP-0004 §12)
+        market = worker_refusal(self.local, terms)  # our price, its budget, its named providers (IPIP-0004 §12)
         if market is not None:
             return market
-        machine = self.agent.capabilities.machine
+        machine = self.local.capabilities.machine
         if terms.runtime == "peft" and machine is not None and machine.cuda and \
                 config.train_processes > len(machine.cuda):
             return (f"train_processes = {config.train_processes}, but this machine has {len(machine.cuda)} "
                     "CUDA device(s): one training process per GPU")
-        reasons = training_refusals(self.agent.capabilities.capability(), terms)
+        reasons = training_refusals(self.local.capabilities.capability(), terms)
         return "; ".join(reasons) if reasons else None
 
     def consider(self, view: JobMirror) -> None:
@@ -117,26 +124,25 @@ class WorkerRole:
         """Claim an open shard whenever we have room: at once when woken (a new round, a shard
         reopened, our last shard done), else every ``claim_interval``. A claim that got no lease is
         not repeated within 2 x ``claim_interval`` in the same round, unless one of our shards ended."""
-        agent = self.agent
         while True:
-            with trio.move_on_after(agent.config.claim_interval):
+            with trio.move_on_after(self.local.config.claim_interval):
                 await self._wake.wait()
             self._wake = trio.Event()
             self.drop_stale()
-            if len(self.active) >= agent.config.max_concurrent_shards:
+            if len(self.active) >= self.local.config.max_concurrent_shards:
                 continue
-            if agent.store_full is not None and not await agent.can_take_work():
-                continue  # the disk is full: we could not keep the evidence of new work (agent.refuse_work)
-            now = agent.clock()
+            if self.evidence.store_full is not None and not await self.evidence.can_take_work():
+                continue  # the disk is full: we could not keep the evidence of new work (agent/writer.py refuse_work)
+            now = self.local.clock()
             for view in list(self.candidates.values()):
                 if view.state.terminal:
                     self.candidates.pop(view.job_id, None)
                     continue
                 if view.state.phase not in (st.JobPhase.ANNOUNCED, st.JobPhase.TRAINING):
                     continue
-                if view.coordination.coordinator in (None, agent.peer_id):
+                if view.coordination.coordinator in (None, self.local.peer_id):
                     continue  # no coordinator yet, or it is us (we don't train what we judge)
-                if view.training_by(agent.peer_id):  # a live lease of this job: one at a time
+                if view.training_by(self.local.peer_id):  # a live lease of this job: one at a time
                     if view.job_id in self._last_claim:
                         self._last_claim[view.job_id] = (*self._last_claim[view.job_id][:2], True)
                     continue
@@ -149,19 +155,19 @@ class WorkerRole:
                 # ignored by the coordinator: it does not hold back the next one
                 last_time, last_round, was_holding = self._last_claim.get(view.job_id, (0.0, 0, False))
                 if not open_shards or (last_round == view.state.round and not was_holding and
-                                       now - last_time < 2 * agent.config.claim_interval):
+                                       now - last_time < 2 * self.local.config.claim_interval):
                     continue
                 self._last_claim[view.job_id] = (now, view.state.round, False)
-                if not await agent.can_take_work():
+                if not await self.evidence.can_take_work():
                     break
-                await agent.publish(m.ShardClaim(view.job_id, view.state.round, random.choice(open_shards)))
+                await self.evidence.publish(m.ShardClaim(view.job_id, view.state.round, random.choice(open_shards)))
                 break
 
     def _market_refusal(self, view: JobMirror) -> str | None:
         """The job can no longer pay us (its budget is spent) or would not lease us: no claim (logged once)."""
         from agent.market import lease_refusal, worker_refusal
 
-        reason = worker_refusal(self.agent, view) or lease_refusal(view, self.agent.peer_id)
+        reason = worker_refusal(self.local, view) or lease_refusal(view, self.local.peer_id)
         if reason is not None and self._market_logged.get(view.job_id) != reason:
             self._market_logged[view.job_id] = reason
             log.info("job %s: not claiming: %s", view.job_id.hex()[:8], reason)
@@ -171,12 +177,12 @@ class WorkerRole:
         key = (view.job_id, lease.round, lease.shard, lease.attempt)
         if key in self.active:
             return
-        if len(self.active) >= self.agent.config.max_concurrent_shards:
+        if len(self.active) >= self.local.config.max_concurrent_shards:
             self.drop_stale()  # a lease of ours that ran out may hold the slot this new one needs
-        if len(self.active) >= self.agent.config.max_concurrent_shards:
+        if len(self.active) >= self.local.config.max_concurrent_shards:
             return
         self.active[key] = lease
-        if not self.agent.spawn_in_job(view.job_id, self._run_shard, view, lease, key):
+        if not self.tasks.spawn_in_job(view.job_id, self._run_shard, view, lease, key):
             self.active.pop(key, None)  # the job ended
 
     def drop_stale(self) -> None:
@@ -186,12 +192,12 @@ class WorkerRole:
         the attempt-3 lease the coordinator gave it meanwhile; the shard's retries ran out."""
         for key in list(self.active):
             job_id, rnd, index, attempt = key
-            view = self.agent.followed_view(job_id)
+            view = self.book.followed(job_id)
             if view is None:
                 continue
             shard = view.shard(index) if index < len(view.state.shards) else None
             ours = (not view.state.terminal and view.state.round == rnd and shard is not None
-                    and shard.attempt == attempt and shard.worker == self.agent.peer_id
+                    and shard.attempt == attempt and shard.worker == self.local.peer_id
                     and shard.phase in (st.ShardPhase.LEASED, st.ShardPhase.REPORTED))
             if ours:
                 continue
@@ -207,21 +213,20 @@ class WorkerRole:
     async def release_stale(self, view: JobMirror) -> None:
         """After a restart: give back the shards our mirror says we hold but no longer train, so
         they are reassigned now rather than when the lease runs out. Waits (bounded) for a peer to hear it."""
-        agent = self.agent
-        await agent.wait_until(lambda: bool(agent.peers.keys() - {agent.peer_id}), 10)
-        for shard in view.held_by(agent.peer_id):
+        await self.tasks.wait_until(lambda: bool(self.peer_table.peers.keys() - {self.local.peer_id}), 10)
+        for shard in view.held_by(self.local.peer_id):
             if shard.phase is st.ShardPhase.LEASED and \
                     (view.job_id, view.state.round, shard.index, shard.attempt) not in self.active:
                 log.info("job %s shard %d attempt %d: released (this agent restarted)", view.job_id.hex()[:8],
                          shard.index, shard.attempt)
                 with trio.move_on_after(5):
-                    await agent.publish(m.ShardRelease(view.job_id, view.state.round, shard.index, shard.attempt,
+                    await self.evidence.publish(m.ShardRelease(view.job_id, view.state.round, shard.index, shard.attempt,
                                                        "the worker restarted"))
 
     async def release_all(self, reason: str) -> None:
         for (job_id, rnd, shard, attempt) in list(self.active):
             with trio.move_on_after(2):
-                await self.agent.publish(m.ShardRelease(job_id, rnd, shard, attempt, reason))
+                await self.evidence.publish(m.ShardRelease(job_id, rnd, shard, attempt, reason))
 
     # -- one shard --------------------------------------------------------------------------------
 
@@ -230,8 +235,8 @@ class WorkerRole:
         measured (agent/train/parallel.plan_processes); unsloth trains on one GPU."""
         from agent.train.parallel import plan_processes
 
-        machine = self.agent.capabilities.machine
-        processes = plan_processes(self.agent.config.train_processes, len(machine.cuda) if machine else 0)
+        machine = self.local.capabilities.machine
+        processes = plan_processes(self.local.config.train_processes, len(machine.cuda) if machine else 0)
         return 1 if terms.runtime != "peft" else processes
 
     def _fit_to_device(self, config: Any, model_path: str, processes: int = 1) -> Any:
@@ -243,12 +248,12 @@ class WorkerRole:
         from agent.train.parallel import split_for
         from agent.train.presets import auto_micro_batch
 
-        machine = self.agent.capabilities.machine
+        machine = self.local.capabilities.machine
         if machine is None or not machine.cuda:
             if processes > 1 and not torch.cuda.is_available():
                 config = config.with_(threads=max(1, config.threads // processes))
             return split_for(config, processes)
-        machine = self.agent.capabilities.refresh_machine()
+        machine = self.local.capabilities.refresh_machine()
         free = min(d.vram_free_gb for d in machine.cuda[:processes]) if processes > 1 else machine.best_free_vram_gb()
         plan = auto_micro_batch(config, free, model_path)
         if not plan.fits:
@@ -260,12 +265,11 @@ class WorkerRole:
         """What the ledger says a report ran on: the device, its VRAM, dtype and runtime the proof names."""
         device = str(environment.get("device", "cpu"))
         return {"hardware": device, "device_class": str(environment.get("device_class", "cpu")),
-                "vram_gb": _device_vram_gb(self.agent.capabilities.machine, device), "dtype": str(environment.get("dtype", "")),
+                "vram_gb": _device_vram_gb(self.local.capabilities.machine, device), "dtype": str(environment.get("dtype", "")),
                 "runtime": str(environment.get("backend", "")), "micro_batch": int(environment.get("micro_batch", 0)),
                 "processes": int(environment.get("data_parallel", 1))}
 
     async def _run_shard(self, view: JobMirror, lease: m.ShardLease, key: tuple) -> None:
-        agent = self.agent
         scope = self._scopes[key] = trio.CancelScope()
         try:
             with scope:
@@ -273,7 +277,7 @@ class WorkerRole:
         except Exception as exc:  # noqa: BLE001 - a failed shard must not stop the agent
             log.warning("job %s shard %d: giving it back: %s", view.job_id.hex()[:8], lease.shard, exc)
             with trio.move_on_after(5):
-                await agent.publish(m.ShardRelease(view.job_id, lease.round, lease.shard, lease.attempt,
+                await self.evidence.publish(m.ShardRelease(view.job_id, lease.round, lease.shard, lease.attempt,
                                                    str(exc)[:1000] or type(exc).__name__))
         finally:
             self.active.pop(key, None)
@@ -289,7 +293,7 @@ class WorkerRole:
 
         for attempt in range(1, tries + 1):
             try:
-                await self.agent.content.fetch(cid, out, timeout=self.agent.config.fetch_timeout, providers=providers,
+                await self.blocks.content.fetch(cid, out, timeout=self.local.config.fetch_timeout, providers=providers,
                                                **bound)
                 return
             except FetchError as exc:
@@ -297,7 +301,7 @@ class WorkerRole:
                     raise
                 shard = view.shard(lease.shard)
                 still_ours = (view.state.round, shard.attempt, shard.worker) == (lease.round, lease.attempt,
-                                                                                  self.agent.peer_id)
+                                                                                  self.local.peer_id)
                 if attempt == tries or not still_ours:
                     raise
                 log.info("job %s shard %d: fetch failed (%s); trying again", view.job_id.hex()[:8], lease.shard, exc)
@@ -307,52 +311,52 @@ class WorkerRole:
         from agent.train.backends import select_backend
         from agent.train.run import TrainRequest
 
-        agent, terms = self.agent, view.terms
+        terms = view.terms
         ref = terms.shards[lease.shard]
-        run_dir = agent.work_dir / view.job_id.hex()[:16] / f"r{lease.round}-s{lease.shard}-a{lease.attempt}"
+        run_dir = self.local.work_dir / view.job_id.hex()[:16] / f"r{lease.round}-s{lease.shard}-a{lease.attempt}"
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
         shard_path = run_dir / "shard.jsonl"
         began = trio.current_time()
         log.info("job %s shard %d attempt %d: fetching %s", view.job_id.hex()[:8], lease.shard, lease.attempt, ref.cid)
         await self._fetch(view, lease, ref.cid, shard_path, [terms.submitter], exact_size=ref.size)
-        agent.provide_soon(parse_cid(ref.cid))  # every block was checked on arrival: serve it too (IPIP-0003 §4.1)
+        self.blocks.provide_soon(parse_cid(ref.cid))  # every block was checked on arrival: serve it too (IPIP-0003 §4.1)
         self.training.before_training()
-        model_path = self.agent.capabilities.local_model(terms)
-        substitute = await self.training.base_model(agent.config.home)
+        model_path = self.local.capabilities.local_model(terms)
+        substitute = await self.training.base_model(self.local.config.home)
         if substitute is not None:
             model_path = substitute
         else:
-            have = await agent.capabilities.base_model_hash(model_path)
+            have = await self.local.capabilities.base_model_hash(model_path)
             if have != terms.base_model_sha256.hex():
                 raise RuntimeError(f"base model hash mismatch: local {terms.base_model!r} is {have[:16]}…, "
                                    f"the job names {terms.base_model_sha256.hex()[:16]}…")
         initial = None
         if lease.initial_adapter_cid and self.training.use_initial_adapter():
             bundle = run_dir / "initial.tar"
-            providers = [p for p in (view.coordination.coordinator, terms.submitter) if p and p != agent.peer_id]
+            providers = [p for p in (view.coordination.coordinator, terms.submitter) if p and p != self.local.peer_id]
             await self._fetch(view, lease, lease.initial_adapter_cid, bundle, providers,
                               max_size=bundle_size_bound(DEFAULT_MAX_BYTES, AGGREGATE_FILES))
             initial = await unpack_off_loop(bundle, run_dir / "initial", allowed=AGGREGATE_FILES)
-        config = train_config(terms, model_path, round=lease.round, threads=agent.config.threads, log_every=5)
+        config = train_config(terms, model_path, round=lease.round, threads=self.local.config.threads, log_every=5)
         processes = self.train_processes(terms)
         config = await trio.to_thread.run_sync(self._fit_to_device, config, model_path, processes)
         backend = select_backend(terms.runtime, processes)  # TrainError (one line) if this machine cannot run it
         config = self.training.adjust_config(config)
         request = TrainRequest(config, shard_path, run_dir / "run", initial_adapter=initial, job_id=view.job_id,
                                round=lease.round, shard_index=lease.shard, attempt=lease.attempt,
-                               worker=agent.peer_id)
+                               worker=self.local.peer_id)
         checkpoint_cids: dict[int, str] = {}
 
         async def commit(event: Any) -> None:
-            cid = await agent.content.add_file(await pack_dir_off_loop(event.path, event.path.with_suffix(".tar")),
+            cid = await self.blocks.content.add_file(await pack_dir_off_loop(event.path, event.path.with_suffix(".tar")),
                                                 provide=False)
-            agent.hold(view.job_id, lease.round, cid)
+            self.blocks.hold(view.job_id, lease.round, cid)
             checkpoint_cids[event.step] = str(cid)
-            await agent.publish(m.CheckpointCommit(
+            await self.evidence.publish(m.CheckpointCommit(
                 view.job_id, lease.round, lease.shard, lease.attempt, event.step, event.index, event.head,
                 event.link.adapter_hash, float(event.link.loss), str(cid)))
-            agent.ledger(view.job_id, "checkpoint", {  # IPIP-0008 §2: what the worker committed, when
+            self.evidence.ledger(view.job_id, "checkpoint", {  # IPIP-0008 §2: what the worker committed, when
                 "round": lease.round, "shard": lease.shard, "attempt": lease.attempt, "step": event.step,
                 "loss": float(event.link.loss), "checkpoint_cid": str(cid), "head": bytes(event.head).hex()})
 
@@ -364,41 +368,41 @@ class WorkerRole:
         result = await trio.to_thread.run_sync(run_torch, backend.train, request, on_checkpoint)
         trained = trio.current_time()
         genesis = request.run_dir / "checkpoints" / "step-000000"
-        checkpoint_cids[0] = str(await agent.content.add_file(await pack_dir_off_loop(genesis, genesis.with_suffix(".tar")),
+        checkpoint_cids[0] = str(await self.blocks.content.add_file(await pack_dir_off_loop(genesis, genesis.with_suffix(".tar")),
                                                               provide=False))
-        agent.hold(view.job_id, lease.round, checkpoint_cids[0])  # named only inside the proof
+        self.blocks.hold(view.job_id, lease.round, checkpoint_cids[0])  # named only inside the proof
         head = self.training.after_training(result.adapter_dir, request.run_dir / PROOF_FILE, result.head)
         # provided in the background: the report names us, and a slow DHT peer must not delay it (issue 17)
-        adapter_cid = await agent.content.add_file(
+        adapter_cid = await self.blocks.content.add_file(
             await pack_dir_off_loop(report_dir(result, request.run_dir, terms), run_dir / "adapter.tar"), provide=False)
-        agent.hold(view.job_id, lease.round, adapter_cid)
-        agent.provide_soon(adapter_cid)
+        self.blocks.hold(view.job_id, lease.round, adapter_cid)
+        self.blocks.provide_soon(adapter_cid)
         proof_dir = run_dir / "proof"
         proof_dir.mkdir()
         shutil.copy(request.run_dir / PROOF_FILE, proof_dir / PROOF_FILE)
         (proof_dir / CHECKPOINTS_FILE).write_text(json.dumps({str(k): v for k, v in sorted(checkpoint_cids.items())}))
-        proof_cid = await agent.content.add_file(await pack_dir_off_loop(proof_dir, run_dir / "proof.tar"),
+        proof_cid = await self.blocks.content.add_file(await pack_dir_off_loop(proof_dir, run_dir / "proof.tar"),
                                                provide=False)
-        agent.hold(view.job_id, lease.round, proof_cid)
-        agent.provide_soon(proof_cid)
+        self.blocks.hold(view.job_id, lease.round, proof_cid)
+        self.blocks.provide_soon(proof_cid)
         metrics = {"train_seconds": float(result.train_seconds), "tokens_per_s": float(result.tokens_per_second)}
         if result.validation_loss is not None:
             metrics["validation_loss"] = float(result.validation_loss)
-        await agent.publish(m.ShardReport(
+        await self.evidence.publish(m.ShardReport(
             view.job_id, lease.round, lease.shard, lease.attempt, str(adapter_cid), str(proof_cid), head,
             result.checkpoints, result.steps, result.samples, float(result.final_loss), metrics))
         log.info("job %s round %d shard %d: reported; %.2f s fetching, %.2f s loading, %.2f s training, %.2f s "
                  "packing and publishing", view.job_id.hex()[:8], lease.round, lease.shard, fetched - began,
                  float(result.load_seconds), trained - fetched - float(result.load_seconds), trio.current_time() - trained)
-        agent.ledger(view.job_id, "report", {
-            "round": lease.round, "shard": lease.shard, "attempt": lease.attempt, "worker": agent.peer_id,
+        self.evidence.ledger(view.job_id, "report", {
+            "round": lease.round, "shard": lease.shard, "attempt": lease.attempt, "worker": self.local.peer_id,
             "adapter_cid": str(adapter_cid), "duration": float(result.train_seconds), "samples": result.samples,
-            "price_per_hour": terms.price_per_hour, "ask_per_hour": agent.config.price_per_hour,
+            "price_per_hour": terms.price_per_hour, "ask_per_hour": self.local.config.price_per_hour,
             **self._hardware_record(result.environment)})
         from agent.market import record_shard_speed
 
-        record_shard_speed(agent.capabilities, terms, float(result.tokens_per_second))
-        agent.counters["shards_trained"] += 1
+        record_shard_speed(self.local.capabilities, terms, float(result.tokens_per_second))
+        self.local.counters["shards_trained"] += 1
         log.info("job %s shard %d: reported (loss %.3f, %d steps)", view.job_id.hex()[:8], lease.shard,
                  result.final_loss, result.steps)
 

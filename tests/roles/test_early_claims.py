@@ -56,8 +56,9 @@ def test_remembered_claims_are_queued_in_the_order_the_workers_first_claimed():
     from agent.roles.coordinator import CoordinatorRole
 
     now = [0.0]
-    port = SimpleNamespace(clock=lambda: now[0], peer_id="me", spawn_in_job=lambda job, fn, *args: True)
-    role = CoordinatorRole(port)  # type: ignore[arg-type]
+    local = SimpleNamespace(clock=lambda: now[0], peer_id="me")
+    tasks = SimpleNamespace(spawn_in_job=lambda job, fn, *args: True)
+    role = CoordinatorRole(local, None, tasks, None, None, lambda: None)  # type: ignore[arg-type]
     state = SimpleNamespace(round=1, terminal=False, shards=(), phase=st.JobPhase.TRAINING)
     view = SimpleNamespace(job_id=b"j" * 32, state=state, coordination=SimpleNamespace(term=1))
     for t, worker in [(0.0, "w0"), (0.3, "w1"), (0.5, "w2"), (0.8, "w0"), (0.9, "w3"), (1.1, "w1")]:
