@@ -39,6 +39,9 @@ class AgentConfig:
     # peers: true, false, or "auto" (while AutoNAT says we are public; an operator's config default)
     accept_training: bool = False
     can_coordinate: bool = True
+    # a coordinator that trains claims one shard a round of the job it coordinates; another peer judges its
+    # reports (protocol/leasing.py rule 1, IPIP-0004 §5.1): W machines train, not W - 1. Off by default
+    coordinator_trains: bool = False
     max_concurrent_shards: int = 1
     allowed_base_models: tuple[str, ...] = ()  # empty: any base model we have locally
     min_price_per_hour: float = 0.0
@@ -96,6 +99,11 @@ accept_training = false
 # Offer to coordinate jobs (hand out leases, verify reports by replay, aggregate adapters).
 can_coordinate = true
 
+# While this agent coordinates a job, it also trains one shard a round of it (when it accepts training),
+# after every other claimant; another peer judges its reports by replay. For networks where every machine
+# should train (one shard per machine). Off: a coordinator only leases, verifies and aggregates.
+coordinator_trains = false
+
 # Shards this agent trains at the same time.
 max_concurrent_shards = 1
 
@@ -151,7 +159,7 @@ repair_from_senders = false
 """
 
 _TYPES: dict[str, type | tuple[type, ...]] = {
-    "listen": list, "bootstrap": list, "announce": list, "relay": (bool, str), "accept_training": bool, "can_coordinate": bool,
+    "listen": list, "bootstrap": list, "announce": list, "relay": (bool, str), "accept_training": bool, "can_coordinate": bool, "coordinator_trains": bool,
     "max_concurrent_shards": int, "allowed_base_models": list, "min_price_per_hour": (int, float),
     "price_per_hour": (int, float), "threads": int, "train_processes": int, "ipfs_api": str, "fetch_timeout": (int, float),
     "max_disk_gb": (int, float),

@@ -9,7 +9,9 @@ Rules of this file:
   set in the coordinator's memory, filled only by its own verdicts, and a successor leased a shard to
   a worker its predecessor had rejected (issue 23).
 - The history rules, in order, each with its own reason:
-  1. never to the coordinator itself: a coordinator does not judge its own work;
+  1. to the coordinator itself only when another peer judges its report (``judge``: protocol/election
+     ``judge_of`` over the job's eligible peers names one): a coordinator never judges its own work,
+     but with a judge it trains like any worker (issue 24: one machine of W no longer idles);
   2. never to a worker a verdict of this job rejected, in any round or term (a rejection is always the
      worker's fault, IPIP-0005 §8: our own failures give no verdict);
   3. never a second live lease of the job to one worker (a shard it reported and that awaits its
@@ -26,11 +28,11 @@ from protocol.state import ShardPhase, ShardState
 
 
 def history_refusal(worker: str, coordinator: str | None, verdicts: Iterable[Verdict],
-                    shards: Iterable[ShardState]) -> str | None:
+                    shards: Iterable[ShardState], judge: str | None = None) -> str | None:
     """Why the job's history forbids a lease to ``worker`` (None: it does not). ``shards``: the current
-    round's shard states."""
-    if worker == coordinator:
-        return "a coordinator never leases to itself (it does not judge its own work)"
+    round's shard states; ``judge``: who would judge the coordinator's own report (judge_of), if anyone."""
+    if worker == coordinator and (judge is None or judge == coordinator):
+        return "a coordinator leases to itself only when another peer judges its report (there is none)"
     for v in verdicts:
         if v.worker == worker and not v.accepted:
             return (f"its work in this job was rejected (round {v.round}, shard {v.shard}, attempt {v.attempt}, "

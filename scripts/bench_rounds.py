@@ -22,7 +22,7 @@ longer than alone and the coordinator's replay competes with training; the figur
 read off the real timings, and say what they are on this machine, not on one GPU per worker.
 Needs root, `ip`, `iptables` (else it prints ``skipped: ...`` to stderr and exits 0).
 Usage: python scripts/bench_rounds.py [--workers 4] [--rounds 6] [--steps 12] [--delay 80] [--rate 20] [--no-wan]
-       [--codec none|int8|int4]
+       [--codec none|int8|int4] [--coordinator-trains]
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def emit(bench: str, value: float, unit: str, reference: float, ratio: float, go
                       "ratio": round(ratio, 4), "goal": goal, **extra}), flush=True)
 
 
-def scenario_text(workers: int, rounds: int, steps: int, link: str, codec: str = "none") -> str:
+def scenario_text(workers: int, rounds: int, steps: int, link: str, codec: str = "none",
+                  coordinator_trains: bool = False) -> str:
     names = [f"w{i}" for i in range(workers)]
     hosts = "\n".join(f"  {'home' if n == 'submitter' else 'h' + n}: {{agents: [{n}]{link}}}"
                       for n in ["submitter", *names])
@@ -58,6 +59,7 @@ timeout: {300 + 30 * rounds}
 agents:
   workers: {workers}
   records: 400
+  config: {{all: {{coordinator_trains: {str(coordinator_trains).lower()}}}}}
 hosts:
 {hosts}
 job:
@@ -148,7 +150,8 @@ def run_once(args: argparse.Namespace, shape: str, link: str) -> Utilization | N
     from agent.harness.scenario import parse_scenario, run_scenario
     from agent.train.tiny import tiny_model
 
-    scenario = parse_scenario(scenario_text(args.workers, args.rounds, args.steps, link, args.codec), "bench-rounds")
+    scenario = parse_scenario(scenario_text(args.workers, args.rounds, args.steps, link, args.codec,
+                                                 args.coordinator_trains), "bench-rounds")
     with tempfile.TemporaryDirectory(prefix="bench-rounds-") as out:
         result = trio.run(lambda: run_scenario(scenario, Path(out), model_dir=tiny_model()))
         if not result.ok or result.trace_path is None:
@@ -183,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=20.0, help="each link's rate, Mbit/s")
     parser.add_argument("--no-wan", action="store_true", help="only the unshaped run")
     parser.add_argument("--codec", default="none", help="the job's training.report_codec: none | int8 | int4")
+    parser.add_argument("--coordinator-trains", action="store_true",
+                        help="the agents' coordinator_trains: the coordinator trains one shard a round too")
     args = parser.parse_args(argv)
     reason = unavailable_reason()
     if reason:
@@ -198,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         figures = run_once(args, shape, link)
         if figures is not None:
             report(shape, figures, args.workers, steps=args.steps, shaper=delay_method() if link else None,
-                   codec=args.codec)
+                   codec=args.codec, coordinator_trains=args.coordinator_trains)
     return 0
 
 

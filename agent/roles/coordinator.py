@@ -11,10 +11,10 @@ Rules of this file:
   protocol/leasing.history_refusal, so a successor refuses what its predecessor did); only to a live peer whose signed capability says it trains and fits the
   job (protocol/fit.lease_refusals: the job's runtime offered, its base model held by hash, a GPU
   with ``min_vram_gb`` total; IPIP-0004 §5.1) -- a claim from anyone else gets no lease, its reason
-  logged once, so a peer cannot hoard leases it never meant or could not train; never a
-  lease to ourselves — a coordinator does not judge its own work (a report of ours from a lease
-  granted before we took over is judged by the next eligible peer by rank: ``judge_reports``,
-  protocol/election.judge_of), and accepted work must outlive the coordinator (the worker, the submitter and the verifier
+  logged once, so a peer cannot hoard leases it never meant or could not train; a lease to
+  ourselves only when another peer would judge our report (a coordinator does not judge its own
+  work: a report of ours, from a lease we granted ourselves or from one granted before we took over,
+  is judged by the next eligible peer by rank: ``judge_reports``, protocol/election.judge_of), and accepted work must outlive the coordinator (the worker, the submitter and the verifier
   each hold a copy). The market's rules come on top (protocol/market.lease_refusal): no lease once a
   paid job's accepted work has spent its budget, only to its named providers, at most ``max_nodes``
   distinct workers. Claims are queued for ``claim_window`` and granted best reputation first --
@@ -169,9 +169,12 @@ class CoordinatorRole:
             return False
         if view.state.phase not in (st.JobPhase.ANNOUNCED, st.JobPhase.TRAINING):
             return False
-        if history_refusal(worker, self.local.peer_id, view.verdicts.values(), view.state.shards) is not None:
-            return False  # ourselves, a worker rejected in any term, or one training a shard of it (protocol/leasing.py)
-        if worker not in self.peer_table.live_peers():
+        if worker == self.local.peer_id and not self._we_train(view):
+            return False  # we coordinate only, or hold a shard of this round already, or nobody would judge us
+        if history_refusal(worker, self.local.peer_id, view.verdicts.values(), view.state.shards,
+                           self._judge_of_ours(view)) is not None:
+            return False  # ourselves with no judge, a worker rejected in any term, or one training a shard of it (protocol/leasing.py)
+        if worker != self.local.peer_id and worker not in self.peer_table.live_peers():
             return False
         # its signed capability fits the job (protocol/fit.py), then the market's rules (protocol/market.py:
         # budget, named providers, max_nodes)
@@ -193,6 +196,9 @@ class CoordinatorRole:
         claims = self._claims.pop(view.job_id, [])
         reputations = self.peer_table.reputations()
         ordered = order_claims([(w, i) for i, (w, _, _) in enumerate(claims)], reputations)
+        # our own claim (we coordinate and train: leasing rule 1) comes after every other claimant's: a
+        # coordinator takes a shard nobody else claimed, never one from a worker (in a paid job, from its pay)
+        ordered = [c for c in ordered if c[0] != self.local.peer_id] + [c for c in ordered if c[0] == self.local.peer_id]
         for worker, i in ordered:
             try:
                 await self._grant(view, worker, claims[i][1], claims[i][2])
@@ -203,14 +209,16 @@ class CoordinatorRole:
         """Could a claim granted now take the last open shard from a better-reputed claimant that is
         still to come? Only then is there a ``claim_window`` to wait: when the open shards are at least
         as many as the live peers that could claim one (they train, fit the job, hold no live lease of it,
-        are not banned), every claimant gets a lease whatever the order, and waiting only slows a round."""
+        are not banned; ourselves too, when we may train it), every claimant gets a lease whatever the
+        order, and waiting only slows a round."""
         open_shards = len(view.open_shards())
         live = self.peer_table.live_peers()
-        if open_shards >= len(live):
+        ours = 1 if self._we_train(view) else 0  # we claim too (after the others: _grant_claims)
+        if open_shards >= len(live) + ours:
             return False
         if len(live) > 256:  # too many to check one by one on every claim: assume they compete
             return True
-        could_claim = 0
+        could_claim = ours
         for peer in live:
             if history_refusal(peer, self.local.peer_id, view.verdicts.values(), view.state.shards) is not None:
                 continue  # ourselves, rejected in any term, or training a shard of it (protocol/leasing.py)
@@ -236,12 +244,33 @@ class CoordinatorRole:
                                             "worker": worker, "expires_at": lease.expires_at})
 
     def lease_refusal(self, view: JobMirror, worker: str) -> str | None:
-        """Why we grant ``worker`` no lease of this job, read off its latest signed capability
-        (protocol/fit.lease_refusals: it trains, offers the runtime, holds the model, a large enough GPU);
-        None if it fits."""
-        info = self.peer_table.peers.get(worker)
-        reasons = lease_refusals(info.capability if info is not None else None, view.terms)
+        """Why we grant ``worker`` no lease of this job, read off its latest signed capability (ours: the
+        one we last published) (protocol/fit.lease_refusals: it trains, offers the runtime, holds the model,
+        a large enough GPU); None if it fits."""
+        if worker == self.local.peer_id:
+            capability = self.local.capabilities.published
+        else:
+            info = self.peer_table.peers.get(worker)
+            capability = info.capability if info is not None else None
+        reasons = lease_refusals(capability, view.terms)
         return "; ".join(reasons) if reasons else None
+
+    def _we_train(self, view: JobMirror) -> bool:
+        """Could we, the coordinator, be leased a shard of this job now? We train it (``coordinator_trains``),
+        another peer would judge our report, we hold no shard of this round yet (one a round: a coordinator
+        does not crowd out a worker that joins late or comes back), and our capability fits."""
+        config, me = self.local.config, self.local.peer_id
+        return config.accept_training and config.coordinator_trains and \
+            not any(shard.worker == me for shard in view.state.shards) and \
+            history_refusal(me, me, view.verdicts.values(), view.state.shards, self._judge_of_ours(view)) is None and \
+            self.lease_refusal(view, me) is None
+
+    def _judge_of_ours(self, view: JobMirror) -> str | None:
+        """Who would judge a report of ours in this job (protocol/election.judge_of): the first eligible peer
+        by rank after us; None when there is no other (then we lease ourselves nothing: leasing rule 1)."""
+        judge = judge_of(view.job_id, self.local.peer_id, self.local.peer_id,
+                         self.peer_table.eligible_coordinators(view.terms))
+        return None if judge == self.local.peer_id else judge
 
     # -- reacting to the state machine -------------------------------------------------------------
 

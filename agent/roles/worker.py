@@ -30,6 +30,7 @@ Rules of this file:
 from __future__ import annotations
 
 import json
+import math
 import logging
 import random
 import shutil
@@ -140,8 +141,12 @@ class WorkerRole:
                     continue
                 if view.state.phase not in (st.JobPhase.ANNOUNCED, st.JobPhase.TRAINING):
                     continue
-                if view.coordination.coordinator in (None, self.local.peer_id):
-                    continue  # no coordinator yet, or it is us (we don't train what we judge)
+                if view.coordination.coordinator is None:
+                    continue  # no coordinator yet
+                if view.coordination.coordinator == self.local.peer_id and (
+                        not self.local.config.coordinator_trains
+                        or any(shard.worker == self.local.peer_id for shard in view.state.shards)):
+                    continue  # we coordinate it: we train none of it, or one shard a round (coordinator_trains)
                 if view.training_by(self.local.peer_id):  # a live lease of this job: one at a time
                     if view.job_id in self._last_claim:
                         self._last_claim[view.job_id] = (*self._last_claim[view.job_id][:2], True)
@@ -308,6 +313,7 @@ class WorkerRole:
                 await trio.sleep(attempt)
 
     async def _train_and_report(self, view: JobMirror, lease: m.ShardLease) -> None:
+        from agent.content.exchange import first_error
         from agent.train.backends import select_backend
         from agent.train.run import TrainRequest
 
@@ -347,8 +353,10 @@ class WorkerRole:
                                round=lease.round, shard_index=lease.shard, attempt=lease.attempt,
                                worker=self.local.peer_id)
         checkpoint_cids: dict[int, str] = {}
+        committing = [0.0]  # seconds spent packing, adding and announcing checkpoints (beside the training)
 
         async def commit(event: Any) -> None:
+            started = trio.current_time()
             cid = await self.blocks.content.add_file(await pack_dir_off_loop(event.path, event.path.with_suffix(".tar")),
                                                 provide=False)
             self.blocks.hold(view.job_id, lease.round, cid)
@@ -359,13 +367,31 @@ class WorkerRole:
             self.evidence.ledger(view.job_id, "checkpoint", {  # IPIP-0008 §2: what the worker committed, when
                 "round": lease.round, "shard": lease.shard, "attempt": lease.attempt, "step": event.step,
                 "loss": float(event.link.loss), "checkpoint_cid": str(cid), "head": bytes(event.head).hex()})
+            committing[0] += trio.current_time() - started
+
+        # A checkpoint is announced beside the training, not in its way: the training thread hands each
+        # event (its bytes already on disk) to one task that packs, adds and announces them in order, and
+        # goes on with the next step. Before, the thread waited for each (issue 24: the device idled
+        # while a checkpoint was tarred, hashed into blocks and gossiped). The report waits for all.
+        send, receive = trio.open_memory_channel[Any](math.inf)
+
+        async def announce_checkpoints() -> None:
+            async with receive:
+                async for event in receive:
+                    await commit(event)
 
         def on_checkpoint(event: Any) -> None:
-            trio.from_thread.run(commit, event)
+            trio.from_thread.run_sync(send.send_nowait, event)
 
         log.info("job %s shard %d attempt %d: training", view.job_id.hex()[:8], lease.shard, lease.attempt)
         fetched = trio.current_time()
-        result = await trio.to_thread.run_sync(run_torch, backend.train, request, on_checkpoint)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(announce_checkpoints)
+                async with send:
+                    result = await trio.to_thread.run_sync(run_torch, backend.train, request, on_checkpoint)
+        except BaseExceptionGroup as group:  # a failed announcement (the training then stops at its next checkpoint)
+            raise first_error(group) from None
         trained = trio.current_time()
         genesis = request.run_dir / "checkpoints" / "step-000000"
         checkpoint_cids[0] = str(await self.blocks.content.add_file(await pack_dir_off_loop(genesis, genesis.with_suffix(".tar")),
@@ -391,9 +417,10 @@ class WorkerRole:
         await self.evidence.publish(m.ShardReport(
             view.job_id, lease.round, lease.shard, lease.attempt, str(adapter_cid), str(proof_cid), head,
             result.checkpoints, result.steps, result.samples, float(result.final_loss), metrics))
-        log.info("job %s round %d shard %d: reported; %.2f s fetching, %.2f s loading, %.2f s training, %.2f s "
-                 "packing and publishing", view.job_id.hex()[:8], lease.round, lease.shard, fetched - began,
-                 float(result.load_seconds), trained - fetched - float(result.load_seconds), trio.current_time() - trained)
+        log.info("job %s round %d shard %d: reported; %.2f s fetching, %.2f s loading, %.2f s training (%.2f s of it "
+                 "announcing checkpoints beside it), %.2f s packing and publishing", view.job_id.hex()[:8], lease.round,
+                 lease.shard, fetched - began, float(result.load_seconds), trained - fetched - float(result.load_seconds),
+                 committing[0], trio.current_time() - trained)
         self.evidence.ledger(view.job_id, "report", {
             "round": lease.round, "shard": lease.shard, "attempt": lease.attempt, "worker": self.local.peer_id,
             "adapter_cid": str(adapter_cid), "duration": float(result.train_seconds), "samples": result.samples,

@@ -120,12 +120,13 @@ def test_lease_history_vectors():
     from protocol.state import ShardPhase, ShardState
 
     doc = json.loads((Path(__file__).resolve().parents[2] / "ipips/vectors/lease-history.json").read_text())
-    assert len(doc["cases"]) >= 7
+    assert len(doc["cases"]) >= 11
+    assert any(c["worker"] == c["coordinator"] and c["lease"] for c in doc["cases"])  # judged: it may train
     for case in doc["cases"]:
         verdicts = [Verdict(bytes(32), v["round"], v["shard"], v["attempt"], v["worker"], v["term"], v["accepted"],
                             v["reason"], ()) for v in case["verdicts"]]
         shards = [ShardState(s["index"], ShardPhase(s["phase"]), 1, s["worker"]) for s in case["shards"]]
-        refusal = history_refusal(case["worker"], case["coordinator"], verdicts, shards)
+        refusal = history_refusal(case["worker"], case["coordinator"], verdicts, shards, case.get("judge"))
         assert (refusal is None) == case["lease"], case["name"]
 
 
