@@ -171,8 +171,8 @@ class CoordinatorRole:
             return False
         if worker == self.local.peer_id and not self._we_train(view):
             return False  # we coordinate only, or hold a shard of this round already, or nobody would judge us
-        if history_refusal(worker, self.local.peer_id, view.verdicts.values(), view.state.shards,
-                           self._judge_of_ours(view)) is not None:
+        judge = self._judge_of_ours(view) if worker == self.local.peer_id else None  # ranked only when it is us
+        if history_refusal(worker, self.local.peer_id, view.verdicts.values(), view.state.shards, judge) is not None:
             return False  # ourselves with no judge, a worker rejected in any term, or one training a shard of it (protocol/leasing.py)
         if worker != self.local.peer_id and worker not in self.peer_table.live_peers():
             return False

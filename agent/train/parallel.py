@@ -110,6 +110,7 @@ class DataParallelBackend:
         done = threading.Event()
         watcher = threading.Thread(target=_end_group_on_failure, args=(children, done), daemon=True)
         watcher.start()
+        result, error = None, None  # a failed read (a checkpoint announcement that failed) must still end the ranks
         try:
             result, error = read_child(children[0], on_checkpoint)
         finally:
