@@ -8,7 +8,7 @@ Issue 23: a role is built with the 3-6 collaborators it uses, each a service of 
 | coordinator (agent/roles/coordinator.py) | ``Local``, ``PeerTable``, ``Tasks``, ``Blocks``, ``Evidence``, the network |
 | worker (agent/roles/worker.py) | ``Local``, ``PeerTable``, ``Tasks``, ``Blocks``, ``Evidence``, ``JobBook`` (+ the harness's training hook) |
 | submitter (agent/roles/submitter.py) | ``Local``, ``PeerTable``, ``Tasks``, ``Blocks``, ``Evidence``, ``Following`` |
-| keep (agent/roles/keep.py) | ``Local``, ``PeerTable``, the network, the job book's lookup, the submitter's copy |
+| keep (agent/roles/keep.py) | ``Local``, ``PeerTable``, the job book's lookup, the submitter's copy (the coordinator's side, ``keep_within``, takes the network) |
 | history sync (agent/roles/sync.py ``JobSync``) | ``PeerTable``, ``Tasks``, ``StoreWriter``, the network, ``Evidence.commit`` |
 
 - ``Local`` (below): who we are and what we run with: peer ID, settings, clock, counters, what we offer.
