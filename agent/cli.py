@@ -355,12 +355,20 @@ def cmd_agent_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def exit_before_ready(signum: int, frame: Any) -> None:
+    """SIGTERM before the daemon's own handler is in place (imports, the store, the network: seconds):
+    end the process at once with status 0. It holds no lease yet, so there is nothing to release, and
+    SQLite's journal makes an interrupted open safe. Not ``sys.exit``: a signal handled while Python runs
+    a callback (an import lock's weakref callback, a finalizer) raises its SystemExit there, where it is
+    printed as "Exception ignored" and dropped; the agent then started anyway and ignored that SIGTERM
+    (the soak's kill: exited -9 after 30 s)."""
+    os._exit(0)
+
+
 def cmd_agent_run(args: argparse.Namespace) -> int:
     import signal
 
-    # until the daemon's own handler is in place (imports, the store, the network: seconds), SIGTERM ends
-    # the process at once with status 0: it holds no lease yet, so there is nothing to release
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    signal.signal(signal.SIGTERM, exit_before_ready)  # until the daemon's own handler is in place
     from agent.config import IDENTITY_FILE, load_config
     from agent.daemon import default_log_stream, run_daemon, setup_logging
     from agent.keyfile import load_identity

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import socket
 import stat
+import subprocess
+import sys
 import urllib.request
+from pathlib import Path
 
 from tests.cli.conftest import Daemon, assert_one_line_error, cli, cli_json, model_config, small_spec
 
@@ -82,3 +85,40 @@ def test_daemon_answers_the_cli_and_stops_cleanly_on_sigterm(tmp_path, daemons, 
     assert daemon.terminate() == 0
     assert not sock.exists()
     assert '"SIGTERM: stopping' in (home / "agent.log").read_text()
+
+
+_SIGNAL_IN_A_CALLBACK = """
+import os, signal, sys, weakref
+sys.path.insert(0, {root!r})
+{install}
+
+class Thing:
+    pass
+
+def callback(ref):  # the signal is handled while Python runs this weakref callback, as in an import lock's
+    os.kill(os.getpid(), signal.SIGTERM)
+    sum(range(100000))
+
+thing = Thing()
+ref = weakref.ref(thing, callback)
+del thing
+print("still running", flush=True)
+"""
+
+
+def _run_signal_in_a_callback(install: str) -> subprocess.CompletedProcess:
+    root = str(Path(__file__).resolve().parents[2])
+    code = _SIGNAL_IN_A_CALLBACK.format(root=root, install=install)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_a_sigterm_while_starting_ends_the_process_even_inside_a_callback():
+    """The soak's failure (w0 exited -9 on SIGTERM): a SIGTERM handled while `agent run` was still importing
+    landed in an import lock's weakref callback, where the SystemExit of the early handler was printed as
+    "Exception ignored" and dropped; the agent started anyway and ignored the SIGTERM. The early handler
+    (agent/cli.py ``exit_before_ready``) now ends the process at once, with status 0, wherever it runs."""
+    old = _run_signal_in_a_callback("signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))")
+    assert "still running" in old.stdout and "Exception ignored" in old.stderr  # the way it failed
+    new = _run_signal_in_a_callback("from agent.cli import exit_before_ready\n"
+                                    "signal.signal(signal.SIGTERM, exit_before_ready)")
+    assert new.returncode == 0 and "still running" not in new.stdout, (new.stdout, new.stderr[-2000:])
