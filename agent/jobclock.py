@@ -49,12 +49,12 @@ TICK = 0.5  # seconds between two ticks of every job
 class JobClock:
     """Elections, ticks and rebuilds of the jobs in ``jobs`` (our live mirrors, agent/jobbook.py)."""
 
-    def __init__(self, peer_id: str, grace_seconds: float, clock: Callable[[], float], peers: "PeerTable",
+    def __init__(self, peer_id: str, clock: Callable[[], float], peers: "PeerTable",
                  jobs: Mapping[bytes, "JobMirror"], tasks: "Tasks", coordinator: "CoordinatorRole", sync: "JobSync", *,
                  commit: Callable[["JobMirror", "Outcome"], Awaitable[bool]],
                  ledger: Callable[[bytes, str, dict], None], refuse_work: Callable[[Exception], None],
                  repair: bool = False) -> None:
-        self.peer_id, self.grace_seconds, self.clock = peer_id, grace_seconds, clock
+        self.peer_id, self.clock = peer_id, clock
         self.peers, self.jobs, self.tasks, self.coordinator, self.sync = peers, jobs, tasks, coordinator, sync
         self.commit, self.ledger, self.refuse_work = commit, ledger, refuse_work
         self.repair = repair  # the operator's repair_from_senders (IPIP-0004 §11.1)
@@ -88,6 +88,11 @@ class JobClock:
                      view.coordination.term)
             self.ledger(view.job_id, "coordinator", {"term": view.coordination.term,
                                                      "coordinator": view.coordination.coordinator or ""})
+
+    @property
+    def grace_seconds(self) -> float:
+        """How long a job is known before its election view moves: the peer table's (one copy of the setting)."""
+        return self.peers.grace_seconds
 
     def is_coordinator(self, view: "JobMirror") -> bool:
         """Do we act as the job's coordinator now? (agent/peers.py ``PeerTable.is_coordinator``)"""

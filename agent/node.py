@@ -6,8 +6,8 @@ Rules of this file:
   shard trainings, the coordinator's verifications and aggregations). Leaving ``run`` (``stop()``,
   cancellation or an error) ends them all.
 - The roles never see the agent: each is built with the few services it uses (agent/roles/port.py
-  lists them: ``Local``, ``PeerTable``, ``Tasks``, ``Blocks``, ``Evidence``, ...). Each followed job has its own nursery (``job_tasks``, owned by agent/tasks.py ``own_job`` in
-  the agent's nursery): the roles' tasks of a job (claim grants, verifications, aggregations, shard
+  lists them: ``Local``, ``PeerTable``, ``Tasks``, ``Blocks``, ``Evidence``, ...). Each followed job
+  has its own nursery (``job_tasks``, owned by agent/tasks.py ``own_job`` in the agent's nursery): the roles' tasks of a job (claim grants, verifications, aggregations, shard
   trainings, re-announcing, the budget watch) are started in it with ``spawn_in_job``; once the job
   ends they have ``Tasks.end_grace`` seconds to finish, then are cancelled. Waits on peers or a job
   (``wait_until``) wake on job changes, heartbeats and ended job tasks, each with a deadline.
@@ -153,8 +153,8 @@ class Agent:
         self.blocks = Blocks(lambda: self.content, lambda: self.net, self.tasks, self.hold)
         self.provide_soon = self.blocks.provide_soon
         # catching up on a job's history, rebuilding and repairing its mirror (agent/roles/sync.py)
-        self.jobsync = JobSync(self.peer_id, clock, config.heartbeat_seconds * config.missed_heartbeats,
-                               self.peer_table, self.tasks, self.writer, lambda: self.net, self.commit)
+        self.jobsync = JobSync(self.peer_id, clock, self.peer_table, self.tasks, self.writer, lambda: self.net,
+                               self.commit)
         # which jobs we follow, their topics read, resumed after a restart, forgotten (agent/following.py)
         self.following = Following(self.peer_id, clock, self.counters, self.book, self.tasks, self.writer,
                                    lambda: self.net, lambda: self.content.store, trains=config.accept_training,
@@ -174,7 +174,7 @@ class Agent:
         self.keep = KeepService(self.local, self.peer_table, self.jobs.get, self.submitter.keep_once)
         self.ledger_service = LedgerService(self)  # copies of the job's other chains (agent/ledger_sync.py)
         # elections, the state machines' timers, rebuilds, taking a job over (agent/jobclock.py)
-        self.jobclock = JobClock(self.peer_id, config.grace_seconds, clock, self.peer_table, self.jobs, self.tasks,
+        self.jobclock = JobClock(self.peer_id, clock, self.peer_table, self.jobs, self.tasks,
                                  self.coordinator, self.jobsync, commit=self.commit, ledger=self.ledger,
                                  refuse_work=self.refuse_work, repair=config.repair_from_senders)
         from agent.market import Reputations
@@ -199,7 +199,7 @@ class Agent:
         self._config = config
         if hasattr(self, "local"):
             self.local.config = config
-            self.peer_table.grace_seconds = self.jobclock.grace_seconds = config.grace_seconds
+            self.peer_table.grace_seconds = config.grace_seconds  # the election's (agent/jobclock.py reads it there)
 
     def addrs(self) -> list[str]:
         return self.net.host.addrs()

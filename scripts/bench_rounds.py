@@ -150,8 +150,8 @@ def run_once(args: argparse.Namespace, shape: str, link: str) -> Utilization | N
     from agent.harness.scenario import parse_scenario, run_scenario
     from agent.train.tiny import tiny_model
 
-    scenario = parse_scenario(scenario_text(args.workers, args.rounds, args.steps, link, args.codec,
-                                                 args.coordinator_trains), "bench-rounds")
+    text = scenario_text(args.workers, args.rounds, args.steps, link, args.codec, args.coordinator_trains)
+    scenario = parse_scenario(text, "bench-rounds")
     with tempfile.TemporaryDirectory(prefix="bench-rounds-") as out:
         result = trio.run(lambda: run_scenario(scenario, Path(out), model_dir=tiny_model()))
         if not result.ok or result.trace_path is None:

@@ -169,12 +169,12 @@ class CoordinatorRole:
             return False
         if view.state.phase not in (st.JobPhase.ANNOUNCED, st.JobPhase.TRAINING):
             return False
-        if worker == self.local.peer_id and not self._we_train(view):
-            return False  # we coordinate only, or hold a shard of this round already, or nobody would judge us
-        judge = self._judge_of_ours(view) if worker == self.local.peer_id else None  # ranked only when it is us
-        if history_refusal(worker, self.local.peer_id, view.verdicts.values(), view.state.shards, judge) is not None:
-            return False  # ourselves with no judge, a worker rejected in any term, or one training a shard of it (protocol/leasing.py)
-        if worker != self.local.peer_id and worker not in self.peer_table.live_peers():
+        if worker == self.local.peer_id:
+            if not self._we_train(view):  # (with the history rule, our judge included: protocol/leasing.py)
+                return False  # we coordinate only, or hold a shard of this round already, or nobody would judge us
+        elif history_refusal(worker, self.local.peer_id, view.verdicts.values(), view.state.shards) is not None:
+            return False  # a worker rejected in any term, or one training a shard of it (protocol/leasing.py)
+        elif worker not in self.peer_table.live_peers():
             return False
         # its signed capability fits the job (protocol/fit.py), then the market's rules (protocol/market.py:
         # budget, named providers, max_nodes)
@@ -198,7 +198,7 @@ class CoordinatorRole:
         ordered = order_claims([(w, i) for i, (w, _, _) in enumerate(claims)], reputations)
         # our own claim (we coordinate and train: leasing rule 1) comes after every other claimant's: a
         # coordinator takes a shard nobody else claimed, never one from a worker (in a paid job, from its pay)
-        ordered = [c for c in ordered if c[0] != self.local.peer_id] + [c for c in ordered if c[0] == self.local.peer_id]
+        ordered = sorted(ordered, key=lambda claim: claim[0] == self.local.peer_id)  # (stable: the others keep their order)
         for worker, i in ordered:
             try:
                 await self._grant(view, worker, claims[i][1], claims[i][2])

@@ -136,11 +136,10 @@ class JobSync:
     store writer (what we hold, job rows, a full disk), its network (fetched once it runs) and its one
     ``commit``."""
 
-    def __init__(self, peer_id: str, clock: Callable[[], float], window: float, peers: "PeerTable", tasks: "Tasks",
+    def __init__(self, peer_id: str, clock: Callable[[], float], peers: "PeerTable", tasks: "Tasks",
                  writer: "StoreWriter", net: Callable[[], Any],
                  commit: Callable[..., Awaitable[bool]]) -> None:
         self.peer_id, self.clock = peer_id, clock
-        self.window = window  # heartbeat_seconds x missed_heartbeats: how long a restarted submitter listens first
         self.peers, self.tasks, self.writer, self.net, self.commit = peers, tasks, writer, net, commit
 
     async def _fetch_verified(self, view: Any, timeout: float, what: str, peer: str | None = None) -> list[Any] | None:
@@ -159,7 +158,6 @@ class JobSync:
             log.warning("job %s: %d envelopes from %s's history refused", view.job_id.hex()[:8], refused, peer[-8:])
         return verified
 
-
     async def submitter_catch_up(self, view: Any, timeout: float = TIMEOUT) -> set[bytes]:
         """We are the job's submitter, back after being down (or our mirror holds decisions it cannot
         apply): the job went on without us. Once we hear peers, ask up to PEERS_ASKED live ones that follow
@@ -167,7 +165,7 @@ class JobSync:
         messages with their own timestamps: coordinator decisions pass our election view like live
         ones (nobody's stored junk can move our term), the rest is applied as anyone's. Returns the
         message IDs applied (the live reader skips them). IPIP-0004 §11, IPIP-0006 §1.3 rule 5."""
-        window = self.window
+        window = self.peers.silence  # heartbeat_seconds x missed_heartbeats: how long we listen first
         # until we hear someone (our view waits as long: election.py)
         await self.tasks.wait_until(lambda: bool(self.peers.live_peers()), 2 * timeout)
         # a moment for the others' heartbeats and capabilities
@@ -187,7 +185,6 @@ class JobSync:
             self.writer.save_job_row(view)
         return applied
 
-
     async def repair(self, view: Any, peers: tuple[str, ...], timeout: float = TIMEOUT) -> set[bytes]:
         """Our mirror holds worker messages it cannot apply (protocol/resync.repair_sources): ask their signers,
         not the submitter, for their history of the job, and receive what we lack as any peer's messages
@@ -198,7 +195,6 @@ class JobSync:
                      ", ".join(p[-8:] for p in peers), view.state.phase.value, view.state.round)
             self.writer.save_job_row(view)
         return applied
-
 
     async def _receive_histories(self, view: Any, peers: list[str], timeout: float, *, act: bool = False) -> set[bytes]:
         """Fetch ``peers``' histories of the job at once, then receive, peer by peer, the envelopes our store lacks
@@ -232,12 +228,10 @@ class JobSync:
             await self._commit(view, outcome if act else replace(outcome, actions=() if outcome.changed else None))
         return applied
 
-
     async def _commit(self, view: JobMirror, outcome: Outcome, *, act: bool = True) -> None:
         """The agent's ``commit``; a full disk raises StoreFullError to the caller, as a direct store write would."""
         if not await self.commit(view, outcome, act=act):
             raise StoreFullError(self.writer.store_full or "the store cannot be written")
-
 
     async def catch_up(self, view: Any, timeout: float = TIMEOUT) -> set[bytes]:
         """Replay into ``view`` the job's history held by its submitter that is not in our store yet.
@@ -258,7 +252,6 @@ class JobSync:
                      view.coordination.term)
             self.writer.save_job_row(view)
         return applied
-
 
     async def resync(self, view: JobMirror, timeout: float = TIMEOUT) -> bool:
         """Our mirror has diverged (it holds messages it cannot apply: we missed some, or we were cut off

@@ -353,9 +353,10 @@ class WorkerRole:
                                round=lease.round, shard_index=lease.shard, attempt=lease.attempt,
                                worker=self.local.peer_id)
         checkpoint_cids: dict[int, str] = {}
-        committing = [0.0]  # seconds spent packing, adding and announcing checkpoints (beside the training)
+        committing = 0.0  # seconds spent packing, adding and announcing checkpoints (beside the training)
 
         async def commit(event: Any) -> None:
+            nonlocal committing
             started = trio.current_time()
             cid = await self.blocks.content.add_file(await pack_dir_off_loop(event.path, event.path.with_suffix(".tar")),
                                                 provide=False)
@@ -367,7 +368,7 @@ class WorkerRole:
             self.evidence.ledger(view.job_id, "checkpoint", {  # IPIP-0008 §2: what the worker committed, when
                 "round": lease.round, "shard": lease.shard, "attempt": lease.attempt, "step": event.step,
                 "loss": float(event.link.loss), "checkpoint_cid": str(cid), "head": bytes(event.head).hex()})
-            committing[0] += trio.current_time() - started
+            committing += trio.current_time() - started
 
         # A checkpoint is announced beside the training, not in its way: the training thread hands each
         # event (its bytes already on disk) to one task that packs, adds and announces them in order, and
@@ -420,7 +421,7 @@ class WorkerRole:
         log.info("job %s round %d shard %d: reported; %.2f s fetching, %.2f s loading, %.2f s training (%.2f s of it "
                  "announcing checkpoints beside it), %.2f s packing and publishing", view.job_id.hex()[:8], lease.round,
                  lease.shard, fetched - began, float(result.load_seconds), trained - fetched - float(result.load_seconds),
-                 committing[0], trio.current_time() - trained)
+                 committing, trio.current_time() - trained)
         self.evidence.ledger(view.job_id, "report", {
             "round": lease.round, "shard": lease.shard, "attempt": lease.attempt, "worker": self.local.peer_id,
             "adapter_cid": str(adapter_cid), "duration": float(result.train_seconds), "samples": result.samples,
