@@ -8,7 +8,10 @@
 # Then TWO device calls, back to back so the machine stays warm (the model is built in code; nothing is fetched
 # there). The device returns at most 8 files of 16 MiB from $OUT, so write into /tmp/gc and copy the logs (the
 # network step's directory is ~170 MiB: never under $OUT). On an H200 (2026-11-27) `all` took 436 s with
-# unsloth in it and its gpu_check step ran out of time; without unsloth it is ~370 s, and `unsloth` 208 s:
+# unsloth in it and its gpu_check step ran out of time; without unsloth it is ~370 s, and `unsloth` 208 s.
+# A session short of device time (15 minutes, the start included) gets the figures that are not met yet in one
+# call: CASES="packed qlora unsloth_packed" T_GPU_CHECK=380 ... all took 326 s with the tests and the network
+# (2026-11-27, H200). The two-call recipe:
 #     run(command="mkdir -p /tmp/gc; timeout 560 bash scripts/gpu_check.sh all --out /tmp/gc > /tmp/gc/outer.log 2>&1;
 #                  for f in outer.log tests.log gpu_check.log network.log figures.jsonl summary.txt;
 #                  do tail -c 15000000 /tmp/gc/$f > $OUT/$f; done; cat /tmp/gc/summary.txt",

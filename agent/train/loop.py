@@ -119,13 +119,24 @@ def collate(examples: Sequence[Example], pad_id: int, device: str) -> dict[str, 
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
 
 
+FUSED_LOSS = "infernet_fused_loss"
+"""The attribute that marks a model computing its own summed next-token loss from labels (``token_loss_sum``)."""
+
+
 def token_loss_sum(model: Any, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Sum of next-token cross-entropy over the label tokens of a batch. The model gets no attention
     mask: ``collate`` pads on the right, and causal attention never lets a real token see the padding
     after it, so the mask changes nothing a label depends on; without it the attention takes its causal
     kernel (flash attention on CUDA, deterministic under ``deterministic_cuda``), where a padding mask
     sends it to the memory-efficient kernel, whose backward splits keys and adds with atomics: 1.6 %
-    run-to-run drift on an H200 at 16 x 1024 packed tokens (issue 22)."""
+    run-to-run drift on an H200 at 16 x 1024 packed tokens (issue 22).
+
+    A model marked ``FUSED_LOSS`` (unsloth's, run.build_lora_model) is given the labels and returns the
+    sum itself (``num_items_in_batch`` 1: sum over label tokens divided by 1), so unsloth's chunked
+    cross-entropy computes it from the hidden states without materialising the step's logits (16 x 1024
+    x 151,936 in float32 is 10 GB written and read again at the 0.5B shape)."""
+    if getattr(model, FUSED_LOSS, False):
+        return model(input_ids=batch["input_ids"], labels=batch["labels"], num_items_in_batch=1).loss.float()
     logits = model(input_ids=batch["input_ids"]).logits
     return F.cross_entropy(
         logits[:, :-1].reshape(-1, logits.shape[-1]).float(),

@@ -23,6 +23,7 @@ Rules of this file:
 from __future__ import annotations
 
 import json
+import os
 import time
 from functools import partial
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from agent.train.codec import PAYLOAD_FILE, encode, round_trip, save_payload
 from agent.train.config import TrainConfig, TrainError
 from agent.train.data import Example, PreparedShard, prepare_examples
 from agent.train.env import environment, set_threads
-from agent.train.loop import Evaluation, LoraSession, data_parallel, deterministic_cuda, refused_by_strict_mode, same_on_every_rank
+from agent.train.loop import FUSED_LOSS, Evaluation, LoraSession, data_parallel, deterministic_cuda, refused_by_strict_mode, same_on_every_rank
 from agent.train.model import (
     adapter_state, add_lora, full_model, base_model_sha256, load_adapter_state, load_base_model, load_tokenizer, pick_device,
     pick_dtype, save_adapter, seed_lora_a, tensors_hash,
@@ -133,6 +134,8 @@ def build_lora_model(config: TrainConfig, device: str, dtype: torch.dtype, backe
             target_modules=list(config.target_modules), bias="none", random_state=config.seed,
             use_gradient_checkpointing=False)
         seed_lora_a(model, config.seed)
+        # unsloth's fused cross-entropy (loop.token_loss_sum); INFERNET_UNSLOTH_FUSED_LOSS=0 computes it from logits
+        setattr(model, FUSED_LOSS, os.environ.get("INFERNET_UNSLOTH_FUSED_LOSS", "1") != "0")
         if config.freeze_a:
             for name, parameter in model.named_parameters():
                 if ".lora_A." in name:

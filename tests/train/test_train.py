@@ -198,3 +198,32 @@ def test_an_op_strict_mode_refuses_turns_cuda_training_to_warn_only():
         assert not refused_by_strict_mode(refusal, "cuda")  # already warn-only: a second refusal is a real error
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_a_model_that_computes_its_own_loss_gives_the_same_sum_and_gradients(tiny_model_dir):
+    """unsloth's models are marked FUSED_LOSS and given the labels (its chunked cross-entropy never builds the
+    logits; measured on an H200, issue 22). The contract token_loss_sum relies on -- labels aligned with
+    input_ids, the model shifting them, ``num_items_in_batch=1`` turning its mean into the sum over label
+    tokens -- is transformers' too, so a stock model marked the same must give the logits path's sum and
+    gradients."""
+    from agent.train.loop import FUSED_LOSS, collate, token_loss_sum
+    from agent.train.records import Example
+
+    examples = [Example(input_ids=[1, 80, 90, 100, 2, 201], labels=[-100, -100, 90, 100, 2, 201]),
+                Example(input_ids=[1, 70, 71, 72], labels=[-100, 70, 71, -100])]
+    batch = collate(examples, pad_id=0, device="cpu")
+    model = add_lora(load_base_model(str(tiny_model_dir), device="cpu", dtype=torch.float32, quantize_4bit=False),
+                     rank=8, alpha=16.0, dropout=0.0, target_modules=("q_proj", "v_proj"), seed=3, freeze_a=False)
+    sums, grads = [], []
+    for fused in (False, True):
+        setattr(model, FUSED_LOSS, fused)
+        model.zero_grad()
+        loss = token_loss_sum(model, batch)
+        loss.backward()
+        sums.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert sums[0].dtype == sums[1].dtype == torch.float32
+    assert sums[0] > 5.0  # a sum over the 6 label tokens, not their mean
+    torch.testing.assert_close(sums[1], sums[0])
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=name)
