@@ -495,6 +495,16 @@ class SegmentVerdict:
     max_distance: float
     reason: str
 
+    @property
+    def needs_end(self) -> bool:
+        """Not judged yet: the replay is not bit-exact, within the loss tolerance, and the end checkpoint
+        that measures its distance was not given (a verifier that fetches it only when a replay needs it
+        replays again with it)."""
+        return self.reason == NO_END_CHECKPOINT
+
+
+NO_END_CHECKPOINT = "state differs and no end checkpoint to measure the distance"
+
 
 def judge_replay(
     index: int,
@@ -529,7 +539,7 @@ def judge_replay(
     if same_state:
         return verdict(True, False, loss_distance, "state matches exactly, loss within tolerance")
     if not distances:
-        return verdict(False, False, math.inf, "state differs and no end checkpoint to measure the distance")
+        return verdict(False, False, math.inf, NO_END_CHECKPOINT)
     name, worst = max(distances.items(), key=lambda item: item[1])
     if not worst <= tolerance:
         return verdict(False, False, worst, f"tensor {name} at relative L2 {worst:.3g} > {tolerance:.3g}")

@@ -118,6 +118,9 @@ class CoordinatorRole:
         self.accepted_adapters: dict[tuple[bytes, int, int], tuple[Path, int]] = {}
         # (job, round) -> the adapter training starts from, and the outer state it carries
         self._initial: dict[tuple[bytes, int], tuple[dict, dict, dict]] = {}
+        # (job, round) -> the hashes of that start's adapter and AdamW state (a header naming them needs no step 0)
+        self._start_hashes: dict[tuple[bytes, int], tuple[bytes, bytes]] = {}
+        self._replay_device_class: str | None = None
         self._validation: dict[bytes, Path] = {}  # job -> its validation split, fetched
         self._claims: dict[bytes, list[tuple[str, int, int]]] = {}  # job -> (worker, round, shard) in arrival order
         self.hash_limiter = trio.CapacityLimiter(2)  # tensor hashing off the event loop, at most two at once
@@ -291,7 +294,7 @@ class CoordinatorRole:
         (its tasks were cancelled with the job's nursery)."""
         for per_job in (self._validation, self._claims, self._early):
             per_job.pop(job_id, None)
-        for keyed in (self.accepted_adapters, self._initial, self._refused):
+        for keyed in (self.accepted_adapters, self._initial, self._start_hashes, self._refused):
             for key in [k for k in keyed if k[0] == job_id]:
                 del keyed[key]
 
@@ -506,23 +509,32 @@ class CoordinatorRole:
                 checkpoints = {int(k): v for k, v in json.loads((proof_dir / "checkpoints.json").read_text()).items()}
             except (ValueError, AttributeError) as exc:
                 raise Rejection(f"checkpoints.json: {exc}") from None
-            # the segments to replay, from randomness drawn after the report arrived; their checkpoints and the
-            # round's start, fetched at once
+            # the segments to replay, from randomness drawn after the report arrived
             seed = segment_selection_seed(report.chain_head, os.urandom(16))
             segments = select_segments(seed, len(commitment.links), terms.proof.verify_segments)
-            steps = {0} | {s for index in segments
-                           for s in (commitment.segment_start(index)[0], commitment.links[index].step)}
+            model_path = self.local.capabilities.local_model(terms)
+            if model_path is None or await trio.to_thread.run_sync(base_model_sha256, model_path) != terms.base_model_sha256.hex():
+                raise RuntimeError(f"this coordinator does not hold base model {terms.base_model!r}")
+            config = train_config(terms, model_path, round=report.round, threads=self.local.config.threads)
+            expected, _, expected_optimizer = await self._round_start(view, report.round, config, work)
+            # Only the checkpoints a replay reads are fetched, at once (issue 24: at 80 ms and 20 Mbit/s, three
+            # checkpoints and the adapter of every report, all into the coordinator, were most of a round):
+            # - step 0 not at all when the header commits to the round's start we hold (the usual case: the
+            #   hashes bind the tensors, so the worker's copy would be the same bytes): written here instead;
+            # - a segment's end only where its replay may not be bit-exact (another device class); elsewhere an
+            #   exact replay never reads it, and one that is not exact fetches it then (``_replay_segment``).
+            await self._write_known_start(view, report.round, commitment.header, expected, expected_optimizer,
+                                          work / "ckpt-0")
+            ends_needed = commitment.header.environment.get("device_class") != await self._device_class(config)
+            steps = {0} | {commitment.segment_start(index)[0] for index in segments}
+            if ends_needed:
+                steps |= {commitment.links[index].step for index in segments}
             for step in sorted(steps):
                 fetched.start(step, self._checkpoint, checkpoints, step, work, providers)
 
             await fetched.get("adapter")
             adapter_dir = await _unpack_worker_bundle(work / "adapter.tar", work / "adapter", allowed=REPORT_FILES,
                                                       max_bytes=1 << 30)
-            model_path = self.local.capabilities.local_model(terms)
-            if model_path is None or await trio.to_thread.run_sync(base_model_sha256, model_path) != terms.base_model_sha256.hex():
-                raise RuntimeError(f"this coordinator does not hold base model {terms.base_model!r}")
-            config = train_config(terms, model_path, round=report.round, threads=self.local.config.threads)
-            expected, _, expected_optimizer = await self._round_start(view, report.round, config, work)
             await trio.to_thread.run_sync(run_torch, _materialize_report, adapter_dir, terms, expected)
             adapter = await trio.to_thread.run_sync(run_torch, _check_adapter, adapter_dir, terms)
             if await tensors_hash_off_loop(adapter, self.hash_limiter) != commitment.links[-1].adapter_hash:
@@ -543,12 +555,16 @@ class CoordinatorRole:
                 raise Rejection(problem)
             for index in segments:
                 start = await fetched.get(commitment.segment_start(index)[0])
-                end = await fetched.get(commitment.links[index].step)
+                end = await fetched.get(commitment.links[index].step) if ends_needed else None
+                replay = partial(verify_segment, commitment, index, start=start, shard=shard_path, config=config,
+                                 claimed_head=report.chain_head, round_start=genesis)
                 # abandoned on cancellation (the agent stops, the job ends): a replay has no side effect, and
                 # waiting for it held SIGTERM up for tens of seconds on a busy machine (the soak)
-                verdict = await trio.to_thread.run_sync(run_torch, partial(
-                    verify_segment, commitment, index, start=start, end=end, shard=shard_path, config=config,
-                    claimed_head=report.chain_head, round_start=genesis), abandon_on_cancel=True)
+                verdict = await trio.to_thread.run_sync(run_torch, partial(replay, end=end), abandon_on_cancel=True)
+                if verdict.needs_end:  # not bit-exact here after all: measured against the worker's end checkpoint
+                    self.local.counters["replays_needing_end"] += 1
+                    end = await self._checkpoint(checkpoints, commitment.links[index].step, work, providers)
+                    verdict = await trio.to_thread.run_sync(run_torch, partial(replay, end=end), abandon_on_cancel=True)
                 if not verdict.accepted:
                     raise Rejection(f"segment {index} does not replay: {verdict.reason}")
         return segments, adapter_dir
@@ -585,11 +601,35 @@ class CoordinatorRole:
             self._initial[key] = (tensors, state, optimizer)
         return self._initial[key]
 
+    async def _write_known_start(self, view: JobMirror, rnd: int, header: Any, expected: dict, expected_optimizer: dict,
+                                 target: Path) -> None:
+        """Write round ``rnd``'s step-0 checkpoint into ``target`` from the start we hold, when the proof's header
+        commits to exactly it (its tensors and AdamW state hash to the header's initial hashes), so it is not
+        fetched from the worker; else nothing (a worker in bf16 starts from a cast of it: fetched, and checked by
+        ``check_initial_adapter`` as before). The replay reads only the tensors of a checkpoint."""
+        key = (view.job_id, rnd)
+        if key not in self._start_hashes:
+            if len(self._start_hashes) > 64:
+                self._start_hashes.clear()
+            self._start_hashes[key] = (await tensors_hash_off_loop(expected, self.hash_limiter),
+                                       await tensors_hash_off_loop(expected_optimizer or {}, self.hash_limiter))
+        if self._start_hashes[key] != (header.initial_adapter_hash, header.initial_optimizer_hash):
+            return
+        await trio.to_thread.run_sync(_write_start_checkpoint, target, expected, expected_optimizer or {})
+        self.local.counters["verify_starts_known"] += 1
+
+    async def _device_class(self, config: Any) -> str:
+        """The device class our replays run on (agent/train/env.device_class)."""
+        if self._replay_device_class is None:
+            self._replay_device_class = await trio.to_thread.run_sync(run_torch, _device_class_of, config.device)
+        return self._replay_device_class
+
     async def _checkpoint(self, checkpoints: dict[int, str], step: int, work: Path, providers: list[str]) -> Path:
         if step not in checkpoints:
             raise Rejection(f"the proof lists no checkpoint for step {step}")
         target = work / f"ckpt-{step}"
         if not target.exists():
+            self.local.counters["verify_checkpoints_fetched"] += 1
             bundle = work / f"ckpt-{step}.tar"
             await _fetch_worker_content(self.blocks, self.local, checkpoints[step], bundle, providers[0], providers,
                                         max_size=bundle_size_bound(1 << 30, CHECKPOINT_FILES))
@@ -823,6 +863,28 @@ async def _unpack_worker_bundle(bundle: Path, out: Path, **limits: Any) -> Path:
         return await unpack_off_loop(bundle, out, **limits)
     except BundleError as exc:
         raise Rejection(f"bundle: {exc}") from None
+
+
+def _write_start_checkpoint(target: Path, adapter: dict, optimizer: dict) -> None:
+    """A step-0 checkpoint directory (agent/train/recorder.py's files) holding ``adapter`` and ``optimizer``."""
+    from safetensors.torch import save_file
+
+    staging = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in adapter.items()}, str(staging / "adapter_model.safetensors"))
+    save_file({k: v.contiguous() for k, v in optimizer.items()}, str(staging / "optimizer.safetensors"),
+              metadata={"format": "pt"})
+    (staging / "state.json").write_text(json.dumps({"step": 0, "written_by": "verifier"}) + "\n")
+    shutil.rmtree(target, ignore_errors=True)
+    os.rename(staging, target)
+
+
+def _device_class_of(requested: str) -> str:
+    from agent.train.env import device_class
+    from agent.train.model import pick_device
+
+    return device_class(pick_device(requested))
 
 
 def _check_adapter(adapter_dir: Path, terms: m.JobTerms) -> dict:

@@ -169,7 +169,10 @@ def test_judge_replay():
     assert judge_replay(1, committed, committed, 0.0).accepted
     drifted = replace(committed, adapter_hash=bytes(32), loss=committed.loss * (1 + 1e-7))
     assert not judge_replay(1, committed, drifted, 0.0).accepted  # exact mode
-    assert not judge_replay(1, committed, drifted, 1e-4).accepted  # no distances to judge by
+    undecided = judge_replay(1, committed, drifted, 1e-4)  # no distances to judge by: the end checkpoint is wanted
+    assert not undecided.accepted and undecided.needs_end
+    assert not judge_replay(1, committed, drifted, 0.0).needs_end  # exact mode: nothing to measure, rejected
+    assert not judge_replay(1, committed, replace(drifted, loss=committed.loss * 1.5), 1e-4).needs_end  # the loss alone rejects
     close = judge_replay(1, committed, drifted, 1e-4, {"a": 3e-6, "b": 1e-5})
     assert close.accepted and not close.exact and close.max_distance == 1e-5
     far = judge_replay(1, committed, drifted, 1e-4, {"a": 3e-6, "b": 2e-3})

@@ -34,6 +34,14 @@ async def test_job_completes_and_aggregate_beats_base(tmp_path, tiny_model_dir):
         assert first.base_validation_loss > first.validation_loss > final.validation_loss > 0, \
             (first.base_validation_loss, first.validation_loss, final.validation_loss)
         assert final.base_validation_loss is None
+        # the verifier fetched only what its replays read: no step-0 checkpoint (the header commits to the start
+        # it holds) and no segment end (its replays here are bit-exact): per report, the starts of its two replayed
+        # segments at most (before: step 0, the starts and the ends, three or more)
+        judge = next(a for a in [submitter, *workers] if a.peer_id == view.coordination.coordinator)
+        verdicts = judge.counters["verdicts_accepted"]
+        assert verdicts >= 8 and judge.counters["verify_starts_known"] >= verdicts, dict(judge.counters)
+        assert judge.counters["verify_checkpoints_fetched"] <= 2 * verdicts, dict(judge.counters)
+        assert judge.counters["replays_needing_end"] == 0
         # every worker's mirror agrees
         for w in workers:
             await w.wait_for(lambda w=w: view.job_id in w.jobs and w.jobs[view.job_id].state.terminal, timeout=20)

@@ -95,6 +95,10 @@ def test_other_environment_is_judged_by_distance(trained_run):
                              shard=request.shard, config=config)
     assert verdict.accepted, verdict
     assert verdict.exact or 0 < verdict.max_distance <= 1e-4
+    # a verifier that fetches the end checkpoint only when a replay asks for it (agent/roles/coordinator.py):
+    # without it, the same replay is either exact or undecided -- never rejected for the missing file
+    first = verify_segment(claimed, 1, start=checkpoints / "step-000010", shard=request.shard, config=config)
+    assert (first.accepted and first.exact) if verdict.exact else (first.needs_end and not first.accepted), first
 
 
 @pytest.mark.slow
