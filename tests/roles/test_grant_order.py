@@ -86,3 +86,17 @@ async def test_scarce_shards_go_to_the_better_reputed_claimant_and_plenty_are_gr
         assert w0.clock() - started < 10  # not held for the 60 s window
         ((key, lease),) = plenty.leases.items()
         assert lease.worker == w1.peer_id and key == (1, 1, lease.attempt)
+
+
+def test_workers_fetch_a_round_start_from_its_holders_in_orders_of_their_own():
+    """The coordinator and the submitter both hold a round's aggregate before it is announced: each worker asks
+    them in its own order (half of them the submitter first), a holder whose heartbeats stopped last."""
+    from agent.roles.worker import spread
+
+    holders = ["coordinator", "submitter"]
+    firsts = [spread(holders, f"worker-{i}", {"coordinator", "submitter"})[0] for i in range(64)]
+    assert 16 <= firsts.count("submitter") <= 48, firsts.count("submitter")
+    assert all(sorted(spread(holders, f"worker-{i}", set(holders))) == holders for i in range(8))
+    assert spread(holders, "worker-1", set(holders)) == spread(holders, "worker-1", set(holders))  # stable
+    assert all(spread(holders, f"worker-{i}", {"coordinator"})[0] == "coordinator" for i in range(64))
+    assert spread(["coordinator", "coordinator"], "w", set()) == ["coordinator"]
