@@ -42,6 +42,9 @@ class AgentConfig:
     # a coordinator that trains claims one shard a round of the job it coordinates; another peer judges its
     # reports (protocol/leasing.py rule 1, IPIP-0004 §5.1): W machines train, not W - 1. Off by default
     coordinator_trains: bool = False
+    # early start (IPIP-0006 §2.9): a coordinator announces a round's aggregate-to-be while the round's last
+    # replays run, and a worker it names trains its next shard from it before the lease; both sides
+    early_start: bool = True
     max_concurrent_shards: int = 1
     allowed_base_models: tuple[str, ...] = ()  # empty: any base model we have locally
     min_price_per_hour: float = 0.0
@@ -104,6 +107,11 @@ can_coordinate = true
 # should train (one shard per machine). Off: a coordinator only leases, verifies and aggregates.
 coordinator_trains = false
 
+# Early start: as a coordinator, announce a round's aggregate-to-be while the round's last replays run;
+# as a worker, train the next round's shard it names before the lease comes (the work is announced only
+# once the lease is ours and that aggregate is published). Off: rounds run one after the other.
+early_start = true
+
 # Shards this agent trains at the same time.
 max_concurrent_shards = 1
 
@@ -160,7 +168,7 @@ repair_from_senders = false
 
 _TYPES: dict[str, type | tuple[type, ...]] = {
     "listen": list, "bootstrap": list, "announce": list, "relay": (bool, str), "accept_training": bool, "can_coordinate": bool, "coordinator_trains": bool,
-    "max_concurrent_shards": int, "allowed_base_models": list, "min_price_per_hour": (int, float),
+    "early_start": bool, "max_concurrent_shards": int, "allowed_base_models": list, "min_price_per_hour": (int, float),
     "price_per_hour": (int, float), "threads": int, "train_processes": int, "ipfs_api": str, "fetch_timeout": (int, float),
     "max_disk_gb": (int, float),
     "heartbeat_seconds": (int, float), "missed_heartbeats": int, "grace_seconds": (int, float),

@@ -651,6 +651,33 @@ class AggregatePublished(Wire):
             raise CodecError("bad-field", f"{path}.reward_accuracy: expected 0..1")
 
 
+@message("early", "job")
+class EarlyStart(Wire):
+    """The coordinator's word, before it publishes round ``round - 1``'s aggregate, of what that aggregate
+    will be if every report of the round passes its replay (IPIP-0006 §2.9): ``initial_adapter_cid``, the
+    start of round ``round``, and which worker it will lease which shard of that round (``shards[i]`` to
+    ``workers[i]``). A named worker may train its shard from that start before its lease; it announces
+    nothing of it until the lease is its own and the aggregate published is that CID. A promise, not a
+    change of the job: never stored by a mirror, never a lease."""
+
+    job_id: bytes = digest_field()
+    round: int = count_field(1000)
+    term: int = count_field()
+    initial_adapter_cid: str = cid_field()
+    shards: tuple[int, ...] = field(metadata=_meta(max_len=MAX_LIST))
+    workers: tuple[str, ...] = field(metadata=_meta("peer", max_len=MAX_LIST))
+
+    def check(self, path: str) -> None:
+        if len(self.shards) != len(self.workers):
+            raise CodecError("bad-field", f"{path}.workers: {len(self.workers)} workers for {len(self.shards)} shards")
+        if len(set(self.shards)) != len(self.shards) or len(set(self.workers)) != len(self.workers):
+            raise CodecError("bad-field", f"{path}.shards: a shard or a worker named twice")
+        if any(s >= MAX_LIST for s in self.shards):
+            raise CodecError("bad-field", f"{path}.shards: a shard index of {MAX_LIST} or more")
+        if self.round < 2:
+            raise CodecError("bad-field", f"{path}.round: an early start is of round 2 or later")
+
+
 @message("cancel", "jobs")
 class JobCancel(Wire):
     job_id: bytes = digest_field()
@@ -672,7 +699,7 @@ class Heartbeat(Wire):
 
 Message = typing.Union[
     JobAnnouncement, Capability, ShardClaim, ShardLease, ShardRelease, CheckpointCommit,
-    ShardReport, Verdict, AggregatePublished, JobCancel, Heartbeat,
+    ShardReport, Verdict, AggregatePublished, EarlyStart, JobCancel, Heartbeat,
 ]
 
 

@@ -67,7 +67,7 @@ TRIGGERS = ("training", "all-training", "checkpoint", "report", "accepted", "rej
 ACTIONS = ("kill", "restart", "start", "partition", "heal", "gossip", "attack", "tamper")
 ATTACKS = ("replay", "spoof", "stale", "malformed", "oversize", "claim_flood", "flood")
 SELECTORS = ("coordinator", "trainer", "workers", "killed")
-AGENT_KEYS = {"claim_interval": float, "max_concurrent_shards": int, "can_coordinate": bool, "coordinator_trains": bool,
+AGENT_KEYS = {"claim_interval": float, "max_concurrent_shards": int, "can_coordinate": bool, "coordinator_trains": bool, "early_start": bool,
               "price_per_hour": float, "min_price_per_hour": float, "fetch_timeout": float,
               "gossip_max_rate": float, "gossip_max_burst": float, "relay": bool}
 EXPECT_KEYS = ("phase", "reason", "min_term", "reassigned", "rejected", "released", "gossip_rejected",

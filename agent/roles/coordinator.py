@@ -61,6 +61,7 @@ import math
 import os
 import shutil
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
@@ -71,7 +72,7 @@ from agent.bundle import (
     AGGREGATE_FILES, CHECKPOINT_FILES, REPORT_FILES, BundleError, bundle_size_bound, pack_dir_off_loop, unpack_off_loop,
 )
 from agent.content.errors import FetchError
-from agent.roles.keep import KeepRefused, keep_within
+from agent.roles.keep import KeepRefused, keep_before_publishing, keep_within
 from agent.train.runner import run_torch, train_config
 from agent.sealing import must_seal, seal_dir
 from protocol import messages as m
@@ -94,6 +95,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROOF_FILES = frozenset({"proof.json", "checkpoints.json"})
+
+
+@dataclass(frozen=True)
+class _Provisional:
+    """A round's aggregate computed before its last verdicts, and the early start announced with it (§2.9)."""
+
+    shards: tuple[tuple[int, int], ...]  # (shard, attempt) of every report it combines
+    out: Path
+    score: Any
+    base_score: Any
+    samples: int
+    cid: str
+    leases: tuple[tuple[int, str], ...]  # (shard, worker) of the next round, as announced
 
 
 class Rejection(Exception):
@@ -121,6 +135,11 @@ class CoordinatorRole:
         # (job, round) -> the hashes of that start's adapter and AdamW state (a header naming them needs no step 0)
         self._start_hashes: dict[tuple[bytes, int], tuple[bytes, bytes]] = {}
         self._replay_device_class: str | None = None
+        # early start (IPIP-0006 §2.9): (job, round, shard, attempt) -> a report's adapter directory and samples once
+        # its adapter checks out (before its replays); (job, round) -> the aggregate computed from them, announced
+        self._checked: dict[tuple[bytes, int, int, int], tuple[Path, int]] = {}
+        self._provisional: dict[tuple[bytes, int], _Provisional] = {}
+        self._computing_early: dict[tuple[bytes, int], trio.Event] = {}
         self._validation: dict[bytes, Path] = {}  # job -> its validation split, fetched
         self._claims: dict[bytes, list[tuple[str, int, int]]] = {}  # job -> (worker, round, shard) in arrival order
         self.hash_limiter = trio.CapacityLimiter(2)  # tensor hashing off the event loop, at most two at once
@@ -294,7 +313,8 @@ class CoordinatorRole:
         (its tasks were cancelled with the job's nursery)."""
         for per_job in (self._validation, self._claims, self._early):
             per_job.pop(job_id, None)
-        for keyed in (self.accepted_adapters, self._initial, self._start_hashes, self._refused):
+        for keyed in (self.accepted_adapters, self._initial, self._start_hashes, self._refused, self._checked,
+                      self._provisional):
             for key in [k for k in keyed if k[0] == job_id]:
                 del keyed[key]
 
@@ -384,9 +404,12 @@ class CoordinatorRole:
         # adapter checks out, while the segments replay, rather than after: on a WAN it is round trips (issue 24);
         # a rejection cancels it (the copy of an adapter that is then rejected costs the submitter its bytes only)
         async with _prefetching() as keeping:
-            def keep_soon() -> None:
+            def keep_soon(adapter_dir: Path | None = None) -> None:
                 if "keep" not in keeping.done:
                     keeping.start("keep", self._keep_accepted, view, rnd, shard, attempt, report.adapter_cid)
+                if adapter_dir is not None:  # checked, not replayed yet: enough to aggregate early (§2.9)
+                    self._checked[(view.job_id, rnd, shard, attempt)] = (adapter_dir, report.samples)
+                    self._maybe_start_early(view, rnd)
 
             while True:
                 tries += 1
@@ -429,6 +452,8 @@ class CoordinatorRole:
             return
         if accepted:
             self.accepted_adapters[(view.job_id, rnd, shard)] = (adapter_dir, report.samples)
+        else:
+            self._checked.pop((view.job_id, rnd, shard, attempt), None)
         log.info("job %s shard %d attempt %d: %s — %s", view.job_id.hex()[:8], shard, attempt,
                  "accepted" if accepted else "REJECTED", reason)
         verdict = m.Verdict(view.job_id, rnd, shard, attempt, worker, view.coordination.term, accepted,
@@ -438,6 +463,73 @@ class CoordinatorRole:
         self.local.counters["verdicts_accepted" if accepted else "verdicts_rejected"] += 1
         self.evidence.ledger(view.job_id, "verdict", {"round": rnd, "shard": shard, "attempt": attempt, "worker": worker,
                                               "accepted": accepted, "reason": reason})
+
+    # -- early start (IPIP-0006 §2.9) ------------------------------------------------------------------
+
+    def _maybe_start_early(self, view: JobMirror, rnd: int) -> None:
+        """Once every shard of round ``rnd`` is reported and each report's adapter checked out (before its
+        replays end), compute the round's aggregate and announce it as the next round's start."""
+        state, terms = view.state, view.terms
+        if not self.local.config.early_start or not self.peer_table.is_coordinator(view) or state.round != rnd or \
+                rnd >= terms.rounds or (view.job_id, rnd) in self._provisional:
+            return
+        if any(s.phase not in (st.ShardPhase.REPORTED, st.ShardPhase.ACCEPTED) for s in state.shards):
+            return
+        if not all((view.job_id, rnd, s.index, s.attempt) in self._checked for s in state.shards):
+            return
+        self._start(("early", view.job_id, rnd), self._start_early, view, rnd)
+
+    async def _start_early(self, view: JobMirror, rnd: int) -> None:
+        done = self._computing_early[(view.job_id, rnd)] = trio.Event()
+        try:
+            await self._compute_early(view, rnd)
+        finally:
+            done.set()
+            self._computing_early.pop((view.job_id, rnd), None)
+
+    async def _compute_early(self, view: JobMirror, rnd: int) -> None:
+        shards = tuple((s.index, s.attempt) for s in view.state.shards)
+        workers = {s.index: s.worker for s in view.state.shards}
+        inputs = [self._checked[(view.job_id, rnd, index, attempt)] for index, attempt in shards]
+        work = self.local.work_dir / view.job_id.hex()[:16] / f"early-r{rnd}"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        started = trio.current_time()
+        out, score, base_score = await self._combine(view, rnd, self._train_config(view, rnd), inputs, work)
+        if view.ends_with(rnd, score.loss if score is not None else None):
+            return  # the stop rule ends the job here: no next round to start
+        cid = str(await self.blocks.content.add_file(await pack_dir_off_loop(out, work / "adapter.tar"), provide=False))
+        self.blocks.hold(view.job_id, rnd, cid)
+        if view.state.round != rnd or tuple((s.index, s.attempt) for s in view.state.shards) != shards or \
+                not self.peer_table.is_coordinator(view):
+            return  # a report was rejected, the round moved on, or we no longer coordinate it
+        # each of the round's workers is announced one shard of the next, the first it trained in this one (one
+        # live lease of a job a worker: protocol/leasing.py), unless the job's history refuses it a lease; we
+        # train none of it early
+        leases, named = [], set()
+        for index, worker in sorted(workers.items()):
+            if worker and worker != self.local.peer_id and worker not in named and \
+                    history_refusal(worker, self.local.peer_id, view.verdicts.values(), ()) is None:
+                leases.append((index, worker))
+                named.add(worker)
+        leases = tuple(leases)
+        self._provisional[(view.job_id, rnd)] = _Provisional(shards, out, score, base_score,
+                                                             sum(n for _, n in inputs), cid, leases)
+        if leases:
+            await self.evidence.publish(m.EarlyStart(view.job_id, rnd + 1, view.coordination.term, cid,
+                                                     tuple(i for i, _ in leases), tuple(w for _, w in leases)))
+        self.local.counters["early_starts_announced"] += 1
+        # the submitter's copy (durable before announced, §2.6.1) asked for now too: at the aggregate's publication
+        # it is then one round trip; a refusal here costs nothing (asked again then)
+        with trio.move_on_after(self.local.config.fetch_timeout):
+            try:
+                await keep_before_publishing(self.local, self.net(), view, rnd, cid)
+            except KeepRefused as exc:
+                log.info("job %s: round %d early aggregate not kept yet: %s", view.job_id.hex()[:8], rnd, exc)
+        log.info("job %s: round %d aggregate %s… computed early (%.2f s), before %d of %d verdicts; round %d "
+                 "announced to %d workers", view.job_id.hex()[:8], rnd, cid[:24], trio.current_time() - started,
+                 sum(1 for s in view.state.shards if s.phase is st.ShardPhase.REPORTED), len(shards), rnd + 1,
+                 len(leases))
 
     async def _keep_accepted(self, view: JobMirror, rnd: int, shard: int, attempt: int, cid: str) -> bool:
         """Durable before announced, for accepted work too (IPIP-0006 §2.6.1): the submitter holds the
@@ -463,7 +555,7 @@ class CoordinatorRole:
     async def _check_report(self, view: JobMirror, report: m.ShardReport, worker: str, work: Path,
                             on_adapter_checked: Any = None) -> tuple[tuple[int, ...], Path]:
         """The checks of IPIP-0005 §8 on a report: (the replayed segments, the adapter's directory), or
-        Rejection. ``on_adapter_checked()`` is called once the adapter is the one the chain commits to,
+        Rejection. ``on_adapter_checked(adapter_dir)`` is called once the adapter is the one the chain commits to,
         before the replays (``_verify`` starts the submitter's copy of it then)."""
         from agent.train import base_model_sha256
         from agent.train.replay import check_initial_adapter, verify_segment
@@ -544,7 +636,7 @@ class CoordinatorRole:
                 if problem is not None:
                     raise Rejection(problem)
             if on_adapter_checked is not None:
-                on_adapter_checked()
+                on_adapter_checked(adapter_dir)
 
             await fetched.get("shard")
             # training started where it had to: the seeded init in round 1, the last aggregate after
@@ -663,53 +755,82 @@ class CoordinatorRole:
                             view.job_id.hex()[:8], action.round, tries, delay, problem)
                 await trio.sleep(delay)
 
-    async def _aggregate(self, view: JobMirror, action: st.Aggregate) -> None:
+    def _train_config(self, view: JobMirror, rnd: int) -> Any:
+        """The round's train config where aggregating needs it (a coded report, the outer step, the score), else None."""
         terms = view.terms
-        work = self.local.work_dir / view.job_id.hex()[:16] / f"aggregate-r{action.round}"
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
-        config = None  # the round's train config: for a coded report, the outer step or the score
-        if terms.outer is not None or terms.validation_cid or terms.training.report_codec != "none":
-            model_path = self.local.capabilities.local_model(terms)
-            if model_path is None:
-                raise RuntimeError(f"this coordinator does not hold base model {terms.base_model!r}")
-            config = train_config(terms, model_path, round=action.round, threads=self.local.config.threads)
-        inputs = []
-        for shard in action.accepted_shards:
-            entry = self.accepted_adapters.get((view.job_id, action.round, shard))
-            if entry is None:  # verified by a coordinator before us: fetch the accepted adapter
-                attempt = view.shard(shard).attempt
-                report, worker = view.reports[(action.round, shard, attempt)]
-                bundle = work / f"adapter-{shard}.tar"
-                await self.blocks.content.fetch(report.adapter_cid, bundle, timeout=self.local.config.fetch_timeout,
-                                          providers=[terms.submitter, worker],
-                                          max_size=bundle_size_bound(1 << 30, REPORT_FILES))
-                directory = await unpack_off_loop(bundle, work / f"adapter-{shard}", allowed=REPORT_FILES,
-                                                  max_bytes=1 << 30)
-                if terms.training.report_codec != "none":  # verified already: decode it onto the round's start
-                    start_adapter, _, _ = await self._round_start(view, action.round, config, work)
-                    await trio.to_thread.run_sync(run_torch, _materialize_report, directory, terms, start_adapter)
-                entry = (directory, report.samples)
-            inputs.append(entry)
+        if terms.outer is None and not terms.validation_cid and terms.training.report_codec == "none":
+            return None
+        model_path = self.local.capabilities.local_model(terms)
+        if model_path is None:
+            raise RuntimeError(f"this coordinator does not hold base model {terms.base_model!r}")
+        return train_config(terms, model_path, round=rnd, threads=self.local.config.threads)
+
+    async def _combine(self, view: JobMirror, rnd: int, config: Any, inputs: list[tuple[Path, int]],
+                       work: Path) -> tuple[Path, Any, Any]:
+        """Round ``rnd``'s aggregate of ``inputs`` (adapter directories and their samples) in ``work``/adapter,
+        and its score and the base model's (round 1) on the validation split, each None when not scored."""
+        terms = view.terms
         out = work / "adapter"
         start, validation = None, None
         if terms.outer is not None:
-            start = await self._round_start(view, action.round, config, work)
-        await trio.to_thread.run_sync(run_torch, partial(_aggregate_adapters, terms, inputs, out, action.round, start))
+            start = await self._round_start(view, rnd, config, work)
+        await trio.to_thread.run_sync(run_torch, partial(_aggregate_adapters, terms, inputs, out, rnd, start))
         if terms.validation_cid:  # informative, not essential: a failed score never holds the round back
             try:
-                validation = await self._score(view, config, out, work, with_base=action.round == 1)
+                validation = await self._score(view, config, out, work, with_base=rnd == 1)
             except Exception as exc:  # noqa: BLE001 - logged; the aggregate is published without a score
-                log.warning("job %s: round %d not scored on the validation split: %s", view.job_id.hex()[:8],
-                            action.round, exc)
+                log.warning("job %s: round %d not scored on the validation split: %s", view.job_id.hex()[:8], rnd, exc)
         score, base_score = validation or (None, None)
+        return out, score, base_score
+
+    async def _aggregate(self, view: JobMirror, action: st.Aggregate) -> None:
+        terms = view.terms
+        work = self.local.work_dir / view.job_id.hex()[:16] / f"aggregate-r{action.round}"
+        running = self._computing_early.get((view.job_id, action.round))
+        if running is not None:  # computing it already: the same work, done once
+            with trio.move_on_after(max(0.0, action.expires_at - self.local.clock()) / 2):
+                await running.wait()
+        early = self._provisional.get((view.job_id, action.round))
+        if early is not None and early.shards == tuple(
+                (s, view.shard(s).attempt) for s in action.accepted_shards) and early.out.exists():
+            # computed while the round's last replays ran (IPIP-0006 §2.9), from the adapters now accepted
+            out, score, base_score, samples, cid = early.out, early.score, early.base_score, early.samples, early.cid
+            self.local.counters["aggregates_computed_early"] += 1
+        else:
+            early = None
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
+            config = self._train_config(view, action.round)
+            inputs = []
+            for shard in action.accepted_shards:
+                entry = self.accepted_adapters.get((view.job_id, action.round, shard))
+                if entry is None:  # verified by a coordinator before us: fetch the accepted adapter
+                    attempt = view.shard(shard).attempt
+                    report, worker = view.reports[(action.round, shard, attempt)]
+                    bundle = work / f"adapter-{shard}.tar"
+                    await self.blocks.content.fetch(report.adapter_cid, bundle, timeout=self.local.config.fetch_timeout,
+                                                    providers=[terms.submitter, worker],
+                                                    max_size=bundle_size_bound(1 << 30, REPORT_FILES))
+                    directory = await unpack_off_loop(bundle, work / f"adapter-{shard}", allowed=REPORT_FILES,
+                                                      max_bytes=1 << 30)
+                    if terms.training.report_codec != "none":  # verified already: decode it onto the round's start
+                        start_adapter, _, _ = await self._round_start(view, action.round, config, work)
+                        await trio.to_thread.run_sync(run_torch, _materialize_report, directory, terms, start_adapter)
+                    entry = (directory, report.samples)
+                inputs.append(entry)
+            out, score, base_score = await self._combine(view, action.round, config, inputs, work)
+            samples, cid = sum(n for _, n in inputs), None
         loss = score.loss if score is not None else None
         base_loss = base_score.loss if base_score is not None else None
         final = view.ends_with(action.round, loss)  # the last round, or the job's stop rule holds
         sealed = must_seal(terms, final)
         if sealed:  # a private job's final aggregate: only its submitter can open it (ipips/0010)
+            work.mkdir(parents=True, exist_ok=True)
             out = await trio.to_thread.run_sync(seal_dir, out, work / "sealed", terms.submitter)
-        cid = await self.blocks.content.add_file(await pack_dir_off_loop(out, work / "adapter.tar"), provide=False)
+            cid = None
+        if cid is None:
+            cid = await self.blocks.content.add_file(await pack_dir_off_loop(out, out.parent / "adapter.tar"),
+                                                     provide=False)
         self.blocks.hold(view.job_id, action.round, cid)
         self.blocks.provide_soon(cid)  # in the background: a slow DHT peer must not delay the aggregate
         if not self.peer_table.is_coordinator(view):
@@ -726,12 +847,16 @@ class CoordinatorRole:
             return
         published = m.AggregatePublished(view.job_id, action.round, view.coordination.term, str(cid),
                                          terms.aggregation, tuple(action.accepted_shards),
-                                         sum(n for _, n in inputs), final, loss, base_loss,
+                                         samples, final, loss, base_loss,
                                          score.reward_accuracy if score is not None else None,
                                          score.reward_margin if score is not None else None)
         if not await self.evidence.decide(view, published):
             return
         self.local.counters["aggregates_published"] += 1
+        if early is not None and str(cid) == early.cid and not final:
+            # the leases announced with it, queued before anyone else's claim can arrive (IPIP-0006 §2.9)
+            for shard, worker in early.leases:
+                self._queue(view, worker, action.round + 1, shard)
         entry = {"round": action.round, "adapter_cid": str(cid), "method": terms.aggregation,
                  "shards": list(action.accepted_shards)}
         if terms.outer is not None:

@@ -60,6 +60,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROOF_FILE = "proof.json"
+# an early start whose round began without its lease waits this long for it (the coordinator queues the leases
+# it announced as soon as it publishes the aggregate), then is dropped
+EARLY_LEASE_WAIT = 20.0
+
+
+class EarlyStartVoid(Exception):
+    """An early start (IPIP-0006 §2.9) that will not be leased to us: its work is dropped, unannounced."""
 CHECKPOINTS_FILE = "checkpoints.json"
 
 
@@ -72,6 +79,9 @@ class WorkerRole:
         self.candidates: dict[bytes, JobMirror] = {}
         self.active: dict[tuple[bytes, int, int, int], m.ShardLease] = {}
         self._scopes: dict[tuple[bytes, int, int, int], trio.CancelScope] = {}  # each active shard's training
+        # active shards started early (IPIP-0006 §2.9), not leased yet -> when our mirror first saw their round
+        # open (None before)
+        self._early: dict[tuple[bytes, int, int, int], float | None] = {}
         # job -> (when, round, whether we held a shard since) of our last claim
         self._last_claim: dict[bytes, tuple[float, int, bool]] = {}
         self._wake = trio.Event()
@@ -181,8 +191,10 @@ class WorkerRole:
 
     def on_lease(self, view: JobMirror, lease: m.ShardLease) -> None:
         key = (view.job_id, lease.round, lease.shard, lease.attempt)
+        if key in self._early and self.active[key].initial_adapter_cid != lease.initial_adapter_cid:
+            self.drop_stale()  # started early from another start than the round's: dropped, this lease trained
         if key in self.active:
-            return
+            return  # (an early start of this lease goes on: _until_ours finds it ours)
         if len(self.active) >= self.local.config.max_concurrent_shards:
             self.drop_stale()  # a lease of ours that ran out may hold the slot this new one needs
         if len(self.active) >= self.local.config.max_concurrent_shards:
@@ -190,6 +202,83 @@ class WorkerRole:
         self.active[key] = lease
         if not self.tasks.spawn_in_job(view.job_id, self._run_shard, view, lease, key):
             self.active.pop(key, None)  # the job ended
+
+    def on_early_start(self, view: JobMirror, early: m.EarlyStart, signer: str) -> None:
+        """The job's coordinator says what round ``early.round`` will start from and which shard of it we would
+        be leased (IPIP-0006 §2.9): when we have room and take the job, train it now, from that start; what it
+        commits is announced once the lease is ours (``_until_ours``), and dropped if it never is."""
+        me = self.local.peer_id
+        if not self.local.config.early_start or me not in early.workers or view.job_id not in self.candidates:
+            return
+        state = view.state
+        if signer != view.coordination.coordinator or early.term != view.coordination.term or \
+                early.round != state.round + 1 or early.round > view.terms.rounds or \
+                state.phase not in (st.JobPhase.VERIFYING, st.JobPhase.AGGREGATING):
+            return
+        if any(k[0] == view.job_id for k in self.active) or len(self.active) >= self.local.config.max_concurrent_shards:
+            return
+        shard = early.shards[early.workers.index(me)]
+        if shard >= len(state.shards):
+            return
+        # the lease we would get: the round's first attempt of the shard, from that start
+        lease = m.ShardLease(view.job_id, early.round, shard, 1, me, early.term,
+                             self.local.clock() + view.terms.lease_seconds, early.initial_adapter_cid)
+        key = (view.job_id, early.round, shard, 1)
+        self.active[key] = lease
+        self._early[key] = None
+        self.local.counters["early_starts"] += 1
+        log.info("job %s: round %d shard %d: starting early, from %s… (not leased yet)", view.job_id.hex()[:8],
+                 early.round, shard, early.initial_adapter_cid[:24])
+        if not self.tasks.spawn_in_job(view.job_id, self._run_shard, view, lease, key):
+            self.active.pop(key, None)  # the job ended
+            self._early.pop(key, None)
+
+    def _early_outcome(self, view: JobMirror, lease: m.ShardLease) -> str:
+        """Where an early start stands: "ours" (the lease is ours and the round started where we did), "wait"
+        (the round before is not over, or its shard not leased yet), or why it never will be ours."""
+        state, key = view.state, (view.job_id, lease.round, lease.shard, lease.attempt)
+        if state.terminal:
+            return f"the job ended {state.phase.value}"
+        if state.round < lease.round:
+            return "wait"
+        if state.round > lease.round:
+            return f"the job is in round {state.round}"
+        published = view.aggregates.get(lease.round - 1)
+        if published is None or published.adapter_cid != lease.initial_adapter_cid:
+            return "round %d's aggregate is not the one announced" % (lease.round - 1)
+        shard = view.shard(lease.shard)
+        if shard.phase is st.ShardPhase.LEASED and (shard.attempt, shard.worker) == (lease.attempt, self.local.peer_id):
+            return "ours"
+        if shard.phase is st.ShardPhase.OPEN and shard.attempt == 0:
+            opened = self._early.get(key)
+            if opened is None:
+                opened = self.local.clock()
+                if key in self._early:
+                    self._early[key] = opened
+            if self.local.clock() - opened <= EARLY_LEASE_WAIT:
+                return "wait"
+            return f"no lease {EARLY_LEASE_WAIT:.0f} s after the round began"
+        return f"shard {lease.shard} went to another lease (attempt {shard.attempt})"
+
+    async def _until_ours(self, view: JobMirror, lease: m.ShardLease) -> None:
+        """Return once the lease of an early start is ours (at once for a leased shard); EarlyStartVoid when it
+        will not be. Bounded by the job's lease time."""
+        key = (view.job_id, lease.round, lease.shard, lease.attempt)
+        if self.active.get(key) is not lease:
+            raise EarlyStartVoid("dropped")  # an early start dropped meanwhile (its lease may train afresh)
+        if key not in self._early:
+            return
+        deadline = self.local.clock() + view.terms.lease_seconds
+        while (outcome := self._early_outcome(view, lease)) == "wait" and self.local.clock() < deadline:
+            await self.tasks.wait_until(lambda: self._early_outcome(view, lease) != "wait", 1.0)
+        if outcome != "ours" or self.active.get(key) is not lease:
+            raise EarlyStartVoid(outcome if outcome not in ("wait", "ours") else "no lease within the job's lease time"
+                                 if outcome == "wait" else "dropped")
+        if key in self._early:
+            del self._early[key]
+            self.local.counters["early_starts_leased"] += 1
+            log.info("job %s: round %d shard %d: leased as announced; the early start counts", view.job_id.hex()[:8],
+                     lease.round, lease.shard)
 
     def drop_stale(self) -> None:
         """Stop training the shards whose attempt is no longer ours: its lease ran out (or the round or
@@ -200,6 +289,18 @@ class WorkerRole:
             job_id, rnd, index, attempt = key
             view = self.book.followed(job_id)
             if view is None:
+                continue
+            if key in self._early:  # started early: ours while its lease may still come (_until_ours says the rest)
+                outcome = self._early_outcome(view, self.active[key])
+                if outcome in ("wait", "ours"):
+                    continue
+                scope = self._scopes.get(key)
+                if scope is not None and not scope.cancel_called:
+                    log.info("job %s round %d shard %d: early start dropped: %s", job_id.hex()[:8], rnd, index, outcome)
+                    self.local.counters["early_starts_dropped"] += 1
+                    scope.cancel()
+                self.active.pop(key, None)
+                self._early.pop(key, None)
                 continue
             shard = view.shard(index) if index < len(view.state.shards) else None
             ours = (not view.state.terminal and view.state.round == rnd and shard is not None
@@ -280,14 +381,24 @@ class WorkerRole:
         try:
             with scope:
                 await self._train_and_report(view, lease)
+        except EarlyStartVoid as exc:  # never leased to us: nothing to give back
+            self.local.counters["early_starts_dropped"] += 1
+            log.info("job %s round %d shard %d: early start dropped: %s", view.job_id.hex()[:8], lease.round,
+                     lease.shard, exc)
         except Exception as exc:  # noqa: BLE001 - a failed shard must not stop the agent
+            if key in self._early:  # not leased to us (yet): nobody to give it back to
+                log.warning("job %s shard %d: early start failed: %s", view.job_id.hex()[:8], lease.shard, exc)
+                return
             log.warning("job %s shard %d: giving it back: %s", view.job_id.hex()[:8], lease.shard, exc)
             with trio.move_on_after(5):
                 await self.evidence.publish(m.ShardRelease(view.job_id, lease.round, lease.shard, lease.attempt,
                                                    str(exc)[:1000] or type(exc).__name__))
         finally:
-            self.active.pop(key, None)
-            self._scopes.pop(key, None)
+            if self.active.get(key) is lease:  # (a dropped early start's lease may have been replaced by the real one)
+                self.active.pop(key, None)
+                self._early.pop(key, None)
+            if self._scopes.get(key) is scope:
+                self._scopes.pop(key, None)
             self._last_claim.pop(view.job_id, None)
             self.wake()
 
@@ -320,7 +431,8 @@ class WorkerRole:
 
         terms = view.terms
         ref = terms.shards[lease.shard]
-        run_dir = self.local.work_dir / view.job_id.hex()[:16] / f"r{lease.round}-s{lease.shard}-a{lease.attempt}"
+        early = "-early" if (view.job_id, lease.round, lease.shard, lease.attempt) in self._early else ""
+        run_dir = self.local.work_dir / view.job_id.hex()[:16] / f"r{lease.round}-s{lease.shard}-a{lease.attempt}{early}"
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
         shard_path = run_dir / "shard.jsonl"
@@ -358,6 +470,7 @@ class WorkerRole:
 
         async def commit(event: Any) -> None:
             nonlocal committing
+            await self._until_ours(view, lease)  # an early start announces nothing before its lease
             started = trio.current_time()
             cid = await self.blocks.content.add_file(await pack_dir_off_loop(event.path, event.path.with_suffix(".tar")),
                                                 provide=False)
@@ -395,6 +508,7 @@ class WorkerRole:
         except BaseExceptionGroup as group:  # a failed announcement (the training then stops at its next checkpoint)
             raise first_error(group) from None
         trained = trio.current_time()
+        await self._until_ours(view, lease)
         genesis = request.run_dir / "checkpoints" / "step-000000"
         checkpoint_cids[0] = str(await self.blocks.content.add_file(await pack_dir_off_loop(genesis, genesis.with_suffix(".tar")),
                                                               provide=False))

@@ -29,6 +29,7 @@ def every_message():
         m.ShardReport(JOB, 0, 1, 0, CID, CID, bytes(32), 3, 30, 100, 1.25, {"val_loss": 1.5}),
         m.Verdict(JOB, 0, 1, 0, BOB.peer_id, 1, True, "replayed 2 segments exactly", (0, 2)),
         m.AggregatePublished(JOB, 0, 1, CID, "exact", (0, 1), 200, False),
+        m.EarlyStart(JOB, 2, 1, CID, (1, 0), (BOB.peer_id, ALICE.peer_id)),
         m.JobCancel(JOB, "submitter cancelled"),
         m.Heartbeat(3, 1, (m.CoordinatorTerm(JOB, 1),)),
     ]
@@ -167,3 +168,16 @@ def test_capability_devices_and_models_are_bounded_and_checked():
     for bad, message in cases:
         with pytest.raises(CodecError, match=message.replace("[", r"\[").replace("]", r"\]")):
             m.Capability.from_wire(bad, "cap")
+
+
+@pytest.mark.parametrize("shards, workers, rnd, message", [
+    ((0, 1), ("B",), 2, "1 workers for 2 shards"),
+    ((0, 0), ("A", "B"), 2, "named twice"),
+    ((0, 1), ("A", "A"), 2, "named twice"),
+    ((0,), ("A",), 1, "round 2 or later"),
+])
+def test_an_early_start_names_each_shard_and_worker_once(shards, workers, rnd, message):
+    peers = {"A": ALICE.peer_id, "B": BOB.peer_id}
+    early = m.EarlyStart(JOB, rnd, 1, CID, shards, tuple(peers[w] for w in workers))
+    with pytest.raises(CodecError, match=message):
+        m.decode_body("early", early.to_wire())
