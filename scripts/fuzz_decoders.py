@@ -97,6 +97,7 @@ def sample_messages() -> list[Any]:
         m.ShardReport(job, 1, 1, 1, CID_V1, CID_V1, bytes(32), 3, 30, 100, 1.25, {"val_loss": 1.5}),
         m.Verdict(job, 1, 1, 1, BOB.peer_id, 1, True, "replayed 2 segments exactly", (0, 2)),
         m.AggregatePublished(job, 1, 1, CID_V1, "exact", (0, 1), 200, False),
+        m.EarlyStart(job, 2, 1, CID_V1, (1, 0), (BOB.peer_id, ALICE.peer_id)),
         m.JobCancel(job, "submitter cancelled"),
         m.Heartbeat(3, 1, (m.CoordinatorTerm(job, 1),)),
     ]
