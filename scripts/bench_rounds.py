@@ -22,7 +22,7 @@ longer than alone and the coordinator's replay competes with training; the figur
 read off the real timings, and say what they are on this machine, not on one GPU per worker.
 Needs root, `ip`, `iptables` (else it prints ``skipped: ...`` to stderr and exits 0).
 Usage: python scripts/bench_rounds.py [--workers 4] [--rounds 6] [--steps 12] [--delay 80] [--rate 20] [--no-wan]
-       [--codec none|int8|int4] [--coordinator-trains]
+       [--codec none|int8|int4] [--coordinator-trains] [--no-early-start]
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def emit(bench: str, value: float, unit: str, reference: float, ratio: float, go
 
 
 def scenario_text(workers: int, rounds: int, steps: int, link: str, codec: str = "none",
-                  coordinator_trains: bool = False) -> str:
+                  coordinator_trains: bool = False, early_start: bool = True) -> str:
     names = [f"w{i}" for i in range(workers)]
     hosts = "\n".join(f"  {'home' if n == 'submitter' else 'h' + n}: {{agents: [{n}]{link}}}"
                       for n in ["submitter", *names])
@@ -59,7 +59,7 @@ timeout: {300 + 30 * rounds}
 agents:
   workers: {workers}
   records: 400
-  config: {{all: {{coordinator_trains: {str(coordinator_trains).lower()}}}}}
+  config: {{all: {{coordinator_trains: {str(coordinator_trains).lower()}, early_start: {str(early_start).lower()}}}}}
 hosts:
 {hosts}
 job:
@@ -150,7 +150,8 @@ def run_once(args: argparse.Namespace, shape: str, link: str) -> Utilization | N
     from agent.harness.scenario import parse_scenario, run_scenario
     from agent.train.tiny import tiny_model
 
-    text = scenario_text(args.workers, args.rounds, args.steps, link, args.codec, args.coordinator_trains)
+    text = scenario_text(args.workers, args.rounds, args.steps, link, args.codec, args.coordinator_trains,
+                         not args.no_early_start)
     scenario = parse_scenario(text, "bench-rounds")
     with tempfile.TemporaryDirectory(prefix="bench-rounds-") as out:
         result = trio.run(lambda: run_scenario(scenario, Path(out), model_dir=tiny_model()))
@@ -188,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codec", default="none", help="the job's training.report_codec: none | int8 | int4")
     parser.add_argument("--coordinator-trains", action="store_true",
                         help="the agents' coordinator_trains: the coordinator trains one shard a round too")
+    parser.add_argument("--no-early-start", action="store_true",
+                        help="the agents' early_start off: a round's next one starts after its aggregate (IPIP-0006 §2.9)")
     args = parser.parse_args(argv)
     reason = unavailable_reason()
     if reason:
@@ -203,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         figures = run_once(args, shape, link)
         if figures is not None:
             report(shape, figures, args.workers, steps=args.steps, shaper=delay_method() if link else None,
-                   codec=args.codec, coordinator_trains=args.coordinator_trains)
+                   codec=args.codec, coordinator_trains=args.coordinator_trains, early_start=not args.no_early_start)
     return 0
 
 

@@ -6,7 +6,9 @@ proof chain over batches it did not train on), ``wrong_base`` (trains another ba
 none), ``stale_start`` (ignores the round's aggregate), ``crash`` (faulty, not Byzantine: its
 training always fails), ``stall_once`` (faulty: its first shard waits ``STALL_SECONDS`` before
 training, as a worker on a full disk or a stopped machine does, so its lease runs out meanwhile; a
-stall the worker itself cut short, by cancelling that attempt, is recorded in ``stall_cut_short``).
+stall the worker itself cut short, by cancelling that attempt, is recorded in ``stall_cut_short``),
+``wrong_lr`` (trains at 1.5 times the job's learning rate: its proof, adapter and start all check out, and
+only the replay rejects it, after the coordinator may have announced an early start with it, IPIP-0006 §2.9).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import trio
 from agent.hooks import HonestTraining
 from agent.train.runner import run_torch
 
-MISBEHAVIOURS = ("random_adapter", "forged_chain", "wrong_base", "stale_start", "crash", "stall_once")
+MISBEHAVIOURS = ("random_adapter", "forged_chain", "wrong_base", "stale_start", "crash", "stall_once", "wrong_lr")
 FAULTY = ("crash", "stall_once")  # faulty, not Byzantine: such a worker may coordinate
 STALL_SECONDS = 120.0
 
@@ -55,6 +57,8 @@ class Byzantine(HonestTraining):
         return self.mode != "stale_start"
 
     def adjust_config(self, config: Any) -> Any:
+        if self.mode == "wrong_lr":  # trains at another rate: every check before the replay passes, the replay fails
+            return config.with_(learning_rate=config.learning_rate * 1.5)
         return config.with_(base_model_sha256=None) if self.mode == "wrong_base" else config
 
     def after_training(self, adapter_dir: Path, proof_path: Path, head: bytes) -> bytes:

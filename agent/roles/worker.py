@@ -454,7 +454,9 @@ class WorkerRole:
         if lease.initial_adapter_cid and self.training.use_initial_adapter():
             bundle = run_dir / "initial.tar"
             holders = [p for p in (view.coordination.coordinator, terms.submitter) if p and p != self.local.peer_id]
-            await self._fetch(view, lease, lease.initial_adapter_cid, bundle, spread(holders, self.local.peer_id, self.peer_table.live_peers()),
+            # an early start's: the coordinator first (the submitter is taking its copy meanwhile)
+            order = holders if early else spread(holders, self.local.peer_id, self.peer_table.live_peers())
+            await self._fetch(view, lease, lease.initial_adapter_cid, bundle, order,
                               max_size=bundle_size_bound(DEFAULT_MAX_BYTES, AGGREGATE_FILES))
             initial = await unpack_off_loop(bundle, run_dir / "initial", allowed=AGGREGATE_FILES)
         config = train_config(terms, model_path, round=lease.round, threads=self.local.config.threads, log_every=5)
