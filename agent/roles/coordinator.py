@@ -41,6 +41,15 @@ Rules of this file:
   ``outer_state.safetensors`` beside the adapter so a successor continues with the same state. When
   the job has a validation split, the aggregate is scored on it (and the base model in round 1) and
   the losses go into the signed aggregate message (IPIP-0006 §2.6).
+- Early start (IPIP-0006 §2.9, ``early_start``): once every shard of a round is reported and each report's
+  adapter has passed the checks before the replays, the round's aggregate is computed (and scored, and
+  kept by the submitter) while the replays run, and announced in an ``early`` message with the next
+  round's shard for each of the round's workers; a worker that takes it claims that shard at once. If the
+  round's accepted reports are the ones combined, that aggregate is published as is, and the announced
+  leases go to the workers that claimed them before any other claim is granted.
+- A verification fetches only what its replays read (IPIP-0005 §8 "What a verifier fetches"): no step-0
+  checkpoint when the proof commits to the start we hold, and a segment's end only when its replay may
+  not be bit-exact.
 - On taking a job over (failover) we resume what the mirror says is pending: verifications of
   REPORTED shards and the aggregation of an AGGREGATING round.
 - A verdict judges the worker, never us. The worker's fault is a rejection (and a ban): a proof or
@@ -61,7 +70,7 @@ import math
 import os
 import shutil
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
@@ -108,6 +117,7 @@ class _Provisional:
     samples: int
     cid: str
     leases: tuple[tuple[int, str], ...]  # (shard, worker) of the next round, as announced
+    taken: set[str] = field(default_factory=set)  # the workers whose claim said they started it
 
 
 class Rejection(Exception):
@@ -156,6 +166,11 @@ class CoordinatorRole:
         of the claimants' reputation (protocol/market.order_claims, IPIP-0004 §12)."""
         if not self.peer_table.is_coordinator(view):
             self._remember_early(view, claim, worker)
+            return
+        if claim.round == view.state.round + 1:  # a worker took the early start we announced it (IPIP-0006 §2.9)
+            early = self._provisional.get((view.job_id, view.state.round))
+            if early is not None and (claim.shard, worker) in early.leases:
+                early.taken.add(worker)
             return
         self._queue(view, worker, claim.round, claim.shard)
 
@@ -854,9 +869,11 @@ class CoordinatorRole:
             return
         self.local.counters["aggregates_published"] += 1
         if early is not None and str(cid) == early.cid and not final:
-            # the leases announced with it, queued before anyone else's claim can arrive (IPIP-0006 §2.9)
+            # the leases announced with it, to the workers that took them (their claim came with the early start),
+            # queued before anyone else's claim can arrive (IPIP-0006 §2.9)
             for shard, worker in early.leases:
-                self._queue(view, worker, action.round + 1, shard)
+                if worker in early.taken:
+                    self._queue(view, worker, action.round + 1, shard)
         entry = {"round": action.round, "adapter_cid": str(cid), "method": terms.aggregation,
                  "shards": list(action.accepted_shards)}
         if terms.outer is not None:

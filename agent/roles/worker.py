@@ -23,6 +23,10 @@ Rules of this file:
   is packed, added to the content store and gossiped as a ``ckpt`` commitment as it happens, which
   also extends our lease. The final adapter and the proof bundle go into the content store and
   the ``report`` names their CIDs.
+- Early start (IPIP-0006 §2.9, ``early_start``): when the job's coordinator announces the next round's start
+  and names us a shard of it, we train it at once (and claim it, saying so), but announce nothing of it
+  (no checkpoint, no report) until the lease is ours and that start is the aggregate published; otherwise
+  the work is dropped unannounced, with nothing to give back.
 - ``training`` (agent/hooks.py) is where the test harness makes a worker Byzantine on purpose
   (agent/harness/byzantine.py); the default trains honestly.
 """
@@ -60,6 +64,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROOF_FILE = "proof.json"
+CHECKPOINTS_FILE = "checkpoints.json"
 # an early start whose round began without its lease waits this long for it (the coordinator queues the leases
 # it announced as soon as it publishes the aggregate), then is dropped
 EARLY_LEASE_WAIT = 20.0
@@ -67,7 +72,6 @@ EARLY_LEASE_WAIT = 20.0
 
 class EarlyStartVoid(Exception):
     """An early start (IPIP-0006 §2.9) that will not be leased to us: its work is dropped, unannounced."""
-CHECKPOINTS_FILE = "checkpoints.json"
 
 
 class WorkerRole:
@@ -232,6 +236,10 @@ class WorkerRole:
         if not self.tasks.spawn_in_job(view.job_id, self._run_shard, view, lease, key):
             self.active.pop(key, None)  # the job ended
             self._early.pop(key, None)
+            return
+        # our claim of it tells the coordinator we took it: only then does it lease it to us at once (a worker busy
+        # elsewhere would hold a lease it cannot train until the lease ran out)
+        self.tasks.spawn_in_job(view.job_id, self.evidence.publish, m.ShardClaim(view.job_id, early.round, shard))
 
     def _early_outcome(self, view: JobMirror, lease: m.ShardLease) -> str:
         """Where an early start stands: "ours" (the lease is ours and the round started where we did), "wait"
