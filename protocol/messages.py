@@ -672,8 +672,8 @@ class EarlyStart(Wire):
             raise CodecError("bad-field", f"{path}.workers: {len(self.workers)} workers for {len(self.shards)} shards")
         if len(set(self.shards)) != len(self.shards) or len(set(self.workers)) != len(self.workers):
             raise CodecError("bad-field", f"{path}.shards: a shard or a worker named twice")
-        if any(s >= MAX_LIST for s in self.shards):
-            raise CodecError("bad-field", f"{path}.shards: a shard index of {MAX_LIST} or more")
+        if any(not 0 <= s < MAX_LIST for s in self.shards):
+            raise CodecError("bad-field", f"{path}.shards: a shard index outside 0..{MAX_LIST - 1}")
         if self.round < 2:
             raise CodecError("bad-field", f"{path}.round: an early start is of round 2 or later")
 

@@ -516,8 +516,10 @@ class CoordinatorRole:
         cid = str(await self.blocks.content.add_file(await pack_dir_off_loop(out, work / "adapter.tar"), provide=False))
         self.blocks.hold(view.job_id, rnd, cid)
         if view.state.round != rnd or tuple((s.index, s.attempt) for s in view.state.shards) != shards or \
-                not self.peer_table.is_coordinator(view):
-            return  # a report was rejected, the round moved on, or we no longer coordinate it
+                not self.peer_table.is_coordinator(view) or \
+                any(s.phase not in (st.ShardPhase.REPORTED, st.ShardPhase.ACCEPTED) or
+                    (view.job_id, rnd, s.index, s.attempt) not in self._checked for s in view.state.shards):
+            return  # a report was rejected (its shard reopened), the round moved on, or we no longer coordinate it
         # each of the round's workers is announced one shard of the next, the first it trained in this one (one
         # live lease of a job a worker: protocol/leasing.py), unless the job's history refuses it a lease; we
         # train none of it early
@@ -632,7 +634,10 @@ class CoordinatorRole:
             #   exact replay never reads it, and one that is not exact fetches it then (``_replay_segment``).
             await self._write_known_start(view, report.round, commitment.header, expected, expected_optimizer,
                                           work / "ckpt-0")
-            ends_needed = commitment.header.environment.get("device_class") != await self._device_class(config)
+            worker_env = commitment.header.environment
+            parallel = worker_env.get("data_parallel", 1)
+            ends_needed = worker_env.get("device_class") != await self._device_class(config) or \
+                (isinstance(parallel, int) and parallel > 1)  # a data-parallel proof never replays bit for bit (§6.1)
             steps = {0} | {commitment.segment_start(index)[0] for index in segments}
             if ends_needed:
                 steps |= {commitment.links[index].step for index in segments}
@@ -805,7 +810,7 @@ class CoordinatorRole:
         if running is not None:  # computing it already: the same work, done once
             with trio.move_on_after(max(0.0, action.expires_at - self.local.clock()) / 2):
                 await running.wait()
-        early = self._provisional.get((view.job_id, action.round))
+        announced = early = self._provisional.get((view.job_id, action.round))
         if early is not None and early.shards == tuple(
                 (s, view.shard(s).attempt) for s in action.accepted_shards) and early.out.exists():
             # computed while the round's last replays ran (IPIP-0006 §2.9), from the adapters now accepted
@@ -868,12 +873,15 @@ class CoordinatorRole:
         if not await self.evidence.decide(view, published):
             return
         self.local.counters["aggregates_published"] += 1
-        if early is not None and str(cid) == early.cid and not final:
+        if announced is not None and str(cid) == announced.cid and not final:
             # the leases announced with it, to the workers that took them (their claim came with the early start),
-            # queued before anyone else's claim can arrive (IPIP-0006 §2.9)
-            for shard, worker in early.leases:
-                if worker in early.taken:
-                    self._queue(view, worker, action.round + 1, shard)
+            # granted before any claim of the new round is (IPIP-0006 §2.9)
+            for shard, worker in announced.leases:
+                if worker in announced.taken:
+                    try:
+                        await self._grant(view, worker, action.round + 1, shard)
+                    except Exception as exc:  # noqa: BLE001 - one failed grant must not stop the others
+                        log.warning("job %s: announced lease for %s failed: %s", view.job_id.hex()[:8], worker[-8:], exc)
         entry = {"round": action.round, "adapter_cid": str(cid), "method": terms.aggregation,
                  "shards": list(action.accepted_shards)}
         if terms.outer is not None:

@@ -202,6 +202,12 @@ class WorkerRole:
         if len(self.active) >= self.local.config.max_concurrent_shards:
             self.drop_stale()  # a lease of ours that ran out may hold the slot this new one needs
         if len(self.active) >= self.local.config.max_concurrent_shards:
+            # no room (an early start we claimed was dropped, and we took other work meanwhile): given back now,
+            # not held unused until it runs out
+            log.info("job %s round %d shard %d: leased while busy; giving it back", view.job_id.hex()[:8],
+                     lease.round, lease.shard)
+            self.tasks.spawn_in_job(view.job_id, self.evidence.publish, m.ShardRelease(
+                view.job_id, lease.round, lease.shard, lease.attempt, "the worker has no room for it now"))
             return
         self.active[key] = lease
         if not self.tasks.spawn_in_job(view.job_id, self._run_shard, view, lease, key):
@@ -230,16 +236,26 @@ class WorkerRole:
         key = (view.job_id, early.round, shard, 1)
         self.active[key] = lease
         self._early[key] = None
-        self.local.counters["early_starts"] += 1
-        log.info("job %s: round %d shard %d: starting early, from %s… (not leased yet)", view.job_id.hex()[:8],
-                 early.round, shard, early.initial_adapter_cid[:24])
-        if not self.tasks.spawn_in_job(view.job_id, self._run_shard, view, lease, key):
+        if not self.tasks.spawn_in_job(view.job_id, self._start_early, view, lease, key):
             self.active.pop(key, None)  # the job ended
             self._early.pop(key, None)
+
+    async def _start_early(self, view: JobMirror, lease: m.ShardLease, key: tuple) -> None:
+        """An early start, if we would claim the shard now (the disk can keep the evidence, the market lets us),
+        then our claim of it, which tells the coordinator we took it: only then does it lease it to us at once."""
+        refusal = self._market_refusal(view)
+        if refusal is None and not await self.evidence.can_take_work():
+            refusal = "the disk cannot keep the evidence of new work"
+        if refusal is not None or self.active.get(key) is not lease:
+            if self.active.get(key) is lease:
+                self.active.pop(key, None)
+                self._early.pop(key, None)
             return
-        # our claim of it tells the coordinator we took it: only then does it lease it to us at once (a worker busy
-        # elsewhere would hold a lease it cannot train until the lease ran out)
-        self.tasks.spawn_in_job(view.job_id, self.evidence.publish, m.ShardClaim(view.job_id, early.round, shard))
+        self.local.counters["early_starts"] += 1
+        log.info("job %s: round %d shard %d: starting early, from %s… (not leased yet)", view.job_id.hex()[:8],
+                 lease.round, lease.shard, (lease.initial_adapter_cid or "")[:24])
+        await self.evidence.publish(m.ShardClaim(view.job_id, lease.round, lease.shard))
+        await self._run_shard(view, lease, key, early=True)
 
     def _early_outcome(self, view: JobMirror, lease: m.ShardLease) -> str:
         """Where an early start stands: "ours" (the lease is ours and the round started where we did), "wait"
@@ -248,7 +264,11 @@ class WorkerRole:
         if state.terminal:
             return f"the job ended {state.phase.value}"
         if state.round < lease.round:
-            return "wait"
+            if state.phase in (st.JobPhase.VERIFYING, st.JobPhase.AGGREGATING):
+                return "wait"
+            # a report of the round before was rejected and its shard reopened: its aggregate will not be the
+            # one announced, and that shard needs a worker now
+            return f"round {state.round} is training again ({state.phase.value})"
         if state.round > lease.round:
             return f"the job is in round {state.round}"
         published = view.aggregates.get(lease.round - 1)
@@ -280,6 +300,9 @@ class WorkerRole:
         while (outcome := self._early_outcome(view, lease)) == "wait" and self.local.clock() < deadline:
             await self.tasks.wait_until(lambda: self._early_outcome(view, lease) != "wait", 1.0)
         if outcome != "ours" or self.active.get(key) is not lease:
+            if self.active.get(key) is lease:  # its slot free now: a lease arriving meanwhile trains afresh
+                self.active.pop(key, None)
+                self._early.pop(key, None)
             raise EarlyStartVoid(outcome if outcome not in ("wait", "ours") else "no lease within the job's lease time"
                                  if outcome == "wait" else "dropped")
         if key in self._early:
@@ -384,17 +407,17 @@ class WorkerRole:
                 "runtime": str(environment.get("backend", "")), "micro_batch": int(environment.get("micro_batch", 0)),
                 "processes": int(environment.get("data_parallel", 1))}
 
-    async def _run_shard(self, view: JobMirror, lease: m.ShardLease, key: tuple) -> None:
+    async def _run_shard(self, view: JobMirror, lease: m.ShardLease, key: tuple, early: bool = False) -> None:
         scope = self._scopes[key] = trio.CancelScope()
         try:
             with scope:
-                await self._train_and_report(view, lease)
+                await self._train_and_report(view, lease, early)
         except EarlyStartVoid as exc:  # never leased to us: nothing to give back
             self.local.counters["early_starts_dropped"] += 1
             log.info("job %s round %d shard %d: early start dropped: %s", view.job_id.hex()[:8], lease.round,
                      lease.shard, exc)
         except Exception as exc:  # noqa: BLE001 - a failed shard must not stop the agent
-            if key in self._early:  # not leased to us (yet): nobody to give it back to
+            if key in self._early or self.active.get(key) is not lease:  # not (or no longer) ours: nothing to give back
                 log.warning("job %s shard %d: early start failed: %s", view.job_id.hex()[:8], lease.shard, exc)
                 return
             log.warning("job %s shard %d: giving it back: %s", view.job_id.hex()[:8], lease.shard, exc)
@@ -425,22 +448,24 @@ class WorkerRole:
                 if exc.refused:  # the file's size is wrong: no retry can help
                     raise
                 shard = view.shard(lease.shard)
+                key = (view.job_id, lease.round, lease.shard, lease.attempt)
                 still_ours = (view.state.round, shard.attempt, shard.worker) == (lease.round, lease.attempt,
-                                                                                  self.local.peer_id)
+                                                                                  self.local.peer_id) or \
+                    (key in self._early and self._early_outcome(view, lease) == "wait")
                 if attempt == tries or not still_ours:
                     raise
                 log.info("job %s shard %d: fetch failed (%s); trying again", view.job_id.hex()[:8], lease.shard, exc)
                 await trio.sleep(attempt)
 
-    async def _train_and_report(self, view: JobMirror, lease: m.ShardLease) -> None:
+    async def _train_and_report(self, view: JobMirror, lease: m.ShardLease, early: bool = False) -> None:
         from agent.content.exchange import first_error
         from agent.train.backends import select_backend
         from agent.train.run import TrainRequest
 
         terms = view.terms
         ref = terms.shards[lease.shard]
-        early = "-early" if (view.job_id, lease.round, lease.shard, lease.attempt) in self._early else ""
-        run_dir = self.local.work_dir / view.job_id.hex()[:16] / f"r{lease.round}-s{lease.shard}-a{lease.attempt}{early}"
+        run_dir = self.local.work_dir / view.job_id.hex()[:16] / \
+            f"r{lease.round}-s{lease.shard}-a{lease.attempt}{'-early' if early else ''}"
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
         shard_path = run_dir / "shard.jsonl"

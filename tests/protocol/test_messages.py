@@ -175,6 +175,7 @@ def test_capability_devices_and_models_are_bounded_and_checked():
     ((0, 0), ("A", "B"), 2, "named twice"),
     ((0, 1), ("A", "A"), 2, "named twice"),
     ((0,), ("A",), 1, "round 2 or later"),
+    ((-1,), ("A",), 2, "outside 0"),
 ])
 def test_an_early_start_names_each_shard_and_worker_once(shards, workers, rnd, message):
     peers = {"A": ALICE.peer_id, "B": BOB.peer_id}
