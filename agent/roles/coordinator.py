@@ -85,6 +85,7 @@ from agent.roles.keep import KeepRefused, keep_before_publishing, keep_within
 from agent.train.runner import run_torch, train_config
 from agent.sealing import must_seal, seal_dir
 from protocol import messages as m
+from protocol.early import assignment as early_assignment, ready as early_ready
 from protocol import state as st
 from protocol.election import judge_of
 from protocol.acceptance import HEADER_FIELDS, TensorFacts, adapter_refusal, chain_refusal, header_refusal
@@ -484,15 +485,16 @@ class CoordinatorRole:
     def _maybe_start_early(self, view: JobMirror, rnd: int) -> None:
         """Once every shard of round ``rnd`` is reported and each report's adapter checked out (before its
         replays end), compute the round's aggregate and announce it as the next round's start."""
-        state, terms = view.state, view.terms
-        if not self.local.config.early_start or not self.peer_table.is_coordinator(view) or state.round != rnd or \
-                rnd >= terms.rounds or (view.job_id, rnd) in self._provisional:
-            return
-        if any(s.phase not in (st.ShardPhase.REPORTED, st.ShardPhase.ACCEPTED) for s in state.shards):
-            return
-        if not all((view.job_id, rnd, s.index, s.attempt) in self._checked for s in state.shards):
+        if not self.local.config.early_start or not self.peer_table.is_coordinator(view) or view.state.round != rnd or \
+                (view.job_id, rnd) in self._provisional or not self._early_inputs_in(view):
             return
         self._start(("early", view.job_id, rnd), self._start_early, view, rnd)
+
+    def _early_inputs_in(self, view: JobMirror) -> bool:
+        """The round may be announced (protocol/early.ready) and every report of it checked out here."""
+        state = view.state
+        return early_ready(state, view.terms.rounds) and \
+            all((view.job_id, state.round, s.index, s.attempt) in self._checked for s in state.shards)
 
     async def _start_early(self, view: JobMirror, rnd: int) -> None:
         done = self._computing_early[(view.job_id, rnd)] = trio.Event()
@@ -516,20 +518,9 @@ class CoordinatorRole:
         cid = str(await self.blocks.content.add_file(await pack_dir_off_loop(out, work / "adapter.tar"), provide=False))
         self.blocks.hold(view.job_id, rnd, cid)
         if view.state.round != rnd or tuple((s.index, s.attempt) for s in view.state.shards) != shards or \
-                not self.peer_table.is_coordinator(view) or \
-                any(s.phase not in (st.ShardPhase.REPORTED, st.ShardPhase.ACCEPTED) or
-                    (view.job_id, rnd, s.index, s.attempt) not in self._checked for s in view.state.shards):
+                not self.peer_table.is_coordinator(view) or not self._early_inputs_in(view):
             return  # a report was rejected (its shard reopened), the round moved on, or we no longer coordinate it
-        # each of the round's workers is announced one shard of the next, the first it trained in this one (one
-        # live lease of a job a worker: protocol/leasing.py), unless the job's history refuses it a lease; we
-        # train none of it early
-        leases, named = [], set()
-        for index, worker in sorted(workers.items()):
-            if worker and worker != self.local.peer_id and worker not in named and \
-                    history_refusal(worker, self.local.peer_id, view.verdicts.values(), ()) is None:
-                leases.append((index, worker))
-                named.add(worker)
-        leases = tuple(leases)
+        leases = early_assignment(tuple(workers.items()), self.local.peer_id, view.verdicts.values())
         self._provisional[(view.job_id, rnd)] = _Provisional(shards, out, score, base_score,
                                                              sum(n for _, n in inputs), cid, leases)
         if leases:

@@ -48,6 +48,7 @@ from agent.hooks import HonestTraining
 from agent.bundle import AGGREGATE_FILES, DEFAULT_MAX_BYTES, bundle_size_bound, pack_dir_off_loop, unpack_off_loop
 from protocol.mirror import JobMirror
 from agent.train.runner import run_torch, train_config
+from protocol import early as early_rules
 from protocol import messages as m
 from protocol import state as st
 from protocol.cid import parse_cid
@@ -65,9 +66,6 @@ log = logging.getLogger(__name__)
 
 PROOF_FILE = "proof.json"
 CHECKPOINTS_FILE = "checkpoints.json"
-# an early start whose round began without its lease waits this long for it (the coordinator queues the leases
-# it announced as soon as it publishes the aggregate), then is dropped
-EARLY_LEASE_WAIT = 20.0
 
 
 class EarlyStartVoid(Exception):
@@ -220,16 +218,12 @@ class WorkerRole:
         me = self.local.peer_id
         if not self.local.config.early_start or me not in early.workers or view.job_id not in self.candidates:
             return
-        state = view.state
-        if signer != view.coordination.coordinator or early.term != view.coordination.term or \
-                early.round != state.round + 1 or early.round > view.terms.rounds or \
-                state.phase not in (st.JobPhase.VERIFYING, st.JobPhase.AGGREGATING):
+        if early_rules.refusal(early, signer, view.coordination.coordinator, view.coordination.term, view.state,
+                               view.terms.rounds) is not None:
             return
         if any(k[0] == view.job_id for k in self.active) or len(self.active) >= self.local.config.max_concurrent_shards:
             return
         shard = early.shards[early.workers.index(me)]
-        if shard >= len(state.shards):
-            return
         # the lease we would get: the round's first attempt of the shard, from that start
         lease = m.ShardLease(view.job_id, early.round, shard, 1, me, early.term,
                              self.local.clock() + view.terms.lease_seconds, early.initial_adapter_cid)
@@ -258,35 +252,23 @@ class WorkerRole:
         await self._run_shard(view, lease, key, early=True)
 
     def _early_outcome(self, view: JobMirror, lease: m.ShardLease) -> str:
-        """Where an early start stands: "ours" (the lease is ours and the round started where we did), "wait"
-        (the round before is not over, or its shard not leased yet), or why it never will be ours."""
-        state, key = view.state, (view.job_id, lease.round, lease.shard, lease.attempt)
-        if state.terminal:
-            return f"the job ended {state.phase.value}"
-        if state.round < lease.round:
-            if state.phase in (st.JobPhase.VERIFYING, st.JobPhase.AGGREGATING):
-                return "wait"
-            # a report of the round before was rejected and its shard reopened: its aggregate will not be the
-            # one announced, and that shard needs a worker now
-            return f"round {state.round} is training again ({state.phase.value})"
-        if state.round > lease.round:
-            return f"the job is in round {state.round}"
+        """Where an early start stands (protocol/early.standing): OURS, WAIT, or why it never will be ours; a
+        round begun without its lease waits EARLY_LEASE_WAIT seconds from when we first saw it begin."""
         published = view.aggregates.get(lease.round - 1)
-        if published is None or published.adapter_cid != lease.initial_adapter_cid:
-            return "round %d's aggregate is not the one announced" % (lease.round - 1)
-        shard = view.shard(lease.shard)
-        if shard.phase is st.ShardPhase.LEASED and (shard.attempt, shard.worker) == (lease.attempt, self.local.peer_id):
-            return "ours"
-        if shard.phase is st.ShardPhase.OPEN and shard.attempt == 0:
-            opened = self._early.get(key)
-            if opened is None:
-                opened = self.local.clock()
-                if key in self._early:
-                    self._early[key] = opened
-            if self.local.clock() - opened <= EARLY_LEASE_WAIT:
-                return "wait"
-            return f"no lease {EARLY_LEASE_WAIT:.0f} s after the round began"
-        return f"shard {lease.shard} went to another lease (attempt {shard.attempt})"
+        outcome = early_rules.standing(view.state, published.adapter_cid if published is not None else None,
+                                       lease.round, lease.shard, lease.attempt, self.local.peer_id,
+                                       lease.initial_adapter_cid)
+        if outcome != early_rules.OPEN:
+            return outcome
+        key = (view.job_id, lease.round, lease.shard, lease.attempt)
+        opened = self._early.get(key)
+        if opened is None:
+            opened = self.local.clock()
+            if key in self._early:
+                self._early[key] = opened
+        if self.local.clock() - opened <= early_rules.EARLY_LEASE_WAIT:
+            return early_rules.WAIT
+        return f"no lease {early_rules.EARLY_LEASE_WAIT:.0f} s after the round began"
 
     async def _until_ours(self, view: JobMirror, lease: m.ShardLease) -> None:
         """Return once the lease of an early start is ours (at once for a leased shard); EarlyStartVoid when it
@@ -297,14 +279,14 @@ class WorkerRole:
         if key not in self._early:
             return
         deadline = self.local.clock() + view.terms.lease_seconds
-        while (outcome := self._early_outcome(view, lease)) == "wait" and self.local.clock() < deadline:
-            await self.tasks.wait_until(lambda: self._early_outcome(view, lease) != "wait", 1.0)
-        if outcome != "ours" or self.active.get(key) is not lease:
+        while (outcome := self._early_outcome(view, lease)) == early_rules.WAIT and self.local.clock() < deadline:
+            await self.tasks.wait_until(lambda: self._early_outcome(view, lease) != early_rules.WAIT, 1.0)
+        if outcome != early_rules.OURS or self.active.get(key) is not lease:
             if self.active.get(key) is lease:  # its slot free now: a lease arriving meanwhile trains afresh
                 self.active.pop(key, None)
                 self._early.pop(key, None)
-            raise EarlyStartVoid(outcome if outcome not in ("wait", "ours") else "no lease within the job's lease time"
-                                 if outcome == "wait" else "dropped")
+            raise EarlyStartVoid("no lease within the job's lease time" if outcome == early_rules.WAIT else
+                                 "dropped" if outcome == early_rules.OURS else outcome)
         if key in self._early:
             del self._early[key]
             self.local.counters["early_starts_leased"] += 1
@@ -323,7 +305,7 @@ class WorkerRole:
                 continue
             if key in self._early:  # started early: ours while its lease may still come (_until_ours says the rest)
                 outcome = self._early_outcome(view, self.active[key])
-                if outcome in ("wait", "ours"):
+                if outcome in (early_rules.WAIT, early_rules.OURS):
                     continue
                 scope = self._scopes.get(key)
                 if scope is not None and not scope.cancel_called:
@@ -451,7 +433,7 @@ class WorkerRole:
                 key = (view.job_id, lease.round, lease.shard, lease.attempt)
                 still_ours = (view.state.round, shard.attempt, shard.worker) == (lease.round, lease.attempt,
                                                                                   self.local.peer_id) or \
-                    (key in self._early and self._early_outcome(view, lease) == "wait")
+                    (key in self._early and self._early_outcome(view, lease) == early_rules.WAIT)
                 if attempt == tries or not still_ours:
                     raise
                 log.info("job %s shard %d: fetch failed (%s); trying again", view.job_id.hex()[:8], lease.shard, exc)

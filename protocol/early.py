@@ -1,0 +1,89 @@
+"""Early start (IPIP-0006 §2.9): who is announced which shard of the next round, when a worker takes an
+announcement, and where an early start stands.
+
+Rules of this file:
+- Pure: the job's state (protocol/state.py), the coordination and the messages in, a decision out. No clock:
+  the one timer (a round begun without the announced lease, ``EARLY_LEASE_WAIT``) is the caller's, told by
+  the standing ``OPEN``.
+- The coordinator announces round r + 1 only when every shard of round r is REPORTED or ACCEPTED and r is
+  not the job's last (``ready``); each of round r's workers is announced the first shard it trained in round
+  r, one each, never the coordinator itself and never a worker the job's history refuses (``assignment``).
+- A worker takes an announcement only from the job's coordinator in its current term, for the round after
+  its mirror's, while that round is VERIFYING or AGGREGATING (``refusal``).
+- An early start is OURS once round r + 1 holds its lease (its attempt, to us) and round r's published
+  aggregate is the start it trained from; it WAITS while round r is still verified or aggregated; OPEN when
+  round r + 1 began and its shard is not leased yet; any other state voids it (``standing``).
+The vectors are ``ipips/vectors/early-start.json`` (scripts/make_early_vectors.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from protocol.leasing import history_refusal
+from protocol.messages import EarlyStart, Verdict
+from protocol.state import JobPhase, JobState, ShardPhase
+
+EARLY_LEASE_WAIT = 20.0
+"""Seconds an early start waits, after its round began, for the lease announced to it (then it is dropped)."""
+
+OURS, WAIT, OPEN = "ours", "wait", "open"
+_WAITING_PHASES = (JobPhase.VERIFYING, JobPhase.AGGREGATING)
+
+
+def ready(state: JobState, rounds: int) -> bool:
+    """May the coordinator announce round ``state.round + 1`` now (its aggregate-to-be's inputs all in)?"""
+    return not state.terminal and state.round < rounds and \
+        all(s.phase in (ShardPhase.REPORTED, ShardPhase.ACCEPTED) for s in state.shards)
+
+
+def assignment(trained: Sequence[tuple[int, str | None]], coordinator: str,
+               verdicts: Iterable[Verdict]) -> tuple[tuple[int, str], ...]:
+    """The next round's (shard, worker) pairs to announce, from round r's (shard, worker) pairs: each worker its
+    first shard, once; not the coordinator; not a worker the job's history refuses (protocol/leasing.py)."""
+    verdicts = tuple(verdicts)
+    out, named = [], set()
+    for index, worker in sorted(trained):
+        if worker and worker != coordinator and worker not in named and \
+                history_refusal(worker, coordinator, verdicts, ()) is None:
+            out.append((index, worker))
+            named.add(worker)
+    return tuple(out)
+
+
+def refusal(early: EarlyStart, signer: str, coordinator: str | None, term: int, state: JobState,
+            rounds: int) -> str | None:
+    """Why a worker does not take this announcement (None: it may)."""
+    if signer != coordinator or early.term != term:
+        return "not from the job's coordinator in its current term"
+    if early.round != state.round + 1 or early.round > rounds:
+        return f"for round {early.round}, not the round after {state.round}"
+    if state.phase not in _WAITING_PHASES:
+        return f"the job is {state.phase.value}, not verifying or aggregating"
+    if any(index >= len(state.shards) for index in early.shards):
+        return "it names a shard the job does not have"
+    return None
+
+
+def standing(state: JobState, published_cid: str | None, rnd: int, shard: int, attempt: int, worker: str,
+             start_cid: str | None) -> str:
+    """Where an early start of (``rnd``, ``shard``, ``attempt``) by ``worker`` from ``start_cid`` stands: OURS,
+    WAIT, OPEN, or the reason it is void. ``published_cid``: round ``rnd - 1``'s published aggregate, if any."""
+    if state.terminal:
+        return f"the job ended {state.phase.value}"
+    if state.round < rnd:
+        if state.phase in _WAITING_PHASES:
+            return WAIT
+        # a report of the round before was rejected and its shard reopened: its aggregate will not be the one
+        # announced, and that shard needs a worker now
+        return f"round {state.round} is training again ({state.phase.value})"
+    if state.round > rnd:
+        return f"the job is in round {state.round}"
+    if published_cid is None or published_cid != start_cid:
+        return f"round {rnd - 1}'s aggregate is not the one announced"
+    current = state.shards[shard]
+    if current.phase is ShardPhase.LEASED and (current.attempt, current.worker) == (attempt, worker):
+        return OURS
+    if current.phase is ShardPhase.OPEN and current.attempt == 0:
+        return OPEN
+    return f"shard {shard} went to another lease (attempt {current.attempt})"
