@@ -82,6 +82,7 @@ from agent.bundle import (
 )
 from agent.content.errors import FetchError
 from agent.roles.keep import KeepRefused, keep_before_publishing, keep_within
+from agent.train.recorder import write_checkpoint
 from agent.train.runner import run_torch, train_config
 from agent.sealing import must_seal, seal_dir
 from protocol import messages as m
@@ -144,7 +145,8 @@ class CoordinatorRole:
         # (job, round) -> the adapter training starts from, and the outer state it carries
         self._initial: dict[tuple[bytes, int], tuple[dict, dict, dict]] = {}
         # (job, round) -> the hashes of that start's adapter and AdamW state (a header naming them needs no step 0)
-        self._start_hashes: dict[tuple[bytes, int], tuple[bytes, bytes]] = {}
+        self._start_hashes: dict[tuple[bytes, int], tuple[bytes, bytes, Path | None]] = {}  # + where it is written
+        self._start_lock = trio.Lock()
         self._replay_device_class: str | None = None
         # early start (IPIP-0006 §2.9): (job, round, shard, attempt) -> a report's adapter directory and samples once
         # its adapter checks out (before its replays); (job, round) -> the aggregate computed from them, announced
@@ -623,8 +625,9 @@ class CoordinatorRole:
             #   hashes bind the tensors, so the worker's copy would be the same bytes): written here instead;
             # - a segment's end only where its replay may not be bit-exact (another device class); elsewhere an
             #   exact replay never reads it, and one that is not exact fetches it then (``_replay_segment``).
-            await self._write_known_start(view, report.round, commitment.header, expected, expected_optimizer,
-                                          work / "ckpt-0")
+            known = await self._known_start(view, report.round, commitment.header, expected, expected_optimizer)
+            if known is not None:  # read where it is (``_checkpoint`` finds it under its own name)
+                (work / "ckpt-0").symlink_to(known, target_is_directory=True)
             worker_env = commitment.header.environment
             parallel = worker_env.get("data_parallel", 1)
             ends_needed = worker_env.get("device_class") != await self._device_class(config) or \
@@ -704,22 +707,31 @@ class CoordinatorRole:
             self._initial[key] = (tensors, state, optimizer)
         return self._initial[key]
 
-    async def _write_known_start(self, view: JobMirror, rnd: int, header: Any, expected: dict, expected_optimizer: dict,
-                                 target: Path) -> None:
-        """Write round ``rnd``'s step-0 checkpoint into ``target`` from the start we hold, when the proof's header
-        commits to exactly it (its tensors and AdamW state hash to the header's initial hashes), so it is not
-        fetched from the worker; else nothing (a worker in bf16 starts from a cast of it: fetched, and checked by
-        ``check_initial_adapter`` as before). The replay reads only the tensors of a checkpoint."""
+    async def _known_start(self, view: JobMirror, rnd: int, header: Any, expected: dict,
+                           expected_optimizer: dict) -> Path | None:
+        """Round ``rnd``'s step-0 checkpoint from the start we hold, when the proof's header commits to exactly it
+        (its tensors and AdamW state hash to the header's initial hashes), so it is not fetched from the worker;
+        written once a round, for every report that names it. None otherwise (a worker in bf16 starts from a
+        cast of it: fetched, and checked by ``check_initial_adapter`` as before). A replay reads only the
+        tensors of a checkpoint."""
         key = (view.job_id, rnd)
-        if key not in self._start_hashes:
-            if len(self._start_hashes) > 64:
-                self._start_hashes.clear()
-            self._start_hashes[key] = (await tensors_hash_off_loop(expected, self.hash_limiter),
-                                       await tensors_hash_off_loop(expected_optimizer or {}, self.hash_limiter))
-        if self._start_hashes[key] != (header.initial_adapter_hash, header.initial_optimizer_hash):
-            return
-        await trio.to_thread.run_sync(_write_start_checkpoint, target, expected, expected_optimizer or {})
+        async with self._start_lock:
+            if key not in self._start_hashes:
+                if len(self._start_hashes) > 64:
+                    self._start_hashes.clear()
+                hashes = (await tensors_hash_off_loop(expected, self.hash_limiter),
+                          await tensors_hash_off_loop(expected_optimizer or {}, self.hash_limiter))
+                self._start_hashes[key] = (*hashes, None)
+            adapter_hash, optimizer_hash, path = self._start_hashes[key]
+            if (adapter_hash, optimizer_hash) != (header.initial_adapter_hash, header.initial_optimizer_hash):
+                return None
+            if path is None or not path.exists():
+                path = self.local.work_dir / view.job_id.hex()[:16] / f"start-r{rnd}"
+                await trio.to_thread.run_sync(run_torch, partial(
+                    write_checkpoint, path, None, expected, expected_optimizer or {}, {"step": 0, "written_by": "verifier"}))
+                self._start_hashes[key] = (adapter_hash, optimizer_hash, path)
         self.local.counters["verify_starts_known"] += 1
+        return path
 
     async def _device_class(self, config: Any) -> str:
         """The device class our replays run on (agent/train/env.device_class)."""
@@ -1004,21 +1016,6 @@ async def _unpack_worker_bundle(bundle: Path, out: Path, **limits: Any) -> Path:
         return await unpack_off_loop(bundle, out, **limits)
     except BundleError as exc:
         raise Rejection(f"bundle: {exc}") from None
-
-
-def _write_start_checkpoint(target: Path, adapter: dict, optimizer: dict) -> None:
-    """A step-0 checkpoint directory (agent/train/recorder.py's files) holding ``adapter`` and ``optimizer``."""
-    from safetensors.torch import save_file
-
-    staging = target.with_name(f".{target.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in adapter.items()}, str(staging / "adapter_model.safetensors"))
-    save_file({k: v.contiguous() for k, v in optimizer.items()}, str(staging / "optimizer.safetensors"),
-              metadata={"format": "pt"})
-    (staging / "state.json").write_text(json.dumps({"step": 0, "written_by": "verifier"}) + "\n")
-    shutil.rmtree(target, ignore_errors=True)
-    os.rename(staging, target)
 
 
 def _device_class_of(requested: str) -> str:

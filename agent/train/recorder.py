@@ -83,11 +83,18 @@ def _done(event: CheckpointEvent) -> Future:
 
 def write_checkpoint(directory: Path, model: Any, adapter: dict[str, torch.Tensor],
                      optimizer: dict[str, torch.Tensor], state: dict) -> None:
-    """Write one checkpoint directory atomically (temporary sibling, then rename)."""
+    """Write one checkpoint directory atomically (temporary sibling, then rename). ``model`` None: the tensors
+    only, no adapter_config.json (a verifier's copy of a round's start it holds, which a replay reads as is)."""
     staging = directory.with_name(f".{directory.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
-    save_adapter(staging, model, adapter)
-    save_file(optimizer, str(staging / "optimizer.safetensors"), metadata={"format": "pt"})
+    if model is None:
+        staging.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in adapter.items()}, str(staging / "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+    else:
+        save_adapter(staging, model, adapter)
+    save_file({k: v.contiguous() for k, v in optimizer.items()}, str(staging / "optimizer.safetensors"),
+              metadata={"format": "pt"})
     (staging / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
     shutil.rmtree(directory, ignore_errors=True)
     os.rename(staging, directory)
