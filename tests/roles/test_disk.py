@@ -57,10 +57,12 @@ async def _run(tmp_path, tiny_model_dir, rounds: int) -> None:
         assert w1.disk.collected.dirs > 0 and w1.disk.collected.blocks > 0
         # w1 kept only the last rounds' work directories of the job: the current and the previous one at
         # its last collection (before a claim), plus what it trained since; under a loaded CI its mirror
-        # may still be in the round before when it claims, so one more round may stay (seen once in CI)
+        # may still be in the round before when it claims, so one more round may stay (seen once in CI); and an
+        # early start (IPIP-0006 §2.9) takes round r + 1's work, and collects before it, while its mirror is in
+        # round r, so one more (seen once in CI: r2 kept at the end of 6 rounds)
         job_dir = w1.work_dir / view.job_id.hex()[:16]
         kept = sorted(p.name for p in job_dir.iterdir()) if job_dir.exists() else []
-        assert all(int(name.split("-")[0][1:]) >= rounds - 3 for name in kept if name.startswith("r")), kept
+        assert all(int(name.split("-")[0][1:]) >= rounds - 4 for name in kept if name.startswith("r")), kept
         print(f"\ndisk peaks over {rounds} rounds: w1 (quota {quota_gb} GB) {peak['w1'] / 1e6:.1f} MB, "
               f"w0 (no quota) {peak['w0'] / 1e6:.1f} MB; w1 collected {w1.disk.collected.bytes / 1e6:.1f} MB; "
               f"trained {trained}")
