@@ -50,6 +50,10 @@ Rules of this file:
   so it never learned ``t``'s coordinator), from an eligible live peer: ``may_apply_past_verdict``.
   It never moves the view; the state machine applies it only if that attempt is still the one
   waiting for a verdict (a later term's decision about the shard makes it stale there).
+- A submitter catching up (rule 9). The history its view's coordinator serves may hold decisions of
+  earlier terms by a coordinator that is gone (dead, so not live, so refused by the rules above): the
+  submitter takes them as that coordinator vouches for them, whoever signed them and whatever its own
+  view recorded for their term: ``may_apply_vouched_past``. Never moves the view.
 - Errors. A malformed job ID or peer ID, a stale or conflicting term: ``StateError``, nothing else.
 
 The document is ``ipips/0006-election-aggregation.md``; ``ipips/vectors/election-*.json`` are
@@ -288,6 +292,24 @@ def may_apply_past_verdict(view: Coordination, signer: str, worker: str, term: i
     if len(view.past) >= PAST_TERMS_KEPT and term < view.past[0][0]:
         return False  # older than what the view remembers: forgotten, not skipped
     return signer in set(eligible)  # a term the view skipped: nobody told it who held it
+
+
+def may_apply_vouched_past(view: Coordination, signer: str, term: int, worker: str | None = None,
+                           lease_term: int | None = None) -> bool:
+    """May a decision of an earlier term than the view's (a lease, an aggregate; a verdict on ``worker``'s
+    attempt, leased in ``lease_term``) be applied from the history of the view's own coordinator, as a
+    submitter catching up receives it (rule 9)? Yes, whoever signed it, live or gone, and whoever this
+    view recorded for that term: the coordinator vouching for it decides the job's current term anyway,
+    and a restarted submitter's record of an earlier term may be a view of its own (it elected a term-1
+    coordinator over the peers it heard, while the others' term 1 was a peer that had died). A verdict
+    keeps rule 7's checks (not signed by its worker, not of a term before its attempt's lease), and the
+    coordinator never vouches for a verdict on its own work. It never moves the view."""
+    if isinstance(term, bool) or not isinstance(term, int) or not 1 <= term < view.term:
+        return False
+    if worker is not None and (signer == worker or worker == view.coordinator or
+                               (lease_term is not None and term < lease_term)):
+        return False  # (nor does the coordinator vouch for a verdict on its own work)
+    return True
 
 
 def stepped_down(before: Coordination, after: Coordination, me: str) -> bool:

@@ -49,7 +49,9 @@ Rules of this file:
   written to disk. Our own decisions are evidence when we make them (``decide``), never from their echo.
 - Earlier terms (IPIP-0006 §1.3 rule 7): a verdict of a term before the view's is applied when
   ``election.may_apply_past_verdict`` allows it (its signer held that term in our view, or our view
-  skipped that term); it never moves the view.
+  skipped that term); it never moves the view. In a history our view's coordinator serves to us as
+  the submitter catching up (``receive(history=True, vouched=True)``), a lease, aggregate or verdict of
+  an earlier term applies under rule 9 (``election.may_apply_vouched_past``): its signer may be gone.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ from typing import Any
 
 from protocol import messages as m
 from protocol import state as st
-from protocol.election import Coordination, may_apply_past_verdict, may_judge, settle_replayed_term
+from protocol.election import Coordination, may_apply_past_verdict, may_apply_vouched_past, may_judge, \
+    settle_replayed_term
 from protocol.errors import StateError
 from protocol.proof import max_checkpoints
 
@@ -142,6 +145,7 @@ class JobMirror:
 
     def __post_init__(self) -> None:
         self._replaying = False
+        self._vouched = False  # receiving a history our view's coordinator vouches for (``receive``)
         self._applied: list[tuple[Any, str]] = []  # applied since the last outcome was collected
         self._evidence: list[bytes] = []  # envelopes of those, in the order they applied
         # (term, signer, worker judged) while our view's term was taken from a replayed verdict: its signer
@@ -203,14 +207,20 @@ class JobMirror:
         return Outcome(actions, applied, evidence, outgoing)
 
     def receive(self, msg: Any, signer: str, now: float, eligible: frozenset[str],
-                envelope: bytes | None = None, *, history: bool = False) -> Outcome:
+                envelope: bytes | None = None, *, history: bool = False, vouched: bool = False) -> Outcome:
         """One verified job-topic message from the network (``eligible``: the job's live coordinators in
         our view); a refused one is held for a later try. The echo of our own decision is never applied
         again (``decide`` applied and kept it). ``history``: a message a peer stored, received at its
         signed time ``now`` (a submitter catching up): the held live messages are not tried at that past
         time (a held lease would start its clock then and expire early, found by the simulator); the
-        caller tries them once at the real now (``retry``)."""
-        return self._collect(self._apply(msg, signer, now, eligible, envelope, retry=not history))
+        caller tries them once at the real now (``retry``). ``vouched`` (with ``history``): the history is
+        our view's coordinator's, so a decision of an earlier term applies under IPIP-0006 §1.3 rule 9
+        (``election.may_apply_vouched_past``: its signer may be gone) instead of being stale."""
+        self._vouched = history and vouched
+        try:
+            return self._collect(self._apply(msg, signer, now, eligible, envelope, retry=not history))
+        finally:
+            self._vouched = False
 
     def lease_for(self, shard: int, worker: str, now: float) -> m.ShardLease | None:
         """The lease the state machine would grant ``worker`` on ``shard`` now, in our term (None: none
@@ -349,6 +359,8 @@ class JobMirror:
         self.last_applied = max(self.last_applied, now)
         if envelope is not None:
             self._evidence.append(envelope)
+        if self.pending:  # a copy held earlier (a catch-up's first pass) can never apply now: not kept
+            self.pending = [p for p in self.pending if p[2] != signer or p[1] != msg]
         return actions + self._retry_pending(now, eligible) if retry else actions
 
     def _hold(self, now: float, msg: Any, signer: str, envelope: bytes | None, eligible: frozenset[str]) -> None:
@@ -457,8 +469,18 @@ class JobMirror:
                 msg.term < self.coordination.term:
             # an earlier term's verdict (IPIP-0006 §1.3 rule 7): never moves the view
             lease = self.leases.get(m.attempt_of(msg))
-            if not may_apply_past_verdict(self.coordination, signer, msg.worker, msg.term,
-                                          None if lease is None else lease.term, eligible):
+            lease_term = None if lease is None else lease.term
+            if not may_apply_past_verdict(self.coordination, signer, msg.worker, msg.term, lease_term, eligible) \
+                    and not (self._vouched and may_apply_vouched_past(self.coordination, signer, msg.term, msg.worker,
+                                                                      lease_term)):
+                if count:
+                    self.refused["coordinator"] += 1
+                return None
+            return self._apply_decision(msg, now, count=count)
+        if isinstance(msg, DECISIONS) and self._vouched and signer != self.me and isinstance(msg.term, int) and \
+                msg.term < self.coordination.term:
+            # a lease or aggregate of an earlier term in our coordinator's history (rule 9): never moves the view
+            if not may_apply_vouched_past(self.coordination, signer, msg.term):
                 if count:
                     self.refused["coordinator"] += 1
                 return None

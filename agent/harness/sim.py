@@ -972,7 +972,7 @@ class Simulation:
         self.rng.shuffle(live)
         coordinator = self.by_peer.get(mirror.coordination.coordinator or "")
         live.sort(key=lambda i: i != coordinator)
-        caught = self._receive_histories(agent, f, live[:PEERS_ASKED])
+        caught = self._receive_histories(agent, f, live[:PEERS_ASKED], vouch=True)
         if caught:
             self.syncs += 1
             self._rebuilt(agent, f)
@@ -989,20 +989,26 @@ class Simulation:
             if self._is_coordinator(agent, f) and f.job.index in agent.coordinating:
                 self._resume(agent, f)
 
-    def _receive_histories(self, agent: SimAgent, f: Followed, peers: list[int], *, act: bool = False) -> int:
+    def _receive_histories(self, agent: SimAgent, f: Followed, peers: list[int], *, act: bool = False,
+                           vouch: bool = False) -> int:
         """sync._receive_histories: what each of ``peers`` stored of the job and we did not, received as live
         messages at their signed time; the held live ones tried once at the real now. How many applied.
         ``act``: what applied is carried out as for live messages (a repair: they are what we missed), else
-        only the reactions (the submitter's catch-up: the past's actions are nobody's)."""
+        only the reactions (the submitter's catch-up: the past's actions are nobody's). ``vouch`` (the
+        submitter's catch-up): the history of the view's coordinator vouches for its earlier terms'
+        decisions (IPIP-0006 §1.3 rule 9), and is received once more at the end for what did not apply."""
         mirror = f.mirror
         caught = 0
-        for peer in peers:
+
+        def receive(peer: int) -> None:
+            nonlocal caught
             held = self.agents[peer].mirrors.get(f.job.index)
             for envelope in list(held.store) if held is not None else ():
                 if id(envelope) in f.stored:
                     continue
                 outcome = mirror.receive(envelope.msg, envelope.signer, envelope.at, self._live_set(agent.index),
-                                         envelope, history=True)
+                                         envelope, history=True,
+                                         vouched=vouch and self.agents[peer].peer == mirror.coordination.coordinator)
                 if outcome.changed:
                     caught += 1
                     if not act:
@@ -1011,6 +1017,12 @@ class Simulation:
             outcome = mirror.retry(self.now, self._live_set(agent.index))  # held live ones, at the real now
             self._commit(agent, f, Outcome((), outcome.applied, outcome.evidence) if outcome.changed and not act
                          else outcome)
+
+        for peer in peers:
+            receive(peer)
+        coordinator = self.by_peer.get(mirror.coordination.coordinator or "")
+        if vouch and coordinator in peers:
+            receive(coordinator)
         return caught
 
     # -- the worker (WorkerRole) --------------------------------------------------------------

@@ -177,11 +177,11 @@ class JobSync:
         # job on the others. They are asked at once (a dead one costs its timeout once, not in turn).
         random.shuffle(live)
         peers = sorted(live, key=lambda p: p != coordinator)[:PEERS_ASKED]
-        applied = await self._receive_histories(view, peers, timeout)
+        applied = await self._receive_histories(view, peers, timeout, vouch=True)
         if applied:
-            log.info("job %s: caught up on %d messages from %d peers after a restart: %s, round %d, term %d",
-                     view.job_id.hex()[:8], len(applied), len(peers), view.state.phase.value, view.state.round,
-                     view.coordination.term)
+            log.info("job %s: caught up on %d messages from %d peers after a restart (%d held): %s, round %d, "
+                     "term %d", view.job_id.hex()[:8], len(applied), len(peers), len(view.pending),
+                     view.state.phase.value, view.state.round, view.coordination.term)
             self.writer.save_job_row(view)
         return applied
 
@@ -196,12 +196,23 @@ class JobSync:
             self.writer.save_job_row(view)
         return applied
 
-    async def _receive_histories(self, view: Any, peers: list[str], timeout: float, *, act: bool = False) -> set[bytes]:
+    async def _receive_histories(self, view: Any, peers: list[str], timeout: float, *, act: bool = False,
+                                 vouch: bool = False) -> set[bytes]:
         """Fetch ``peers``' histories of the job at once, then receive, peer by peer, the envelopes our store lacks
         as live messages with their own timestamps (``history=True``): coordinator decisions pass our election
         view like live ones (nobody's stored junk can move our term), the rest is applied as anyone's; then
         the live messages held meanwhile are tried once at the real now. What applied is committed with its
-        reactions; the state machine's actions of the past are nobody's to carry out."""
+        reactions; the state machine's actions of the past are nobody's to carry out. Returns the message
+        IDs applied.
+
+        ``vouch`` (the submitter catching up): the history of our view's coordinator vouches for the
+        decisions of earlier terms in it (IPIP-0006 §1.3 rule 9): a coordinator that is gone signed them,
+        and our view may have moved past their term before they arrived (a later term's live lease). So
+        that history is received again, once the others moved our view, for what did not apply the
+        first time. (Found by a soak, reproduced by killing the submitter 2 s after it announced and the
+        term-1 coordinator once it had leased: the restarted submitter refused the dead coordinator's
+        term-1 leases, as stale or as not live, then every report, verdict and aggregate after them, and
+        stayed in round 1 while the others finished.)"""
         histories: dict[str, list[Any] | None] = {}
 
         async def fetch(peer: str) -> None:
@@ -211,21 +222,33 @@ class JobSync:
             for peer in peers:
                 nursery.start_soon(fetch, peer)
         applied: set[bytes] = set()
-        for peer in peers:
-            verified = histories.get(peer)
+        done: set[bytes] = set()  # the envelopes that applied (the evidence committed)
+        ids = {data: opened.envelope.message_id for history in histories.values() for data, opened in history or ()}
+
+        async def receive(peer: str) -> None:
             outcomes = []
-            for data, opened in verified or ():
-                if self.writer.store.has_envelope(opened.envelope.message_id):
+            for data, opened in histories.get(peer) or ():
+                if data in done or self.writer.store.has_envelope(opened.envelope.message_id):
                     continue
                 signer, at = opened.envelope.signer, opened.envelope.timestamp_ms / 1000.0
-                outcomes.append(view.receive(opened.message, signer, at, self.peers.eligible_coordinators(view.terms), data,
-                                             history=True))
-                applied.add(opened.envelope.message_id)
+                outcomes.append(view.receive(opened.message, signer, at, self.peers.eligible_coordinators(view.terms),
+                                             data, history=True, vouched=vouch and peer == view.coordination.coordinator))
             if outcomes:  # the live messages held meanwhile, tried once at the real now (not at a stored time)
                 outcomes.append(view.retry(self.clock(), self.peers.eligible_coordinators(view.terms)))
             outcome = Outcome.join(outcomes)
+            log.debug("job %s: %s's history: %d envelopes, %d new, %d applied%s; view term %d, %d held",
+                      view.job_id.hex()[:8], peer[-8:], len(histories.get(peer) or ()), len(outcomes) - bool(outcomes),
+                      len(outcome.evidence), " (vouched)" if vouch and peer == view.coordination.coordinator else "",
+                      view.coordination.term, len(view.pending))
+            done.update(outcome.evidence)
+            applied.update(ids[data] for data in outcome.evidence if data in ids)
             # what applied, in the order it did; then our copies of the accepted work and aggregates we missed
             await self._commit(view, outcome if act else replace(outcome, actions=() if outcome.changed else None))
+
+        for peer in peers:
+            await receive(peer)
+        if vouch and view.coordination.coordinator in histories:
+            await receive(view.coordination.coordinator)  # what its history held from before our view reached its term
         return applied
 
     async def _commit(self, view: JobMirror, outcome: Outcome, *, act: bool = True) -> None:

@@ -377,6 +377,23 @@ def test_verdicts_of_earlier_terms_vector():
         assert got == case["expect"], case["name"]
 
 
+def test_decisions_of_earlier_terms_vouched_for_by_the_coordinators_history_vector():
+    """IPIP-0006 §1.3 rule 9: in the history its view's coordinator serves, a submitter catching up takes a
+    decision of an earlier term when that term's coordinator in its view signed it, or it skipped that term,
+    whoever signed it (live or gone); a verdict keeps rule 7's checks and never judges the voucher's work."""
+    from protocol.election import may_apply_vouched_past
+
+    vector = json.loads((VECTORS / "election-past.json").read_text())
+    view = Coordination(bytes.fromhex(vector["job_id_hex"]), vector["start"]["term"], vector["start"]["coordinator"])
+    for move in vector["moves"]:
+        view = view.check_message(move["signer"], move["term"], vector["ranking"])
+    assert {c["expect"] for c in vector["vouched"]} == {True, False}
+    for case in vector["vouched"]:
+        worker = case["worker"] if case["kind"] == "verdict" else None
+        got = may_apply_vouched_past(view, case["signer"], case["term"], worker, case["lease_term"])
+        assert got == case["expect"], case["name"]
+
+
 def test_a_view_remembers_a_bounded_number_of_earlier_terms():
     from protocol.election import PAST_TERMS_KEPT, may_apply_past_verdict
 

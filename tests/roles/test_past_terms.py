@@ -166,3 +166,55 @@ def test_a_replayed_history_whose_term_opens_with_its_judges_verdict_keeps_the_t
     for i, (msg, signer) in enumerate(history[:5] + [(lease(1, 1, W3, 2), J)]):
         v.replay(msg, signer.peer_id, NOW + i)
     assert v.coordination.coordinator == J.peer_id and v.term_from_verdict is None
+
+
+def aggregate(rnd, term):
+    return m.AggregatePublished(JOB, rnd, term, TERMS.shards[0].cid, "exact", (0, 1), 64, False)
+
+
+def dead_coordinators_history():
+    """What the term-2 coordinator (W1) stored of round 1 when the term-1 coordinator (W0) had leased both
+    shards and died: W0's term-1 leases, the reports, W1's term-2 verdicts and aggregate; (signer, message)."""
+    return [(W0, lease(0, 1, W2, 1)), (W0, lease(1, 1, W3, 1)), (W2, report(0, 1)), (W3, report(1, 1)),
+            (W1, verdict(0, 1, W2, 2)), (W1, verdict(1, 1, W3, 2)), (W1, aggregate(1, 2))]
+
+
+def test_a_restarted_submitter_takes_a_dead_coordinators_leases_from_its_successors_history():
+    """IPIP-0006 §1.3 rule 9, the soak's fault: the submitter is killed 2 s after announcing, the term-1
+    coordinator dies once it has leased, and the restarted submitter hears the term-2 coordinator (its
+    heartbeat moves the view to term 2) before it catches up. As live messages, the dead coordinator's
+    term-1 leases are stale, so nothing after them applies and the submitter stays in round 1 for good;
+    vouched for by the history of its view's coordinator, they apply and the round is aggregated."""
+    live = frozenset({W1.peer_id, W2.peer_id, W3.peer_id})  # W0 is dead
+    v = JobMirror(TERMS, NOW, me=SUBMITTER.peer_id)
+    v.observe_term(W1.peer_id, 2, NOW + 30, live)
+    assert (v.coordination.term, v.coordination.coordinator) == (2, W1.peer_id)
+    for signer, msg in dead_coordinators_history():  # as any peer's history (not vouched): refused, held
+        v.receive(msg, signer.peer_id, NOW + 5, live, history=True)
+    assert v.state.round == 1 and v.shard(0).phase is st.ShardPhase.OPEN and len(v.pending) == 7
+    applied = [v.receive(msg, signer.peer_id, NOW + 5, live, history=True, vouched=True).changed
+               for signer, msg in dead_coordinators_history()]
+    assert all(applied), applied
+    assert v.state.round == 2 and 1 in v.aggregates and (1, 0, 1) in v.verdicts
+    assert not v.pending  # the copies held by the first pass are gone with it
+    assert (v.coordination.term, v.coordination.coordinator) == (2, W1.peer_id)  # never moves the view
+
+
+def test_a_vouched_history_outranks_the_submitters_own_record_of_an_earlier_term():
+    """The scenario submitter-coordinator-down: back after the restart, the submitter formed a first view of
+    its own over the peers it heard (term 1: W2; the others' term 1 was W0's, now dead), then a term-2 lease
+    of W1 moved it. Its record says W2 held term 1, so rule 7 would refuse W0's term-1 leases; in W1's
+    history (rule 9) they apply. The voucher never vouches for a verdict on its own work, and without the
+    vouching history an earlier term's lease from a gone signer stays stale."""
+    live = frozenset({W1.peer_id, W2.peer_id, W3.peer_id})
+    v = JobMirror(TERMS, NOW, me=SUBMITTER.peer_id)
+    v.coordination = Coordination(JOB, 1, W2.peer_id)
+    v.observe_term(W1.peer_id, 2, NOW + 30, live)
+    assert v.coordination.past == ((1, W2.peer_id),)
+    assert v.receive(lease(1, 1, W3, 1), W0.peer_id, NOW + 2, live, history=True).actions is None  # stale
+    assert v.receive(lease(1, 1, W3, 1), W0.peer_id, NOW + 2, live, history=True, vouched=True).changed
+    assert v.receive(lease(0, 1, W1, 1), W0.peer_id, NOW + 2, live, history=True, vouched=True).changed
+    v.receive(report(0, 1), W1.peer_id, NOW + 3, live, history=True, vouched=True)
+    # W1 (the voucher) trained shard 0 in term 1: a term-1 verdict on it in W1's history is not taken
+    assert v.receive(verdict(0, 1, W1, 1), W0.peer_id, NOW + 4, live, history=True, vouched=True).actions is None
+    assert v.shard(0).phase is st.ShardPhase.REPORTED and v.shard(1).phase is st.ShardPhase.LEASED
