@@ -31,6 +31,9 @@ from protocol.errors import CodecError
 log = logging.getLogger(__name__)
 
 CAPABILITY_TELL_GAP = 2.0  # seconds: at most one capability published for arriving peers per gap
+# an arriving peer's gossip mesh forms a GossipSub heartbeat or two after its first heartbeat reached us, so
+# what we publish at once may not reach it: we publish again this much later
+CAPABILITY_TELL_AGAIN = 3.0
 CAPABILITY_EARLY, CAPABILITY_EARLY_GAP = 10.0, 2.0  # our first seconds, when our capability goes out more often
 
 
@@ -132,10 +135,20 @@ class Capabilities:
             return
         self.published = cap
 
-    async def tell_peers(self) -> None:
-        """Our capability now, for peers that have not heard it (arrived, or what we offer changed); at most 10 s."""
+    async def tell_peers(self, again: float = 0.0) -> None:
+        """Our capability now, for peers that have not heard it (arrived, or what we offer changed); at most 10 s
+        each. ``again``: and once more after that many seconds (an arriving peer: the late-joiner scenario saw
+        every capability told at its arrival lost, its mesh not formed yet; lacking the coordinator's, it took
+        the live coordinator for ineligible, elected itself in term 2 and refused the job's final aggregate)."""
         with trio.move_on_after(10):
             await self.publish()
+        if again > 0:
+            await trio.sleep(again)
+            with trio.move_on_after(10):
+                await self.publish()
+
+    async def tell_arrived(self) -> None:
+        await self.tell_peers(again=CAPABILITY_TELL_AGAIN)
 
     def local_model(self, terms: m.JobTerms) -> str | None:
         """Our local copy of a job's base model (``models`` by name, or the path itself), or None."""

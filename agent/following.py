@@ -91,7 +91,7 @@ class Following:
             if isinstance(msg, m.Heartbeat):
                 arrived = self.peers.heard(signer, msg, now)
                 if arrived and signer != self.peer_id and self.capabilities.tell_arrival(now):
-                    self.tasks.one_shot("capability", self.capabilities.tell_peers)
+                    self.tasks.one_shot("capability", self.capabilities.tell_arrived)
                 self.tasks.notify()  # wait_until: someone may wait for a peer to be heard
                 for entry in msg.coordinating:
                     view = self.book.jobs.get(entry.job_id)

@@ -30,6 +30,7 @@ class PeerInfo:
     capability: m.Capability | None = None
     live_since: float = 0.0  # when its heartbeats started arriving again after a silence
     active_shards: int = 0  # from its latest heartbeat: busy (> 0) or idle
+    heartbeats: int = 0  # heard from it (its capability may come first: a starting agent publishes that first)
 
 
 class PeerTable:
@@ -54,8 +55,13 @@ class PeerTable:
         """A heartbeat of ``signer`` arrived; True if the peer is new to us or back after a silence."""
         if signer != self.me and not self.live_peers():
             self.hearing_peers_since = now  # the first peer heard since we (re)started or were alone
-        arrived = signer not in self.peers
         info = self.peers.setdefault(signer, PeerInfo(now, live_since=now))
+        # new to us: its first heartbeat, whether or not its capability came first (an agent publishes its
+        # capability before its first heartbeat, so "not in the table" was never true of a new agent, and
+        # nobody told it theirs: the late-joiner scenario's newcomer lacked the coordinator's, took it for
+        # ineligible, elected itself in term 2 and refused the job's final aggregate)
+        arrived = info.heartbeats == 0
+        info.heartbeats += 1
         if now - info.last_heartbeat > self.silence:
             info.live_since = now  # back after a silence (it restarted, or a partition healed)
             arrived = True

@@ -1,0 +1,22 @@
+"""The peer table's arrival rule: a peer is new to us at its first heartbeat, even when its capability came
+first (a starting agent publishes its capability before its first heartbeat), and again after a silence;
+an arrival is what makes us tell it our capability (agent/following.py)."""
+
+from agent.peers import PeerTable
+from protocol import messages as m
+from protocol.identity import Identity
+from scripts.make_envelope_vectors import sample_capability
+
+ME, NEW = (Identity(bytes([i]) * 32).peer_id for i in (1, 2))
+
+
+def test_a_peer_whose_capability_came_first_arrives_at_its_first_heartbeat_and_again_after_a_silence():
+    now = [100.0]
+    table = PeerTable(ME, lambda: now[0], heartbeat_seconds=1.0, missed_heartbeats=5, ours=lambda: None)
+    beat = m.Heartbeat(1, 0, ())
+    table.told(NEW, sample_capability(), now[0])  # what a starting agent sends first
+    assert table.heard(NEW, beat, now[0] + 0.1)  # (before the fix: False, and nobody told it anything)
+    assert not table.heard(NEW, beat, now[0] + 1.1)
+    assert table.capability_of(NEW) is not None
+    now[0] += 60.0  # silent past missed_heartbeats x heartbeat_seconds: back, so it arrives again
+    assert table.heard(NEW, beat, now[0])
