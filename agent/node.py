@@ -154,7 +154,7 @@ class Agent:
         self.provide_soon = self.blocks.provide_soon
         # catching up on a job's history, rebuilding and repairing its mirror (agent/roles/sync.py)
         self.jobsync = JobSync(self.peer_id, clock, self.peer_table, self.tasks, self.writer, lambda: self.net,
-                               self.commit)
+                               self.commit, reach=lambda peer: self.content.reach(peer))
         # which jobs we follow, their topics read, resumed after a restart, forgotten (agent/following.py)
         self.following = Following(self.peer_id, clock, self.counters, self.book, self.tasks, self.writer,
                                    lambda: self.net, lambda: self.content.store, trains=config.accept_training,

@@ -342,6 +342,11 @@ class ContentService:
         except Exception:  # noqa: BLE001 - not a peer ID we can parse: not connected either
             return False
 
+    async def reach(self, peer: str) -> None:
+        """Be connected to ``peer`` (by peer ID), its addresses found in the DHT if we hold none: a restarted
+        agent knows few (NetError if none is found or none answers)."""
+        await self._reach(peer, None)
+
     async def _reach(self, peer: str, info: PeerInfo | None, *, direct: bool = True, relay: bool = True) -> None:
         """Be connected to ``peer``, dialing its known or DHT-found addresses (one deadline each):
         ``direct`` its own addresses, ``relay`` through a relay (see ``Host.connect``)."""

@@ -138,9 +138,10 @@ class JobSync:
 
     def __init__(self, peer_id: str, clock: Callable[[], float], peers: "PeerTable", tasks: "Tasks",
                  writer: "StoreWriter", net: Callable[[], Any],
-                 commit: Callable[..., Awaitable[bool]]) -> None:
+                 commit: Callable[..., Awaitable[bool]], reach: Callable[[str], Awaitable[None]] | None = None) -> None:
         self.peer_id, self.clock = peer_id, clock
         self.peers, self.tasks, self.writer, self.net, self.commit = peers, tasks, writer, net, commit
+        self.reach = reach  # connect to a peer, its address found in the DHT (ContentService.reach)
 
     async def _fetch_verified(self, view: Any, timeout: float, what: str, peer: str | None = None) -> list[Any] | None:
         """The history of the job held by ``peer`` (by default its submitter), each envelope verified;
@@ -149,6 +150,15 @@ class JobSync:
         if peer == self.peer_id:
             return None
         try:
+            if self.reach is not None and peer not in self.net().host.connected_peers():
+                # a restarted submitter hears its peers' gossip through one of them, and holds no address of the
+                # others: the scenario submitter-coordinator-down saw its first catch-up fail for the coordinator
+                # ("no known addresses"), and the next come 12 s later
+                with trio.move_on_after(min(10.0, timeout / 2)):
+                    try:
+                        await self.reach(peer)
+                    except NetError:
+                        pass  # (the fetch says why)
             history = await fetch_history(self.net().host, peer, view.job_id, timeout)
         except (NetError, PeerProtocolError, trio.TooSlowError) as exc:
             log.info("job %s: could not %s from %s: %s", view.job_id.hex()[:8], what, peer[-8:], exc)
