@@ -49,6 +49,7 @@ import random
 import sys
 import tempfile
 import time
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -417,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlap", default="none",
                         help="none | own | stale (comma list): rounds that do not wait for the last aggregate (a study)")
     parser.add_argument("--quick", action="store_true", help="demo task, W=4, T=200: a smoke run")
+    parser.add_argument("--seeds", default="7",
+                        help="training seeds (comma list: LoRA init, shard split, batch order); with several, each row "
+                             "is run per seed (names end /seed<k>) and a codec's rows are paired with the uncoded ones "
+                             "of the same seed: codec_delta/... prints the mean change of E and of the final loss")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--records", type=int, default=0,
                         help="training records per task (0: the shipped 400); more keeps long jobs off many epochs")
@@ -426,7 +431,38 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.tasks, args.workers, args.total, args.extend = "demo", "4", 200, 1.0
     model = tiny_model()
-    config = TrainConfig(base_model=str(model), seed=7, learning_rate=args.lr, batch_size=args.batch,
+    seeds = [int(x) for x in args.seeds.split(",")]
+    results: dict[tuple, dict[str, tuple[float, float]]] = {}  # (task, W, R, label w/o codec, seed) -> codec -> (E, loss)
+    for seed in seeds:
+        _one_seed(args, model, seed, results, suffix=f"/seed{seed}" if len(seeds) > 1 else "")
+    if len(seeds) > 1:
+        _codec_deltas(results)
+    return 0
+
+
+def _codec_deltas(results: dict) -> None:
+    """Each codec against no codec, paired by seed: the mean E and final validation loss of both (value: the
+    codec's, reference: the uncoded run's), and the mean change. E's goal: lower by at most 0.02 (issue 24)."""
+    pairs: dict[tuple, list[tuple[float, float, float, float]]] = {}
+    for (task, workers, rounds, label, seed), by_codec in results.items():
+        if "none" not in by_codec:
+            continue
+        e0, l0 = by_codec["none"]
+        for codec, (e, loss) in by_codec.items():
+            if codec != "none":
+                pairs.setdefault((task, workers, rounds, label, codec), []).append((e, e0, loss, l0))
+    for (task, workers, rounds, label, codec), rows in sorted(pairs.items()):
+        n = len(rows)
+        e, e0, loss, l0 = (sum(r[i] for r in rows) / n for i in range(4))
+        name = f"{task}/W{workers}/{rounds}/{label}+{codec}"
+        emit(f"codec_E/{name}", e, "E", e0, e / e0, round((e0 - 0.02) / e0, 4), seeds=n, delta=round(e - e0, 4),
+             per_seed=[round(r[0] - r[1], 4) for r in rows])
+        emit(f"codec_loss/{name}", loss, "nats", l0, l0 / loss, None, seeds=n, delta=round(loss - l0, 4),
+             per_seed=[round(r[2] - r[3], 4) for r in rows])
+
+
+def _one_seed(args: Any, model: Path, seed: int, results: dict, suffix: str) -> None:
+    config = TrainConfig(base_model=str(model), seed=seed, learning_rate=args.lr, batch_size=args.batch,
                          max_seq_len=96, rank=16, alpha=32.0, target_modules=TARGETS, method=args.train_method,
                          freeze_a=args.method == "exact" and args.train_method != "full", threads=args.threads)
     outers = [(text, parse_outer(text)) for text in args.outer.split(",")]
@@ -478,7 +514,10 @@ def main(argv: list[str] | None = None) -> int:
                         final = losses[-1]
                         reached, capped = steps_to_reach(central, final)
                         efficiency = reached / args.total
-                        name = f"{task_name}/W{workers}/R{rounds}x{steps}/{label}"
+                        name = f"{task_name}/W{workers}/R{rounds}x{steps}/{label}{suffix}"
+                        plain = label.replace(f"+{codec}", "") if codec != "none" else label
+                        results.setdefault((task_name, workers, f"R{rounds}x{steps}", plain, seed), {})[codec] = \
+                            (efficiency, final)
                         emit(f"efficiency/{name}", efficiency, "E", 1.0, efficiency, GOAL, lower_bound=capped)
                         if sync is not None:
                             reached_sync, capped_sync = steps_to_reach(sync, final)
@@ -497,7 +536,6 @@ def main(argv: list[str] | None = None) -> int:
                 reached, capped = steps_to_reach(central, final)
                 emit(f"efficiency/demo/W4/R{rounds}x{steps}/infernet-demo", reached / args.total, "E", 1.0,
                      reached / args.total, GOAL, lower_bound=capped, val_loss=round(final, 4), seconds=round(seconds))
-    return 0
 
 
 if __name__ == "__main__":
