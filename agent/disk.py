@@ -57,9 +57,9 @@ INTERVAL = 60.0  # seconds between collections (and before each claim when a quo
 GB = 1_000_000_000
 RESERVE_OVER = 8  # claims: the reserve is the most our work directories and blocks grew over this many
 
-# a round's scratch: verifications (and what they read: the round's start, checkpoints fetched while their
-# worker trained), aggregates (early ones too, IPIP-0006 §2.9), fetches, a shard's training (an early start's too)
-_ROUND_ENTRY = re.compile(r"^(?:verify-|start-|aggregate-|fetched-|early-|ckpts-)?r(\d+)(?:-s\d+-a\d+(?:-early)?)?(?:\.tar)?$")
+# a round's scratch: verifications (and the round's start they read), aggregates (early ones too, IPIP-0006
+# §2.9), fetches, a shard's training (an early start's too)
+_ROUND_ENTRY = re.compile(r"^(?:verify-|start-|aggregate-|fetched-|early-)?r(\d+)(?:-s\d+-a\d+(?:-early)?)?(?:\.tar)?$")
 
 
 class DiskQuotaError(StoreFullError):

@@ -354,8 +354,6 @@ class Agent:
         for msg, by in applied:
             if self.worker is not None and isinstance(msg, m.ShardLease) and msg.worker == self.peer_id:
                 self.worker.on_lease(view, msg)
-            elif isinstance(msg, m.CheckpointCommit):
-                self.coordinator.on_checkpoint(view, msg, by)
             elif isinstance(msg, m.Verdict):
                 self.submitter.on_verdict(view, msg)
             elif isinstance(msg, m.AggregatePublished):

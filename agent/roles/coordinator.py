@@ -50,10 +50,6 @@ Rules of this file:
 - A verification fetches only what its replays read (IPIP-0005 §8 "What a verifier fetches"): no step-0
   checkpoint when the proof commits to the start we hold, and a segment's end only when its replay may
   not be bit-exact.
-- A checkpoint a replay may start from is fetched while its worker still trains: each one a worker commits
-  (``ckpt``, its CID in the message) after step 0 and before its last step, into ``ckpts-r<N>-s<S>-a<A>/``;
-  the verification then reads it from there when the proof names the same CID (issue 24: the segments
-  are drawn after the report, so each start is fetched; the fetch is off the round's critical path).
 - On taking a job over (failover) we resume what the mirror says is pending: verifications of
   REPORTED shards and the aggregation of an AGGREGATING round.
 - A verdict judges the worker, never us. The worker's fault is a rejection (and a ban): a proof or
@@ -126,20 +122,6 @@ class _Provisional:
     taken: set[str] = field(default_factory=set)  # the workers whose claim said they started it
 
 
-@dataclass
-class _EarlyCheckpoint:
-    """A checkpoint fetched while its worker trains (``on_checkpoint``): done once fetched and unpacked, or failed."""
-
-    job_id: bytes
-    round: int
-    path: Path
-    done: trio.Event = field(default_factory=trio.Event)
-    ok: bool = False
-
-
-EARLY_CHECKPOINTS_MAX = 256  # checkpoints fetched ahead, all jobs together (the oldest round's are dropped first)
-
-
 class Rejection(Exception):
     """A report failed verification; the message is the verdict's reason."""
 
@@ -179,7 +161,6 @@ class CoordinatorRole:
         # coordinate the job; granted in order of first hearing (a worker repeating its claim keeps its
         # place), if the last is fresh
         self._early: dict[bytes, dict[str, tuple[float, float, int, int]]] = {}
-        self._early_checkpoints: dict[str, _EarlyCheckpoint] = {}  # checkpoint CID -> fetched while trained
 
     # -- leases -----------------------------------------------------------------------------------
 
@@ -354,8 +335,6 @@ class CoordinatorRole:
                       self._provisional):
             for key in [k for k in keyed if k[0] == job_id]:
                 del keyed[key]
-        for cid in [c for c, early in self._early_checkpoints.items() if early.job_id == job_id]:
-            del self._early_checkpoints[cid]
 
     def take_over(self, view: JobMirror) -> None:
         """We just became this job's coordinator: resume what is pending."""
@@ -764,12 +743,6 @@ class CoordinatorRole:
         if step not in checkpoints:
             raise Rejection(f"the proof lists no checkpoint for step {step}")
         target = work / f"ckpt-{step}"
-        early = self._early_checkpoints.get(checkpoints[step]) if not target.exists() else None
-        if early is not None:  # fetched (or being fetched) while the worker trained: the same CID, so the same bytes
-            await early.done.wait()
-            if early.ok and early.path.is_dir():
-                target.symlink_to(early.path.resolve(), target_is_directory=True)
-                self.local.counters["verify_checkpoints_fetched_early"] += 1
         if not target.exists():
             self.local.counters["verify_checkpoints_fetched"] += 1
             bundle = work / f"ckpt-{step}.tar"
@@ -777,42 +750,6 @@ class CoordinatorRole:
                                         max_size=bundle_size_bound(1 << 30, CHECKPOINT_FILES))
             await _unpack_worker_bundle(bundle, target, allowed=CHECKPOINT_FILES, max_bytes=1 << 30)
         return target
-
-    def on_checkpoint(self, view: JobMirror, commit: m.CheckpointCommit, worker: str) -> None:
-        """A checkpoint a worker committed (applied by our mirror): if its report will be ours to verify and a
-        replay may start from it (after step 0, before the round's last step), fetch it now, while the worker
-        trains on. The segments are drawn after the report, so every such checkpoint is fetched; the
-        verification reads it if its proof names the same CID (``_checkpoint``). The bytes a verification
-        reads after the report go from the adapter and a checkpoint to the adapter alone (issue 24)."""
-        last = view.terms.training.max_steps
-        if commit.checkpoint_cid is None or commit.step <= 0 or (last and commit.step >= last) or \
-                commit.round != view.state.round or commit.checkpoint_cid in self._early_checkpoints or \
-                not self.may_verify(view, worker):
-            return
-        if len(self._early_checkpoints) >= EARLY_CHECKPOINTS_MAX:
-            oldest = min(self._early_checkpoints.items(), key=lambda kv: kv[1].round)[0]
-            del self._early_checkpoints[oldest]
-        directory = self.local.work_dir / view.job_id.hex()[:16] / \
-            f"ckpts-r{commit.round}-s{commit.shard}-a{commit.attempt}"
-        early = _EarlyCheckpoint(view.job_id, commit.round, directory / f"ckpt-{commit.step}")
-        self._early_checkpoints[commit.checkpoint_cid] = early
-        for cid in [c for c, e in self._early_checkpoints.items() if e.job_id == view.job_id and e.round < commit.round]:
-            del self._early_checkpoints[cid]  # an earlier round's: never read again
-        if not self.tasks.spawn_in_job(view.job_id, self._fetch_early_checkpoint, commit.checkpoint_cid, early, worker):
-            early.done.set()
-
-    async def _fetch_early_checkpoint(self, cid: str, early: _EarlyCheckpoint, worker: str) -> None:
-        try:
-            early.path.parent.mkdir(parents=True, exist_ok=True)
-            bundle = early.path.with_suffix(".tar")
-            await _fetch_worker_content(self.blocks, self.local, cid, bundle, worker, [worker],
-                                        max_size=bundle_size_bound(1 << 30, CHECKPOINT_FILES))
-            await _unpack_worker_bundle(bundle, early.path, allowed=CHECKPOINT_FILES, max_bytes=1 << 30)
-            early.ok = True
-        except Exception as exc:  # noqa: BLE001 - the verification fetches it itself (and judges what it gets)
-            log.debug("checkpoint %s of %s not fetched ahead: %s: %s", cid[:16], worker[-8:], type(exc).__name__, exc)
-        finally:
-            early.done.set()
 
     # -- aggregation ------------------------------------------------------------------------------
 
