@@ -2,7 +2,8 @@
 from the rule in numpy, independently of agent/train/codec.py, then check the codec agrees.
 
 Each case: a tensor's values (float32, as hex of their little-endian bytes), its kind (`signed`:
-an adapter delta or exp_avg; `root`: an exp_avg_sq), the bits per code (8: int8, 4: int4), the
+an adapter delta or exp_avg; `root`: an exp_avg_sq; `root-log`: an exp_avg_sq under int4-log, its root
+on a log scale), the bits per code (8: int8, 4: int4 and int4-log), the
 codes (before 4-bit packing) and block scales the rule gives, the stored `.q` bytes (hex), and the
 sha256 of the decoded float32 values' bytes.
 Run from the repository root: python scripts/make_codec_vectors.py
@@ -47,6 +48,24 @@ def root(v: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return q.reshape(-1), scale, (d * d).reshape(-1)[:v.size]
 
 
+def root_log(v: np.ndarray, bits: int = 4, step: float = 0.5) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """int4-log's root: scale = the block's largest root; code q > 0 stands for scale * 2^(-(top - q) * step);
+    a positive root codes to 1 + the number of thresholds scale * 2^(-(top - q) * step - step / 2), q = 2..top,
+    it reaches (the geometric midpoints); 0 to 0."""
+    top = 2 ** bits - 1
+    levels = np.array([2.0 ** (-(top - q) * step) for q in range(1, top + 1)], dtype=np.float64).astype(np.float32)
+    between = np.array([2.0 ** (-(top - q) * step - step / 2) for q in range(2, top + 1)],
+                       dtype=np.float64).astype(np.float32)
+    r = np.sqrt(np.maximum(blocks(v), np.float32(0)).astype(np.float64)).astype(np.float32)
+    scale = r.max(axis=1).astype(np.float32)
+    thresholds = (scale[:, None, None] * between[None, None, :]).astype(np.float32)
+    q = (r[:, :, None] >= thresholds).sum(axis=2) + 1
+    q = np.where(r > 0, q, 0).astype(np.uint8)
+    table = np.concatenate([np.zeros(1, dtype=np.float32), levels])
+    d = (table[q.astype(np.int64)] * scale[:, None]).astype(np.float32)
+    return q.reshape(-1), scale, (d * d).reshape(-1)[:v.size]
+
+
 def cases() -> list[dict]:
     rng = np.random.default_rng(2026)
     out = []
@@ -62,11 +81,19 @@ def cases() -> list[dict]:
         for kind, what, values in inputs:
             values = values.astype(np.float32)
             q, scale, decoded = (signed if kind == "signed" else root)(values, bits)
-            out.append({"what": what, "kind": kind, "bits": bits, "values": values.astype("<f4").tobytes().hex(),
-                        "codes": q.astype(int).tolist(), "stored": stored(q, bits, kind == "signed").hex(),
-                        "scales": scale.astype("<f4").tobytes().hex(),
-                        "decoded_sha256": hashlib.sha256(decoded.astype("<f4").tobytes()).hexdigest()})
+            out.append(case(what, kind, bits, values, q, scale, decoded))
+    for _, what, values in inputs[3:]:  # int4-log's root, on the same second moments
+        values = values.astype(np.float32)
+        out.append(case(what, "root-log", 4, values, *root_log(values, 4)))
     return out
+
+
+def case(what: str, kind: str, bits: int, values: np.ndarray, q: np.ndarray, scale: np.ndarray,
+         decoded: np.ndarray) -> dict:
+    return {"what": what, "kind": kind, "bits": bits, "values": values.astype("<f4").tobytes().hex(),
+            "codes": q.astype(int).tolist(), "stored": stored(q, bits, kind == "signed").hex(),
+            "scales": scale.astype("<f4").tobytes().hex(),
+            "decoded_sha256": hashlib.sha256(decoded.astype("<f4").tobytes()).hexdigest()}
 
 
 def stored(q: np.ndarray, bits: int, is_signed: bool) -> bytes:
@@ -83,12 +110,19 @@ def check(vectors: list[dict]) -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from agent.train.codec import _packed, decode_root, decode_signed, encode_root, encode_signed
+    from agent.train.codec import (
+        LOG_ROOT_STEP, _packed, decode_root, decode_root_log, decode_signed, encode_root, encode_root_log, encode_signed,
+    )
+
+    step = LOG_ROOT_STEP["int4-log"]
+    coders = {"signed": (encode_signed, decode_signed), "root": (encode_root, decode_root),
+              "root-log": (lambda x, bits: encode_root_log(x, bits, step),
+                           lambda c, s, like: decode_root_log(c, s, like, 4, step))}
 
     for case in vectors:
         values = torch.from_numpy(np.frombuffer(bytes.fromhex(case["values"]), dtype="<f4").copy())
         is_signed = case["kind"] == "signed"
-        encode, decode = (encode_signed, decode_signed) if is_signed else (encode_root, decode_root)
+        encode, decode = coders[case["kind"]]
         codes, scale = encode(values, case["bits"])
         assert codes.tolist() == case["codes"], case["what"]
         packed, _ = _packed(codes, scale, case["bits"], is_signed)

@@ -3,14 +3,20 @@
 A worker's report carries its round's end state: the trained adapter and, when the job carries the
 optimizer state (§2.3), its AdamW moments. Sent whole in float32 that is four copies' worth of the
 trainable tensors a round (A, B, exp_avg, exp_avg_sq), which a home uplink pays for every round.
-With ``report_codec: int8`` or ``int4`` the worker sends instead:
+With ``report_codec: int8``, ``int4`` or ``int4-log`` the worker sends instead:
 
 - the round's *delta* of every trained adapter tensor (end - start; a frozen tensor such as lora_A
   under FFA-LoRA is not sent at all: the coordinator holds the round's start),
 - ``exp_avg`` as it is, and ``exp_avg_sq`` through its square root (the scale Adam divides by),
 - each cut into blocks of ``BLOCK`` values, every block coded with one float32 scale:
   ``q = round(x / s)``, ``s = max|x| / 127`` (int8; the root: / 255, uint8), or with ``int4``
-  ``s = max|x| / 7`` (the root: / 15), the codes packed two to a byte; ``step`` counters as they are.
+  ``s = max|x| / 7`` (the root: / 15), the codes packed two to a byte; ``step`` counters as they are;
+- ``int4-log``: as ``int4``, but the root on a log scale (``encode_root_log``): the block's scale is its
+  largest root, and code q > 0 stands for ``s * 2^(-(15 - q) / 2)``, so every root within a factor 128
+  of the largest is coded to within 19 % of itself. A second moment spans decades within a block, so on
+  ``int4``'s linear scale most roots fell below its first step and were raised to it: Adam then divided
+  by roots up to 15x too large, and those coordinates nearly stopped learning (measured in
+  scripts/bench_quality.py: that, not the delta's or exp_avg's codes, was most of ``int4``'s loss).
 
 Rules of this file:
 - Bit-exact. Encoding and decoding are float32 operations in a fixed order on the CPU (round half
@@ -38,7 +44,10 @@ import torch
 
 BLOCK = 64
 # bits per value of (adapter delta, exp_avg, root of exp_avg_sq) for each codec (protocol/messages.REPORT_CODECS)
-BITS = {"int8": (8, 8, 8), "int4": (4, 4, 4)}
+BITS = {"int8": (8, 8, 8), "int4": (4, 4, 4), "int4-log": (4, 4, 4)}
+# codecs whose roots of exp_avg_sq are coded on a log scale: code q > 0 stands for max * 2^(-(2^bits - 1 - q) * step)
+# (relative steps: a second moment spans decades within a block, and Adam divides by its root)
+LOG_ROOT_STEP = {"int4-log": 0.5}
 PAYLOAD_FILE = "delta.safetensors"
 
 
@@ -88,6 +97,38 @@ def encode_root(v: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Ten
     return codes.reshape(-1), scale
 
 
+def _log_levels(bits: int, step: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the root each positive code 1..2^bits - 1 stands for, as a fraction of the block's largest; the
+    thresholds between neighbouring codes, the geometric midpoints), float32 constants computed in float64."""
+    top = 2 ** bits - 1
+    levels = torch.tensor([2.0 ** (-(top - q) * step) for q in range(1, top + 1)], dtype=torch.float64)
+    between = torch.tensor([2.0 ** (-(top - q) * step - step / 2) for q in range(2, top + 1)], dtype=torch.float64)
+    return levels.to(torch.float32), between.to(torch.float32)
+
+
+def encode_root_log(v: torch.Tensor, bits: int = 4, step: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 codes in [0, 2^bits - 1], float32 scale per block) of sqrt(v), v >= 0, on a log scale: the scale is
+    the block's largest root r_max; a root r > 0 codes to 1 + the number of thresholds ``r_max * between[k]``
+    it reaches (float32 products and comparisons: exact everywhere), so the nearest level in ratio, the
+    smallest level where r is below the range; 0 codes for 0 only."""
+    _, between = _log_levels(bits, step)
+    blocks = _blocks(v)
+    root = blocks.clamp(min=0).to(torch.float64).sqrt().to(torch.float32)  # (see encode_root)
+    scale = root.amax(dim=1)
+    thresholds = scale[:, None, None] * between[None, None, :]
+    codes = (root[:, :, None] >= thresholds).sum(dim=2) + 1
+    codes = torch.where(root > 0, codes, torch.zeros_like(codes)).to(torch.uint8)
+    return codes.reshape(-1), scale
+
+
+def decode_root_log(codes: torch.Tensor, scale: torch.Tensor, like: torch.Tensor, bits: int = 4,
+                    step: float = 0.5) -> torch.Tensor:
+    levels, _ = _log_levels(bits, step)
+    table = torch.cat([torch.zeros(1, dtype=torch.float32), levels])
+    root = table[codes.view(-1, BLOCK).long()] * scale[:, None]
+    return (root * root).reshape(-1)[:like.numel()].reshape(like.shape)
+
+
 def decode_root(codes: torch.Tensor, scale: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     root = codes.view(-1, BLOCK).to(torch.float32) * scale[:, None]
     return (root * root).reshape(-1)[:like.numel()].reshape(like.shape)
@@ -121,7 +162,9 @@ def encode(start: Mapping[str, torch.Tensor], end: Mapping[str, torch.Tensor],
         if kind == "raw":
             out[f"optimizer/{key}"] = tensor.detach().to("cpu").contiguous()
         elif kind == "root":
-            out[f"optimizer/{key}.q"], out[f"optimizer/{key}.scale"] = _packed(*encode_root(tensor, root_bits), root_bits, False)
+            step = LOG_ROOT_STEP.get(codec)
+            coded = encode_root(tensor, root_bits) if step is None else encode_root_log(tensor, root_bits, step)
+            out[f"optimizer/{key}.q"], out[f"optimizer/{key}.scale"] = _packed(*coded, root_bits, False)
         elif kind == "signed":
             out[f"optimizer/{key}.q"], out[f"optimizer/{key}.scale"] = _packed(*encode_signed(tensor, signed_bits), signed_bits, True)
         else:
@@ -187,7 +230,13 @@ def decode(payload: Mapping[str, torch.Tensor], start: Mapping[str, torch.Tensor
             continue
         bits = root_bits if kind == "root" else signed_bits
         codes, scale = _pair(payload, f"optimizer/{key}", like, bits, kind != "root", used)
-        decoded = decode_root(codes, scale, like) if kind == "root" else decode_signed(codes, scale, like)
+        step = LOG_ROOT_STEP.get(codec)
+        if kind != "root":
+            decoded = decode_signed(codes, scale, like)
+        elif step is None:
+            decoded = decode_root(codes, scale, like)
+        else:
+            decoded = decode_root_log(codes, scale, like, bits, step)
         optimizer[key] = decoded.to(like.dtype)
     extra = set(payload) - used
     if extra:

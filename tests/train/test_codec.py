@@ -121,7 +121,7 @@ def test_a_file_that_is_not_a_payload_is_refused(tmp_path):
         load_payload(tmp_path / "junk.safetensors")
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int4-log"])
 def test_a_coded_run_commits_the_coded_state_and_its_last_segment_replays(tmp_path, base_config, demo_files, codec):
     """Real training with report_codec int8 and a carried optimizer: the payload decodes onto the
     round's start to exactly the state the last link commits; the verifier replays the last segment
@@ -157,9 +157,31 @@ def test_a_coded_run_commits_the_coded_state_and_its_last_segment_replays(tmp_pa
 
 
 def test_the_codec_vectors():
-    """ipips/vectors/codec.json, made by an encoder written from the rule in numpy (8- and 4-bit)."""
+    """ipips/vectors/codec.json, made by an encoder written from the rule in numpy (8- and 4-bit, and int4-log's roots)."""
     from scripts.make_codec_vectors import ROOT, check
 
     vectors = json.loads((ROOT / "ipips" / "vectors" / "codec.json").read_text())
-    assert vectors["block"] == BLOCK and len(vectors["cases"]) == 10
+    assert vectors["block"] == BLOCK and len(vectors["cases"]) == 12
     check(vectors["cases"])
+
+
+def test_int4_log_codes_every_root_in_its_range_to_within_a_fifth_and_raises_half_as_many_as_int4():
+    """A second moment over six decades in one block (as Adam's are): int4's linear root raises every root
+    below max/30 to max/15 (Adam then divides by it); int4-log codes each root within a factor 128 of the
+    largest to within 2^(1/4) of itself, raises only those below that range, and keeps zeros zero."""
+    from agent.train.codec import decode_root, decode_root_log, encode_root, encode_root_log
+
+    generator = torch.Generator().manual_seed(3)
+    v = torch.rand(4096, generator=generator) ** 6 * 1e-8
+    v[::97] = 0.0
+    root = v.sqrt().view(-1, BLOCK)
+    top = root.amax(dim=1, keepdim=True)
+    in_range = ((root >= top / 128) & (root > 0)).reshape(-1)
+    logged = decode_root_log(*encode_root_log(v, 4), v).sqrt()
+    linear = decode_root(*encode_root(v, 4), v).sqrt()
+    ratio = logged[in_range] / v.sqrt()[in_range]
+    assert float(ratio.min()) >= 2 ** -0.25 - 1e-6 and float(ratio.max()) <= 2 ** 0.25 + 1e-6
+    assert bool((logged[v == 0] == 0).all()) and bool((logged[v > 0] > 0).all())
+    raised = lambda decoded: float((decoded[v > 0] > 2 * v.sqrt()[v > 0]).float().mean())  # noqa: E731
+    assert raised(logged) <= float((~in_range[v > 0]).float().mean()) + 1e-9  # only those below the range
+    assert raised(linear) > 1.8 * raised(logged), (raised(linear), raised(logged))  # 0.32 and 0.16 here
