@@ -1051,7 +1051,7 @@ def _check_adapter(adapter_dir: Path, terms: m.JobTerms) -> dict:
 
 
 def _materialize_report(directory: Path, terms: m.JobTerms, start: dict) -> None:
-    """With ``report_codec`` int8 or int4 (IPIP-0006 §2.8): decode the report's payload onto the round's
+    """With a ``report_codec`` (int8, int4, int4-log; IPIP-0006 §2.8): decode the report's payload onto the round's
     ``start`` and write the adapter (and AdamW state) files the rest of verification and aggregation
     read; the decoded state is then checked against the chain like a whole report. A coded job's
     report must carry the payload and no whole tensors, an uncoded one no payload: else Rejection."""
