@@ -135,20 +135,17 @@ class Capabilities:
             return
         self.published = cap
 
-    async def tell_peers(self, again: float = 0.0) -> None:
-        """Our capability now, for peers that have not heard it (arrived, or what we offer changed); at most 10 s
-        each. ``again``: and once more after that many seconds (an arriving peer: the late-joiner scenario saw
-        every capability told at its arrival lost, its mesh not formed yet; lacking the coordinator's, it took
-        the live coordinator for ineligible, elected itself in term 2 and refused the job's final aggregate)."""
+    async def tell_peers(self) -> None:
+        """Our capability now, for peers that have not heard it (arrived, or what we offer changed); at most 10 s."""
         with trio.move_on_after(10):
             await self.publish()
-        if again > 0:
-            await trio.sleep(again)
-            with trio.move_on_after(10):
-                await self.publish()
 
     async def tell_arrived(self) -> None:
-        await self.tell_peers(again=CAPABILITY_TELL_AGAIN)
+        """``tell_peers`` for a peer that just arrived, and again ``CAPABILITY_TELL_AGAIN`` later: the
+        late-joiner scenario saw a capability told at once lost, the newcomer's mesh not formed yet."""
+        await self.tell_peers()
+        await trio.sleep(CAPABILITY_TELL_AGAIN)
+        await self.tell_peers()
 
     def local_model(self, terms: m.JobTerms) -> str | None:
         """Our local copy of a job's base model (``models`` by name, or the path itself), or None."""

@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="7",
                         help="training seeds (comma list: LoRA init, shard split, batch order); with several, each row "
                              "is run per seed (names end /seed<k>) and a codec's rows are paired with the uncoded ones "
-                             "of the same seed: codec_delta/... prints the mean change of E and of the final loss")
+                             "of the same seed: codec_E/... and codec_loss/... print the means and their change")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--records", type=int, default=0,
                         help="training records per task (0: the shipped 400); more keeps long jobs off many epochs")

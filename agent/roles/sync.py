@@ -138,7 +138,7 @@ class JobSync:
 
     def __init__(self, peer_id: str, clock: Callable[[], float], peers: "PeerTable", tasks: "Tasks",
                  writer: "StoreWriter", net: Callable[[], Any],
-                 commit: Callable[..., Awaitable[bool]], reach: Callable[[str], Awaitable[None]] | None = None) -> None:
+                 commit: Callable[..., Awaitable[bool]], reach: Callable[[str], Awaitable[None]]) -> None:
         self.peer_id, self.clock = peer_id, clock
         self.peers, self.tasks, self.writer, self.net, self.commit = peers, tasks, writer, net, commit
         self.reach = reach  # connect to a peer, its address found in the DHT (ContentService.reach)
@@ -150,15 +150,14 @@ class JobSync:
         if peer == self.peer_id:
             return None
         try:
-            if self.reach is not None and peer not in self.net().host.connected_peers():
-                # a restarted submitter hears its peers' gossip through one of them, and holds no address of the
-                # others: the scenario submitter-coordinator-down saw its first catch-up fail for the coordinator
-                # ("no known addresses"), and the next come 12 s later
-                with trio.move_on_after(min(10.0, timeout / 2)):
-                    try:
-                        await self.reach(peer)
-                    except NetError:
-                        pass  # (the fetch says why)
+            # a restarted submitter hears its peers' gossip through one of them, and holds no address of the
+            # others: the scenario submitter-coordinator-down saw its first catch-up fail for the coordinator
+            # ("no known addresses"), and the next come 12 s later
+            with trio.move_on_after(min(10.0, timeout / 2)):
+                try:
+                    await self.reach(peer)  # (at once when connected)
+                except NetError:
+                    pass  # (the fetch says why)
             history = await fetch_history(self.net().host, peer, view.job_id, timeout)
         except (NetError, PeerProtocolError, trio.TooSlowError) as exc:
             log.info("job %s: could not %s from %s: %s", view.job_id.hex()[:8], what, peer[-8:], exc)
@@ -232,25 +231,19 @@ class JobSync:
             for peer in peers:
                 nursery.start_soon(fetch, peer)
         applied: set[bytes] = set()
-        done: set[bytes] = set()  # the envelopes that applied (the evidence committed)
         ids = {data: opened.envelope.message_id for history in histories.values() for data, opened in history or ()}
 
         async def receive(peer: str) -> None:
             outcomes = []
             for data, opened in histories.get(peer) or ():
-                if data in done or self.writer.store.has_envelope(opened.envelope.message_id):
-                    continue
+                if self.writer.store.has_envelope(opened.envelope.message_id):
+                    continue  # (what applied in an earlier pass is stored: committed below)
                 signer, at = opened.envelope.signer, opened.envelope.timestamp_ms / 1000.0
                 outcomes.append(view.receive(opened.message, signer, at, self.peers.eligible_coordinators(view.terms),
                                              data, history=True, vouched=vouch and peer == view.coordination.coordinator))
             if outcomes:  # the live messages held meanwhile, tried once at the real now (not at a stored time)
                 outcomes.append(view.retry(self.clock(), self.peers.eligible_coordinators(view.terms)))
             outcome = Outcome.join(outcomes)
-            log.debug("job %s: %s's history: %d envelopes, %d new, %d applied%s; view term %d, %d held",
-                      view.job_id.hex()[:8], peer[-8:], len(histories.get(peer) or ()), len(outcomes) - bool(outcomes),
-                      len(outcome.evidence), " (vouched)" if vouch and peer == view.coordination.coordinator else "",
-                      view.coordination.term, len(view.pending))
-            done.update(outcome.evidence)
             applied.update(ids[data] for data in outcome.evidence if data in ids)
             # what applied, in the order it did; then our copies of the accepted work and aggregates we missed
             await self._commit(view, outcome if act else replace(outcome, actions=() if outcome.changed else None))

@@ -148,6 +148,7 @@ def encode(start: Mapping[str, torch.Tensor], end: Mapping[str, torch.Tensor],
            optimizer: Mapping[str, torch.Tensor], frozen: Sequence[str], codec: str = "int8") -> dict[str, torch.Tensor]:
     """The payload's tensors: adapter deltas (frozen keys left out) and the AdamW state."""
     delta_bits, signed_bits, root_bits = BITS[codec]
+    log_step = LOG_ROOT_STEP.get(codec)
     out: dict[str, torch.Tensor] = {}
     skip = set(frozen)
     for key, tensor in end.items():
@@ -162,8 +163,7 @@ def encode(start: Mapping[str, torch.Tensor], end: Mapping[str, torch.Tensor],
         if kind == "raw":
             out[f"optimizer/{key}"] = tensor.detach().to("cpu").contiguous()
         elif kind == "root":
-            step = LOG_ROOT_STEP.get(codec)
-            coded = encode_root(tensor, root_bits) if step is None else encode_root_log(tensor, root_bits, step)
+            coded = encode_root(tensor, root_bits) if log_step is None else encode_root_log(tensor, root_bits, log_step)
             out[f"optimizer/{key}.q"], out[f"optimizer/{key}.scale"] = _packed(*coded, root_bits, False)
         elif kind == "signed":
             out[f"optimizer/{key}.q"], out[f"optimizer/{key}.scale"] = _packed(*encode_signed(tensor, signed_bits), signed_bits, True)
@@ -205,6 +205,7 @@ def decode(payload: Mapping[str, torch.Tensor], start: Mapping[str, torch.Tensor
     if codec not in BITS:
         raise CodecError(f"unknown report codec {codec!r}")
     delta_bits, signed_bits, root_bits = BITS[codec]
+    log_step = LOG_ROOT_STEP.get(codec)
     adapter: dict[str, torch.Tensor] = {}
     used: set[str] = set()
     skip = set(frozen)
@@ -230,13 +231,12 @@ def decode(payload: Mapping[str, torch.Tensor], start: Mapping[str, torch.Tensor
             continue
         bits = root_bits if kind == "root" else signed_bits
         codes, scale = _pair(payload, f"optimizer/{key}", like, bits, kind != "root", used)
-        step = LOG_ROOT_STEP.get(codec)
         if kind != "root":
             decoded = decode_signed(codes, scale, like)
-        elif step is None:
+        elif log_step is None:
             decoded = decode_root(codes, scale, like)
         else:
-            decoded = decode_root_log(codes, scale, like, bits, step)
+            decoded = decode_root_log(codes, scale, like, bits, log_step)
         optimizer[key] = decoded.to(like.dtype)
     extra = set(payload) - used
     if extra:
