@@ -127,6 +127,7 @@ async def _status(agent: "Agent") -> dict:
         "active_shards": len(agent.worker.active) if agent.worker else 0, "counters": dict(agent.counters),
         "refusing_work": agent.store_full,  # None, or why (the store cannot be written: disk full)
         "reach": _reach(agent),
+        "streams": agent.net.host.stream_report(),
         "disk": agent.disk.as_json(),  # the home's use at the last collection, the quota (agent/disk.py)
     }
 

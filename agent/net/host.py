@@ -212,6 +212,18 @@ class Host:
     def connected_peers(self) -> list[str]:
         return [p.to_base58() for p in self.libp2p.get_connected_peers()]
 
+    def stream_report(self) -> dict:
+        """Streams as py-libp2p counts them: open on live connections, and the process-wide budget every
+        new stream (ours or a peer's) waits for (its resource manager's stream semaphore), with what
+        its resource manager holds as open."""
+        network = self.libp2p.get_network()
+        conns = [c for cs in getattr(network, "connections", {}).values() for c in (cs if isinstance(cs, list) else [cs])]
+        semaphore = getattr(network, "_stream_semaphore", None)
+        manager = getattr(network, "_resource_manager", None)
+        return {"open": sum(len(c.get_streams()) for c in conns), "connections": len(conns),
+                "slots_free": None if semaphore is None else semaphore.value,
+                "held": None if manager is None else getattr(manager, "_current_streams", None)}
+
     def set_handler(self, protocol: str, handler: StreamHandler, *, timeout: float | None) -> None:
         """Register a handler for ``protocol``, guarded (see streams.py) and under ``timeout`` seconds."""
         self.libp2p.set_stream_handler(protocol, self.guard.wrap(handler, name=protocol, timeout=timeout))

@@ -170,12 +170,13 @@ def frame(payload: bytes) -> bytes:
 
 
 async def request_frames(host: Any, peer: str, protocol: str, request: bytes, *, max_frame: int, max_frames: int,
-                         max_bytes: int, what: str, timeout: float) -> list[bytes]:
+                         max_bytes: int, what: str, timeout: float, open_timeout: float = 10.0) -> list[bytes]:
     """Ask ``peer`` over ``protocol``: write ``request``, close our side, read frames until the empty
     end frame. At most ``max_frames`` frames of ``max_frame`` bytes and ``max_bytes`` in all, within
     ``timeout``. NetError or PeerProtocolError naming the peer on failure; TooSlowError after ``timeout``.
-    The stream is closed when all went well, reset otherwise."""
-    stream = await host.open_stream(peer, [protocol], timeout=min(10.0, timeout))
+    The stream is closed when all went well, reset otherwise. ``open_timeout``: how long the stream may
+    take to open (its multistream negotiation answered), at most ``timeout``."""
+    stream = await host.open_stream(peer, [protocol], timeout=min(open_timeout, timeout))
     ok = False
     try:
         with trio.fail_after(timeout):

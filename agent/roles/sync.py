@@ -104,8 +104,11 @@ class SyncService:
 async def fetch_history(host: Any, peer: str, job_id: bytes, timeout: float = TIMEOUT) -> list[bytes]:
     """The envelopes ``peer`` holds for ``job_id`` (unverified: the caller checks each one).
     NetError or PeerProtocolError naming the peer on any failure; TooSlowError after ``timeout``."""
+    # the stream may take the whole timeout to open: a history is asked for when a peer comes back, when every
+    # peer is busy with it (a soak on 2 cores saw a restarted submitter's 8 requests all answered 8-9 s
+    # late by peers that were training, and at 10 s all 8 failed, for a minute)
     return await request_frames(host, peer, PROTOCOL, job_id, max_frame=MAX_ENVELOPE_BYTES, max_frames=MAX_HISTORY,
-                                max_bytes=MAX_HISTORY_BYTES, what="envelope", timeout=timeout)
+                                max_bytes=MAX_HISTORY_BYTES, what="envelope", timeout=timeout, open_timeout=timeout)
 
 
 def _verified(history: list[bytes], job_id: bytes) -> tuple[list[Any], int]:
@@ -186,19 +189,23 @@ class JobSync:
         # job on the others. They are asked at once (a dead one costs its timeout once, not in turn).
         random.shuffle(live)
         peers = sorted(live, key=lambda p: p != coordinator)[:PEERS_ASKED]
-        applied = await self._receive_histories(view, peers, timeout, vouch=True)
+        applied, answered = await self._receive_histories(view, peers, timeout, vouch=True)
         if applied:
             log.info("job %s: caught up on %d messages from %d peers after a restart (%d held): %s, round %d, "
                      "term %d", view.job_id.hex()[:8], len(applied), len(peers), len(view.pending),
                      view.state.phase.value, view.state.round, view.coordination.term)
             self.writer.save_job_row(view)
+        else:  # said, so that a submitter that stays behind shows why (a soak's stuck submitter logged nothing)
+            log.info("job %s: caught up on nothing from %d peers after a restart (%d of them answered; %d held): "
+                     "%s, round %d, term %d", view.job_id.hex()[:8], len(peers), answered, len(view.pending),
+                     view.state.phase.value, view.state.round, view.coordination.term)
         return applied
 
     async def repair(self, view: Any, peers: tuple[str, ...], timeout: float = TIMEOUT) -> set[bytes]:
         """Our mirror holds worker messages it cannot apply (protocol/resync.repair_sources): ask their signers,
         not the submitter, for their history of the job, and receive what we lack as any peer's messages
         (IPIP-0004 §11.1). Returns the message IDs applied."""
-        applied = await self._receive_histories(view, list(peers), timeout, act=True)
+        applied, _ = await self._receive_histories(view, list(peers), timeout, act=True)
         if applied:
             log.info("job %s: repaired %d messages from %s: %s, round %d", view.job_id.hex()[:8], len(applied),
                      ", ".join(p[-8:] for p in peers), view.state.phase.value, view.state.round)
@@ -206,13 +213,13 @@ class JobSync:
         return applied
 
     async def _receive_histories(self, view: Any, peers: list[str], timeout: float, *, act: bool = False,
-                                 vouch: bool = False) -> set[bytes]:
+                                 vouch: bool = False) -> tuple[set[bytes], int]:
         """Fetch ``peers``' histories of the job at once, then receive, peer by peer, the envelopes our store lacks
         as live messages with their own timestamps (``history=True``): coordinator decisions pass our election
         view like live ones (nobody's stored junk can move our term), the rest is applied as anyone's; then
         the live messages held meanwhile are tried once at the real now. What applied is committed with its
-        reactions; the state machine's actions of the past are nobody's to carry out. Returns the message
-        IDs applied.
+        reactions; the state machine's actions of the past are nobody's to carry out. Returns (the message
+        IDs applied, how many of ``peers`` answered).
 
         ``vouch`` (the submitter catching up): the history of our view's coordinator vouches for the
         decisions of earlier terms in it (IPIP-0006 §1.3 rule 9): a coordinator that is gone signed them,
@@ -252,7 +259,7 @@ class JobSync:
             await receive(peer)
         if vouch and view.coordination.coordinator in histories:
             await receive(view.coordination.coordinator)  # what its history held from before our view reached its term
-        return applied
+        return applied, sum(1 for history in histories.values() if history is not None)
 
     async def _commit(self, view: JobMirror, outcome: Outcome, *, act: bool = True) -> None:
         """The agent's ``commit``; a full disk raises StoreFullError to the caller, as a direct store write would."""

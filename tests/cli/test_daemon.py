@@ -19,6 +19,9 @@ def test_daemon_answers_the_cli_and_stops_cleanly_on_sigterm(tmp_path, daemons, 
     status = daemon.start()
     assert set(status) >= {"peer_id", "addrs", "peers", "jobs", "accept_training", "pid", "uptime_s"}
     assert status["accept_training"] is False and status["addrs"][0].startswith("/ip4/127.0.0.1/tcp/")
+    # py-libp2p's stream budget, which every new stream waits for (a soak looked for a leak of it)
+    streams = status["streams"]
+    assert streams["open"] >= 0 and streams["connections"] == 0 and streams["slots_free"] + streams["held"] == 10000
     sock = home / "control.sock"
     assert stat.S_ISSOCK(sock.stat().st_mode) and stat.S_IMODE(sock.stat().st_mode) == 0o600
     assert "listening" in cli("agent", "status", "--home", str(home), check=True).stdout
