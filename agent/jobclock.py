@@ -30,7 +30,7 @@ import trio
 
 from agent.store import StoreFullError
 from protocol import messages as m
-from protocol.election import keep_or_elect
+from protocol.election import UNCLAIMED_FACTOR, depose_unclaimed, keep_or_elect
 from protocol.resync import RESYNC_INTERVAL, needs_resync, repair_sources, stalled
 
 if TYPE_CHECKING:
@@ -61,9 +61,12 @@ class JobClock:
         self.coordinating: set[bytes] = set()  # jobs whose pending work we took over as coordinator
         self.resyncing: set[bytes] = set()  # jobs whose mirror is being rebuilt
         self.last_resync: dict[bytes, float] = {}
+        # per job: the (term, coordinator) our view named at the last tick, and since when (rule 10's clock)
+        self.named: dict[bytes, tuple[tuple[int, str | None], float]] = {}
 
     def forget(self, job_id: bytes) -> None:
         self.last_resync.pop(job_id, None)
+        self.named.pop(job_id, None)
         self.coordinating.discard(job_id)
 
     # -- the election ------------------------------------------------------------------------------
@@ -81,11 +84,26 @@ class JobClock:
         if not self.peers.hears_submitter(view, settled=True):
             return  # cut off from the submitter (or just back): its side decides; we wait
         before = view.coordination
-        view.coordination = keep_or_elect(before, self.peers.eligible_coordinators(view.terms))
-        if before.coordinator is not None and view.coordination.coordinator != before.coordinator:
+        eligible = self.peers.eligible_coordinators(view.terms)
+        view.coordination = keep_or_elect(before, eligible)
+        named, named_at = self.named.get(view.job_id, (None, now))
+        if named != (before.term, before.coordinator):  # (our view named it just now, or another way: a message)
+            named_at = now
+        if view.coordination == before:  # live and eligible, but does it act? (IPIP-0006 §1.3 rule 10)
+            view.coordination = depose_unclaimed(before, eligible, self.peer_id, named_at,
+                                                 view.claimed_at(before.coordinator or "", before.term), now,
+                                                 UNCLAIMED_FACTOR * self.peers.silence)
+            if view.coordination != before:
+                log.warning("job %s: coordinator %s is live but has not claimed term %d for %.0f s; %s takes over "
+                            "in term %d", view.job_id.hex()[:8], (before.coordinator or "")[-8:], before.term,
+                            now - named_at, (view.coordination.coordinator or "none")[-8:], view.coordination.term)
+        elif before.coordinator is not None and view.coordination.coordinator != before.coordinator:
             log.info("job %s: coordinator %s went silent; %s takes over in term %d",
                      view.job_id.hex()[:8], before.coordinator[-8:], (view.coordination.coordinator or "none")[-8:],
                      view.coordination.term)
+        self.named[view.job_id] = ((view.coordination.term, view.coordination.coordinator),
+                                   named_at if view.coordination == before else now)
+        if view.coordination != before and before.coordinator is not None:
             self.ledger(view.job_id, "coordinator", {"term": view.coordination.term,
                                                      "coordinator": view.coordination.coordinator or ""})
 

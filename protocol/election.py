@@ -54,6 +54,14 @@ Rules of this file:
   earlier terms by a coordinator that is gone (dead, so not live, so refused by the rules above): the
   submitter takes them as that coordinator vouches for them, whoever signed them and whatever its own
   view recorded for their term: ``may_apply_vouched_past``. Never moves the view.
+- A coordinator that does not claim its term (rule 10). A live peer that coordinates a job says so in
+  every heartbeat (its terms). A view whose coordinator is eligible and live but has not claimed the
+  view's term (or a later one) for ``UNCLAIMED_FACTOR`` x ``MISSED_HEARTBEATS`` heartbeat intervals since
+  the view named it deposes it: the next term goes to the first by rank of the other eligible live peers
+  (``depose_unclaimed``). Two views can otherwise name each other's peer and wait for good: a soak saw a
+  coordinator whose rebuild from the submitter's older history took it back to term 1 (naming a live
+  peer), while everyone else had followed it into term 3; both peers were live, neither acted, and the
+  job stood in round 2 until its deadline.
 - Errors. A malformed job ID or peer ID, a stale or conflicting term: ``StateError``, nothing else.
 
 The document is ``ipips/0006-election-aggregation.md``; ``ipips/vectors/election-*.json`` are
@@ -76,6 +84,9 @@ HEARTBEAT_SECONDS = 10.0
 """How often a live peer gossips a Heartbeat."""
 MISSED_HEARTBEATS = 3
 """A peer silent for this many heartbeat intervals is no longer live."""
+UNCLAIMED_FACTOR = 3
+"""Rule 10: a live coordinator that has not claimed its term for this many silence windows (heartbeat
+intervals x MISSED_HEARTBEATS) is deposed: long enough for a just-elected peer to form its own view and catch up."""
 PAST_TERMS_KEPT = 64
 """Earlier terms a view remembers the coordinator of (rule 7); verdicts of older ones are refused."""
 
@@ -315,6 +326,26 @@ def may_apply_vouched_past(view: Coordination, signer: str, term: int, worker: s
 def stepped_down(before: Coordination, after: Coordination, me: str) -> bool:
     """True when ``me`` coordinated in ``before`` and no longer does in ``after``."""
     return before.is_coordinator(me) and not after.is_coordinator(me)
+
+
+def depose_unclaimed(view: Coordination, eligible: Iterable[str], me: str, named_at: float,
+                     claimed_at: float | None, now: float,
+                     window: float = UNCLAIMED_FACTOR * MISSED_HEARTBEATS * HEARTBEAT_SECONDS) -> Coordination:
+    """Rule 10: the view after its coordinator failed to claim the view's term for ``window`` seconds.
+    ``named_at``: when this view named it (in this term); ``claimed_at``: when it last claimed this term or a
+    later one (its heartbeats), None if never. A coordinator that is us, or not eligible and live (that is
+    ``keep_or_elect``'s), or the only eligible live peer, stays; else the first by rank of the others takes the
+    next term."""
+    eligible = frozenset(eligible)
+    coordinator = view.coordinator
+    if coordinator is None or coordinator == me or coordinator not in eligible:
+        return view
+    if now - max(named_at, claimed_at if claimed_at is not None else named_at) < window:
+        return view
+    others = eligible - {coordinator}
+    if not others:
+        return view
+    return view._moved(view.term + 1, elect(view.job_id, others))
 
 
 def keep_or_elect(view: Coordination, eligible: Iterable[str]) -> Coordination:

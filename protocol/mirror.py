@@ -142,6 +142,9 @@ class JobMirror:
     # when each lease, report and aggregate applied here ("lease"/"report", key) / ("aggregate", round):
     # live, our clock; rebuilt from the store or a peer's history, the envelope's signed time
     applied_at: dict[tuple[str, Any], float] = field(default_factory=dict)
+    # the latest term each peer claimed to coordinate the job in, and when we heard it (heartbeats,
+    # ``observe_term``): a live coordinator that does not claim our view's term is deposed (IPIP-0006 §1.3 rule 10)
+    claims: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._replaying = False
@@ -261,11 +264,17 @@ class JobMirror:
     def observe_term(self, signer: str, term: int, now: float, eligible: frozenset[str]) -> Outcome:
         """A coordinator's term heard outside the job's topic (its heartbeat): our election view may move
         to it, and what was held for that term may apply now."""
+        self.claims[signer] = (term, now)
         before = self.coordination
         self._check_coordinator(signer, term, eligible)
         if self.coordination == before:
             return Outcome()
         return self.retry(now, eligible)
+
+    def claimed_at(self, peer: str, term: int) -> float | None:
+        """When ``peer`` last claimed to coordinate the job in ``term`` or a later one (None: not heard)."""
+        claim = self.claims.get(peer)
+        return claim[1] if claim is not None and claim[0] >= term else None
 
     def tick(self, now: float) -> Outcome:
         """The timers due at ``now`` (leases, windows, the deadline); held messages past their

@@ -283,7 +283,8 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
                                   within=within),
                     len(shard)) for shard in shards]
         if codec != "none":
-            trained = [(coded(aggregate_now, adapter, opt if carry else {}, trainer.frozen, sent, codec), n)
+            trained = [(coded(aggregate_now, adapter, opt if carry else {}, trainer.frozen, sent, codec,
+                              optimizer if carry else None), n)
                        for (adapter, opt), n in trained]
         mean = aggregate(method, [(adapter, n) for (adapter, _), n in trained])
         if carry:  # IPIP-0006 §2.3: the next round starts from the averaged AdamW state
@@ -328,10 +329,10 @@ def round_plan(steps: int, rounds: int, ramp: tuple[int, ...] = ()) -> list[int]
 
 
 def coded(start: dict, adapter: dict, optimizer: dict, frozen: list, sent: list | None,
-          codec: str = "int8") -> tuple[dict, dict]:
+          codec: str = "int8", optimizer_start: dict | None = None) -> tuple[dict, dict]:
     """A worker's end state as the coordinator gets it through the report codec (bytes counted
-    at the codec's bits per value, as the payload file stores them)."""
-    payload, adapter, optimizer = round_trip(start, adapter, optimizer, frozen, codec)
+    at the codec's bits per value, as the payload file stores them); ``optimizer_start``: the round's."""
+    payload, adapter, optimizer = round_trip(start, adapter, optimizer, frozen, codec, optimizer_start)
     if sent is not None:
         whole = sum(t.numel() * t.element_size() for t in (*adapter.values(), *optimizer.values()))
         sent.append((payload_bytes(payload), whole))

@@ -44,10 +44,14 @@ import torch
 
 BLOCK = 64
 # bits per value of (adapter delta, exp_avg, root of exp_avg_sq) for each codec (protocol/messages.REPORT_CODECS)
-BITS = {"int8": (8, 8, 8), "int4": (4, 4, 4), "int4-log": (4, 4, 4)}
+BITS = {"int8": (8, 8, 8), "int4": (4, 4, 4), "int4-log": (4, 4, 4), "int4-fresh": (4, 4, 4)}
 # codecs whose roots of exp_avg_sq are coded on a log scale: code q > 0 stands for max * 2^(-(2^bits - 1 - q) * step)
 # (relative steps: a second moment spans decades within a block, and Adam divides by its root)
-LOG_ROOT_STEP = {"int4-log": 0.5}
+LOG_ROOT_STEP = {"int4-log": 0.5, "int4-fresh": 0.5}
+# codecs that code of exp_avg_sq only what the round added: v_end - BETA2^n * v_start, where v_start is the round's
+# start state (which the coordinator holds) and n the steps trained (the step counters'); decoded v = that + BETA2^n * v_start
+FRESH = {"int4-fresh"}
+BETA2 = 0.999  # the inner AdamW's (IPIP-0005 §3: betas 0.9/0.999)
 PAYLOAD_FILE = "delta.safetensors"
 
 
@@ -144,9 +148,29 @@ def _kind(key: str) -> str:
     return "delta"
 
 
+def _decayed_start(key: str, like: torch.Tensor, optimizer: Mapping[str, torch.Tensor],
+                   optimizer_start: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
+    """BETA2^n * the round start's exp_avg_sq ``key`` (float32; zeros without a start state), n = the steps
+    between the start's and ``optimizer``'s step counters of that tensor."""
+    base = (optimizer_start or {}).get(key)
+    if base is None:
+        return torch.zeros(like.shape, dtype=torch.float32)
+    prefix = key[:-len(".exp_avg_sq")]
+    end_step, start_step = optimizer.get(prefix + ".step"), optimizer_start.get(prefix + ".step")
+    if end_step is None or start_step is None:
+        raise CodecError(f"{prefix}.step: missing; the steps of a round are needed to code its second moment")
+    n = int(round(float(end_step))) - int(round(float(start_step)))
+    if n < 0:
+        raise CodecError(f"{prefix}.step: {float(end_step):g} is before the round's start {float(start_step):g}")
+    decay = torch.tensor(BETA2 ** n, dtype=torch.float64).to(torch.float32)
+    return base.detach().to("cpu", torch.float32) * decay
+
+
 def encode(start: Mapping[str, torch.Tensor], end: Mapping[str, torch.Tensor],
-           optimizer: Mapping[str, torch.Tensor], frozen: Sequence[str], codec: str = "int8") -> dict[str, torch.Tensor]:
-    """The payload's tensors: adapter deltas (frozen keys left out) and the AdamW state."""
+           optimizer: Mapping[str, torch.Tensor], frozen: Sequence[str], codec: str = "int8",
+           optimizer_start: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The payload's tensors: adapter deltas (frozen keys left out) and the AdamW state. ``optimizer_start``:
+    the AdamW state the round started from (codecs in FRESH)."""
     delta_bits, signed_bits, root_bits = BITS[codec]
     log_step = LOG_ROOT_STEP.get(codec)
     out: dict[str, torch.Tensor] = {}
@@ -163,6 +187,9 @@ def encode(start: Mapping[str, torch.Tensor], end: Mapping[str, torch.Tensor],
         if kind == "raw":
             out[f"optimizer/{key}"] = tensor.detach().to("cpu").contiguous()
         elif kind == "root":
+            if codec in FRESH:
+                base = _decayed_start(key, tensor, optimizer, optimizer_start)
+                tensor = (tensor.detach().to("cpu", torch.float32) - base).clamp_(min=0)
             coded = encode_root(tensor, root_bits) if log_step is None else encode_root_log(tensor, root_bits, log_step)
             out[f"optimizer/{key}.q"], out[f"optimizer/{key}.scale"] = _packed(*coded, root_bits, False)
         elif kind == "signed":
@@ -194,7 +221,8 @@ def _unpacked(stored: torch.Tensor, bits: int, signed: bool, name: str) -> torch
 
 
 def decode(payload: Mapping[str, torch.Tensor], start: Mapping[str, torch.Tensor],
-           optimizer_like: Mapping[str, torch.Tensor] | None, frozen: Sequence[str], codec: str = "int8"
+           optimizer_like: Mapping[str, torch.Tensor] | None, frozen: Sequence[str], codec: str = "int8",
+           optimizer_start: Mapping[str, torch.Tensor] | None = None
            ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(adapter, optimizer state) that ``payload`` codes for, on top of the round's ``start``.
 
@@ -237,6 +265,9 @@ def decode(payload: Mapping[str, torch.Tensor], start: Mapping[str, torch.Tensor
             decoded = decode_root(codes, scale, like)
         else:
             decoded = decode_root_log(codes, scale, like, bits, log_step)
+        if kind == "root" and codec in FRESH:
+            step = key[:-len(".exp_avg_sq")] + ".step"  # (the payload carries step counters as they are)
+            decoded = decoded + _decayed_start(key, like, {step: payload.get(f"optimizer/{step}")}, optimizer_start)
         optimizer[key] = decoded.to(like.dtype)
     extra = set(payload) - used
     if extra:
@@ -285,11 +316,12 @@ def _optimizer_shapes(payload: Mapping[str, torch.Tensor], start: Mapping[str, t
 
 
 def round_trip(start: Mapping[str, torch.Tensor], end: Mapping[str, torch.Tensor],
-               optimizer: Mapping[str, torch.Tensor], frozen: Sequence[str], codec: str = "int8"
+               optimizer: Mapping[str, torch.Tensor], frozen: Sequence[str], codec: str = "int8",
+               optimizer_start: Mapping[str, torch.Tensor] | None = None
                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(payload, adapter, optimizer state): what the worker sends and the state it then holds."""
-    payload = encode(start, end, optimizer, frozen, codec)
-    adapter, state = decode(payload, start, optimizer, frozen, codec)
+    payload = encode(start, end, optimizer, frozen, codec, optimizer_start)
+    adapter, state = decode(payload, start, optimizer, frozen, codec, optimizer_start)
     return payload, adapter, state
 
 

@@ -406,3 +406,24 @@ def test_a_view_remembers_a_bounded_number_of_earlier_terms():
     forgotten = view.past[0][0] - 1  # older than what it remembers: refused, not taken as skipped
     assert not may_apply_past_verdict(view, ranking[forgotten % 2], ranking[4], forgotten, None, ranking)
     assert may_apply_past_verdict(view, ranking[view.past[0][0] % 2], ranking[4], view.past[0][0], None, ranking)
+
+
+def test_a_live_coordinator_that_does_not_claim_its_term_is_deposed_vector():
+    """IPIP-0006 §1.3 rule 10: a view's coordinator, eligible and live, that has not claimed the view's term for
+    the window since the view named it (or since its last claim) gives the next term to the first by rank of
+    the other eligible live peers; it stays when it is the asking peer, not eligible, or alone."""
+    from protocol.election import (HEARTBEAT_SECONDS, MISSED_HEARTBEATS, UNCLAIMED_FACTOR, depose_unclaimed)
+
+    vector = json.loads((VECTORS / "election-unclaimed.json").read_text())
+    job = bytes.fromhex(vector["job_id_hex"])
+    assert {c["window"] for c in vector["cases"]} == {UNCLAIMED_FACTOR * MISSED_HEARTBEATS * HEARTBEAT_SECONDS}
+    moved = 0
+    for case in vector["cases"]:
+        view = Coordination(job, case["view"]["term"], case["view"]["coordinator"])
+        after = depose_unclaimed(view, case["eligible"], case["me"], case["named_at"], case["claimed_at"], case["now"],
+                                 case["window"])
+        assert (after.term, after.coordinator) == (case["expect"]["term"], case["expect"]["coordinator"]), case["name"]
+        moved += after != view
+        if after != view:
+            assert after.past[-1] == (view.term, view.coordinator)  # the deposed term is remembered (rule 7)
+    assert 0 < moved < len(vector["cases"])
