@@ -462,11 +462,19 @@ def cmd_agent_status(args: argparse.Namespace) -> int:
         f"agent {s['peer_id']} (infernet-agent {s['version']}, pid {s['pid']}, up {s['uptime_s']:.0f} s)",
         f"  home:      {s['home']}",
         f"  listening: {' '.join(s['addrs'])}",
-        f"  peers:     {s['peers']} live, {s['connected']} connected",
+        f"  peers:     {s['peers']} live, {s['connected']} connected" + _streams_text(s.get("streams")),
         f"  training:  {'accepted' if s['accept_training'] else 'not accepted'}; {s['active_shards']} active shard(s);"
         f" coordinating: {'yes' if s['can_coordinate'] else 'no'}",
         f"  jobs:      {jobs}"] + _disk_lines(s.get("disk")) + _reach_lines(s.get("reach")) + ([f"  REFUSING NEW WORK: {s['refusing_work']}"] if s.get("refusing_work") else [])))
     return 0
+
+
+def _streams_text(streams: dict | None) -> str:
+    """``agent status``: streams open and py-libp2p's stream budget (each new stream waits for a slot)."""
+    if not streams:
+        return ""
+    budget = f", {streams['slots_free']} stream slots free" if streams.get("slots_free") is not None else ""
+    return f"; {streams['open']} streams open{budget}"
 
 
 def _reach_lines(reach: dict | None) -> list[str]:
