@@ -61,7 +61,7 @@ OUTER_OPTIMIZERS = ("none", "sgd", "nesterov", "adam")
 OUTER_METHODS = ("fedavg", "exact")  # an outer step needs a mean in the adapters' own coordinates
 LR_SCHEDULES = ("constant", "cosine")
 OPTIMIZER_STATES = ("fresh", "carried")  # a round's AdamW: afresh, or the previous round's averaged state
-REPORT_CODECS = ("none", "int8", "int4", "int4-log")  # a report's end state: whole tensors, or int8-coded deltas (IPIP-0006 §2.8)
+REPORT_CODECS = ("none", "int8", "int4", "int4-log", "int4-fresh")  # a report's end state: whole tensors, or int8-coded deltas (IPIP-0006 §2.8)
 # The outer optimizer a spec gets when it names none; chosen from scripts/bench_quality.py (IPIP-0006 §2.4).
 OUTER_DEFAULT = {"optimizer": "none", "lr": 1.0, "momentum": 0.0}
 MIN_SHARDS_FOR_ROBUST = 3  # a median or trimmed mean of two updates is just their mean
@@ -445,8 +445,9 @@ training:                         # what each worker does with its shard in each
                                   #   over its first 10 % of steps, then decay to 0.1x at its last)
   optimizer_state: carried        # carried | fresh: each round's AdamW starts from the accepted
                                   #   workers' averaged state (carried), or afresh as in round 1
-  report_codec: none              # none | int8 | int4 | int4-log: a worker's report sends its round's end
-                                  #   state whole, or as coded deltas and moments (int8 ~5x, int4 ~9x fewer bytes)
+  report_codec: none              # none | int8 | int4 | int4-log | int4-fresh: a worker's report sends
+                                  #   its round's end state whole, or as coded deltas and moments
+                                  #   (int8 ~5x, int4* ~9x fewer bytes)
 
 dpo:                              # type dpo only
   beta: 0.1                       # in (0, 100]: how far the adapter may move from the base model's

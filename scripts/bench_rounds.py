@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delay", type=float, default=80.0, help="ms each link adds to a round trip")
     parser.add_argument("--rate", type=float, default=20.0, help="each link's rate, Mbit/s")
     parser.add_argument("--no-wan", action="store_true", help="only the unshaped run")
-    parser.add_argument("--codec", default="none", help="the job's training.report_codec: none | int8 | int4 | int4-log")
+    parser.add_argument("--codec", default="none", help="the job's training.report_codec: none | int8 | int4 | int4-log | int4-fresh")
     parser.add_argument("--coordinator-trains", action="store_true",
                         help="the agents' coordinator_trains: the coordinator trains one shard a round too")
     parser.add_argument("--no-early-start", action="store_true",

@@ -3,7 +3,9 @@ from the rule in numpy, independently of agent/train/codec.py, then check the co
 
 Each case: a tensor's values (float32, as hex of their little-endian bytes), its kind (`signed`:
 an adapter delta or exp_avg; `root`: an exp_avg_sq; `root-log`: an exp_avg_sq under int4-log, its root
-on a log scale), the bits per code (8: int8, 4: int4 and int4-log), the
+on a log scale; `root-fresh`: an exp_avg_sq under int4-fresh, with the round's start `start` (hex, as
+`values`) and `steps` n: what the round added, u = max(v - BETA2^n * start, 0), coded as `root-log`, decoded
+to BETA2^n * start + u'), the bits per code (8: int8, 4: int4, int4-log and int4-fresh), the
 codes (before 4-bit packing) and block scales the rule gives, the stored `.q` bytes (hex), and the
 sha256 of the decoded float32 values' bytes.
 Run from the repository root: python scripts/make_codec_vectors.py
@@ -66,6 +68,18 @@ def root_log(v: np.ndarray, bits: int = 4, step: float = 0.5) -> tuple[np.ndarra
     return q.reshape(-1), scale, (d * d).reshape(-1)[:v.size]
 
 
+BETA2 = 0.999  # the inner AdamW's (IPIP-0005 §3)
+
+
+def root_fresh(v: np.ndarray, start: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """int4-fresh's second moment: the decayed start BETA2^n * start (a float64 power rounded to float32, times
+    the start in float32) carried as it is; of the rest, u = max(v - that, 0) in float32, root_log's codes."""
+    base = (start.astype(np.float32) * np.float32(BETA2 ** steps)).astype(np.float32)
+    fresh = np.maximum((v.astype(np.float32) - base).astype(np.float32), np.float32(0))
+    q, scale, decoded = root_log(fresh, 4)
+    return q, scale, (base + decoded).astype(np.float32)
+
+
 def cases() -> list[dict]:
     rng = np.random.default_rng(2026)
     out = []
@@ -85,6 +99,15 @@ def cases() -> list[dict]:
     for _, what, values in inputs[3:]:  # int4-log's root, on the same second moments
         values = values.astype(np.float32)
         out.append(case(what, "root-log", 4, values, *root_log(values, 4)))
+    # int4-fresh: a round of 25 steps from a start that holds most of the second moment; and from no start
+    start = (rng.random(64) ** 6 * 1e-8).astype(np.float32)
+    start[:2] = 0.0
+    end = (start * np.float32(BETA2 ** 25) + rng.random(64).astype(np.float32) ** 6 * 1e-10).astype(np.float32)
+    end[2] = np.float32(start[2] * np.float32(BETA2 ** 25))  # nothing added: decodes to the decayed start
+    for what, v, s0, n in (("a round's second moments over a start holding most of them", end, start, 25),
+                           ("round 1: no start (as root-log)", end, np.zeros(64, dtype=np.float32), 25)):
+        out.append(dict(case(what, "root-fresh", 4, v, *root_fresh(v, s0, n)),
+                        start=s0.astype("<f4").tobytes().hex(), steps=n))
     return out
 
 
@@ -121,6 +144,9 @@ def check(vectors: list[dict]) -> None:
 
     for case in vectors:
         values = torch.from_numpy(np.frombuffer(bytes.fromhex(case["values"]), dtype="<f4").copy())
+        if case["kind"] == "root-fresh":
+            _check_fresh(case, values)
+            continue
         is_signed = case["kind"] == "signed"
         encode, decode = coders[case["kind"]]
         codes, scale = encode(values, case["bits"])
@@ -130,6 +156,23 @@ def check(vectors: list[dict]) -> None:
         assert scale.numpy().astype("<f4").tobytes().hex() == case["scales"], case["what"]
         decoded = decode(codes, scale, values).numpy().astype("<f4").tobytes()
         assert hashlib.sha256(decoded).hexdigest() == case["decoded_sha256"], case["what"]
+
+
+def _check_fresh(case: dict, values) -> None:
+    """int4-fresh through the codec's own encode/decode of an AdamW state {p.step, p.exp_avg_sq}."""
+    import torch
+
+    from agent.train.codec import decode, encode
+
+    start = torch.from_numpy(np.frombuffer(bytes.fromhex(case["start"]), dtype="<f4").copy())
+    end_state = {"p.step": torch.tensor(float(100 + case["steps"])), "p.exp_avg_sq": values}
+    start_state = {"p.step": torch.tensor(100.0), "p.exp_avg_sq": start}
+    payload = encode({}, {}, end_state, [], "int4-fresh", start_state)
+    assert payload["optimizer/p.exp_avg_sq.q"].numpy().tobytes().hex() == case["stored"], case["what"]
+    assert payload["optimizer/p.exp_avg_sq.scale"].numpy().astype("<f4").tobytes().hex() == case["scales"], case["what"]
+    _, state = decode(payload, {}, end_state, [], "int4-fresh", start_state)
+    decoded = state["p.exp_avg_sq"].numpy().astype("<f4").tobytes()
+    assert hashlib.sha256(decoded).hexdigest() == case["decoded_sha256"], case["what"]
 
 
 def main() -> None:

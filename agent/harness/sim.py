@@ -17,7 +17,8 @@ Rules of this file:
   does: store the evidence, publish what goes out, then act and react. Who may be leased is
   ``protocol.leasing.history_refusal`` over the mirror's verdicts (no ban is kept in memory); the view
   moves by ``keep_or_elect`` as ``JobClock.update_election`` moves it, and by the terms heartbeats carry
-  (``observe_term``); Byzantine detection is ``select_segments`` over a seed fixed after the report, as
+  (``observe_term``); not by rule 10's ``depose_unclaimed`` (IPIP-0006 §1.3: elections here are events,
+  with no periodic tick to notice a live coordinator that never claims its term); Byzantine detection is ``select_segments`` over a seed fixed after the report, as
   a verifier does. What agents do with the outcomes mirrors agent/node.py and agent/roles/*.py (named
   at each handler); this file decides no protocol question itself.
 - Nothing real around it: virtual time (a heap of events, seconds from 0), no I/O, no libp2p, no

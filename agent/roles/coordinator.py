@@ -641,7 +641,7 @@ class CoordinatorRole:
             await fetched.get("adapter")
             adapter_dir = await _unpack_worker_bundle(work / "adapter.tar", work / "adapter", allowed=REPORT_FILES,
                                                       max_bytes=1 << 30)
-            await trio.to_thread.run_sync(run_torch, _materialize_report, adapter_dir, terms, expected)
+            await trio.to_thread.run_sync(run_torch, _materialize_report, adapter_dir, terms, expected, expected_optimizer)
             adapter = await trio.to_thread.run_sync(run_torch, _check_adapter, adapter_dir, terms)
             if await tensors_hash_off_loop(adapter, self.hash_limiter) != commitment.links[-1].adapter_hash:
                 raise Rejection("the adapter does not hash to the last committed checkpoint")
@@ -837,8 +837,9 @@ class CoordinatorRole:
                     directory = await unpack_off_loop(bundle, work / f"adapter-{shard}", allowed=REPORT_FILES,
                                                       max_bytes=1 << 30)
                     if terms.training.report_codec != "none":  # verified already: decode it onto the round's start
-                        start_adapter, _, _ = await self._round_start(view, action.round, config, work)
-                        await trio.to_thread.run_sync(run_torch, _materialize_report, directory, terms, start_adapter)
+                        start_adapter, _, start_optimizer = await self._round_start(view, action.round, config, work)
+                        await trio.to_thread.run_sync(run_torch, _materialize_report, directory, terms, start_adapter,
+                                                      start_optimizer)
                     entry = (directory, report.samples)
                 inputs.append(entry)
             out, score, base_score = await self._combine(view, action.round, config, inputs, work)
@@ -1050,11 +1051,12 @@ def _check_adapter(adapter_dir: Path, terms: m.JobTerms) -> dict:
     return tensors
 
 
-def _materialize_report(directory: Path, terms: m.JobTerms, start: dict) -> None:
-    """With a ``report_codec`` (int8, int4, int4-log; IPIP-0006 §2.8): decode the report's payload onto the round's
+def _materialize_report(directory: Path, terms: m.JobTerms, start: dict, start_optimizer: dict | None = None) -> None:
+    """With a ``report_codec`` (int8, int4, int4-log, int4-fresh; IPIP-0006 §2.8): decode the report's payload onto the round's
     ``start`` and write the adapter (and AdamW state) files the rest of verification and aggregation
     read; the decoded state is then checked against the chain like a whole report. A coded job's
-    report must carry the payload and no whole tensors, an uncoded one no payload: else Rejection."""
+    report must carry the payload and no whole tensors, an uncoded one no payload: else Rejection.
+    ``start_optimizer``: the round's start AdamW state (``int4-fresh`` codes what a round added to it)."""
     from agent.train.aggregate import OPTIMIZER_FILE, frozen_keys
     from agent.train.codec import PAYLOAD_FILE, CodecError, decode, load_payload
     from safetensors.torch import save_file
@@ -1072,7 +1074,8 @@ def _materialize_report(directory: Path, terms: m.JobTerms, start: dict) -> None
     try:
         codec = terms.training.report_codec
         payload = load_payload(directory / PAYLOAD_FILE, codec)
-        adapter, optimizer = decode(payload, start, None, frozen_keys(start, terms.lora.freeze_a), codec)
+        adapter, optimizer = decode(payload, start, None, frozen_keys(start, terms.lora.freeze_a), codec,
+                                    start_optimizer if terms.training.optimizer_state == "carried" else None)
     except CodecError as error:
         raise Rejection(f"report payload: {error}") from None
     if terms.training.optimizer_state != "carried" and optimizer:

@@ -577,7 +577,7 @@ def _device_vram_gb(machine: Any, device: str) -> float:
 
 def report_dir(result: Any, train_dir: Path, terms: Any) -> Path:
     """The directory the report's bundle packs: the trained adapter (and AdamW state), or with
-    a ``report_codec`` (int8, int4, int4-log) its config and the coded payload only (IPIP-0006 §2.8)."""
+    a ``report_codec`` (int8, int4, int4-log, int4-fresh) its config and the coded payload only (IPIP-0006 §2.8)."""
     if terms.training.report_codec == "none":
         return result.adapter_dir
     from agent.train.codec import PAYLOAD_FILE

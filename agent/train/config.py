@@ -60,7 +60,7 @@ class TrainConfig:
     round: int = 1
     carry_optimizer: bool = False  # start from the initial adapter's averaged AdamW state (IPIP-0006 §2.3)
     inner_schedule: str = "constant"  # the rate within a round (protocol/schedule.inner_rate_factor)
-    report_codec: str = "none"  # none | int8 | int4 | int4-log: the end state goes through agent/train/codec.py (IPIP-0006 §2.8)
+    report_codec: str = "none"  # none | int8 | int4 | int4-log | int4-fresh: the end state goes through agent/train/codec.py (IPIP-0006 §2.8)
     objective: str = "sft"  # sft | dpo: what a step's loss is (loop.Objective; IPIP-0005 §6.2)
     dpo_beta: float = 0.1  # DPO's beta: how far the policy may move from the reference
     # lora

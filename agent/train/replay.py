@@ -35,6 +35,7 @@ from agent.train.env import environment
 from agent.train.model import base_model_sha256, load_tokenizer, tensors_hash
 from agent.train.recorder import checkpoint_name, read_checkpoint
 from agent.train.loop import LoraSession
+from agent.train.codec import FRESH
 from agent.train.run import finish_round, load_shard, open_session, pad_token_id
 from protocol.errors import ProofError
 from protocol.proof import (
@@ -176,16 +177,19 @@ def verify_segment(commitment: Commitment, index: int, *, start: Path, shard: Pa
     config = config.with_(seed=header.seed, threads=max(threads, 1), dtype=dtype, micro_batch_size=micro,
                           micro_batch_rng=per_micro)
 
-    first = None
+    first = first_optimizer = None
     if index == len(commitment.links) - 1 and config.report_codec != "none":
         if round_start is None:
             return _rejected(index, "the last segment of a coded report needs the round's start to replay")
         try:
-            first, _, _ = read_checkpoint(round_start)
+            first, first_optimizer, _ = read_checkpoint(round_start)
         except (OSError, ValueError, SafetensorError) as error:
             return _rejected(index, f"round start checkpoint {round_start.name} is unreadable: {error}")
         if tensors_hash(first) != commitment.header.initial_adapter_hash:
             return _rejected(index, f"round start checkpoint {round_start.name} does not match the committed start")
+        if config.report_codec in FRESH and tensors_hash(first_optimizer) != commitment.header.initial_optimizer_hash:
+            return _rejected(index, f"round start checkpoint {round_start.name}: its optimizer state does not match "
+                                    "the committed start")
     tokenizer = load_tokenizer(config.base_model)
     examples = load_shard(config, tokenizer, shard).examples
     try:
@@ -198,13 +202,17 @@ def verify_segment(commitment: Commitment, index: int, *, start: Path, shard: Pa
             session.load_optimizer_tensors(optimizer)
         except (ValueError, KeyError) as error:
             return _rejected(index, f"start checkpoint {start.name} does not fit the model: {error}")
-        return _replay(session, commitment, index, committed, config, start_step, first, end, runtime)
+        return _replay(session, commitment, index, committed, config, start_step, (first, first_optimizer), end,
+                       runtime)
     finally:
         session.close()
 
 
 def _replay(session: LoraSession, commitment: Commitment, index: int, committed: ChainLink, config: TrainConfig,
-            start_step: int, first: dict | None, end: Path | None, runtime: str = "peft") -> SegmentVerdict:
+            start_step: int, firsts: tuple[dict | None, dict | None], end: Path | None,
+            runtime: str = "peft") -> SegmentVerdict:
+    """``firsts``: the round's start adapter and AdamW state, for the last segment of a coded report (else None)."""
+    first, first_optimizer = firsts
     steps, losses = [], []
     for step in range(start_step, committed.step):
         result = session.step(step)
@@ -212,7 +220,7 @@ def _replay(session: LoraSession, commitment: Commitment, index: int, committed:
         losses.append(result.loss)
     if first is not None:
         try:
-            finish_round(session, config, first)
+            finish_round(session, config, first, first_optimizer)
         except (ValueError, KeyError) as error:  # CodecError is a ValueError
             return _rejected(index, f"the coded end state does not replay: {error}")
     replay_adapter, replay_optimizer = session.adapter_tensors(), session.optimizer_tensors()

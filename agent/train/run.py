@@ -314,15 +314,18 @@ def _prepare(request: TrainRequest, backend: str, *, with_validation: bool = Tru
     return base_hash, shard, validation, session
 
 
-def finish_round(session: LoraSession, config: TrainConfig, start: dict[str, torch.Tensor]) -> dict | None:
+def finish_round(session: LoraSession, config: TrainConfig, start: dict[str, torch.Tensor],
+                 start_optimizer: dict[str, torch.Tensor] | None = None) -> dict | None:
     """After a round's last step, with a ``report_codec``: the state becomes what the report's
     payload decodes to (IPIP-0006 §2.8), and the payload is returned; the last link commits that
-    state. Training, replicas and a replay of the last segment all call this. None: no codec."""
+    state. Training, replicas and a replay of the last segment all call this. None: no codec.
+    ``start_optimizer``: the AdamW state the round started from (``int4-fresh`` codes what it added)."""
     if config.report_codec == "none":
         return None
     optimizer = session.optimizer_tensors() if config.carry_optimizer else {}
     payload, adapter, state = round_trip(start, session.adapter_tensors(), optimizer,
-                                         frozen_keys(start, config.freeze_a), config.report_codec)
+                                         frozen_keys(start, config.freeze_a), config.report_codec,
+                                         start_optimizer if config.carry_optimizer else None)
     load_adapter_state(session.model, adapter)
     if config.carry_optimizer:
         session.load_optimizer_tensors(state)
@@ -332,6 +335,11 @@ def finish_round(session: LoraSession, config: TrainConfig, start: dict[str, tor
 def _start_tensors(session: LoraSession) -> dict[str, torch.Tensor]:
     """A copy of the adapter the session starts from (the round's start, for finish_round)."""
     return {name: tensor.detach().to("cpu", copy=True) for name, tensor in session.adapter_tensors().items()}
+
+
+def _start_optimizer(session: LoraSession) -> dict[str, torch.Tensor]:
+    """A copy of the AdamW state the session starts from (the carried state, or none), for finish_round."""
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in session.optimizer_tensors().items()}
 
 
 def _check_replicas(session: LoraSession, link: ChainLink) -> None:
@@ -345,13 +353,13 @@ def train_replica(request: TrainRequest, backend: str = "peft") -> None:
     records the proof and writes the run; this rank writes nothing and checks its state at every link."""
     _, shard, _, session = _prepare(request, backend, with_validation=False)
     config = request.config
-    start = _start_tensors(session)
+    start, start_optimizer = _start_tensors(session), _start_optimizer(session)
     total_steps = config.total_steps(len(shard.examples))
     try:
         for step in range(total_steps):
             result = session.step(step)
             if result.step == total_steps:
-                finish_round(session, config, start)
+                finish_round(session, config, start, start_optimizer)
             if is_checkpoint(result.step, config.checkpoint_every, total_steps):
                 digest = tensors_hash(session.adapter_tensors()) + tensors_hash(session.optimizer_tensors())
                 if not same_on_every_rank(digest, session.device):
@@ -378,7 +386,7 @@ def _train(request: TrainRequest, prepared: tuple, started: float, on_checkpoint
            backend: str, *, resume: bool, on_step: OnStep | None) -> TrainResult:
     config = request.config
     base_hash, shard, validation, session = prepared
-    start = _start_tensors(session)
+    start, start_optimizer = _start_tensors(session), _start_optimizer(session)
     world, _ = data_parallel()
     if resume and world > 1:
         raise TrainError("resuming a run is done in one process, not data-parallel")
@@ -406,7 +414,8 @@ def _train(request: TrainRequest, prepared: tuple, started: float, on_checkpoint
     recorder = ProofRecorder(header, run_dir, total_steps, on_checkpoint,
                              before_commit=partial(_check_replicas, session) if world > 1 else None)
     try:
-        return _run_steps(request, session, recorder, shard, validation, start, base_hash, started, resume, on_step)
+        return _run_steps(request, session, recorder, shard, validation, (start, start_optimizer), base_hash, started,
+                          resume, on_step)
     finally:
         recorder.close()
 
@@ -418,9 +427,11 @@ def writes_in_background(session: LoraSession) -> bool:
 
 
 def _run_steps(request: TrainRequest, session: LoraSession, recorder: ProofRecorder, shard: PreparedShard,
-               validation: list[Example], start: dict[str, torch.Tensor], base_hash: str, started: float,
-               resume: bool, on_step: OnStep | None) -> TrainResult:
+               validation: list[Example], starts: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
+               base_hash: str, started: float, resume: bool, on_step: OnStep | None) -> TrainResult:
+    """``starts``: the round's start adapter and AdamW state (for the report codec)."""
     config, run_dir, total_steps = request.config, request.run_dir, recorder.total_steps
+    start, start_optimizer = starts
     started_at = datetime.fromtimestamp(started, timezone.utc)
     if resume:
         initial_validation = session.evaluate(validation) if validation else None  # before the checkpoint loads
@@ -443,7 +454,7 @@ def _run_steps(request: TrainRequest, session: LoraSession, recorder: ProofRecor
         for step in range(first_step, total_steps):
             result = session.step(step)
             if result.step == total_steps:
-                payload = finish_round(session, config, start)
+                payload = finish_round(session, config, start, start_optimizer)
             recorder.after_step(session, result.step, result.indices, result.loss)
             tokens += result.tokens
             window_losses.append(result.loss)
@@ -472,7 +483,7 @@ def _run_steps(request: TrainRequest, session: LoraSession, recorder: ProofRecor
     if payload is None and config.report_codec != "none":  # resumed after the last link: the state is coded
         payload = encode(start, session.adapter_tensors(),
                          session.optimizer_tensors() if config.carry_optimizer else {}, frozen_keys(start, config.freeze_a),
-                         config.report_codec)
+                         config.report_codec, start_optimizer if config.carry_optimizer else None)
     if payload is not None:
         save_payload(run_dir / PAYLOAD_FILE, payload, config.report_codec)
     outcome = TrainResult(

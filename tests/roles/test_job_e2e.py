@@ -15,15 +15,16 @@ pytestmark = pytest.mark.network
 
 async def test_job_completes_and_aggregate_beats_base(tmp_path, tiny_model_dir):
     """With an outer optimizer, a schedule across rounds and coded reports (every segment replayed,
-    the last one through the codec): each aggregate is scored and carries its state."""
+    the last one through the codec; int4-fresh, so round 2's reports decode onto the carried AdamW state
+    too): each aggregate is scored and carries its state."""
     dataset = write_dataset(tmp_path / "demo.jsonl")
     spec = fast_spec(extra="outer: {optimizer: nesterov, lr: 0.8, momentum: 0.5}\n",
-                     training=", schedule: cosine, report_codec: int8", verify_segments=2)
+                     training=", schedule: cosine, report_codec: int4-fresh", verify_segments=2)
     async with network(tmp_path, tiny_model_dir) as net:
         submitter, workers = net.submitter, net.workers
         terms = await submitter.submitter.prepare_terms(spec, dataset, str(tiny_model_dir))
         assert terms.outer.optimizer == "nesterov" and terms.training.schedule == "cosine"
-        assert terms.training.report_codec == "int8"
+        assert terms.training.report_codec == "int4-fresh"
         view = await submitter.submitter.announce(terms)
         await submitter.wait_for(lambda: view.state.terminal, timeout=240)
         assert view.state.phase is st.JobPhase.DONE, view.state.reason

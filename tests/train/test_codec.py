@@ -157,11 +157,11 @@ def test_a_coded_run_commits_the_coded_state_and_its_last_segment_replays(tmp_pa
 
 
 def test_the_codec_vectors():
-    """ipips/vectors/codec.json, made by an encoder written from the rule in numpy (8- and 4-bit, and int4-log's roots)."""
+    """ipips/vectors/codec.json, made by an encoder written from the rule in numpy (8- and 4-bit, int4-log's roots, int4-fresh's second moments)."""
     from scripts.make_codec_vectors import ROOT, check
 
     vectors = json.loads((ROOT / "ipips" / "vectors" / "codec.json").read_text())
-    assert vectors["block"] == BLOCK and len(vectors["cases"]) == 12
+    assert vectors["block"] == BLOCK and len(vectors["cases"]) == 14
     check(vectors["cases"])
 
 
@@ -185,3 +185,51 @@ def test_int4_log_codes_every_root_in_its_range_to_within_a_fifth_and_raises_hal
     raised = lambda decoded: float((decoded[v > 0] > 2 * v.sqrt()[v > 0]).float().mean())  # noqa: E731
     assert raised(logged) <= float((~in_range[v > 0]).float().mean()) + 1e-9  # only those below the range
     assert raised(linear) > 1.8 * raised(logged), (raised(linear), raised(logged))  # 0.32 and 0.16 here
+
+
+def test_int4_fresh_codes_only_what_the_round_added_to_the_second_moment(tmp_path, base_config, demo_files):
+    """A second round from a carried AdamW state with report_codec int4-fresh: the payload decodes onto the round's
+    start adapter *and* start state to exactly what the last link commits; the last segment replays (its start
+    state read from the step-0 checkpoint and checked against the header); decoded without the start state, or
+    with another, it no longer matches the chain. And the second moment it commits is far closer to the uncoded
+    one than int4-log's, because the decayed start is carried exactly (IPIP-0006 §2.8)."""
+    from agent.train.recorder import read_checkpoint
+
+    first = base_config.with_(carry_optimizer=True, dropout=0.0, max_steps=60)  # a second moment mostly of its start
+    train_shard(TrainRequest(first, demo_files["shard1"], tmp_path / "r1", job_id=bytes(range(32)), shard_index=1))
+    errors = {}
+    for codec in ("none", "int4-log", "int4-fresh"):
+        config = first.with_(report_codec=codec, max_steps=12, round=2)
+        run = tmp_path / codec
+        train_shard(TrainRequest(config, demo_files["shard1"], run, initial_adapter=tmp_path / "r1" / "checkpoint-final",
+                                 job_id=bytes(range(32)), round=2, shard_index=1))
+        commitment = Commitment.from_json(json.loads((run / "proof.json").read_text()))
+        start, start_optimizer, _ = read_checkpoint(run / "checkpoints" / checkpoint_name(0))
+        _, end_optimizer, _ = read_checkpoint(run / "checkpoints" / checkpoint_name(commitment.links[-1].step))
+        errors[codec] = end_optimizer
+        if codec == "none":
+            continue
+        assert start_optimizer and tensors_hash(start_optimizer) == commitment.header.initial_optimizer_hash
+        payload = load_payload(run / PAYLOAD_FILE, codec)
+        frozen = [k for k in start if ".lora_A." in k]
+        adapter, moments = decode(payload, start, None, frozen, codec, start_optimizer)
+        last = commitment.links[-1]
+        assert tensors_hash(adapter) == last.adapter_hash and tensors_hash(moments) == last.optimizer_hash
+        index = len(commitment.links) - 1
+        verdict = verify_segment(commitment, index, start=run / "checkpoints" / checkpoint_name(commitment.links[index - 1].step),
+                                 shard=demo_files["shard1"], config=config,
+                                 round_start=run / "checkpoints" / checkpoint_name(0))
+        assert verdict.accepted, verdict.reason
+        if codec == "int4-fresh":
+            _, without = decode(payload, start, None, frozen, codec)  # the start state is part of what it decodes to
+            assert tensors_hash(without) != last.optimizer_hash
+            other = {k: v * 2 if k.endswith(".exp_avg_sq") else v for k, v in start_optimizer.items()}
+            _, wrong = decode(payload, start, None, frozen, codec, other)
+            assert tensors_hash(wrong) != last.optimizer_hash
+
+    def relative_error(codec: str) -> float:  # mean, of the committed second moments against the uncoded run's
+        pairs = [(errors[codec][k], errors["none"][k]) for k in errors["none"] if k.endswith(".exp_avg_sq")]
+        return float(torch.cat([((a - b).abs() / b.clamp(min=1e-30)).reshape(-1) for a, b in pairs]).mean())
+
+    assert relative_error("int4-fresh") < relative_error("int4-log") / 3, (relative_error("int4-fresh"),
+                                                                           relative_error("int4-log"))
