@@ -91,7 +91,8 @@ class JobClock:
             named_at = now
         if view.coordination == before:  # live and eligible, but does it act? (IPIP-0006 §1.3 rule 10)
             view.coordination = depose_unclaimed(before, eligible, self.peer_id, named_at,
-                                                 view.claimed_at(before.coordinator or "", before.term), now,
+                                                 view.claimed_at(before.coordinator, before.term) if before.coordinator
+                                                 else None, now,
                                                  UNCLAIMED_FACTOR * self.peers.silence)
             if view.coordination != before:
                 log.warning("job %s: coordinator %s is live but has not claimed term %d for %.0f s; %s takes over "

@@ -154,22 +154,27 @@ def _kind(key: str) -> str:
     return "delta"
 
 
-def _decayed_start(key: str, like: torch.Tensor, optimizer: Mapping[str, torch.Tensor],
+def _step_key(key: str) -> str:
+    """The step counter's key beside the AdamW tensor ``key`` (``<param>.exp_avg_sq`` -> ``<param>.step``)."""
+    return key.rpartition(".")[0] + ".step"
+
+
+def _decayed_start(key: str, like: torch.Tensor, end_step: torch.Tensor | None,
                    optimizer_start: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
-    """BETA2^n * the round start's exp_avg_sq ``key`` (float32; zeros without a start state), n = the steps
-    between the start's and ``optimizer``'s step counters of that tensor."""
+    """BETA2^n * the round start's exp_avg_sq ``key`` (float32; zeros without a start state), n = ``end_step``
+    (the round's end step counter of that tensor) - the start's."""
     base = (optimizer_start or {}).get(key)
     if base is None:
         return torch.zeros(like.shape, dtype=torch.float32)
-    prefix = key[:-len(".exp_avg_sq")]
-    end_step, start_step = optimizer.get(prefix + ".step"), optimizer_start.get(prefix + ".step")
+    step_key = _step_key(key)
+    start_step = optimizer_start.get(step_key)
     if end_step is None or start_step is None:
-        raise CodecError(f"{prefix}.step: missing; the steps of a round are needed to code its second moment")
+        raise CodecError(f"{step_key}: missing; the steps of a round are needed to code its second moment")
     if not all(torch.isfinite(t).all() and t.numel() == 1 for t in (end_step, start_step)):
-        raise CodecError(f"{prefix}.step: not one finite step counter")
+        raise CodecError(f"{step_key}: not one finite step counter")
     n = int(round(float(end_step))) - int(round(float(start_step)))
     if n < 0:
-        raise CodecError(f"{prefix}.step: {float(end_step):g} is before the round's start {float(start_step):g}")
+        raise CodecError(f"{step_key}: {float(end_step):g} is before the round's start {float(start_step):g}")
     decay = torch.tensor(BETA2 ** n, dtype=torch.float64).to(torch.float32)
     return base.detach().to("cpu", torch.float32) * decay
 
@@ -196,7 +201,7 @@ def encode(start: Mapping[str, torch.Tensor], end: Mapping[str, torch.Tensor],
             out[f"optimizer/{key}"] = tensor.detach().to("cpu").contiguous()
         elif kind == "root":
             if codec in FRESH:
-                base = _decayed_start(key, tensor, optimizer, optimizer_start)
+                base = _decayed_start(key, tensor, optimizer.get(_step_key(key)), optimizer_start)
                 tensor = (tensor.detach().to("cpu", torch.float32) - base).clamp_(min=0)
             coded = encode_root(tensor, root_bits) if log_step is None else encode_root_log(tensor, root_bits, log_step)
             out[f"optimizer/{key}.q"], out[f"optimizer/{key}.scale"] = _packed(*coded, root_bits, False)
@@ -274,8 +279,8 @@ def decode(payload: Mapping[str, torch.Tensor], start: Mapping[str, torch.Tensor
         else:
             decoded = decode_root_log(codes, scale, like, bits, log_step)
         if kind == "root" and codec in FRESH:
-            step = key[:-len(".exp_avg_sq")] + ".step"  # (the payload carries step counters as they are)
-            decoded = decoded + _decayed_start(key, like, {step: payload.get(f"optimizer/{step}")}, optimizer_start)
+            # (the payload carries step counters as they are)
+            decoded = decoded + _decayed_start(key, like, payload.get(f"optimizer/{_step_key(key)}"), optimizer_start)
         optimizer[key] = decoded.to(like.dtype)
     extra = set(payload) - used
     if extra:

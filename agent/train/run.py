@@ -36,7 +36,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from agent.train.aggregate import OPTIMIZER_FILE, frozen_keys
-from agent.train.codec import PAYLOAD_FILE, encode, round_trip, save_payload
+from agent.train.codec import FRESH, PAYLOAD_FILE, encode, round_trip, save_payload
 from agent.train.config import TrainConfig, TrainError
 from agent.train.data import Example, PreparedShard, prepare_examples
 from agent.train.env import environment, set_threads
@@ -332,14 +332,15 @@ def finish_round(session: LoraSession, config: TrainConfig, start: dict[str, tor
     return payload
 
 
-def _start_tensors(session: LoraSession) -> dict[str, torch.Tensor]:
-    """A copy of the adapter the session starts from (the round's start, for finish_round)."""
-    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in session.adapter_tensors().items()}
+def _starts(session: LoraSession, config: TrainConfig) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    """Copies of what the session starts from, for finish_round: the adapter (the round's start), and the
+    carried AdamW state only where the report codec reads it (``int4-fresh``; else None: a copy of the
+    whole state would cost every shard's start for nothing)."""
+    def copied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in tensors.items()}
 
-
-def _start_optimizer(session: LoraSession) -> dict[str, torch.Tensor]:
-    """A copy of the AdamW state the session starts from (the carried state, or none), for finish_round."""
-    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in session.optimizer_tensors().items()}
+    reads_state = config.report_codec in FRESH and config.carry_optimizer
+    return copied(session.adapter_tensors()), copied(session.optimizer_tensors()) if reads_state else None
 
 
 def _check_replicas(session: LoraSession, link: ChainLink) -> None:
@@ -353,7 +354,7 @@ def train_replica(request: TrainRequest, backend: str = "peft") -> None:
     records the proof and writes the run; this rank writes nothing and checks its state at every link."""
     _, shard, _, session = _prepare(request, backend, with_validation=False)
     config = request.config
-    start, start_optimizer = _start_tensors(session), _start_optimizer(session)
+    start, start_optimizer = _starts(session, config)
     total_steps = config.total_steps(len(shard.examples))
     try:
         for step in range(total_steps):
@@ -386,7 +387,7 @@ def _train(request: TrainRequest, prepared: tuple, started: float, on_checkpoint
            backend: str, *, resume: bool, on_step: OnStep | None) -> TrainResult:
     config = request.config
     base_hash, shard, validation, session = prepared
-    start, start_optimizer = _start_tensors(session), _start_optimizer(session)
+    start, start_optimizer = _starts(session, config)
     world, _ = data_parallel()
     if resume and world > 1:
         raise TrainError("resuming a run is done in one process, not data-parallel")
