@@ -32,7 +32,13 @@ class Blocks:
         return self._content()
 
     def provide_soon(self, cid: Any) -> None:
-        """Announce in the DHT that we hold ``cid``, in the background (at most 30 s, failures logged)."""
+        """Announce in the DHT that we hold ``cid`` (a CID or its text), in the background (at most 30 s,
+        failures logged)."""
+        if isinstance(cid, str):  # an early aggregate's and a converted dataset's come as text
+            from protocol.cid import parse_cid
+
+            cid = parse_cid(cid)
+
         async def provide() -> None:
             try:
                 await self._net().discovery.provide(cid)

@@ -30,6 +30,12 @@ async def _run(tmp_path, tiny_model_dir, early: bool, rounds: int = 2):
         counters = {w.peer_id: dict(w.counters) for w in workers}
         coordinator = counters.get(view.coordination.coordinator, {})
         rejected = [v for v in view.verdicts.values() if not v.accepted]
+        if early:  # the coordinator announces in the DHT that it holds an aggregate it computed early (before, a
+            # CID given as text failed there: "'str' object has no attribute 'multihash'", and was not provided)
+            from protocol.cid import parse_cid
+
+            found = await submitter.net.discovery.find_providers(parse_cid(view.aggregates[1].adapter_cid), timeout=15)
+            assert view.coordination.coordinator in {str(p.peer_id) for p in found}, found
         return view, counters, coordinator, rejected
 
 
