@@ -403,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inner-scale", default="none",
                         help="none | sqrt | a number (comma list): the network's inner lr is --lr x that (sqrt: x sqrt(W))")
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--worker-batch", default="",
+                        help="the network's per-worker batch (comma list; default --batch): at the same compute in "
+                             "examples, a round of H steps at batch 2b holds the examples of 2H steps at batch b")
     parser.add_argument("--extend", type=float, default=1.5, help="centralized run length as a multiple of --total")
     parser.add_argument("--same-data-each-round", action="store_true",
                         help="restart each round's sample order at step 0 (the protocol before IPIP-0006 §2.5)")
@@ -491,8 +494,10 @@ def _one_seed(args: Any, model: Path, seed: int, results: dict, suffix: str) -> 
                     reached, capped = steps_to_reach(central, sync_final)
                     emit(f"efficiency/{task_name}/W{workers}/sync-DP", reached / args.total, "E", 1.0,
                          reached / args.total, GOAL, lower_bound=capped, val_loss=round(sync_final, 4))
-                for rounds in (int(r) for r in args.rounds.split(",")):
-                    steps = args.total // (workers * rounds)
+                for rounds, worker_batch in itertools.product(
+                        (int(r) for r in args.rounds.split(",")),
+                        (int(b) for b in (args.worker_batch or str(args.batch)).split(","))):
+                    steps = args.total * args.batch // (workers * rounds * worker_batch)
                     if steps < 1:
                         continue
                     variants = itertools.product(outers, args.optimizer_state.split(","), args.codec.split(","),
@@ -501,7 +506,8 @@ def _one_seed(args: Any, model: Path, seed: int, results: dict, suffix: str) -> 
                     for (label, outer), carried, codec, schedule, inner_scale, within, ramp_text, overlap in variants:
                         ramp = tuple(int(x) for x in ramp_text.split(",") if x)
                         started, sent = time.perf_counter(), []
-                        losses = network_run(trainer, shards, trainer.config, rounds=rounds, steps=steps, method=args.method,
+                        losses = network_run(trainer, shards, trainer.config.with_(batch_size=worker_batch),
+                                             rounds=rounds, steps=steps, method=args.method,
                                              outer=outer, schedule=schedule, warmup_rounds=args.warmup_rounds,
                                              continue_data=not args.same_data_each_round,
                                              lr_scale=inner_lr_scale(inner_scale, workers),
@@ -512,6 +518,7 @@ def _one_seed(args: Any, model: Path, seed: int, results: dict, suffix: str) -> 
                         label += f"+within-{within}" if within != "constant" else ""
                         label += f"+ramp-{'-'.join(map(str, ramp))}" if ramp else ""
                         label += f"+overlap-{overlap}" if overlap != "none" else ""
+                        label += f"+batch{worker_batch}" if worker_batch != args.batch else ""
                         final = losses[-1]
                         reached, capped = steps_to_reach(central, final)
                         efficiency = reached / args.total

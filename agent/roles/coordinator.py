@@ -108,7 +108,7 @@ log = logging.getLogger(__name__)
 PROOF_FILES = frozenset({"proof.json", "checkpoints.json"})
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Provisional:
     """A round's aggregate computed before its last verdicts, and the early start announced with it (§2.9)."""
 
@@ -119,6 +119,7 @@ class _Provisional:
     samples: int
     cid: str
     leases: tuple[tuple[int, str], ...]  # (shard, worker) of the next round, as announced
+    scored: bool = True  # score and base_score computed (else: after the announcement, beside the training)
     taken: set[str] = field(default_factory=set)  # the workers whose claim said they started it
 
 
@@ -514,30 +515,50 @@ class CoordinatorRole:
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         started = trio.current_time()
-        out, score, base_score = await self._combine(view, rnd, self._train_config(view, rnd), inputs, work)
+        config = self._train_config(view, rnd)
+        # The score is informative and the next round does not start from it: unless the job's stop rule reads
+        # it (a loss target, patience), it is computed after the announcement, beside the next round's training
+        # (a real job's validation split takes the coordinator's device for seconds to minutes).
+        stop = view.terms.stop
+        score_first = bool(stop and (stop.validation_loss_below or stop.patience_rounds))
+        out, score, base_score = await self._combine(view, rnd, config, inputs, work, scored=score_first)
         if view.ends_with(rnd, score.loss if score is not None else None):
             return  # the stop rule ends the job here: no next round to start
+        combined = trio.current_time()
         cid = str(await self.blocks.content.add_file(await pack_dir_off_loop(out, work / "adapter.tar"), provide=False))
         self.blocks.hold(view.job_id, rnd, cid)
         if view.state.round != rnd or tuple((s.index, s.attempt) for s in view.state.shards) != shards or \
                 not self.peer_table.is_coordinator(view) or not self._early_inputs_in(view):
             return  # a report was rejected (its shard reopened), the round moved on, or we no longer coordinate it
         leases = early_assignment(tuple(workers.items()), self.local.peer_id, view.verdicts.values())
-        self._provisional[(view.job_id, rnd)] = _Provisional(shards, out, score, base_score,
-                                                             sum(n for _, n in inputs), cid, leases)
+        provisional = self._provisional[(view.job_id, rnd)] = _Provisional(
+            shards, out, score, base_score, sum(n for _, n in inputs), cid, leases, scored=score_first)
         if leases:
             await self.evidence.publish(m.EarlyStart(view.job_id, rnd + 1, view.coordination.term, cid,
                                                      tuple(i for i, _ in leases), tuple(w for _, w in leases)))
+        announced = trio.current_time()
         self.local.counters["early_starts_announced"] += 1
-        # the submitter's copy (durable before announced, §2.6.1) asked for now too: at the aggregate's publication
-        # it is then one round trip; a refusal here costs nothing (asked again then)
-        with trio.move_on_after(self.local.config.fetch_timeout):
-            try:
-                await keep_before_publishing(self.local, self.net(), view, rnd, cid)
-            except KeepRefused as exc:
-                log.info("job %s: round %d early aggregate not kept yet: %s", view.job_id.hex()[:8], rnd, exc)
-        log.info("job %s: round %d aggregate %s… computed early (%.2f s), before %d of %d verdicts; round %d "
-                 "announced to %d workers", view.job_id.hex()[:8], rnd, cid[:24], trio.current_time() - started,
+
+        async def keep() -> None:
+            # the submitter's copy (durable before announced, §2.6.1) asked for now too: at the aggregate's
+            # publication it is then one round trip; a refusal here costs nothing (asked again then)
+            with trio.move_on_after(self.local.config.fetch_timeout):
+                try:
+                    await keep_before_publishing(self.local, self.net(), view, rnd, cid)
+                except KeepRefused as exc:
+                    log.info("job %s: round %d early aggregate not kept yet: %s", view.job_id.hex()[:8], rnd, exc)
+
+        async def score_it() -> None:
+            provisional.score, provisional.base_score = await self._scores(view, rnd, config, out, work)
+            provisional.scored = True
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(keep)
+            if not provisional.scored:
+                nursery.start_soon(score_it)
+        log.info("job %s: round %d aggregate %s… computed early (%.2f s: %.2f s combining, announced after %.2f s), "
+                 "before %d of %d verdicts; round %d announced to %d workers", view.job_id.hex()[:8], rnd, cid[:24],
+                 trio.current_time() - started, combined - started, announced - started,
                  sum(1 for s in view.state.shards if s.phase is st.ShardPhase.REPORTED), len(shards), rnd + 1,
                  len(leases))
 
@@ -789,22 +810,29 @@ class CoordinatorRole:
         return train_config(terms, model_path, round=rnd, threads=self.local.config.threads)
 
     async def _combine(self, view: JobMirror, rnd: int, config: Any, inputs: list[tuple[Path, int]],
-                       work: Path) -> tuple[Path, Any, Any]:
+                       work: Path, scored: bool = True) -> tuple[Path, Any, Any]:
         """Round ``rnd``'s aggregate of ``inputs`` (adapter directories and their samples) in ``work``/adapter,
-        and its score and the base model's (round 1) on the validation split, each None when not scored."""
+        and (``scored``) its score and the base model's (round 1) on the validation split, each None when not
+        scored."""
         terms = view.terms
         out = work / "adapter"
-        start, validation = None, None
+        start = None
         if terms.outer is not None:
             start = await self._round_start(view, rnd, config, work)
         await trio.to_thread.run_sync(run_torch, partial(_aggregate_adapters, terms, inputs, out, rnd, start))
-        if terms.validation_cid:  # informative, not essential: a failed score never holds the round back
-            try:
-                validation = await self._score(view, config, out, work, with_base=rnd == 1)
-            except Exception as exc:  # noqa: BLE001 - logged; the aggregate is published without a score
-                log.warning("job %s: round %d not scored on the validation split: %s", view.job_id.hex()[:8], rnd, exc)
-        score, base_score = validation or (None, None)
+        score, base_score = await self._scores(view, rnd, config, out, work) if scored else (None, None)
         return out, score, base_score
+
+    async def _scores(self, view: JobMirror, rnd: int, config: Any, out: Path, work: Path) -> tuple[Any, Any]:
+        """The aggregate in ``out`` scored on the validation split, and the base model (round 1); (None, None)
+        when the job has no validation split or the scoring failed."""
+        if not view.terms.validation_cid:
+            return None, None
+        try:  # informative, not essential: a failed score never holds the round back
+            return await self._score(view, config, out, work, with_base=rnd == 1)
+        except Exception as exc:  # noqa: BLE001 - logged; the aggregate is published without a score
+            log.warning("job %s: round %d not scored on the validation split: %s", view.job_id.hex()[:8], rnd, exc)
+            return None, None
 
     async def _aggregate(self, view: JobMirror, action: st.Aggregate) -> None:
         terms = view.terms
@@ -818,6 +846,9 @@ class CoordinatorRole:
                 (s, view.shard(s).attempt) for s in action.accepted_shards) and early.out.exists():
             # computed while the round's last replays ran (IPIP-0006 §2.9), from the adapters now accepted
             out, score, base_score, samples, cid = early.out, early.score, early.base_score, early.samples, early.cid
+            if not early.scored:  # its scoring did not end while we waited: scored here, as without early start
+                score, base_score = await self._scores(view, action.round, self._train_config(view, action.round),
+                                                       out, out.parent)
             self.local.counters["aggregates_computed_early"] += 1
         else:
             early = None

@@ -53,6 +53,10 @@ async def test_workers_train_the_next_round_before_its_aggregate_and_the_job_end
     assert all(key[2] == 1 for key in view.reports), sorted(view.reports)
     plain, _, _, _ = await _run(tmp_path / "plain", tiny_model_dir, early=False)
     assert [view.aggregates[r].adapter_cid for r in (1, 2)] == [plain.aggregates[r].adapter_cid for r in (1, 2)]
+    # the early aggregate is scored after its announcement, beside the next round's training: the same scores
+    scores = [(view.aggregates[r].validation_loss, view.aggregates[r].base_validation_loss) for r in (1, 2)]
+    assert scores == [(plain.aggregates[r].validation_loss, plain.aggregates[r].base_validation_loss) for r in (1, 2)]
+    assert scores[0][0] is not None and scores[0][1] is not None, scores
 
 
 @pytest.mark.slow

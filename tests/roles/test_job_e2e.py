@@ -115,3 +115,5 @@ async def test_a_job_stops_early_when_its_stop_rule_holds(tmp_path, tiny_model_d
             await w.wait_for(lambda w=w: view.job_id in w.jobs and w.jobs[view.job_id].state.terminal, timeout=20)
             assert w.jobs[view.job_id].state.phase is st.JobPhase.DONE
             assert not any(k[0] == 2 for k in w.jobs[view.job_id].leases)  # no round 2 was leased
+            # nor announced early: the stop rule reads the score, so it is scored before any early start
+            assert w.counters.get("early_starts_announced", 0) == 0 and w.counters.get("early_starts", 0) == 0
