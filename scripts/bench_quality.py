@@ -199,19 +199,30 @@ class Trainer:
 
     def train(self, adapter: dict, examples: list[Example], config: TrainConfig, steps: int,
               offset: int = 0, every: int = 0, on_eval=None, optimizer: dict | None = None,
-              within: str = "constant") -> tuple[dict, dict]:
+              within: str = "constant", window: tuple[int, int] | None = None, tail: float = 0.0) -> tuple[dict, dict]:
         """(adapter, AdamW state) after ``steps`` steps from ``adapter`` (and ``optimizer``, else fresh);
-        ``within``: the rate within the round (constant, or cosine from the round's rate to 0.1x)."""
+        ``within``: the rate within the round (constant, or cosine from the round's rate to 0.1x);
+        ``window`` (first, round_steps): these steps are the round's steps first.. of round_steps."""
         session = self.session(adapter, examples, config)
         if optimizer:
             session.load_optimizer_tensors(optimizer)
+        first, total = window or (0, steps)
+        averaged, counted = None, 0  # ``tail``: the mean of the iterates after the last int(tail * steps) steps
         for step in range(steps):
             if within != "constant":
                 for group in session.optimizer.param_groups:
-                    group["lr"] = config.learning_rate * within_round_factor(within, step, steps)
+                    group["lr"] = config.learning_rate * within_round_factor(within, first + step, total)
             session.step(offset + step)
             if every and (step + 1) % every == 0:
                 on_eval(step + 1, session.evaluate(self.validation))
+            if tail and step >= steps - max(1, int(tail * steps)):
+                now = session.adapter_tensors()
+                averaged = now if averaged is None else {k: averaged[k] + now[k] for k in now}
+                counted += 1
+        if averaged is not None:
+            last = snapshot(session.adapter_tensors())  # frozen tensors as they are (A of FFA-LoRA)
+            return ({k: last[k] if k in self.frozen else v / counted for k, v in averaged.items()},
+                    snapshot(session.optimizer_tensors()))
         return snapshot(session.adapter_tensors()), snapshot(session.optimizer_tensors())
 
     def evaluate(self, adapter: dict) -> float:
@@ -256,7 +267,8 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
                 steps: int, method: str, outer: OuterOptimizer, schedule: str = "constant",
                 warmup_rounds: int = 0, continue_data: bool = True, lr_scale: float = 1.0,
                 carry: bool = True, codec: str = "none", sent: list | None = None,
-                within: str = "constant", ramp: tuple[int, ...] = (), overlap: str = "none") -> list[float]:
+                within: str = "constant", ramp: tuple[int, ...] = (), overlap: str = "none",
+                snr: float | None = None, tail: float = 0.0) -> list[float]:
     """The protocol's training, in process: validation loss after each round's aggregate. With
     ``codec`` int8 every worker's end state goes through the report codec (agent/train/codec.py), as
     a worker's does; ``sent`` collects (payload bytes, whole-report bytes) per report. ``ramp``: the
@@ -266,6 +278,9 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
     its own round-r update (Streaming DiLoCo's merge with a one-round delay), with its own AdamW state;
     round r's aggregate is round r-1's plus the shard-weighted mean of the workers' round-r updates.
     ``stale``: the same without its own update (a one-round-delayed outer step: PCCL's async DiLoCo)."""
+    if overlap.startswith("lag:"):
+        return lagged_run(trainer, shards, config, rounds=rounds, steps=steps, within=within, lag=overlap[4:],
+                          method=method)
     if overlap != "none":
         return overlapped_run(trainer, shards, config, rounds=rounds, steps=steps, schedule=schedule,
                               warmup_rounds=warmup_rounds, within=within, mode=overlap)
@@ -280,7 +295,7 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
         offset = sum(plan[:rnd - 1]) if continue_data else 0
         steps = plan[rnd - 1]
         trained = [(trainer.train(aggregate_now, shard, round_config, steps, offset=offset, optimizer=optimizer,
-                                  within=within),
+                                  within=within, tail=tail),
                     len(shard)) for shard in shards]
         if codec != "none":
             trained = [(coded(aggregate_now, adapter, opt if carry else {}, trainer.frozen, sent, codec,
@@ -289,6 +304,10 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
         mean = aggregate(method, [(adapter, n) for (adapter, _), n in trained])
         if carry:  # IPIP-0006 §2.3: the next round starts from the averaged AdamW state
             optimizer = average_optimizer_states([(opt, n) for (_, opt), n in trained])
+        if snr is not None:
+            mean = snr_gain(aggregate_now, mean, optimizer, len(shards), snr,
+                            sum(lr * within_round_factor(within, s, steps) if within != "constant" else lr
+                                for s in range(steps)))
         aggregate_now, state = outer_step(aggregate_now, mean, state, outer, step=rnd, frozen=trainer.frozen)
         losses.append(trainer.evaluate(aggregate_now))
     return losses
@@ -313,6 +332,67 @@ def overlapped_run(trainer: Trainer, shards: list[list[Example]], config: TrainC
         known, aggregate_now = aggregate_now, {k: aggregate_now[k] + mean[k] for k in aggregate_now}
         starts = [{k: known[k] + (updates[i][k] if mode == "own" else 0) for k in known} for i in range(len(shards))]
         optimizers = [opt for _, opt in trained]
+        losses.append(trainer.evaluate(aggregate_now))
+    return losses
+
+
+def snr_gain(start: dict, mean: dict, optimizer: dict, workers: int, cap: float, lr_sum: float) -> dict:
+    """A study (issue 24 step 1, W = 8): the mean update lengthened per coordinate by how much each worker's
+    AdamW step was shortened by its own batch's noise against the W-times larger batch sync data parallel
+    averages. Per trained tensor: v = the averaged bias-corrected second moment (the workers' g^2 + noise),
+    g^2 estimated from the mean update over the round (|delta| * sqrt(v) / sum of the round's rates), the
+    global batch's v' = g^2 + (v - g^2) / W; gain = sqrt(v / v') clamped to [1, cap]."""
+    out, gains = dict(mean), []
+    for key, value in mean.items():
+        state = {k[len(key) + 1:]: t for k, t in optimizer.items() if k.startswith(key + ".")} if optimizer else {}
+        if "exp_avg_sq" not in state:
+            continue
+        delta = value - start[key]
+        if not bool(delta.abs().sum()):
+            continue
+        steps = float(state["step"].max()) if "step" in state else 1.0
+        v = state["exp_avg_sq"] / (1 - 0.999 ** steps)
+        g2 = torch.minimum((delta.abs() * (v.sqrt() + 1e-8) / lr_sum) ** 2, v)
+        global_v = g2 + (v - g2) / workers
+        gain = (v / global_v.clamp_min(1e-30)).sqrt().clamp(1.0, cap)
+        out[key] = start[key] + gain * delta
+        gains.append(float(gain.mean()))
+    print(f"# snr gain: mean {sum(gains) / max(len(gains), 1):.3f} over {len(gains)} tensors", file=sys.stderr, flush=True)
+    return out
+
+
+def lagged_run(trainer: Trainer, shards: list[list[Example]], config: TrainConfig, *, rounds: int, steps: int,
+               within: str, lag: str, method: str) -> list[float]:
+    """``network_run`` where round r+1's first ``tau`` steps are trained before round r's aggregate is in
+    (Streaming DiLoCo's overlap of tau inner steps, issue 24 step 2, a study): each worker goes on from its own
+    round-r end E_i (its own AdamW state) with round r+1's first tau batches to X_i, then, the aggregate A_r in,
+    starts again from A_r + (X_i - E_i) for the round's other steps. ``lag`` is ``tau`` or ``tau:avg`` (the
+    merge takes the round's averaged AdamW state, as a synchronous round starts with, instead of its own)."""
+    tau_text, _, state_rule = lag.partition(":")
+    tau = int(tau_text)
+    if not 0 <= tau < steps:
+        raise SystemExit(f"bench_quality: --overlap lag:{lag}: tau must be 0..{steps - 1}")
+    aggregate_now, optimizer, ends = trainer.initial, None, None
+    losses = []
+    for rnd in range(1, rounds + 1):
+        offset = (rnd - 1) * steps
+        trained = []
+        for i, shard in enumerate(shards):
+            if ends is None or tau == 0:
+                trained.append(trainer.train(aggregate_now, shard, config, steps, offset=offset, optimizer=optimizer,
+                                             within=within))
+                continue
+            end, own = ends[i]
+            ahead, ahead_state = trainer.train(end, shard, config, tau, offset=offset, optimizer=own, within=within,
+                                               window=(0, steps))
+            start = {k: aggregate_now[k] + (ahead[k] - end[k]) for k in aggregate_now}
+            trained.append(trainer.train(start, shard, config, steps - tau, offset=offset + tau,
+                                         optimizer=optimizer if state_rule == "avg" else ahead_state, within=within,
+                                         window=(tau, steps)))
+        pairs = [(adapter, len(shard)) for (adapter, _), shard in zip(trained, shards)]
+        aggregate_now = aggregate(method, pairs)
+        optimizer = average_optimizer_states([(opt, len(shard)) for (_, opt), shard in zip(trained, shards)])
+        ends = trained
         losses.append(trainer.evaluate(aggregate_now))
     return losses
 
@@ -370,6 +450,8 @@ def inner_lr_scale(text: str, workers: int) -> float:
 
 def parse_outer(text: str) -> OuterOptimizer:
     """``none``, ``sgd:LR[:MOMENTUM]``, ``nesterov:LR:MOMENTUM``, ``adam:LR[:BETA1:BETA2]``."""
+    if text.startswith("snr"):  # snr[:CAP]: no outer optimizer, a per-coordinate gain (snr_gain, a study)
+        return OuterOptimizer("none")
     name, *numbers = text.split(":")
     values = [float(x) for x in numbers]
     if name == "none":
@@ -420,7 +502,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="first rounds' steps, ';'-separated plans of ','-separated steps (e.g. '25,25,50;12,12,25,50'); "
                              "an empty plan is no ramp")
     parser.add_argument("--overlap", default="none",
-                        help="none | own | stale (comma list): rounds that do not wait for the last aggregate (a study)")
+                        help="none | own | stale | lag:TAU[:avg] (comma list): rounds that do not wait for the last aggregate "
+                             "(a study; lag: the next round's first TAU steps trained from the worker's own end)")
+    parser.add_argument("--tail", default="0",
+                        help="comma list of fractions: a worker reports the mean of its iterates over the round's last "
+                             "fraction of steps (tail averaging, a study); 0: its last iterate")
     parser.add_argument("--quick", action="store_true", help="demo task, W=4, T=200: a smoke run")
     parser.add_argument("--seeds", default="7",
                         help="training seeds (comma list: LoRA init, shard split, batch order); with several, each row "
@@ -502,11 +588,16 @@ def _one_seed(args: Any, model: Path, seed: int, results: dict, suffix: str) -> 
                         continue
                     variants = itertools.product(outers, args.optimizer_state.split(","), args.codec.split(","),
                                                  args.schedule.split(","), args.inner_scale.split(","),
-                                                 args.within.split(","), args.ramp.split(";"), args.overlap.split(","))
-                    for (label, outer), carried, codec, schedule, inner_scale, within, ramp_text, overlap in variants:
+                                                 args.within.split(","), args.ramp.split(";"), args.overlap.split(","),
+                                                 [float(t) for t in args.tail.split(",")])
+                    for (label, outer), carried, codec, schedule, inner_scale, within, ramp_text, overlap, tail in variants:
                         ramp = tuple(int(x) for x in ramp_text.split(",") if x)
                         started, sent = time.perf_counter(), []
-                        losses = network_run(trainer, shards, trainer.config.with_(batch_size=worker_batch),
+                        snr = None
+                        if label.startswith("snr"):
+                            snr = float(label.split(":")[1]) if ":" in label else workers ** 0.5
+                        losses = network_run(trainer, shards, trainer.config.with_(batch_size=worker_batch), snr=snr,
+                                             tail=tail,
                                              rounds=rounds, steps=steps, method=args.method,
                                              outer=outer, schedule=schedule, warmup_rounds=args.warmup_rounds,
                                              continue_data=not args.same_data_each_round,
@@ -519,6 +610,7 @@ def _one_seed(args: Any, model: Path, seed: int, results: dict, suffix: str) -> 
                         label += f"+ramp-{'-'.join(map(str, ramp))}" if ramp else ""
                         label += f"+overlap-{overlap}" if overlap != "none" else ""
                         label += f"+batch{worker_batch}" if worker_batch != args.batch else ""
+                        label += f"+tail{tail:g}" if tail else ""
                         final = losses[-1]
                         reached, capped = steps_to_reach(central, final)
                         efficiency = reached / args.total
