@@ -552,10 +552,15 @@ class CoordinatorRole:
             provisional.score, provisional.base_score = await self._scores(view, rnd, config, out, work)
             provisional.scored = True
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(keep)
-            if not provisional.scored:
-                nursery.start_soon(score_it)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(keep)
+                if not provisional.scored:
+                    nursery.start_soon(score_it)
+        except BaseExceptionGroup as group:  # the one error, as the sequential code raised it
+            from agent.content.exchange import first_error
+
+            raise first_error(group) from None
         log.info("job %s: round %d aggregate %s… computed early (%.2f s: %.2f s combining, announced after %.2f s), "
                  "before %d of %d verdicts; round %d announced to %d workers", view.job_id.hex()[:8], rnd, cid[:24],
                  trio.current_time() - started, combined - started, announced - started,
