@@ -354,6 +354,8 @@ class Agent:
         for msg, by in applied:
             if self.worker is not None and isinstance(msg, m.ShardLease) and msg.worker == self.peer_id:
                 self.worker.on_lease(view, msg)
+            elif isinstance(msg, m.ShardReport):
+                self.submitter.on_report(view, msg, by)
             elif isinstance(msg, m.Verdict):
                 self.submitter.on_verdict(view, msg)
             elif isinstance(msg, m.AggregatePublished):

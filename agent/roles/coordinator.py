@@ -123,6 +123,26 @@ class _Provisional:
     taken: set[str] = field(default_factory=set)  # the workers whose claim said they started it
 
 
+@dataclass
+class _VerifyCosts:
+    """What a job's verifications took here, to choose between fetching a segment's start checkpoint and replaying
+    to it from the round's start (IPIP-0005 §8 "What a verifier fetches"): each a running mean, None until seen."""
+
+    fetch: float | None = None  # seconds a checkpoint fetch took (from its start, beside the report's other fetches)
+    step: float | None = None  # seconds a replayed step took
+
+    def fetched(self, seconds: float) -> None:
+        self.fetch = seconds if self.fetch is None else (self.fetch + seconds) / 2
+
+    def replayed(self, seconds: float, steps: int) -> None:
+        if steps > 0:
+            self.step = seconds / steps if self.step is None else (self.step + seconds / steps) / 2
+
+    def replay_cheaper(self, steps: int) -> bool:
+        """Would replaying ``steps`` steps take less than the last checkpoint fetches did?"""
+        return steps > 0 and self.fetch is not None and self.step is not None and steps * self.step < self.fetch
+
+
 class Rejection(Exception):
     """A report failed verification; the message is the verdict's reason."""
 
@@ -153,6 +173,7 @@ class CoordinatorRole:
         # its adapter checks out (before its replays); (job, round) -> the aggregate computed from them, announced
         self._checked: dict[tuple[bytes, int, int, int], tuple[Path, int]] = {}
         self._provisional: dict[tuple[bytes, int], _Provisional] = {}
+        self._verify_costs: dict[bytes, _VerifyCosts] = {}  # job -> what its checkpoint fetches and replays took here
         self._computing_early: dict[tuple[bytes, int], trio.Event] = {}
         self._validation: dict[bytes, Path] = {}  # job -> its validation split, fetched
         self._claims: dict[bytes, list[tuple[str, int, int]]] = {}  # job -> (worker, round, shard) in arrival order
@@ -330,7 +351,7 @@ class CoordinatorRole:
     def forget(self, job_id: bytes) -> None:
         """The agent stopped following the job (agent/node.py ``forget_job``): drop what we kept for it
         (its tasks were cancelled with the job's nursery)."""
-        for per_job in (self._validation, self._claims, self._early):
+        for per_job in (self._validation, self._claims, self._early, self._verify_costs):
             per_job.pop(job_id, None)
         for keyed in (self.accepted_adapters, self._initial, self._start_hashes, self._refused, self._checked,
                       self._provisional):
@@ -594,12 +615,13 @@ class CoordinatorRole:
         Rejection. ``on_adapter_checked(adapter_dir)`` is called once the adapter is the one the chain commits to,
         before the replays (``_verify`` starts the submitter's copy of it then)."""
         from agent.train import base_model_sha256
-        from agent.train.replay import check_initial_adapter, verify_segment
+        from agent.train.replay import check_initial_adapter, replay_runtime, verify_segment
         from protocol.proof import Commitment, ProofError, chain_heads, segment_selection_seed, select_segments
 
         terms = view.terms
         providers = [worker]
         shard_path = work / "shard.jsonl"
+        began, marks = trio.current_time(), {}
         # Everything the checks read is fetched at once: the adapter and the shard (their CIDs are in the report
         # and the terms) with the proof, then the checkpoints the proof names. On a WAN each fetch is round trips,
         # and one after the other they were most of a round's verification (issue 24). The checks still run, and
@@ -658,13 +680,29 @@ class CoordinatorRole:
             parallel = worker_env.get("data_parallel", 1)
             ends_needed = worker_env.get("device_class") != await self._device_class(config) or \
                 (isinstance(parallel, int) and parallel > 1)  # a data-parallel proof never replays bit for bit (§6.1)
-            steps = {0} | {commitment.segment_start(index)[0] for index in segments}
+            # - a segment's start not at all when replaying to it from the round's start we hold is bit for bit
+            #   here and took less, on this job so far, than fetching a checkpoint did (a home uplink: a 7B
+            #   adapter's checkpoint with its AdamW state is hundreds of MB, its replay seconds on a GPU)
+            costs = self._verify_costs.setdefault(view.job_id, _VerifyCosts())
+            from_start = set()
+            if known is not None and not ends_needed and replay_runtime(worker_env) == "peft":
+                from_start = {index for index in segments if costs.replay_cheaper(commitment.segment_start(index)[0])}
+            steps = {0} | {commitment.segment_start(index)[0] for index in segments if index not in from_start}
             if ends_needed:
                 steps |= {commitment.links[index].step for index in segments}
+
+            async def checkpoint(step: int) -> Path:
+                began_fetch = trio.current_time()
+                path = await self._checkpoint(checkpoints, step, work, providers)
+                if step != 0 or known is None:  # (step 0 we hold: written here, not fetched)
+                    costs.fetched(trio.current_time() - began_fetch)
+                return path
+
             for step in sorted(steps):
-                fetched.start(step, self._checkpoint, checkpoints, step, work, providers)
+                fetched.start(step, checkpoint, step)
 
             await fetched.get("adapter")
+            marks["adapter in"] = trio.current_time()
             adapter_dir = await _unpack_worker_bundle(work / "adapter.tar", work / "adapter", allowed=REPORT_FILES,
                                                       max_bytes=1 << 30)
             await trio.to_thread.run_sync(run_torch, _materialize_report, adapter_dir, terms, expected, expected_optimizer)
@@ -677,6 +715,7 @@ class CoordinatorRole:
                     raise Rejection(problem)
             if on_adapter_checked is not None:
                 on_adapter_checked(adapter_dir)
+            marks["adapter checked"] = trio.current_time()
 
             await fetched.get("shard")
             # training started where it had to: the seeded init in round 1, the last aggregate after
@@ -685,20 +724,44 @@ class CoordinatorRole:
                                                     expected_optimizer)
             if problem is not None:
                 raise Rejection(problem)
+            marks["start checked"] = trio.current_time()
             for index in segments:
-                start = await fetched.get(commitment.segment_start(index)[0])
+                first_step = commitment.segment_start(index)[0]
+                verdict = None
+                if index in from_start:  # replayed to from the round's start (bit for bit, or its checkpoint decides)
+                    replayed_at = trio.current_time()
+                    verdict = await trio.to_thread.run_sync(run_torch, partial(
+                        verify_segment, commitment, index, start=genesis, shard=shard_path, config=config,
+                        claimed_head=report.chain_head, round_start=genesis, from_round_start=True),
+                        abandon_on_cancel=True)
+                    if verdict is not None and not verdict.needs_end:
+                        self.local.counters["replays_from_round_start"] += 1
+                        costs.replayed(trio.current_time() - replayed_at, commitment.links[index].step)
+                        marks[f"segment {index} replayed from the round's start"] = trio.current_time()
+                        if not verdict.accepted:
+                            raise Rejection(f"segment {index} does not replay: {verdict.reason}")
+                        continue
+                    self.local.counters["replays_from_round_start_missed"] += 1
+                start = await (fetched.get(first_step) if first_step in steps else checkpoint(first_step))
                 end = await fetched.get(commitment.links[index].step) if ends_needed else None
+                marks[f"checkpoints of segment {index} in"] = trio.current_time()
                 replay = partial(verify_segment, commitment, index, start=start, shard=shard_path, config=config,
                                  claimed_head=report.chain_head, round_start=genesis)
                 # abandoned on cancellation (the agent stops, the job ends): a replay has no side effect, and
                 # waiting for it held SIGTERM up for tens of seconds on a busy machine (the soak)
+                replayed_at = trio.current_time()
                 verdict = await trio.to_thread.run_sync(run_torch, partial(replay, end=end), abandon_on_cancel=True)
+                costs.replayed(trio.current_time() - replayed_at, commitment.links[index].step - first_step)
                 if verdict.needs_end:  # not bit-exact here after all: measured against the worker's end checkpoint
                     self.local.counters["replays_needing_end"] += 1
                     end = await self._checkpoint(checkpoints, commitment.links[index].step, work, providers)
                     verdict = await trio.to_thread.run_sync(run_torch, partial(replay, end=end), abandon_on_cancel=True)
                 if not verdict.accepted:
                     raise Rejection(f"segment {index} does not replay: {verdict.reason}")
+                marks[f"segment {index} replayed"] = trio.current_time()
+        log.info("job %s round %d shard %d attempt %d: checked in %.2f s (%s)", view.job_id.hex()[:8], report.round,
+                 report.shard, report.attempt, trio.current_time() - began,
+                 ", ".join(f"{name} at {t - began:.2f} s" for name, t in marks.items()))
         return segments, adapter_dir
 
     async def _round_start(self, view: JobMirror, rnd: int, config: Any, work: Path) -> tuple[dict, dict, dict]:

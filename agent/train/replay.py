@@ -132,12 +132,19 @@ def replay_runtime(worker_environment: dict) -> str:
 
 def verify_segment(commitment: Commitment, index: int, *, start: Path, shard: Path, config: TrainConfig,
                    end: Path | None = None, claimed_head: bytes | None = None,
-                   round_start: Path | None = None, runtime: str | None = None) -> SegmentVerdict:
+                   round_start: Path | None = None, runtime: str | None = None,
+                   from_round_start: bool = False) -> SegmentVerdict | None:
     """Replay segment ``index`` of ``commitment`` from checkpoint directory ``start`` and judge it.
     ``round_start``: the round's first checkpoint (step 0), which a replay of the last segment of a
     job with a report codec needs: the last link commits the coded state (IPIP-0006 §2.8).
     ``runtime``: None picks ``replay_runtime`` of the proof's environment (unsloth runs in the warm
-    unsloth child, which calls this with ``runtime="unsloth"``); "peft" or "unsloth": this process."""
+    unsloth child, which calls this with ``runtime="unsloth"``); "peft" or "unsloth": this process.
+    ``from_round_start`` (peft, a replay expected bit for bit; IPIP-0005 §8 "What a verifier fetches"):
+    ``start`` is the round's step-0 checkpoint, and the steps before the segment are replayed from it
+    instead of reading the segment's start checkpoint; None (no verdict) when they do not reach the
+    committed start state bit for bit: the caller then fetches that checkpoint and replays from it."""
+    if from_round_start:
+        runtime = "peft"
     if runtime is None:
         runtime = replay_runtime(commitment.header.environment)
         if runtime == "unsloth":
@@ -154,6 +161,9 @@ def verify_segment(commitment: Commitment, index: int, *, start: Path, shard: Pa
     except ProofError as error:
         return _rejected(index, str(error))
     header, committed = commitment.header, commitment.links[index]
+    reached = (start_step, adapter_hash, optimizer_hash)  # the state the segment starts from
+    if from_round_start:
+        start_step, adapter_hash, optimizer_hash = commitment.segment_start(0)
     try:
         adapter, optimizer, _ = read_checkpoint(start)
     except (OSError, ValueError, SafetensorError) as error:
@@ -202,6 +212,12 @@ def verify_segment(commitment: Commitment, index: int, *, start: Path, shard: Pa
             session.load_optimizer_tensors(optimizer)
         except (ValueError, KeyError) as error:
             return _rejected(index, f"start checkpoint {start.name} does not fit the model: {error}")
+        if from_round_start:
+            for step in range(start_step, reached[0]):
+                session.step(step)
+            start_step = reached[0]
+            if (tensors_hash(session.adapter_tensors()), tensors_hash(session.optimizer_tensors())) != reached[1:]:
+                return None  # not bit for bit here: the segment's start checkpoint decides
         return _replay(session, commitment, index, committed, config, start_step, (first, first_optimizer), end,
                        runtime)
     finally:

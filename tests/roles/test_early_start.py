@@ -28,6 +28,7 @@ async def _run(tmp_path, tiny_model_dir, early: bool, rounds: int = 2):
         await submitter.wait_for(lambda: view.state.terminal, timeout=180)
         assert view.state.phase is st.JobPhase.DONE, view.state.reason
         counters = {w.peer_id: dict(w.counters) for w in workers}
+        counters["submitter"] = dict(submitter.counters)
         coordinator = counters.get(view.coordination.coordinator, {})
         rejected = [v for v in view.verdicts.values() if not v.accepted]
         if early:  # the coordinator announces in the DHT that it holds an aggregate it computed early (before, a
@@ -41,6 +42,7 @@ async def _run(tmp_path, tiny_model_dir, early: bool, rounds: int = 2):
 
 async def test_workers_train_the_next_round_before_its_aggregate_and_the_job_ends_the_same(tmp_path, tiny_model_dir):
     view, counters, coordinator, rejected = await _run(tmp_path / "early", tiny_model_dir, early=True)
+    submitter_counters = counters.pop("submitter")
     assert not rejected
     # round 2 was announced early, and round 1's aggregate not computed again
     assert coordinator.get("early_starts_announced", 0) == 1, coordinator
@@ -51,6 +53,8 @@ async def test_workers_train_the_next_round_before_its_aggregate_and_the_job_end
     assert sum(c.get("early_starts_dropped", 0) for c in counters.values()) == 0
     # no lease of the job went unused: one attempt per shard and round
     assert all(key[2] == 1 for key in view.reports), sorted(view.reports)
+    # the submitter copied every report's adapter from its worker as it arrived (held before its keep request)
+    assert submitter_counters["reports_copied_ahead"] == len(view.reports), submitter_counters
     plain, _, _, _ = await _run(tmp_path / "plain", tiny_model_dir, early=False)
     assert [view.aggregates[r].adapter_cid for r in (1, 2)] == [plain.aggregates[r].adapter_cid for r in (1, 2)]
     # the early aggregate is scored after its announcement, beside the next round's training: the same scores

@@ -75,6 +75,40 @@ def test_skipped_segment_fails(trained_run):
                           config=request.config).accepted
 
 
+def test_a_segment_replays_from_the_round_start_without_its_start_checkpoint(trained_run):
+    """IPIP-0005 §8: a verifier that holds the round's start may replay to a segment's start instead of fetching
+    its checkpoint; the verdict is the one a replay from that checkpoint gives."""
+    request, result, _ = trained_run
+    checkpoints = request.run_dir / "checkpoints"
+    commitment = commitment_of(request.run_dir)
+    for index in (1, 2):
+        verdict = verify_segment(commitment, index, start=checkpoints / "step-000000", shard=request.shard,
+                                 config=request.config, claimed_head=result.head, from_round_start=True)
+        assert verdict is not None and verdict.accepted and verdict.exact, verdict
+    # a worker that skipped segment 2: the replay from the round's start judges it as a replay from its start does
+    last, before = commitment.links[2], commitment.links[1]
+    fake = Commitment(commitment.header, commitment.links[:2] + (ChainLink(
+        step=last.step, adapter_hash=before.adapter_hash, optimizer_hash=before.optimizer_hash,
+        batches_digest=last.batches_digest, loss=last.loss),))
+    verdict = verify_segment(fake, 2, start=checkpoints / "step-000000", shard=request.shard, config=request.config,
+                             from_round_start=True)
+    assert verdict is not None and not verdict.accepted and "differs" in verdict.reason, verdict
+
+
+def test_a_replay_from_the_round_start_that_misses_the_committed_start_gives_no_verdict(trained_run):
+    """Segment 1 committed a state the steps before it do not reach (the worker trained segment 0 otherwise, or
+    this machine is not bit for bit): no verdict, so the verifier fetches the segment's start checkpoint and the
+    replay from it decides (a mismatch before the segment is not this segment's evidence)."""
+    request, _, _ = trained_run
+    honest = commitment_of(request.run_dir)
+    first = honest.links[0]
+    moved = ChainLink(step=first.step, adapter_hash=bytes(32), optimizer_hash=first.optimizer_hash,
+                      batches_digest=first.batches_digest, loss=first.loss)
+    fake = Commitment(honest.header, (moved,) + honest.links[1:])
+    assert verify_segment(fake, 1, start=request.run_dir / "checkpoints" / "step-000000", shard=request.shard,
+                          config=request.config, from_round_start=True) is None
+
+
 def test_wrong_shard_fails(trained_run, demo_files):
     request, _, _ = trained_run
     verdict = verify_segment(commitment_of(request.run_dir), 1, start=request.run_dir / "checkpoints" / "step-000010",
