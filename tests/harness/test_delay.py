@@ -33,6 +33,11 @@ def _netns() -> set[str]:
     return {line.split()[0] for line in listed.splitlines() if line.split()}
 
 
+def _own_netns() -> set[str]:
+    """This process's namespaces: the other test process (pytest-xdist) makes and removes its own meanwhile."""
+    return {n for n in _netns() if n.startswith(f"{PREFIX}{os.getpid()}x")}
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as stat:
@@ -57,7 +62,7 @@ UDP_SEND = ("import socket, sys\ns = socket.socket(socket.AF_INET, socket.SOCK_D
 
 
 def test_a_delayed_link_adds_its_delay_to_round_trips_jitter_keeps_order_and_close_leaves_nothing(shim):
-    before = _netns()
+    before = _own_netns()
     # a public host whose link adds 60 ± 20 ms, a host behind a NAT whose link (the router's) adds 40
     hosts = Hosts({"pub": HostSpec("pub", link=Link(delay_ms=60, jitter_ms=20)),
                    "home": HostSpec("home", nat=True, link=Link(delay_ms=40))})
@@ -90,7 +95,7 @@ def test_a_delayed_link_adds_its_delay_to_round_trips_jitter_keeps_order_and_clo
     finally:
         hosts.close()
     assert not any(_alive(p) for p in pids)
-    assert _netns() == before
+    assert _own_netns() == before
 
 
 KILLED = """\
@@ -121,7 +126,7 @@ def test_the_delayers_of_a_killed_run_exit_and_its_namespaces_are_swept(shim):
 
 
 def test_a_setup_failing_after_a_delayer_started_stops_it_and_removes_everything(shim, monkeypatch):
-    before = _netns()
+    before = _own_netns()
     started = []
     real_start, real_run = hosts_module._start_delayer, hosts_module.run_command
 
@@ -140,4 +145,4 @@ def test_a_setup_failing_after_a_delayer_started_stops_it_and_removes_everything
     with pytest.raises(hosts_module.HostsError, match="refused"):
         hosts.create()
     assert len(started) == 1 and started[0].poll() is not None  # stopped, not left running
-    assert not hosts.delayers and not hosts.made and _netns() == before
+    assert not hosts.delayers and not hosts.made and _own_netns() == before

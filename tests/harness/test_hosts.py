@@ -85,6 +85,11 @@ def _netns() -> set[str]:
     return {line.split()[0] for line in listed.splitlines() if line.split()}
 
 
+def _own_netns() -> set[str]:
+    """This process's namespaces: the other test process (pytest-xdist) makes and removes its own meanwhile."""
+    return {n for n in _netns() if n.startswith(f"{PREFIX}{os.getpid()}x")}
+
+
 CONNECT = ("import socket, sys\ntry:\n    socket.create_connection((sys.argv[1], 4001), timeout=3).close()\n"
            "    print('connected')\nexcept OSError as exc:\n    print(type(exc).__name__)\n")
 SERVE = ("import socket\ns = socket.socket()\ns.bind(('0.0.0.0', 4001))\ns.listen()\nprint('up', flush=True)\n"
@@ -93,7 +98,7 @@ SERVE = ("import socket\ns = socket.socket()\ns.bind(('0.0.0.0', 4001))\ns.liste
 
 @needs_hosts
 def test_a_nat_lets_connections_out_and_none_in_and_everything_is_removed():
-    before = _netns()
+    before = _own_netns()
     hosts = Hosts({"pub": HostSpec("pub"), "home": HostSpec("home", nat=True, link=Link(loss=1, rate_mbit=20))})
     try:
         hosts.create()
@@ -125,18 +130,18 @@ def test_a_nat_lets_connections_out_and_none_in_and_everything_is_removed():
         assert made <= _netns() and all(n.startswith(PREFIX) for n in made)
     finally:
         hosts.close()
-    assert _netns() == before  # nothing left, and nothing else touched
+    assert _own_netns() == before  # nothing of ours left
 
 
 @needs_hosts
 def test_a_failed_setup_removes_what_it_made_and_stale_runs_are_swept():
-    before = _netns()
+    before = _own_netns()
     hosts = Hosts({"a": HostSpec("a"), "b": HostSpec("b")})
     hosts._shape = lambda *args: (_ for _ in ()).throw(HostsError("boom"))  # fails half-way
     hosts.specs["b"] = HostSpec("b", link=Link(rate_mbit=1))
     with pytest.raises(HostsError):
         hosts.create()
-    assert _netns() == before and not hosts.made
+    assert _own_netns() == before and not hosts.made
     dead = 2**22 + 7  # above any pid_max default: no such process
     while True:
         try:
