@@ -172,6 +172,10 @@ def main(argv: list[str]) -> int:
             print(RESULT_PREFIX + json.dumps(result.to_json()), flush=True)
         else:
             train_replica(request)
+        # every rank ends together, so a replica never tears the group down while rank 0 still writes its
+        # proof: the likely cause of one CI failure under load (2026-11-28: rank 1 aborted by gloo, "terminate
+        # called without an active exception", status -6; the watcher then killed rank 0 before its result)
+        dist.barrier()
     except (TrainError, RuntimeError, ValueError, OSError) as error:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         if rank == 0:
