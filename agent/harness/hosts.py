@@ -259,12 +259,17 @@ def netem_available() -> bool:
     return _netem
 
 
+def namespaces(pid: int | None = None) -> set[str]:
+    """The machine's network namespaces; with ``pid``, only the harness's of that process (``PREFIX`` pid x)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    names = {line.split()[0] for line in listed.splitlines() if line.split()}
+    return names if pid is None else {n for n in names if n.startswith(f"{PREFIX}{pid}x")}
+
+
 def sweep() -> list[str]:
     """Delete the namespaces of harness runs whose process no longer exists; return their names."""
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     removed = []
-    for line in listed.stdout.splitlines():
-        name = line.split()[0] if line.split() else ""
+    for name in sorted(namespaces()):
         match = re.match(rf"^{re.escape(PREFIX)}(\d+)x\d+-", name)
         if match and not _pid_alive(int(match.group(1))):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)

@@ -537,11 +537,11 @@ class CoordinatorRole:
         work.mkdir(parents=True)
         started = trio.current_time()
         config = self._train_config(view, rnd)
-        # The score is informative and the next round does not start from it: unless the job's stop rule reads
-        # it (a loss target, patience), it is computed after the announcement, beside the next round's training
-        # (a real job's validation split takes the coordinator's device for seconds to minutes).
-        stop = view.terms.stop
-        score_first = bool(stop and (stop.validation_loss_below or stop.patience_rounds))
+        # The score is informative and the next round does not start from it: unless the job has a stop rule
+        # (every one reads the score: StopTerms holds no rule without a condition), it is computed after the
+        # announcement, beside the next round's training (a real job's validation split takes the coordinator's
+        # device for seconds to minutes).
+        score_first = view.terms.stop is not None
         out, score, base_score = await self._combine(view, rnd, config, inputs, work, scored=score_first)
         if view.ends_with(rnd, score.loss if score is not None else None):
             return  # the stop rule ends the job here: no next round to start

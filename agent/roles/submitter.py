@@ -44,7 +44,6 @@ from agent.market import budget_reason
 from protocol import market as mk
 from protocol import messages as m
 from protocol import state as st
-from protocol.cid import parse_cid
 from protocol.jobspec import to_terms
 
 if TYPE_CHECKING:
@@ -333,7 +332,7 @@ class SubmitterRole:
                 await self.blocks.content.fetch(cid, out, timeout=timeout or self.local.config.fetch_timeout,
                                                 providers=[provider] if provider else [], use_dht=use_dht,
                                                 max_size=bundle_size_bound(4 << 30, AGGREGATE_FILES))
-                self.blocks.provide_soon(parse_cid(cid))
+                self.blocks.provide_soon(cid)
         finally:
             if not lock.statistics().tasks_waiting:
                 self._keep_locks.pop(key, None)

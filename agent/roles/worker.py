@@ -51,7 +51,6 @@ from agent.train.runner import run_torch, train_config
 from protocol import early as early_rules
 from protocol import messages as m
 from protocol import state as st
-from protocol.cid import parse_cid
 from protocol.fit import training_refusals
 
 if TYPE_CHECKING:
@@ -454,7 +453,7 @@ class WorkerRole:
         began = trio.current_time()
         log.info("job %s shard %d attempt %d: fetching %s", view.job_id.hex()[:8], lease.shard, lease.attempt, ref.cid)
         await self._fetch(view, lease, ref.cid, shard_path, [terms.submitter], exact_size=ref.size)
-        self.blocks.provide_soon(parse_cid(ref.cid))  # every block was checked on arrival: serve it too (IPIP-0003 §4.1)
+        self.blocks.provide_soon(ref.cid)  # every block was checked on arrival: serve it too (IPIP-0003 §4.1)
         self.training.before_training()
         model_path = self.local.capabilities.local_model(terms)
         substitute = await self.training.base_model(self.local.config.home)

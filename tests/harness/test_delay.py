@@ -12,7 +12,7 @@ import time
 import pytest
 
 from agent.harness import hosts as hosts_module
-from agent.harness.hosts import PREFIX, Hosts, HostSpec, Link, sweep, unavailable_reason
+from agent.harness.hosts import Hosts, HostSpec, Link, namespaces, sweep, unavailable_reason
 
 
 @pytest.fixture
@@ -26,16 +26,6 @@ def shim(monkeypatch):
     monkeypatch.setattr(hosts_module, "_method", None)
     if hosts_module.delay_method() != "nfqueue":
         pytest.skip(f"the NFQUEUE delayer cannot run here: {hosts_module._delay_reason}")
-
-
-def _netns() -> set[str]:
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in listed.splitlines() if line.split()}
-
-
-def _own_netns() -> set[str]:
-    """This process's namespaces: the other test process (pytest-xdist) makes and removes its own meanwhile."""
-    return {n for n in _netns() if n.startswith(f"{PREFIX}{os.getpid()}x")}
 
 
 def _alive(pid: int) -> bool:
@@ -62,7 +52,7 @@ UDP_SEND = ("import socket, sys\ns = socket.socket(socket.AF_INET, socket.SOCK_D
 
 
 def test_a_delayed_link_adds_its_delay_to_round_trips_jitter_keeps_order_and_close_leaves_nothing(shim):
-    before = _own_netns()
+    before = namespaces(os.getpid())
     # a public host whose link adds 60 ± 20 ms, a host behind a NAT whose link (the router's) adds 40
     hosts = Hosts({"pub": HostSpec("pub", link=Link(delay_ms=60, jitter_ms=20)),
                    "home": HostSpec("home", nat=True, link=Link(delay_ms=40))})
@@ -95,7 +85,7 @@ def test_a_delayed_link_adds_its_delay_to_round_trips_jitter_keeps_order_and_clo
     finally:
         hosts.close()
     assert not any(_alive(p) for p in pids)
-    assert _own_netns() == before
+    assert namespaces(os.getpid()) == before
 
 
 KILLED = """\
@@ -120,13 +110,13 @@ def test_the_delayers_of_a_killed_run_exit_and_its_namespaces_are_swept(shim):
     while _alive(delayer) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(delayer), "the delayer outlived its run"
-    stale = {n for n in _netns() if n.startswith(f"{PREFIX}{run.pid}x")}
+    stale = namespaces(run.pid)
     assert stale and stale <= set(sweep())
-    assert not {n for n in _netns() if n.startswith(f"{PREFIX}{run.pid}x")}
+    assert not namespaces(run.pid)
 
 
 def test_a_setup_failing_after_a_delayer_started_stops_it_and_removes_everything(shim, monkeypatch):
-    before = _own_netns()
+    before = namespaces(os.getpid())
     started = []
     real_start, real_run = hosts_module._start_delayer, hosts_module.run_command
 
@@ -145,4 +135,4 @@ def test_a_setup_failing_after_a_delayer_started_stops_it_and_removes_everything
     with pytest.raises(hosts_module.HostsError, match="refused"):
         hosts.create()
     assert len(started) == 1 and started[0].poll() is not None  # stopped, not left running
-    assert not hosts.delayers and not hosts.made and _own_netns() == before
+    assert not hosts.delayers and not hosts.made and namespaces(os.getpid()) == before

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from agent.harness.hosts import (PREFIX, Hosts, HostSpec, HostsError, Link, parse_duration_ms, parse_percent,
-                                 parse_rate_mbit, sweep, unavailable_reason)
+from agent.harness.hosts import (PREFIX, Hosts, HostSpec, HostsError, Link, namespaces, parse_duration_ms,
+                                 parse_percent, parse_rate_mbit, sweep, unavailable_reason)
 from agent.harness.scenario import parse_scenario
 from protocol.errors import SpecError
 
@@ -80,16 +80,6 @@ def test_units():
     assert parse_percent("1%") == 1 and parse_percent(0.5) == 0.5 and parse_percent("1") is None
 
 
-def _netns() -> set[str]:
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in listed.splitlines() if line.split()}
-
-
-def _own_netns() -> set[str]:
-    """This process's namespaces: the other test process (pytest-xdist) makes and removes its own meanwhile."""
-    return {n for n in _netns() if n.startswith(f"{PREFIX}{os.getpid()}x")}
-
-
 CONNECT = ("import socket, sys\ntry:\n    socket.create_connection((sys.argv[1], 4001), timeout=3).close()\n"
            "    print('connected')\nexcept OSError as exc:\n    print(type(exc).__name__)\n")
 SERVE = ("import socket\ns = socket.socket()\ns.bind(('0.0.0.0', 4001))\ns.listen()\nprint('up', flush=True)\n"
@@ -98,7 +88,7 @@ SERVE = ("import socket\ns = socket.socket()\ns.bind(('0.0.0.0', 4001))\ns.liste
 
 @needs_hosts
 def test_a_nat_lets_connections_out_and_none_in_and_everything_is_removed():
-    before = _own_netns()
+    before = namespaces(os.getpid())
     hosts = Hosts({"pub": HostSpec("pub"), "home": HostSpec("home", nat=True, link=Link(loss=1, rate_mbit=20))})
     try:
         hosts.create()
@@ -127,21 +117,21 @@ def test_a_nat_lets_connections_out_and_none_in_and_everything_is_removed():
         assert ("netem" in qdisc or "tbf" in qdisc) and "rate 20Mbit" in qdisc, qdisc
         assert "netem" in qdisc or rules.count("-m statistic --mode random --probability 0.0099") == 4, rules
         made = set(hosts.made)
-        assert made <= _netns() and all(n.startswith(PREFIX) for n in made)
+        assert made <= namespaces() and all(n.startswith(PREFIX) for n in made)
     finally:
         hosts.close()
-    assert _own_netns() == before  # nothing of ours left
+    assert namespaces(os.getpid()) == before  # nothing of ours left
 
 
 @needs_hosts
 def test_a_failed_setup_removes_what_it_made_and_stale_runs_are_swept():
-    before = _own_netns()
+    before = namespaces(os.getpid())
     hosts = Hosts({"a": HostSpec("a"), "b": HostSpec("b")})
     hosts._shape = lambda *args: (_ for _ in ()).throw(HostsError("boom"))  # fails half-way
     hosts.specs["b"] = HostSpec("b", link=Link(rate_mbit=1))
     with pytest.raises(HostsError):
         hosts.create()
-    assert _own_netns() == before and not hosts.made
+    assert namespaces(os.getpid()) == before and not hosts.made
     dead = 2**22 + 7  # above any pid_max default: no such process
     while True:
         try:
@@ -152,4 +142,4 @@ def test_a_failed_setup_removes_what_it_made_and_stale_runs_are_swept():
     stale = f"{PREFIX}{dead}x1-inet"
     subprocess.run(["ip", "netns", "add", stale], check=True)
     assert stale in sweep()
-    assert stale not in _netns()
+    assert stale not in namespaces()
