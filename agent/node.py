@@ -340,6 +340,7 @@ class Agent:
             # a promise to the workers it names, not a change of the job: never stored (IPIP-0006 §2.9)
             if self.worker is not None:
                 self.worker.on_early_start(view, msg, signer)
+            self.submitter.on_early_start(view, msg, signer)
             return
         await self.commit(view, view.receive(msg, signer, now, self.eligible_coordinators(view.terms),
                                              received.envelope.to_bytes()))

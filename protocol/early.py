@@ -10,6 +10,8 @@ Rules of this file:
   r, one each, never the coordinator itself and never a worker the job's history refuses (``assignment``).
 - A worker takes an announcement only from the job's coordinator in its current term, for the round after
   its mirror's, while that round is VERIFYING or AGGREGATING (``refusal``).
+- The announced workers and the job's submitter fetch the announced start together, in the order ``swarm``
+  gives (IPIP-0003 §4.2): each takes its share of it from the coordinator and the rest from the others.
 - An early start is OURS once round r + 1 holds its lease (its attempt, to us) and round r's published
   aggregate is the start it trained from; it WAITS while round r is still verified or aggregated; OPEN when
   round r + 1 began and its shard is not leased yet; any other state voids it (``standing``).
@@ -63,6 +65,12 @@ def refusal(early: EarlyStart, signer: str, coordinator: str | None, term: int, 
     if any(index >= len(state.shards) for index in early.shards):
         return "it names a shard the job does not have"
     return None
+
+
+def swarm(early: EarlyStart, submitter: str) -> tuple[str, ...]:
+    """The peers that fetch an announced start together (IPIP-0003 §4.2), in the order all of them use: the
+    announced workers, then the job's submitter, which copies every aggregate (IPIP-0006 §2.6.1)."""
+    return tuple(dict.fromkeys((*early.workers, submitter)))
 
 
 def standing(state: JobState, published_cid: str | None, rnd: int, shard: int, attempt: int, worker: str,

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Iterator, NamedTuple
+from typing import BinaryIO, Callable, Iterator, NamedTuple, Sequence
 
 from protocol.cid import CID, DAG_PB, RAW, varint_encode
 from protocol.errors import CIDError, FileSizeError
@@ -463,6 +463,23 @@ class StreamVerifier:
     def remaining(self) -> list[CID]:
         """Roots of the subtrees still to come, next first (to resume elsewhere)."""
         return [cid for cid, _, _ in reversed(self._pending)]
+
+    def parts(self) -> list[tuple[CID, int | None, int]]:
+        """The subtrees still to come as (CID, file bytes its parent states, depth), next first: the
+        pieces a fetch may take from different peers (``for_parts``)."""
+        return list(reversed(self._pending))
+
+    @classmethod
+    def for_parts(cls, root: CID, parts: Sequence[tuple[CID, int | None, int]]) -> "StreamVerifier":
+        """A verifier of some of the subtrees of file ``root`` (entries of ``parts()`` of a verifier past
+        its root), in the order given: each block is checked as the whole file's verifier checks it, and
+        ``file_size`` is what the parts' parents state they hold."""
+        if any(depth == 0 or size is None for _, size, depth in parts):
+            raise ValueError("for_parts takes subtrees below a verified root (parts() after the root)")
+        verifier = cls(root)
+        verifier._pending = list(reversed(parts))
+        verifier.file_size = sum(size for _, size, _ in parts)  # type: ignore[misc]
+        return verifier
 
     def feed(self, data: bytes) -> bytes:
         if not self._pending:

@@ -15,6 +15,12 @@ per line, ratio higher is better):
 - job_wall_time_wan: the wall time of a 1-round, 2-shard job with agents on separate hosts, every
   link adding ``--delay`` ms; reference: the same job on unshaped hosts; ratio = reference / value,
   goal 1 / 1.3 (at most 1.3 times slower). The median of ``--repeat`` runs each, alternated.
+- swarm_fetch_over_links: seconds until each of ``--members`` hosts holds a ``--swarm-mib`` MiB file that one
+  seed host holds, every host's link capped at ``--rate`` Mbit/s and adding ``--delay`` ms, when the members
+  fetch it together (``ContentService.fetch(swarm=...)``, IPIP-0003 §4.2: each takes its share from the seed
+  and the rest from each other). Reference: the same members each fetching the whole file from the seed at
+  once (the plain fetch); ratio = reference / value (a speedup), goal 2.0 at 3 members. The median of
+  ``--repeat`` runs each, alternated, every run with fresh processes and empty blockstores.
 - announce_to_all_leased_wan: in the same jobs, seconds from the job's announcement to the
   submitter's mirror holding a lease of every shard (each shard's first lease), read from the run's
   trace (``trace.jsonl``: the ``job`` line, then the ``recv`` lines of type ``lease`` at the
@@ -112,7 +118,90 @@ async def fetch(address: str, peer: str, cid: str, work: Path, gossip: int) -> N
         print(json.dumps({"arrived": arrived}), flush=True)
 
 
+async def member(address: str, seed: str, cid: str, work: Path) -> None:
+    """A swarm member: print our address, read the members' addresses (one JSON line; empty: a plain
+    fetch), connect to them, fetch ``cid`` from ``seed`` and print the seconds it took."""
+    from agent.content.service import open_content
+    from agent.net.host import NetConfig, parse_peer_multiaddr
+    from agent.net.stack import open_network
+    from protocol.identity import Identity
+
+    async with open_network(Identity.generate(), NetConfig(listen=(address,), bootstrap=(seed,))) as net, \
+            open_content(net.host, net.discovery, work / net.host.peer_id / "blocks", idle_timeout=120) as content:
+        print(json.dumps({"addr": net.host.addrs()[0], "peer": net.host.peer_id}), flush=True)
+        others = json.loads(await trio.to_thread.run_sync(sys.stdin.readline))
+        for addr in others:
+            if not addr.endswith(net.host.peer_id):
+                await net.host.connect(parse_peer_multiaddr(addr, "member"), timeout=30)
+        swarm = [addr.rsplit("/", 1)[-1] for addr in others]
+        print(json.dumps({"ready": True}), flush=True)
+        await trio.to_thread.run_sync(sys.stdin.readline)  # go
+        started = time.perf_counter()
+        report = await content.fetch(cid, work / net.host.peer_id / "out.bin", providers=[seed], timeout=600,
+                                     use_dht=False, swarm=swarm)
+        print(json.dumps({"seconds": time.perf_counter() - started, "from_seed":
+                          report.swarm.from_seed if report.swarm else None}), flush=True)
+        await trio.to_thread.run_sync(sys.stdin.readline)  # done
+
+
 # -- the driver -------------------------------------------------------------------------------------
+
+
+def swarm_figure(args: argparse.Namespace) -> None:
+    delay = args.delay if delay_method() else 0.0
+    link = Link(delay_ms=delay, rate_mbit=args.rate)
+    names = ["seed"] + [f"m{i}" for i in range(args.members)]
+    hosts = Hosts({name: HostSpec(name, link=link) for name in names}).create()
+    me = [sys.executable, str(Path(__file__).resolve())]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    times: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        for run in range(2 * args.repeat):
+            together = run % 2 == 1
+            work = Path(tempfile.mkdtemp(prefix="bench-swarm-"))
+            processes: list[subprocess.Popen] = []
+            try:
+                server = subprocess.Popen(hosts.exec_prefix("seed") + me + [
+                    "--role", "serve", "--address", f"/ip4/{hosts.ip('seed')}/tcp/{PORT}", "--mib",
+                    str(args.swarm_mib), "--work", str(work)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    text=True, env=env)
+                processes.append(server)
+                hello = json.loads(server.stdout.readline())
+                members = []
+                for name in names[1:]:
+                    process = subprocess.Popen(hosts.exec_prefix(name) + me + [
+                        "--role", "member", "--address", f"/ip4/{hosts.ip(name)}/tcp/{PORT}", "--peer",
+                        hello["addr"], "--cid", hello["cid"], "--work", str(work)], stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, text=True, env=env)
+                    processes.append(process)
+                    members.append(process)
+                addrs = [json.loads(process.stdout.readline())["addr"] for process in members]
+                for process in members:
+                    process.stdin.write(json.dumps(addrs if together else []) + "\n")
+                    process.stdin.flush()
+                for process in members:
+                    json.loads(process.stdout.readline())  # ready
+                for process in members:
+                    process.stdin.write("go\n")
+                    process.stdin.flush()
+                seconds = max(json.loads(process.stdout.readline())["seconds"] for process in members)
+                times[together].append(seconds)
+                print(f"swarm figure: run {run + 1}: {'together' if together else 'plain'} {seconds:.2f} s",
+                      file=sys.stderr, flush=True)
+            finally:
+                for process in processes:
+                    if process.poll() is None:
+                        process.kill()
+                        process.wait()
+                subprocess.run(["rm", "-rf", str(work)])
+    finally:
+        hosts.close()
+    plain, together = sorted(times[False])[len(times[False]) // 2], sorted(times[True])[len(times[True]) // 2]
+    emit("swarm_fetch_over_links", together, "s", plain, 2.0, lower_is_better=True, members=args.members,
+         mib=args.swarm_mib, delay_ms=delay, rate_mbit=args.rate, runs=args.repeat,
+         plain_s=[round(t, 2) for t in times[False]], together_s=[round(t, 2) for t in times[True]],
+         shaper=delay_method() or "tbf")
+
 
 
 def link_figures(args: argparse.Namespace) -> None:
@@ -231,7 +320,11 @@ def main() -> None:
     parser.add_argument("--skip-job", action="store_true")
     parser.add_argument("--skip-link", action="store_true", help="only the job's wall time")
     parser.add_argument("--repeat", type=int, default=3, help="jobs run at each delay (the median counts)")
-    parser.add_argument("--role", choices=("serve", "fetch"), help=argparse.SUPPRESS)
+    parser.add_argument("--skip-swarm", action="store_true", help="no swarm_fetch_over_links figure")
+    parser.add_argument("--only-swarm", action="store_true", help="only the swarm_fetch_over_links figure")
+    parser.add_argument("--members", type=int, default=3, help="hosts fetching together in the swarm figure")
+    parser.add_argument("--swarm-mib", type=int, default=8, help="the swarm figure's file, MiB")
+    parser.add_argument("--role", choices=("serve", "fetch", "member"), help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--peer", help=argparse.SUPPRESS)
     parser.add_argument("--cid", help=argparse.SUPPRESS)
@@ -244,12 +337,23 @@ def main() -> None:
     if args.role == "fetch":
         trio.run(fetch, args.address, args.peer, args.cid, args.work, args.gossip)
         return
+    if args.role == "member":
+        import logging
+        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+        logging.getLogger("agent.content.service").setLevel(logging.INFO)  # the swarm's line: where the parts came from
+        trio.run(member, args.address, args.peer, args.cid, args.work)
+        return
     reason = unavailable_reason()
     if reason:
         skipped("all", reason)
         sys.exit(0)
+    if args.only_swarm:
+        swarm_figure(args)
+        return
     if not args.skip_link:
         link_figures(args)
+    if not args.skip_swarm:
+        swarm_figure(args)
     if not args.skip_job:
         job_figure(args)
 

@@ -9,6 +9,12 @@ Wire (one stream per request; uvarint is unsigned LEB128):
                      ``uvarint(0)`` means "I do not have the next block"; the server stops there.
                      The server closes the stream after the last block.
 
+/infernet/blocks/1.1.0 is the same wire, and its request may also carry ``"wait": ms`` (0..MAX_WAIT_MS):
+when the next block is one the server lacks, it waits up to that long for the block to arrive in its store
+(a peer fetching the same file meanwhile) before it says ``uvarint(0)``; each block it lacks gets its own
+wait. A swarm member (IPIP-0003 §4.2) asks another this way, so the blocks flow on one busy stream as they
+arrive, instead of a stream opened, and a TCP window grown again, for each ask.
+
 Rules of this file:
 - The client never trusts the order or the bytes: it knows which CID must come next (a
   ``StreamVerifier``), and every block is hash-checked and structure-checked on arrival, before it
@@ -44,6 +50,9 @@ from protocol.unixfs import MAX_BLOCK_SIZE, StreamVerifier, decode_node
 log = logging.getLogger(__name__)
 
 PROTOCOL = "/infernet/blocks/1.0.0"
+PROTOCOL_WAIT = "/infernet/blocks/1.1.0"  # the same, and a request may ask the server to wait for blocks
+MAX_WAIT_MS = 10_000
+WAIT_STEP = 0.02  # how often a waiting server looks for the block in its store
 MAX_REQUEST_BYTES = 64 * 1024
 MAX_WANTS = 1024
 IDLE_TIMEOUT = 30.0
@@ -53,25 +62,35 @@ CHECK_QUEUE_BYTES = 8 << 20  # received blocks waiting to be checked, at most (c
 NOT_HAVE = varint_encode(0)
 
 
-def encode_request(wants: list[CID]) -> bytes:
-    body = canonical_encode({"want": [cid.to_bytes() for cid in wants]})
+def encode_request(wants: list[CID], wait_ms: int = 0) -> bytes:
+    """A request; ``wait_ms`` only on PROTOCOL_WAIT (0: not sent)."""
+    request: dict[str, Any] = {"want": [cid.to_bytes() for cid in wants]}
+    if wait_ms:
+        request["wait"] = wait_ms
+    body = canonical_encode(request)
     return varint_encode(len(body)) + body
 
 
-def decode_request(body: bytes, peer: str) -> list[CID]:
-    """The wanted CIDs of a request body; PeerProtocolError naming the peer if malformed."""
+def decode_request(body: bytes, peer: str, protocol: str = PROTOCOL) -> tuple[list[CID], int]:
+    """The wanted CIDs of a request body and its wait in ms (PROTOCOL_WAIT only; else 0); PeerProtocolError
+    naming the peer if malformed."""
     try:
         request = decode_canonical(body, max_bytes=MAX_REQUEST_BYTES)
-        if not isinstance(request, dict) or set(request) != {"want"}:
-            raise CodecError("bad-request", "expected a map with exactly the key 'want'")
+        allowed = {"want", "wait"} if protocol == PROTOCOL_WAIT else {"want"}
+        if not isinstance(request, dict) or "want" not in request or not set(request) <= allowed:
+            raise CodecError("bad-request", "expected a map with the key 'want'" +
+                             (" and perhaps 'wait'" if protocol == PROTOCOL_WAIT else " only"))
         wants = request["want"]
         if not isinstance(wants, list) or not 1 <= len(wants) <= MAX_WANTS:
             raise CodecError("bad-request", f"'want' must list 1..{MAX_WANTS} CIDs")
         if not all(isinstance(w, bytes) for w in wants):
             raise CodecError("bad-request", "'want' entries must be CID bytes")
-        return [CID.from_bytes(w) for w in wants]
+        wait = request.get("wait", 0)
+        if not isinstance(wait, int) or isinstance(wait, bool) or not 0 <= wait <= MAX_WAIT_MS:
+            raise CodecError("bad-request", f"'wait' must be an integer 0..{MAX_WAIT_MS} (ms)")
+        return [CID.from_bytes(w) for w in wants], wait
     except (CodecError, CIDError) as exc:
-        raise PeerProtocolError(f"{PROTOCOL} request from {peer}: {exc}") from None
+        raise PeerProtocolError(f"{protocol} request from {peer}: {exc}") from None
 
 
 class BlockServer:
@@ -86,6 +105,10 @@ class BlockServer:
     def install(self, host: Host) -> None:
         # no total deadline: a large file takes long; every read and write has its own
         host.set_handler(PROTOCOL, self.handle, timeout=None)
+        host.set_handler(PROTOCOL_WAIT, self.handle_wait, timeout=None)
+
+    async def handle_wait(self, stream: Any) -> None:
+        await self.handle(stream, PROTOCOL_WAIT)
 
     def block(self, cid: CID) -> bytes | None:
         return self.store.get_unchecked(cid)
@@ -107,24 +130,27 @@ class BlockServer:
             log.error("%s: not serving %s: %s", PROTOCOL, cid, exc)
             return None
 
-    async def handle(self, stream: Any) -> None:
+    async def handle(self, stream: Any, protocol: str = PROTOCOL) -> None:
         peer = remote_peer(stream)
         reader = FrameReader(stream, chunk=MAX_REQUEST_BYTES)
         with trio.fail_after(self.idle_timeout):
-            wants = decode_request(await reader.read_frame(MAX_REQUEST_BYTES, f"{PROTOCOL} request"), peer)
+            wants, wait_ms = decode_request(await reader.read_frame(MAX_REQUEST_BYTES, f"{protocol} request"), peer,
+                                            protocol)
         # a walker task reads blocks in worker threads, a batch at a time, while this task writes
         # the previous batch: disk and network overlap, and a thread hop serves several blocks
         send, receive = trio.open_memory_channel[list[bytes | None]](PIPELINE_DEPTH)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._walk, wants, send)
+            nursery.start_soon(self._walk, wants, send, wait_ms / 1000)
             async with receive:
                 async for batch in receive:
-                    lacks = batch[-1] is None
+                    lacks = bool(batch) and batch[-1] is None
                     blocks = batch[:-1] if lacks else batch
                     parts: list[bytes] = []
                     for data in blocks:
                         parts += (varint_encode(len(data) + 1), data)  # type: ignore[arg-type]
                     out = b"".join(parts)  # the blocks are copied once
+                    if not out and not lacks:
+                        continue
                     with trio.fail_after(self.idle_timeout):
                         await stream.write(out + NOT_HAVE if lacks else out)
                     self.blocks_served += len(blocks)
@@ -133,26 +159,40 @@ class BlockServer:
                         break
             nursery.cancel_scope.cancel()
 
-    async def _walk(self, wants: list[CID], send: trio.MemorySendChannel) -> None:
+    async def _walk(self, wants: list[CID], send: trio.MemorySendChannel, wait: float = 0.0) -> None:
         """DFS pre-order over the wanted DAGs, in batches; a batch ending in None is the last:
-        the next block is one we lack."""
+        the next block is one we lack (after waiting up to ``wait`` seconds for it to be stored)."""
         async with send:
             pending = list(reversed(wants))
             while pending:
                 batch = await trio.to_thread.run_sync(self._read_batch, pending)
+                if batch and batch[-1] is None and wait > 0:
+                    await send.send(batch[:-1])  # what we had goes out while we wait for the next one
+                    if await self._stored_within(pending[-1], wait):
+                        continue
+                    batch = [None]
                 await send.send(batch)
                 if batch and batch[-1] is None:
                     return
 
+    async def _stored_within(self, cid: CID, wait: float) -> bool:
+        with trio.move_on_after(wait):
+            while not self.store.has(cid):
+                await trio.sleep(WAIT_STEP)
+            return True
+        return False
+
     def _read_batch(self, pending: list[CID]) -> list[bytes | None]:
-        """The next blocks in DFS order, up to BATCH_BYTES (at least one); ``pending`` is the stack."""
+        """The next blocks in DFS order, up to BATCH_BYTES (at least one); ``pending`` is the stack (a block we
+        lack stays on it, and the batch ends in None)."""
         batch: list[bytes | None] = []
         size = 0
         while pending and size < BATCH_BYTES:
-            found = self._block_and_links(pending.pop())
+            found = self._block_and_links(pending[-1])
             if found is None:
                 batch.append(None)
                 break
+            pending.pop()
             data, children = found
             pending.extend(reversed(children))
             batch.append(data)
@@ -167,8 +207,12 @@ async def fetch_from_peer(
     on_block: Callable[[CID, bytes, bytes], None],
     *,
     idle_timeout: float = IDLE_TIMEOUT,
+    wait: float = 0.0,
 ) -> bool:
     """Stream the verifier's remaining subtrees from ``peer``, feeding every block through it.
+
+    ``wait`` (seconds, > 0): over PROTOCOL_WAIT, the peer waits that long for each block it lacks yet
+    (ProtocolNotSupported from a peer without it).
 
     ``on_block(cid, block, payload)`` runs for each verified block (store it, write its payload).
     Returns True when the file is complete, False when the peer said it lacks the next block.
@@ -179,7 +223,7 @@ async def fetch_from_peer(
         remaining = verifier.remaining()
         wants = remaining[:MAX_WANTS]
         untouched = len(remaining) - len(wants)  # subtrees left for a later request
-        if not await _fetch_batch(host, peer, verifier, wants, untouched, on_block, idle_timeout):
+        if not await _fetch_batch(host, peer, verifier, wants, untouched, on_block, idle_timeout, wait):
             return False
     return True
 
@@ -195,13 +239,14 @@ def first_error(group: BaseExceptionGroup) -> BaseException:
 
 
 async def _fetch_batch(host: Host, peer: str, verifier: StreamVerifier, wants: list[CID], untouched: int,
-                       on_block: Callable[[CID, bytes, bytes], None], idle_timeout: float) -> bool:
+                       on_block: Callable[[CID, bytes, bytes], None], idle_timeout: float, wait: float = 0.0) -> bool:
     """One request: True when the wanted subtrees are complete, False if the peer lacks a block."""
-    stream = await host.open_stream(peer, [PROTOCOL], timeout=idle_timeout)
+    wait_ms = min(MAX_WAIT_MS, round(wait * 1000))
+    stream = await host.open_stream(peer, [PROTOCOL_WAIT if wait_ms else PROTOCOL], timeout=idle_timeout)
     ok = False
     try:
         with trio.fail_after(idle_timeout):
-            await stream.write(encode_request(wants))
+            await stream.write(encode_request(wants, wait_ms))
             await stream.close()  # a half-close: the request is complete
         # this task reads frames; a checker thread verifies, stores and writes them out (hashing
         # and file writes release the GIL), so receiving and checking overlap

@@ -25,6 +25,16 @@ Rules of this file:
   is remembered for ``NO_BLOCKS_TTL`` seconds so the next fetch goes straight to Bitswap. Only a
   refusal falls back: a provider that fails any other way (silent, broken stream, bad block) is left
   as before. ``via="blocks"`` or ``"bitswap"`` forces one protocol for every provider.
+- A swarm (``swarm``: the peers fetching the same file at the same time, ours among them, in one order all
+  of them know; IPIP-0003 §4.2): before the rules above, the root alone is asked of the first provider (the
+  seed) over Bitswap, its subtrees are dealt out to the members in turn, each member takes its own from the
+  seed in one request, and the others from the member they were dealt to, as that member receives them
+  (over /infernet/blocks/1.1.0, the member waits up to ``SWARM_WAIT`` for each block it lacks yet, so the
+  blocks flow on one stream; one without it is asked again every ``SWARM_POLL``). So the seed's uplink carries
+  the file about once, not once per member. Every block is hash-checked against the verified root's
+  links as in any fetch. A member that fails, or stands still for ``swarm_stall`` once our own part is in,
+  is left; whatever the swarm did not bring, the plain fetch above takes from the providers, from the
+  seed first.
 - Every wait has a deadline: the whole fetch (``timeout``), each provider lookup, each stream read.
   A fetch that cannot complete raises FetchError naming the root, the first missing block and why
   each provider failed.
@@ -53,7 +63,7 @@ from agent.net.discovery import Discovery
 from agent.net.errors import NetConfigError, NetError, ProtocolNotSupported
 from agent.net.host import Host, parse_peer_multiaddr, to_libp2p_id
 from agent.net.reach import RELAY_LIMITS
-from protocol.cid import CID, parse_cid
+from protocol.cid import CID, RAW, parse_cid
 from protocol.errors import CIDError, FileSizeError, KeyFileError
 from protocol.identity import public_key_from_peer_id
 from protocol.unixfs import Block, StreamVerifier, import_file
@@ -65,6 +75,20 @@ VIA_BLOCKS = "blocks"
 VIA_BITSWAP = "bitswap"
 SYNC_EVERY = 8 << 20  # a fetch's output file is flushed to disk every this many bytes, as they arrive
 NO_BLOCKS_TTL = 600.0  # how long a provider that refused /infernet/blocks is asked over Bitswap directly
+SWARM_WAIT = 2.0  # seconds a swarm member waits for each block of its part it lacks yet (/infernet/blocks/1.1.0)
+SWARM_POLL = 0.1  # seconds between asks to a member without 1.1.0 that lacks the next block of its part yet
+SWARM_STALL = 1.0  # a swarm member's part may stand still this long (at least) once our own part is in
+
+
+@dataclass
+class SwarmReport:
+    """What a swarm fetch's first phase did (IPIP-0003 §4.2)."""
+
+    members: int = 0
+    parts: int = 0  # the root's subtrees, dealt out to the members in turn
+    from_seed: int = 0  # blocks from the seed: the root (over Bitswap) and our own parts
+    from_members: dict[str, int] = field(default_factory=dict)  # member -> blocks of its parts it sent us
+    left: list[str] = field(default_factory=list)  # why a member (or the seed) was left
 
 
 @dataclass
@@ -84,6 +108,7 @@ class FetchReport:
     relay_skipped: list[str] = field(default_factory=list)  # reachable only through a relay; file too large
     direct_failed: dict[str, str] = field(default_factory=dict)  # provider -> why its direct dial failed
     unreached: list[str] = field(default_factory=list)  # providers no dial reached (directly nor relayed)
+    swarm: SwarmReport | None = None  # the swarm phase, if one ran (its blocks count as fetched, not local)
 
 
 class ContentService:
@@ -146,10 +171,13 @@ class ContentService:
 
     async def fetch(self, cid: CID | str, out_path: str | os.PathLike[str], *, timeout: float = 600.0,
                     providers: Sequence[str] = (), via: str = VIA_AUTO, use_dht: bool = True,
-                    max_size: int | None = None, exact_size: int | None = None) -> FetchReport:
+                    max_size: int | None = None, exact_size: int | None = None,
+                    swarm: Sequence[str] = ()) -> FetchReport:
         """Fetch the file ``cid`` into ``out_path`` (see the rules above).
 
         ``providers`` are peer IDs or /p2p/ multiaddrs to try before the DHT's providers.
+        ``swarm``: the peer IDs fetching this file now, ours among them, in the order every one of them
+        uses; the first provider is their seed (see the rules above). Ignored without providers.
         ``max_size``/``exact_size`` bound the file (FetchError at the root if it states more/other).
         ``via``: "auto" (per provider, see the rules above), "blocks" or "bitswap" (that one only).
         """
@@ -182,8 +210,20 @@ class ContentService:
                         unsynced = 0
 
                 with trio.move_on_after(timeout) as deadline:
+                    swarmed = 0
+                    if len(swarm) > 1 and sources and self.host.peer_id in swarm:
+                        report.swarm = SwarmReport(members=len(swarm))
+                        await self._swarm(root, sources[0], list(swarm), report.swarm,
+                                          StreamVerifier(root, max_file_size=verifier.max_file_size,
+                                                         exact_size=exact_size))
+                        swarmed = report.swarm.from_seed + sum(report.swarm.from_members.values())
+                        report.providers_used += ([sources[0][0]] if report.swarm.from_seed else []) + \
+                            [peer for peer, blocks in report.swarm.from_members.items() if blocks]
                     # in a thread: resuming a large file re-hashes every block it already has
                     await trio.to_thread.run_sync(self._resume_from_store, verifier, out, report)
+                    moved = min(swarmed, report.local_blocks)  # the swarm's blocks were fetched, not held
+                    report.local_blocks -= moved
+                    report.fetched_blocks += moved
                     if not verifier.done:
                         await self._fetch_remote(verifier, on_block, report, sources, via, use_dht)
                 if oversize := report.refused:
@@ -208,6 +248,113 @@ class ContentService:
             return report
         finally:
             tmp.unlink(missing_ok=True)
+
+    async def _swarm(self, root: CID, seed_source: tuple[str, PeerInfo | None], members: list[str],
+                     report: SwarmReport, probe: StreamVerifier) -> None:
+        """The swarm phase (IPIP-0003 §4.2; the rules above): blocks into the store, nothing written out.
+        Returns early, leaving everything to the plain fetch, when the root cannot be had or is refused."""
+        seed, info = seed_source
+        if seed == self.host.peer_id:
+            return
+        began = trio.current_time()
+        try:
+            await self._reach(seed, info, relay=False)
+            if not self.store.has(root):
+                report.from_seed += 1
+            block = await self.bitswap.fetch_block(seed, root, timeout=self.idle_timeout)
+            probe.feed(block)  # hash, structure and the size bounds: a refused root is the plain fetch's to report
+        except (NetError, CIDError, FileSizeError) as exc:
+            report.left.append(f"seed {seed}: root: {exc}")
+            return
+        parts = [part for part in probe.parts() if not (part[0].codec == RAW and self.store.has(part[0]))]
+        report.parts = len(parts)
+        count = len(members)
+        index = members.index(self.host.peer_id)
+        dealt = {member: [part for j, part in enumerate(parts) if j % count == k] for k, member in enumerate(members)}
+        mine = dealt[self.host.peer_id]
+        # When a member that has sent nothing lately is left: once a reference moment has passed (our own
+        # part in from the seed; with no part of our own, the first part-block any member sent us), it gets
+        # as long again as that moment took, at least SWARM_STALL, to send its next block.
+        rooted = trio.current_time()
+        token = trio.lowlevel.current_trio_token()
+        reference = trio.Event()
+        reference_at = [0.0]
+
+        def mark_reference() -> None:
+            if not reference.is_set():
+                reference_at[0] = trio.current_time()
+                reference.set()
+
+        def store(cid: CID, data: bytes) -> None:
+            self.store.put_verified(cid, data)
+
+        async def own() -> None:
+            def counted(cid: CID, data: bytes, _payload: bytes) -> None:
+                store(cid, data)
+                report.from_seed += 1
+
+            try:
+                await fetch_from_peer(self.host, seed, StreamVerifier.for_parts(root, mine), counted,
+                                      idle_timeout=self.idle_timeout)
+            except (NetError, CIDError) as exc:
+                report.left.append(f"seed {seed}: {exc}")
+            finally:
+                mark_reference()
+
+        async def member(peer: str, part: list[tuple[CID, int | None, int]]) -> None:
+            verifier = StreamVerifier.for_parts(root, part)
+            moved = began
+
+            def note_moved() -> None:
+                nonlocal moved
+                moved = trio.current_time()
+                if not mine:
+                    mark_reference()
+
+            def counted(cid: CID, data: bytes, _payload: bytes) -> None:  # in the fetch's checker thread
+                store(cid, data)
+                report.from_members[peer] = report.from_members.get(peer, 0) + 1
+                token.run_sync_soon(note_moved)
+
+            try:
+                await self._reach(peer, None, relay=False)  # bulk bytes never go through a relay
+            except NetError as exc:
+                report.left.append(f"member {peer}: {exc}")
+                return
+            wait = SWARM_WAIT
+            while not verifier.done:
+                try:
+                    if await fetch_from_peer(self.host, peer, verifier, counted, idle_timeout=self.idle_timeout,
+                                             wait=wait):
+                        return
+                except ProtocolNotSupported as exc:
+                    if wait:  # an agent without /infernet/blocks/1.1.0: asked every SWARM_POLL instead
+                        wait = 0.0
+                        continue
+                    report.left.append(f"member {peer}: {exc}")
+                    return
+                except (NetError, CIDError) as exc:
+                    report.left.append(f"member {peer}: {exc}")
+                    return
+                if reference.is_set():
+                    stall = max(SWARM_STALL, reference_at[0] - began)
+                    if trio.current_time() - max(moved, reference_at[0]) > stall:
+                        report.left.append(f"member {peer}: lacked block {verifier.expected()} for {stall:.1f} s")
+                        return
+                if not wait:
+                    await trio.sleep(SWARM_POLL)
+
+        async with trio.open_nursery() as nursery:
+            if mine:
+                nursery.start_soon(own)
+            for k, peer in enumerate(members):
+                if k != index and dealt[peer]:
+                    nursery.start_soon(member, peer, dealt[peer])
+        log.info("fetch %s: swarm of %d: %d parts; %d blocks from the seed, %s from members; the root in at %.2f s, "
+                 "our parts at %s, all at %.2f s%s", root, count, len(parts), report.from_seed,
+                 dict(report.from_members) or "none", rooted - began,
+                 f"{reference_at[0] - began:.2f} s" if mine else "-", trio.current_time() - began,
+                 f"; left: {'; '.join(report.left)}" if report.left else "")
 
     def _resume_from_store(self, verifier: StreamVerifier, out: Any, report: FetchReport) -> None:
         while (cid := verifier.expected()) is not None:
@@ -319,7 +466,7 @@ class ContentService:
                 report.corrupt.append(peer)
             report.attempts.append(f"{peer}: {exc}")
             log.info("fetch %s: %s", verifier.root, report.attempts[-1])
-        if report.fetched_blocks > before:
+        if report.fetched_blocks > before and peer not in report.providers_used:
             report.providers_used.append(peer)
             report.protocols[peer] = protocol
         return True

@@ -114,6 +114,8 @@ class SubmitterRole:
         self.following = following  # following the jobs we announce, and which of ours have not ended
         self._keeping: set[tuple[bytes, str]] = set()  # (job, cid) copies under way
         self._keep_locks: dict[tuple[bytes, str], trio.Lock] = {}  # (job, cid) fetched now, one at a time
+        # (job, cid) of an announced early start -> the peers fetching it together (protocol/early.swarm), latest last
+        self._swarms: dict[tuple[bytes, str], tuple[str, ...]] = {}
         # an estimate's spec and dataset plan, for the announce that follows it (the plan is taken by it)
         self._specs, self._plans = RecentFiles(), RecentFiles()
 
@@ -271,6 +273,19 @@ class SubmitterRole:
         if view.terms.submitter == self.local.peer_id:
             self.tasks.spawn(self._keep, view, published.adapter_cid, coordinator)  # outlives the job
 
+    def on_early_start(self, view: "JobMirror", early: m.EarlyStart, signer: str) -> None:
+        """Our job's coordinator announced the next round's start before publishing it (IPIP-0006 §2.9): its
+        workers fetch it now, and so do we (its keep request follows), together (IPIP-0003 §4.2)."""
+        from protocol import early as early_rules
+
+        if view.terms.submitter != self.local.peer_id or early_rules.refusal(
+                early, signer, view.coordination.coordinator, view.coordination.term, view.state,
+                view.terms.rounds) is not None:
+            return
+        self._swarms[(view.job_id, early.initial_adapter_cid)] = early_rules.swarm(early, self.local.peer_id)
+        while len(self._swarms) > 16:
+            self._swarms.pop(next(iter(self._swarms)))
+
     def on_report(self, view: "JobMirror", report: m.ShardReport, worker: str) -> None:
         """Take a copy of a report's adapter from its worker as soon as it is reported, beside its verification:
         the coordinator's keep request for it (before the verdict, IPIP-0006 §2.6.1) then finds it held, and
@@ -329,9 +344,12 @@ class SubmitterRole:
                 if out.exists():
                     return
                 out.parent.mkdir(parents=True, exist_ok=True)
-                await self.blocks.content.fetch(cid, out, timeout=timeout or self.local.config.fetch_timeout,
-                                                providers=[provider] if provider else [], use_dht=use_dht,
-                                                max_size=bundle_size_bound(4 << 30, AGGREGATE_FILES))
+                report = await self.blocks.content.fetch(
+                    cid, out, timeout=timeout or self.local.config.fetch_timeout,
+                    providers=[provider] if provider else [], use_dht=use_dht,
+                    max_size=bundle_size_bound(4 << 30, AGGREGATE_FILES), swarm=self._swarms.pop((view.job_id, cid), ()))
+                if report.swarm is not None:
+                    self.local.counters["aggregates_fetched_together"] += 1
                 self.blocks.provide_soon(cid)
         finally:
             if not lock.statistics().tasks_waiting:

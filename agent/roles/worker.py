@@ -229,11 +229,14 @@ class WorkerRole:
         key = (view.job_id, early.round, shard, 1)
         self.active[key] = lease
         self._early[key] = None
-        if not self.tasks.spawn_in_job(view.job_id, self._start_early, view, lease, key):
+        # the round's announced workers and the submitter fetch its start together, each taking part of it from
+        # the coordinator and the rest from the others (IPIP-0003 §4.2), not the whole of it each over one uplink
+        swarm = early_rules.swarm(early, view.terms.submitter)
+        if not self.tasks.spawn_in_job(view.job_id, self._start_early, view, lease, key, swarm):
             self.active.pop(key, None)  # the job ended
             self._early.pop(key, None)
 
-    async def _start_early(self, view: JobMirror, lease: m.ShardLease, key: tuple) -> None:
+    async def _start_early(self, view: JobMirror, lease: m.ShardLease, key: tuple, swarm: tuple[str, ...] = ()) -> None:
         """An early start, if we would claim the shard now (the disk can keep the evidence, the market lets us),
         then our claim of it, which tells the coordinator we took it: only then does it lease it to us at once."""
         refusal = self._market_refusal(view)
@@ -248,7 +251,7 @@ class WorkerRole:
         log.info("job %s: round %d shard %d: starting early, from %s… (not leased yet)", view.job_id.hex()[:8],
                  lease.round, lease.shard, (lease.initial_adapter_cid or "")[:24])
         await self.evidence.publish(m.ShardClaim(view.job_id, lease.round, lease.shard))
-        await self._run_shard(view, lease, key, early=True)
+        await self._run_shard(view, lease, key, early=True, swarm=swarm)
 
     def _early_outcome(self, view: JobMirror, lease: m.ShardLease) -> str:
         """Where an early start stands (protocol/early.standing): OURS, WAIT, or why it never will be ours; a
@@ -388,11 +391,12 @@ class WorkerRole:
                 "runtime": str(environment.get("backend", "")), "micro_batch": int(environment.get("micro_batch", 0)),
                 "processes": int(environment.get("data_parallel", 1))}
 
-    async def _run_shard(self, view: JobMirror, lease: m.ShardLease, key: tuple, early: bool = False) -> None:
+    async def _run_shard(self, view: JobMirror, lease: m.ShardLease, key: tuple, early: bool = False,
+                         swarm: tuple[str, ...] = ()) -> None:
         scope = self._scopes[key] = trio.CancelScope()
         try:
             with scope:
-                await self._train_and_report(view, lease, early)
+                await self._train_and_report(view, lease, early, swarm)
         except EarlyStartVoid as exc:  # never leased to us: nothing to give back
             self.local.counters["early_starts_dropped"] += 1
             log.info("job %s round %d shard %d: early start dropped: %s", view.job_id.hex()[:8], lease.round,
@@ -415,16 +419,16 @@ class WorkerRole:
             self.wake()
 
     async def _fetch(self, view: JobMirror, lease: m.ShardLease, cid: str, out: Path, providers: list[str],
-                     tries: int = 3, **bound: int) -> None:
+                     tries: int = 3, swarm: tuple[str, ...] = (), **bound: int) -> Any:
         """Fetch ``cid``, trying again (resuming from the blocks we got) while our lease holds:
-        one slow or unreachable provider must not cost the job an attempt."""
+        one slow or unreachable provider must not cost the job an attempt. ``swarm``: the first try
+        fetches together with those peers (ContentService.fetch); a try again is a plain fetch."""
         from agent.content.errors import FetchError
 
         for attempt in range(1, tries + 1):
             try:
-                await self.blocks.content.fetch(cid, out, timeout=self.local.config.fetch_timeout, providers=providers,
-                                               **bound)
-                return
+                return await self.blocks.content.fetch(cid, out, timeout=self.local.config.fetch_timeout,
+                                                       providers=providers, swarm=swarm if attempt == 1 else (), **bound)
             except FetchError as exc:
                 if exc.refused:  # the file's size is wrong: no retry can help
                     raise
@@ -438,7 +442,8 @@ class WorkerRole:
                 log.info("job %s shard %d: fetch failed (%s); trying again", view.job_id.hex()[:8], lease.shard, exc)
                 await trio.sleep(attempt)
 
-    async def _train_and_report(self, view: JobMirror, lease: m.ShardLease, early: bool = False) -> None:
+    async def _train_and_report(self, view: JobMirror, lease: m.ShardLease, early: bool = False,
+                                swarm: tuple[str, ...] = ()) -> None:
         from agent.content.exchange import first_error
         from agent.train.backends import select_backend
         from agent.train.run import TrainRequest
@@ -470,8 +475,12 @@ class WorkerRole:
             holders = [p for p in (view.coordination.coordinator, terms.submitter) if p and p != self.local.peer_id]
             # an early start's: the coordinator first (the submitter is taking its copy meanwhile)
             order = holders if early else spread(holders, self.local.peer_id, self.peer_table.live_peers())
-            await self._fetch(view, lease, lease.initial_adapter_cid, bundle, order,
-                              max_size=bundle_size_bound(DEFAULT_MAX_BYTES, AGGREGATE_FILES))
+            fetched_start = await self._fetch(view, lease, lease.initial_adapter_cid, bundle, order,
+                                              swarm=swarm if early else (),
+                                              max_size=bundle_size_bound(DEFAULT_MAX_BYTES, AGGREGATE_FILES))
+            if fetched_start.swarm is not None:
+                self.local.counters["starts_fetched_together"] += 1
+                self.local.counters["start_blocks_from_members"] += sum(fetched_start.swarm.from_members.values())
             initial = await unpack_off_loop(bundle, run_dir / "initial", allowed=AGGREGATE_FILES)
         config = train_config(terms, model_path, round=lease.round, threads=self.local.config.threads, log_every=5)
         processes = self.train_processes(terms)

@@ -55,6 +55,10 @@ async def test_workers_train_the_next_round_before_its_aggregate_and_the_job_end
     assert all(key[2] == 1 for key in view.reports), sorted(view.reports)
     # the submitter copied every report's adapter from its worker as it arrived (held before its keep request)
     assert submitter_counters["reports_copied_ahead"] == len(view.reports), submitter_counters
+    # every announced start was fetched together with the round's other workers and the submitter (IPIP-0003
+    # §4.2; the tiny model's aggregate is one block, so here that is its root alone: tests/net/test_swarm_fetch.py
+    # has files of many blocks)
+    assert sum(c.get("starts_fetched_together", 0) for c in counters.values()) == started, counters
     plain, _, _, _ = await _run(tmp_path / "plain", tiny_model_dir, early=False)
     assert [view.aggregates[r].adapter_cid for r in (1, 2)] == [plain.aggregates[r].adapter_cid for r in (1, 2)]
     # the early aggregate is scored after its announcement, beside the next round's training: the same scores
