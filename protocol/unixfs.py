@@ -512,6 +512,13 @@ class StreamVerifier:
         return payload
 
 
+def deal(parts: int, members: Sequence[str]) -> dict[str, list[int]]:
+    """A swarm's parts (IPIP-0003 §4.2): of a root's ``parts`` subtrees (next first), member k of ``members``
+    (the order all of them use) takes part j from the seed when j mod len(members) == k, and asks member k for
+    those parts."""
+    return {member: list(range(k, parts, len(members))) for k, member in enumerate(members)}
+
+
 def iter_dfs(root: CID, get_block: Callable[[CID], bytes]) -> Iterator[tuple[CID, bytes]]:
     """Walk a stored file DAG in DFS pre-order, yielding each block after it has been verified."""
     verifier = StreamVerifier(root)

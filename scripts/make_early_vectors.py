@@ -1,5 +1,6 @@
 """Write ipips/vectors/early-start.json (IPIP-0006 §2.9, protocol/early.py: when a round may be announced early,
-who is announced which shard, when a worker takes an announcement, where an early start stands); reviewed by
+who is announced which shard, when a worker takes an announcement, where an early start stands; and IPIP-0003
+§4.2: who fetches an announced start together, and how its parts are dealt, protocol/unixfs.deal); reviewed by
 hand. Run from the repository root. Peer names stand for peer IDs."""
 import json
 import sys
@@ -9,6 +10,7 @@ sys.path.insert(0, ".")
 from protocol import early  # noqa: E402
 from protocol.messages import EarlyStart, Verdict  # noqa: E402
 from protocol.state import JobConfig, JobPhase, JobState, ShardPhase, ShardState  # noqa: E402
+from protocol.unixfs import deal  # noqa: E402
 
 JOB = bytes(32)
 CID, OTHER = "bafkreifjjcie6lypi6ny7amxnfftagclbuxndqonfipmb64f2km2devei4", "bafkreiother"
@@ -64,6 +66,17 @@ STAND = [
 ]
 
 
+SWARM = [
+    ("the announced workers in its order, then the submitter", ("B", "A"), "S"),
+    ("a submitter that is also announced is named once", ("A", "S"), "S"),
+]
+DEAL = [
+    ("five parts, three members", 5, ["B", "A", "S"]),
+    ("fewer parts than members", 2, ["A", "B", "S"]),
+    ("one member takes all", 3, ["A"]),
+]
+
+
 def verdict(worker: str, accepted: bool) -> Verdict:
     return Verdict(JOB, 1, 0, 1, worker, 1, accepted, "ok" if accepted else "segment 1 does not replay", ())
 
@@ -86,6 +99,10 @@ def main() -> None:
         standing.append({"name": n, "state": s, "published": published, "round": 2, "shard": 0, "attempt": 1,
                          "worker": "A", "start": start,
                          "standing": out if out in (early.OURS, early.WAIT, early.OPEN) else "void", "reason": out})
+    swarm = [{"name": n, "early_workers": list(w), "submitter": sub,
+              "members": list(early.swarm(EarlyStart(JOB, 2, 1, CID, tuple(range(len(w))), w), sub))}
+             for n, w, sub in SWARM]
+    dealt = [{"name": n, "parts": k, "members": m, "dealt": deal(k, m)} for n, k, m in DEAL]
     doc = {
         "description": "IPIP-0006 §2.9 early start. 'ready': may round round + 1 be announced (every shard REPORTED "
                        "or ACCEPTED, not the last round). 'assignment': the (shard, worker) pairs announced from the "
@@ -94,8 +111,12 @@ def main() -> None:
                        "term, for the round after its mirror's, while it is VERIFYING or AGGREGATING). 'standing': "
                        "ours, wait, open (round began, not leased yet: the worker's timer) or void. States are "
                        "{phase, round, shards: [[phase, attempt, worker]]}. 'ready', 'announced', 'taken' and "
-                       "'standing' are normative; 'reason' is not.",
+                       "'standing' are normative; 'reason' is not. 'swarm' (IPIP-0003 §4.2): the peers that fetch an "
+                       "announced start together, in the order all of them use; 'deal': which of a root's parts "
+                       "(subtrees, next first, by index) each member takes from the seed, and is asked for by the "
+                       "others. 'members' and 'dealt' are normative.",
         "ready": ready, "assignment": assignment, "refusal": refusal, "standing": standing,
+        "swarm": swarm, "deal": dealt,
     }
     Path("ipips/vectors/early-start.json").write_text(json.dumps(doc, indent=1) + "\n")
 

@@ -66,7 +66,7 @@ from agent.net.reach import RELAY_LIMITS
 from protocol.cid import CID, RAW, parse_cid
 from protocol.errors import CIDError, FileSizeError, KeyFileError
 from protocol.identity import public_key_from_peer_id
-from protocol.unixfs import Block, StreamVerifier, import_file
+from protocol.unixfs import Block, StreamVerifier, deal, import_file
 
 log = logging.getLogger(__name__)
 
@@ -266,11 +266,17 @@ class ContentService:
         except (NetError, CIDError, FileSizeError) as exc:
             report.left.append(f"seed {seed}: root: {exc}")
             return
-        parts = [part for part in probe.parts() if not (part[0].codec == RAW and self.store.has(part[0]))]
+        parts = probe.parts()
         report.parts = len(parts)
         count = len(members)
         index = members.index(self.host.peer_id)
-        dealt = {member: [part for j, part in enumerate(parts) if j % count == k] for k, member in enumerate(members)}
+        # dealt over all the root's parts (every member deals alike); leaves we hold already are not asked for
+
+        def needed(part: tuple[CID, int | None, int]) -> bool:
+            return not (part[0].codec == RAW and self.store.has(part[0]))
+
+        dealt = {member: [parts[j] for j in indices if needed(parts[j])]
+                 for member, indices in deal(len(parts), members).items()}
         mine = dealt[self.host.peer_id]
         # When a member that has sent nothing lately is left: once a reference moment has passed (our own
         # part in from the seed; with no part of our own, the first part-block any member sent us), it gets

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from protocol import early
 from protocol.messages import EarlyStart, Verdict
+from protocol.unixfs import deal
 from scripts.make_early_vectors import state_of
 
 DOC = json.loads((Path(__file__).resolve().parents[2] / "ipips/vectors/early-start.json").read_text())
@@ -41,3 +42,14 @@ def test_where_an_early_start_stands():
         out = early.standing(state_of(case["state"]), case["published"], case["round"], case["shard"], case["attempt"],
                              case["worker"], case["start"])
         assert (out if out in (early.OURS, early.WAIT, early.OPEN) else "void") == case["standing"], case["name"]
+
+
+def test_who_fetches_an_announced_start_together_and_which_parts_each_takes():
+    for case in DOC["swarm"]:
+        msg = EarlyStart(bytes(32), 2, 1, "bafkreifjjcie6lypi6ny7amxnfftagclbuxndqonfipmb64f2km2devei4",
+                         tuple(range(len(case["early_workers"]))), tuple(case["early_workers"]))
+        assert list(early.swarm(msg, case["submitter"])) == case["members"], case["name"]
+    for case in DOC["deal"]:
+        dealt = deal(case["parts"], case["members"])
+        assert dealt == case["dealt"], case["name"]
+        assert sorted(j for indices in dealt.values() for j in indices) == list(range(case["parts"])), case["name"]
