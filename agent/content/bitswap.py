@@ -241,21 +241,6 @@ class BitswapExchange:
         with trio.move_on_after(5):
             await self.client.stop()
 
-    async def fetch_block(self, peer: str, cid: CID, *, timeout: float = 30.0) -> bytes:
-        """The one block ``cid`` from ``peer`` (a want-block: /infernet/blocks streams a whole DAG under a
-        CID, Bitswap can ask for its root alone), hash-checked by the store on its way in. PeerProtocolError
-        when it did not come within ``timeout``."""
-        data = self.store.get(cid)
-        if data is None:
-            session = self.client.new_session()
-            with trio.move_on_after(timeout + 1):
-                await session.get_blocks_batch([cid.to_bytes()], peer_id=ID.from_base58(peer), timeout=timeout,
-                                               batch_size=1)
-            data = self.store.get(cid)
-        if data is None:
-            raise PeerProtocolError(f"bitswap: {peer} did not send block {cid} within {timeout:.0f} s")
-        return data
-
     async def fetch_from_peer(self, peer: str, verifier: StreamVerifier,
                               on_block: Callable[[CID, bytes, bytes], None], *,
                               idle_timeout: float = 30.0, window: int = WINDOW) -> bool:

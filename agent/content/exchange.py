@@ -13,7 +13,8 @@ Wire (one stream per request; uvarint is unsigned LEB128):
 when the next block is one the server lacks, it waits up to that long for the block to arrive in its store
 (a peer fetching the same file meanwhile) before it says ``uvarint(0)``; each block it lacks gets its own
 wait. A swarm member (IPIP-0003 §4.2) asks another this way, so the blocks flow on one busy stream as they
-arrive, instead of a stream opened, and a TCP window grown again, for each ask.
+arrive, instead of a stream opened, and a TCP window grown again, for each ask. And ``"shallow": true``:
+each wanted CID's own block only, not the DAG under it (a swarm's first ask: the root alone).
 
 Rules of this file:
 - The client never trusts the order or the bytes: it knows which CID must come next (a
@@ -45,7 +46,7 @@ from agent.net.streams import FrameReader, close_quietly, remote_peer, reset_qui
 from protocol.cid import CID, RAW, varint_encode
 from protocol.codec import canonical_encode, decode_canonical
 from protocol.errors import CIDError, CodecError
-from protocol.unixfs import MAX_BLOCK_SIZE, StreamVerifier, decode_node
+from protocol.unixfs import MAX_BLOCK_SIZE, StreamVerifier, decode_node, verify_block
 
 log = logging.getLogger(__name__)
 
@@ -62,24 +63,26 @@ CHECK_QUEUE_BYTES = 8 << 20  # received blocks waiting to be checked, at most (c
 NOT_HAVE = varint_encode(0)
 
 
-def encode_request(wants: list[CID], wait_ms: int = 0) -> bytes:
-    """A request; ``wait_ms`` only on PROTOCOL_WAIT (0: not sent)."""
+def encode_request(wants: list[CID], wait_ms: int = 0, shallow: bool = False) -> bytes:
+    """A request; ``wait_ms`` and ``shallow`` only on PROTOCOL_WAIT (not sent when 0 / False)."""
     request: dict[str, Any] = {"want": [cid.to_bytes() for cid in wants]}
     if wait_ms:
         request["wait"] = wait_ms
+    if shallow:
+        request["shallow"] = True
     body = canonical_encode(request)
     return varint_encode(len(body)) + body
 
 
-def decode_request(body: bytes, peer: str, protocol: str = PROTOCOL) -> tuple[list[CID], int]:
-    """The wanted CIDs of a request body and its wait in ms (PROTOCOL_WAIT only; else 0); PeerProtocolError
-    naming the peer if malformed."""
+def decode_request(body: bytes, peer: str, protocol: str = PROTOCOL) -> tuple[list[CID], int, bool]:
+    """The wanted CIDs of a request body, its wait in ms and whether it is shallow (PROTOCOL_WAIT only; else 0
+    and False); PeerProtocolError naming the peer if malformed."""
     try:
         request = decode_canonical(body, max_bytes=MAX_REQUEST_BYTES)
-        allowed = {"want", "wait"} if protocol == PROTOCOL_WAIT else {"want"}
+        allowed = {"want", "wait", "shallow"} if protocol == PROTOCOL_WAIT else {"want"}
         if not isinstance(request, dict) or "want" not in request or not set(request) <= allowed:
             raise CodecError("bad-request", "expected a map with the key 'want'" +
-                             (" and perhaps 'wait'" if protocol == PROTOCOL_WAIT else " only"))
+                             (" and perhaps 'wait', 'shallow'" if protocol == PROTOCOL_WAIT else " only"))
         wants = request["want"]
         if not isinstance(wants, list) or not 1 <= len(wants) <= MAX_WANTS:
             raise CodecError("bad-request", f"'want' must list 1..{MAX_WANTS} CIDs")
@@ -88,7 +91,10 @@ def decode_request(body: bytes, peer: str, protocol: str = PROTOCOL) -> tuple[li
         wait = request.get("wait", 0)
         if not isinstance(wait, int) or isinstance(wait, bool) or not 0 <= wait <= MAX_WAIT_MS:
             raise CodecError("bad-request", f"'wait' must be an integer 0..{MAX_WAIT_MS} (ms)")
-        return [CID.from_bytes(w) for w in wants], wait
+        shallow = request.get("shallow", False)
+        if not isinstance(shallow, bool):
+            raise CodecError("bad-request", "'shallow' must be true or false")
+        return [CID.from_bytes(w) for w in wants], wait, shallow
     except (CodecError, CIDError) as exc:
         raise PeerProtocolError(f"{protocol} request from {peer}: {exc}") from None
 
@@ -134,13 +140,13 @@ class BlockServer:
         peer = remote_peer(stream)
         reader = FrameReader(stream, chunk=MAX_REQUEST_BYTES)
         with trio.fail_after(self.idle_timeout):
-            wants, wait_ms = decode_request(await reader.read_frame(MAX_REQUEST_BYTES, f"{protocol} request"), peer,
-                                            protocol)
+            wants, wait_ms, shallow = decode_request(
+                await reader.read_frame(MAX_REQUEST_BYTES, f"{protocol} request"), peer, protocol)
         # a walker task reads blocks in worker threads, a batch at a time, while this task writes
         # the previous batch: disk and network overlap, and a thread hop serves several blocks
         send, receive = trio.open_memory_channel[list[bytes | None]](PIPELINE_DEPTH)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._walk, wants, send, wait_ms / 1000)
+            nursery.start_soon(self._walk, wants, send, wait_ms / 1000, shallow)
             async with receive:
                 async for batch in receive:
                     lacks = bool(batch) and batch[-1] is None
@@ -159,13 +165,14 @@ class BlockServer:
                         break
             nursery.cancel_scope.cancel()
 
-    async def _walk(self, wants: list[CID], send: trio.MemorySendChannel, wait: float = 0.0) -> None:
-        """DFS pre-order over the wanted DAGs, in batches; a batch ending in None is the last:
-        the next block is one we lack (after waiting up to ``wait`` seconds for it to be stored)."""
+    async def _walk(self, wants: list[CID], send: trio.MemorySendChannel, wait: float = 0.0,
+                    shallow: bool = False) -> None:
+        """DFS pre-order over the wanted DAGs (``shallow``: their roots only), in batches; a batch ending in None is
+        the last: the next block is one we lack (after waiting up to ``wait`` seconds for it to be stored)."""
         async with send:
             pending = list(reversed(wants))
             while pending:
-                batch = await trio.to_thread.run_sync(self._read_batch, pending)
+                batch = await trio.to_thread.run_sync(self._read_batch, pending, shallow)
                 if batch and batch[-1] is None and wait > 0:
                     await send.send(batch[:-1])  # what we had goes out while we wait for the next one
                     if await self._stored_within(pending[-1], wait):
@@ -182,9 +189,9 @@ class BlockServer:
             return True
         return False
 
-    def _read_batch(self, pending: list[CID]) -> list[bytes | None]:
-        """The next blocks in DFS order, up to BATCH_BYTES (at least one); ``pending`` is the stack (a block we
-        lack stays on it, and the batch ends in None)."""
+    def _read_batch(self, pending: list[CID], shallow: bool = False) -> list[bytes | None]:
+        """The next blocks in DFS order (``shallow``: no children), up to BATCH_BYTES (at least one); ``pending``
+        is the stack (a block we lack stays on it, and the batch ends in None)."""
         batch: list[bytes | None] = []
         size = 0
         while pending and size < BATCH_BYTES:
@@ -194,7 +201,8 @@ class BlockServer:
                 break
             pending.pop()
             data, children = found
-            pending.extend(reversed(children))
+            if not shallow:
+                pending.extend(reversed(children))
             batch.append(data)
             size += len(data)
         return batch
@@ -226,6 +234,33 @@ async def fetch_from_peer(
         if not await _fetch_batch(host, peer, verifier, wants, untouched, on_block, idle_timeout, wait):
             return False
     return True
+
+
+async def fetch_block(host: Host, peer: str, cid: CID, *, idle_timeout: float = IDLE_TIMEOUT) -> bytes:
+    """The one block ``cid`` from ``peer`` (a shallow request over PROTOCOL_WAIT), hash-checked; NetError (no
+    stream; ProtocolNotSupported from a peer without 1.1.0), PeerProtocolError (it lacks the block, or broke
+    the stream) or CIDError (the bytes do not match ``cid``)."""
+    stream = await host.open_stream(peer, [PROTOCOL_WAIT], timeout=idle_timeout)
+    ok = False
+    try:
+        reader = FrameReader(stream)
+        with trio.fail_after(idle_timeout):
+            await stream.write(encode_request([cid], shallow=True))
+            await stream.close()
+            n = await reader.read_uvarint(f"{PROTOCOL_WAIT} block length")
+            if n == 0:
+                raise PeerProtocolError(f"{PROTOCOL_WAIT}: {peer} lacks block {cid}")
+            if n - 1 > MAX_BLOCK_SIZE:
+                raise PeerProtocolError(f"{PROTOCOL_WAIT}: {peer} announced a {n - 1} byte block "
+                                        f"(limit {MAX_BLOCK_SIZE})")
+            data = await reader.read_exactly(n - 1, f"{PROTOCOL_WAIT} block")
+        verify_block(cid, data)
+        ok = True
+        return data
+    except trio.TooSlowError:
+        raise PeerProtocolError(f"{PROTOCOL_WAIT}: {peer} sent no block {cid} within {idle_timeout:.0f} s") from None
+    finally:
+        await (close_quietly(stream) if ok else reset_quietly(stream))
 
 
 def first_error(group: BaseExceptionGroup) -> BaseException:

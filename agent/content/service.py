@@ -27,7 +27,8 @@ Rules of this file:
   as before. ``via="blocks"`` or ``"bitswap"`` forces one protocol for every provider.
 - A swarm (``swarm``: the peers fetching the same file at the same time, ours among them, in one order all
   of them know; IPIP-0003 §4.2): before the rules above, the root alone is asked of the first provider (the
-  seed) over Bitswap, its subtrees are dealt out to the members in turn, each member takes its own from the
+  seed; a shallow request over /infernet/blocks/1.1.0: a seed without it means no swarm), its subtrees are
+  dealt out to the members in turn, each member takes its own from the
   seed in one request, and the others from the member they were dealt to, as that member receives them
   (over /infernet/blocks/1.1.0, the member waits up to ``SWARM_WAIT`` for each block it lacks yet, so the
   blocks flow on one stream; one without it is asked again every ``SWARM_POLL``). So the seed's uplink carries
@@ -57,7 +58,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from agent.content.bitswap import BitswapExchange
 from agent.content.blockstore import BlockStore
 from agent.content.errors import ContentError, FetchError
-from agent.content.exchange import BlockServer, fetch_from_peer
+from agent.content.exchange import BlockServer, fetch_block, fetch_from_peer
 from agent.content.ipfs_daemon import IpfsDaemon
 from agent.net.discovery import Discovery
 from agent.net.errors import NetConfigError, NetError, ProtocolNotSupported
@@ -86,7 +87,7 @@ class SwarmReport:
 
     members: int = 0
     parts: int = 0  # the root's subtrees, dealt out to the members in turn
-    from_seed: int = 0  # blocks from the seed: the root (over Bitswap) and our own parts
+    from_seed: int = 0  # blocks from the seed: the root and our own parts
     from_members: dict[str, int] = field(default_factory=dict)  # member -> blocks of its parts it sent us
     left: list[str] = field(default_factory=list)  # why a member (or the seed) was left
 
@@ -261,8 +262,9 @@ class ContentService:
             await self._reach(seed, info, relay=False)
             if not self.store.has(root):
                 report.from_seed += 1
-            block = await self.bitswap.fetch_block(seed, root, timeout=self.idle_timeout)
+            block = self.store.get(root) or await fetch_block(self.host, seed, root, idle_timeout=self.idle_timeout)
             probe.feed(block)  # hash, structure and the size bounds: a refused root is the plain fetch's to report
+            self.store.put_verified(root, block)
         except (NetError, CIDError, FileSizeError) as exc:
             report.left.append(f"seed {seed}: root: {exc}")
             return

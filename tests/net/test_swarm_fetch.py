@@ -38,10 +38,9 @@ async def test_three_members_take_the_file_from_the_seed_about_once(tmp_path):
             assert report.swarm is not None and report.swarm.parts == 10 and not report.swarm.left
             assert report.fetched_blocks == len(blocks) and report.local_blocks == 0
             assert sum(report.swarm.from_members.values()) > 0 and report.swarm.from_seed <= 5  # the root and 4 of 10 leaves at most
-        # each leaf once from the seed over /infernet/blocks, the root over Bitswap (the plain fetch would
-        # serve the file three times)
-        assert seed_content.server.bytes_served <= len(data) + CHUNK_SIZE
-        assert seed_content.server.blocks_served == len(blocks) - 1
+        # each leaf once from the seed, and the root to each member (the plain fetch serves the file three times)
+        assert seed_content.server.blocks_served == len(blocks) - 1 + len(members)
+        assert seed_content.server.bytes_served < len(data) + 3 * 1024
 
 
 async def test_a_member_that_never_fetches_is_left_and_its_parts_come_from_the_seed(tmp_path):
@@ -109,6 +108,42 @@ async def test_a_member_fetching_the_whole_file_on_its_own_still_serves_its_shar
         for name in ("a", "b"):
             assert reports[name].swarm.from_members.get(late.peer_id, 0) > 0, reports[name].swarm
             assert not any(late.peer_id in why for why in reports[name].swarm.left), reports[name].swarm
+
+
+async def test_blocks_1_1_waits_for_a_block_it_lacks_and_serves_a_root_alone(tmp_path):
+    from agent.content.exchange import PROTOCOL, PROTOCOL_WAIT, decode_request, encode_request, fetch_block, \
+        fetch_from_peer
+    from agent.net.errors import PeerProtocolError
+
+    data = os.urandom(3 * CHUNK_SIZE)
+    root, blocks = import_bytes(data)
+    async with agents_with_content(2, tmp_path) as [(server, server_content), (client, client_content)]:
+        await client_content._reach(server.peer_id, None)
+        with trio.fail_after(20):
+            # asked before the server holds the file: it waits, and the blocks flow once they are stored
+            verifier = StreamVerifier(root)
+            got = []
+            async with trio.open_nursery() as nursery:
+                async def ask():
+                    got.append(await fetch_from_peer(client.host, server.peer_id, verifier,
+                                                     lambda cid, block, payload: None, wait=3.0))
+                nursery.start_soon(ask)
+                await trio.sleep(0.5)
+                assert not got
+                await server_content.add_bytes(data, provide=False)
+            assert got == [True] and verifier.done
+            # shallow: the root's own block only
+            served = server_content.server.blocks_served
+            assert await fetch_block(client.host, server.peer_id, root) == {b.cid: b.data for b in blocks}[root]
+            assert server_content.server.blocks_served == served + 1
+            # without a wait, a block the server lacks is said at once
+            missing, _ = import_bytes(os.urandom(100))
+            with trio.fail_after(2), pytest.raises(PeerProtocolError, match="lacks"):
+                await fetch_block(client.host, server.peer_id, missing)
+    body = encode_request([root], wait_ms=500, shallow=True)[1:]
+    assert decode_request(body, "peer", PROTOCOL_WAIT) == ([root], 500, True)
+    with pytest.raises(PeerProtocolError, match="'want' only"):
+        decode_request(body, "peer", PROTOCOL)  # 1.0.0 knows neither key
 
 
 def test_a_verifier_of_some_parts_checks_them_as_the_whole_file_does():
