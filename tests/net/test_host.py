@@ -69,3 +69,61 @@ async def test_a_restarted_peer_is_dialled_again_at_once():
         await nursery.start(serve_once)  # ... and it is back within seconds, on the same port
         assert await ask(client) == b"ping"  # before: "recently failed all addresses (negative cache)"
         scope.cancel()
+
+
+async def test_a_stream_opens_in_one_round_trip_and_a_refused_protocol_still_moves_on(monkeypatch):
+    """The multistream-select header and our proposal go out together (PipelinedMultiselectClient): the
+    client writes twice before it reads, so a stream costs one round trip, not two; a refused proposal
+    (``na``) still moves on to the next protocol offered, on the same stream."""
+    from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
+
+    from tests.net.conftest import agents
+
+    ops: dict[int, list[str]] = {}  # communicator -> its operations in order (both ends run in this process)
+    write, read = MultiselectCommunicator.write, MultiselectCommunicator.read
+
+    async def spy_write(self, msg_str):
+        ops.setdefault(id(self), []).append("w")
+        return await write(self, msg_str)
+
+    async def spy_read(self):
+        ops.setdefault(id(self), []).append("r")
+        return await read(self)
+
+    async def echo(stream):
+        await stream.write(await stream.read(5))
+        await stream.close()
+
+    from agent.net.host import PipelinedMultiselectClient
+
+    ours: list[int] = []  # the communicators of the streams this test opens
+    select = PipelinedMultiselectClient.select_one_of
+
+    async def spy_select(self, protocols, communicator, *args):
+        if "/infernet/test-echo/1.0.0" in protocols:
+            ours.append(id(communicator))
+        return await select(self, protocols, communicator, *args)
+
+    monkeypatch.setattr(PipelinedMultiselectClient, "select_one_of", spy_select)
+
+    def initiator() -> list[str]:
+        return ops[ours[-1]]
+
+    async with agents(2) as (a, b):
+        b.host.set_handler("/infernet/test-echo/1.0.0", echo, timeout=10)
+        with trio.fail_after(20):
+            while b.peer_id not in a.host.connected_peers():
+                await trio.sleep(0.05)
+            monkeypatch.setattr(MultiselectCommunicator, "write", spy_write)
+            monkeypatch.setattr(MultiselectCommunicator, "read", spy_read)
+            stream = await a.host.open_stream(b.peer_id, ["/infernet/test-echo/1.0.0"])
+            await stream.write(b"hello")
+            assert await stream.read(5) == b"hello"
+            await stream.close()
+            assert initiator() == ["w", "w", "r", "r"]  # header and proposal, then both answers
+            ops.clear()
+            stream = await a.host.open_stream(b.peer_id, ["/infernet/absent/1.0.0", "/infernet/test-echo/1.0.0"])
+            await stream.write(b"again")
+            assert await stream.read(5) == b"again"
+            await stream.close()
+            assert initiator() == ["w", "w", "r", "r", "w", "r"]  # refused ("na"), then the next one
