@@ -33,8 +33,8 @@ Rules of this file:
   (over /infernet/blocks/1.1.0, the member waits up to ``SWARM_WAIT`` for each block it lacks yet, so the
   blocks flow on one stream; one without it is asked again every ``SWARM_POLL``). So the seed's uplink carries
   the file about once, not once per member. Every block is hash-checked against the verified root's
-  links as in any fetch. A member that fails, or stands still for ``swarm_stall`` once our own part is in,
-  is left; whatever the swarm did not bring, the plain fetch above takes from the providers, from the
+  links as in any fetch. A member that fails, or stands still for ``SWARM_STALL`` (or as long as our own
+  part took, if longer) once our own part is in, is left; whatever the swarm did not bring, the plain fetch above takes from the providers, from the
   seed first.
 - Every wait has a deadline: the whole fetch (``timeout``), each provider lookup, each stream read.
   A fetch that cannot complete raises FetchError naming the root, the first missing block and why
@@ -260,9 +260,10 @@ class ContentService:
         began = trio.current_time()
         try:
             await self._reach(seed, info, relay=False)
-            if not self.store.has(root):
+            block = self.store.get(root)
+            if block is None:
+                block = await fetch_block(self.host, seed, root, idle_timeout=self.idle_timeout)
                 report.from_seed += 1
-            block = self.store.get(root) or await fetch_block(self.host, seed, root, idle_timeout=self.idle_timeout)
             probe.feed(block)  # hash, structure and the size bounds: a refused root is the plain fetch's to report
             self.store.put_verified(root, block)
         except (NetError, CIDError, FileSizeError) as exc:
@@ -281,8 +282,8 @@ class ContentService:
                  for member, indices in deal(len(parts), members).items()}
         mine = dealt[self.host.peer_id]
         # When a member that has sent nothing lately is left: once a reference moment has passed (our own
-        # part in from the seed; with no part of our own, the first part-block any member sent us), it gets
-        # as long again as that moment took, at least SWARM_STALL, to send its next block.
+        # part in from the seed; with no part of our own, the root in), it gets as long again as that moment
+        # took, at least SWARM_STALL, to send its next block.
         rooted = trio.current_time()
         token = trio.lowlevel.current_trio_token()
         reference = trio.Event()
@@ -316,8 +317,6 @@ class ContentService:
             def note_moved() -> None:
                 nonlocal moved
                 moved = trio.current_time()
-                if not mine:
-                    mark_reference()
 
             def counted(cid: CID, data: bytes, _payload: bytes) -> None:  # in the fetch's checker thread
                 store(cid, data)
@@ -329,7 +328,7 @@ class ContentService:
             except NetError as exc:
                 report.left.append(f"member {peer}: {exc}")
                 return
-            wait = SWARM_WAIT
+            wait = min(SWARM_WAIT, self.idle_timeout / 2)  # the server's wait within our read deadline
             while not verifier.done:
                 try:
                     if await fetch_from_peer(self.host, peer, verifier, counted, idle_timeout=self.idle_timeout,
@@ -352,6 +351,8 @@ class ContentService:
                 if not wait:
                     await trio.sleep(SWARM_POLL)
 
+        if not mine:
+            mark_reference()
         async with trio.open_nursery() as nursery:
             if mine:
                 nursery.start_soon(own)

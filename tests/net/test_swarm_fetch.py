@@ -58,6 +58,19 @@ async def test_a_member_that_never_fetches_is_left_and_its_parts_come_from_the_s
         assert report.fetched_blocks == len(blocks) and report.providers_used == [seed.peer_id]
 
 
+async def test_with_no_part_of_its_own_a_member_still_leaves_absent_ones_soon(tmp_path):
+    data = os.urandom(CHUNK_SIZE + 10)  # 2 leaves, 3 members: the last in the order is dealt none
+    root, blocks = import_bytes(data)
+    async with agents_with_content(4, tmp_path) as [(seed, seed_content), (a, a_content), (x, _), (y, _)]:
+        assert await seed_content.add_bytes(data, provide=False) == root
+        out = tmp_path / "a" / "file.bin"
+        with trio.fail_after(15):  # not the fetch's whole timeout (600 s)
+            report = await a_content.fetch(root, out, providers=[seed.peer_id], use_dht=False,
+                                           swarm=[x.peer_id, y.peer_id, a.peer_id])
+        assert out.read_bytes() == data and report.swarm.parts == 2
+        assert sorted(why.split()[1].rstrip(":") for why in report.swarm.left) == sorted([x.peer_id, y.peer_id])
+
+
 async def test_a_member_sending_a_bad_block_is_left_and_the_file_is_still_whole(tmp_path):
     from agent.content.exchange import BlockServer
 
