@@ -268,7 +268,7 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
                 warmup_rounds: int = 0, continue_data: bool = True, lr_scale: float = 1.0,
                 carry: bool = True, codec: str = "none", sent: list | None = None,
                 within: str = "constant", ramp: tuple[int, ...] = (), overlap: str = "none",
-                snr: float | None = None, tail: float = 0.0) -> list[float]:
+                snr: float | None = None, tail: float = 0.0, downlink: str = "none") -> list[float]:
     """The protocol's training, in process: validation loss after each round's aggregate. With
     ``codec`` int8 every worker's end state goes through the report codec (agent/train/codec.py), as
     a worker's does; ``sent`` collects (payload bytes, whole-report bytes) per report. ``ramp``: the
@@ -277,7 +277,10 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
     ``own``: a worker starts round r+1 at once from what it knows then, the aggregate of round r-1 plus
     its own round-r update (Streaming DiLoCo's merge with a one-round delay), with its own AdamW state;
     round r's aggregate is round r-1's plus the shard-weighted mean of the workers' round-r updates.
-    ``stale``: the same without its own update (a one-round-delayed outer step: PCCL's async DiLoCo)."""
+    ``stale``: the same without its own update (a one-round-delayed outer step: PCCL's async DiLoCo).
+    ``downlink`` (a study, issue 24: the aggregate is 9× the bytes of an ``int4-fresh`` report, and every
+    worker fetches it): the round's aggregate and averaged AdamW state go through that report codec from the
+    round's start, as a worker's end state does, before the next round starts from them."""
     if overlap.startswith("lag:"):
         return lagged_run(trainer, shards, config, rounds=rounds, steps=steps, within=within, lag=overlap[4:],
                           method=method)
@@ -294,6 +297,7 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
         round_config = config.with_(learning_rate=lr)
         offset = sum(plan[:rnd - 1]) if continue_data else 0
         steps = plan[rnd - 1]
+        optimizer_before = optimizer
         trained = [(trainer.train(aggregate_now, shard, round_config, steps, offset=offset, optimizer=optimizer,
                                   within=within, tail=tail),
                     len(shard)) for shard in shards]
@@ -308,7 +312,14 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
             mean = snr_gain(aggregate_now, mean, optimizer, len(shards), snr,
                             sum(lr * within_round_factor(within, s, steps) if within != "constant" else lr
                                 for s in range(steps)))
+        round_start, optimizer_start = aggregate_now, optimizer_before
         aggregate_now, state = outer_step(aggregate_now, mean, state, outer, step=rnd, frozen=trainer.frozen)
+        if downlink != "none":
+            aggregate_now, coded_optimizer = coded(round_start, aggregate_now, optimizer if carry else {},
+                                                   trainer.frozen, None, downlink,
+                                                   optimizer_start if carry else None)
+            if carry:
+                optimizer = coded_optimizer
         losses.append(trainer.evaluate(aggregate_now))
     return losses
 
@@ -504,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlap", default="none",
                         help="none | own | stale | lag:TAU[:avg] (comma list): rounds that do not wait for the last aggregate "
                              "(a study; lag: the next round's first TAU steps trained from the worker's own end)")
+    parser.add_argument("--downlink", default="none",
+                        help="a study: the report codec the round's aggregate and AdamW state go through too "
+                             "(comma list; none | int8 | int4-fresh ...)")
     parser.add_argument("--tail", default="0",
                         help="comma list of fractions: a worker reports the mean of its iterates over the round's last "
                              "fraction of steps (tail averaging, a study); 0: its last iterate")
@@ -589,8 +603,9 @@ def _one_seed(args: Any, model: Path, seed: int, results: dict, suffix: str) -> 
                     variants = itertools.product(outers, args.optimizer_state.split(","), args.codec.split(","),
                                                  args.schedule.split(","), args.inner_scale.split(","),
                                                  args.within.split(","), args.ramp.split(";"), args.overlap.split(","),
-                                                 [float(t) for t in args.tail.split(",")])
-                    for (label, outer), carried, codec, schedule, inner_scale, within, ramp_text, overlap, tail in variants:
+                                                 [float(t) for t in args.tail.split(",")], args.downlink.split(","))
+                    for (label, outer), carried, codec, schedule, inner_scale, within, ramp_text, overlap, tail, \
+                            downlink in variants:
                         ramp = tuple(int(x) for x in ramp_text.split(",") if x)
                         started, sent = time.perf_counter(), []
                         snr = None
@@ -603,7 +618,7 @@ def _one_seed(args: Any, model: Path, seed: int, results: dict, suffix: str) -> 
                                              continue_data=not args.same_data_each_round,
                                              lr_scale=inner_lr_scale(inner_scale, workers),
                                              carry=carried == "carried", codec=codec, sent=sent, within=within,
-                                             ramp=ramp, overlap=overlap)
+                                             ramp=ramp, overlap=overlap, downlink=downlink)
                         label = f"{label}+{carried}" + "".join(f"+{x}" for x in (codec, schedule, inner_scale)
                                                                if x not in ("none", "constant"))
                         label += f"+within-{within}" if within != "constant" else ""
@@ -611,6 +626,7 @@ def _one_seed(args: Any, model: Path, seed: int, results: dict, suffix: str) -> 
                         label += f"+overlap-{overlap}" if overlap != "none" else ""
                         label += f"+batch{worker_batch}" if worker_batch != args.batch else ""
                         label += f"+tail{tail:g}" if tail else ""
+                        label += f"+down-{downlink}" if downlink != "none" else ""
                         final = losses[-1]
                         reached, capped = steps_to_reach(central, final)
                         efficiency = reached / args.total
