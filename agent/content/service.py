@@ -323,33 +323,43 @@ class ContentService:
                 report.from_members[peer] = report.from_members.get(peer, 0) + 1
                 token.run_sync_soon(note_moved)
 
-            try:
-                await self._reach(peer, None, relay=False)  # bulk bytes never go through a relay
-            except NetError as exc:
-                report.left.append(f"member {peer}: {exc}")
-                return
-            wait = min(SWARM_WAIT, self.idle_timeout / 2)  # the server's wait within our read deadline
-            while not verifier.done:
+            async def pull() -> None:
                 try:
-                    if await fetch_from_peer(self.host, peer, verifier, counted, idle_timeout=self.idle_timeout,
-                                             wait=wait):
-                        return
-                except ProtocolNotSupported as exc:
-                    if wait:  # an agent without /infernet/blocks/1.1.0: asked every SWARM_POLL instead
-                        wait = 0.0
-                        continue
+                    await self._reach(peer, None, relay=False)  # bulk bytes never go through a relay
+                except NetError as exc:
                     report.left.append(f"member {peer}: {exc}")
                     return
-                except (NetError, CIDError) as exc:
-                    report.left.append(f"member {peer}: {exc}")
-                    return
-                if reference.is_set():
-                    stall = max(SWARM_STALL, reference_at[0] - began)
-                    if trio.current_time() - max(moved, reference_at[0]) > stall:
-                        report.left.append(f"member {peer}: lacked block {verifier.expected()} for {stall:.1f} s")
+                wait = min(SWARM_WAIT, self.idle_timeout / 2)  # the server's wait within our read deadline
+                while not verifier.done:
+                    try:
+                        if await fetch_from_peer(self.host, peer, verifier, counted, idle_timeout=self.idle_timeout,
+                                                 wait=wait):
+                            return
+                    except ProtocolNotSupported as exc:
+                        if wait:  # an agent without /infernet/blocks/1.1.0: asked every SWARM_POLL instead
+                            wait = 0.0
+                            continue
+                        report.left.append(f"member {peer}: {exc}")
                         return
-                if not wait:
-                    await trio.sleep(SWARM_POLL)
+                    except (NetError, CIDError) as exc:
+                        report.left.append(f"member {peer}: {exc}")
+                        return
+                    if not wait:
+                        await trio.sleep(SWARM_POLL)
+
+            async def watch(scope: trio.CancelScope) -> None:
+                """The stall rule, whatever the member is doing (dialling, or a request it does not answer)."""
+                await reference.wait()
+                stall = max(SWARM_STALL, reference_at[0] - began)
+                while (due := max(moved, reference_at[0]) + stall) > trio.current_time():
+                    await trio.sleep_until(due)
+                report.left.append(f"member {peer}: lacked block {verifier.expected()} for {stall:.1f} s")
+                scope.cancel()
+
+            async with trio.open_nursery() as inner:
+                inner.start_soon(watch, inner.cancel_scope)
+                await pull()
+                inner.cancel_scope.cancel()  # done (or left): the watch ends
 
         if not mine:
             mark_reference()

@@ -71,6 +71,27 @@ async def test_with_no_part_of_its_own_a_member_still_leaves_absent_ones_soon(tm
         assert sorted(why.split()[1].rstrip(":") for why in report.swarm.left) == sorted([x.peer_id, y.peer_id])
 
 
+async def test_a_member_that_never_answers_is_left_by_the_stall_rule_not_by_the_read_deadline(tmp_path):
+    from agent.content.exchange import PROTOCOL_WAIT
+
+    data = os.urandom(5 * CHUNK_SIZE + 77)
+    root, _ = import_bytes(data)
+    async with agents_with_content(3, tmp_path, idle_timeout=30.0) as [(seed, seed_content), (a, a_content),
+                                                                        (hung, _)]:
+        assert await seed_content.add_bytes(data, provide=False) == root
+
+        async def never_answer(stream):
+            await trio.sleep_forever()
+
+        hung.host.set_handler(PROTOCOL_WAIT, never_answer, timeout=None)
+        out = tmp_path / "a" / "file.bin"
+        with trio.fail_after(10):  # its requests would each wait out the 30 s read deadline
+            report = await a_content.fetch(root, out, providers=[seed.peer_id], use_dht=False,
+                                           swarm=sorted([a.peer_id, hung.peer_id]))
+        assert out.read_bytes() == data
+        assert any(hung.peer_id in why and "lacked block" in why for why in report.swarm.left), report.swarm
+
+
 async def test_a_member_sending_a_bad_block_is_left_and_the_file_is_still_whole(tmp_path):
     from agent.content.exchange import BlockServer
 
