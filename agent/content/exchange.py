@@ -277,7 +277,8 @@ async def _fetch_batch(host: Host, peer: str, verifier: StreamVerifier, wants: l
                        on_block: Callable[[CID, bytes, bytes], None], idle_timeout: float, wait: float = 0.0) -> bool:
     """One request: True when the wanted subtrees are complete, False if the peer lacks a block."""
     wait_ms = min(MAX_WAIT_MS, round(wait * 1000))
-    stream = await host.open_stream(peer, [PROTOCOL_WAIT if wait_ms else PROTOCOL], timeout=idle_timeout)
+    protocol = PROTOCOL_WAIT if wait_ms else PROTOCOL
+    stream = await host.open_stream(peer, [protocol], timeout=idle_timeout)
     ok = False
     try:
         with trio.fail_after(idle_timeout):
@@ -290,7 +291,7 @@ async def _fetch_batch(host: Host, peer: str, verifier: StreamVerifier, wants: l
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(checker.run)
                 try:
-                    lacks = await _read_blocks(FrameReader(stream), peer, checker, idle_timeout)
+                    lacks = await _read_blocks(FrameReader(stream), peer, checker, idle_timeout, protocol)
                 except BaseException:
                     checker.close(abort=True)
                     raise
@@ -300,29 +301,30 @@ async def _fetch_batch(host: Host, peer: str, verifier: StreamVerifier, wants: l
         if len(verifier.remaining()) > untouched:
             if lacks:
                 return False
-            raise PeerProtocolError(f"{PROTOCOL}: {peer} ended the stream before block {verifier.expected()}")
+            raise PeerProtocolError(f"{protocol}: {peer} ended the stream before block {verifier.expected()}")
         ok = True
         return True
     finally:
         await (close_quietly(stream) if ok else reset_quietly(stream))
 
 
-async def _read_blocks(reader: FrameReader, peer: str, checker: _Checker, idle_timeout: float) -> bool:
+async def _read_blocks(reader: FrameReader, peer: str, checker: _Checker, idle_timeout: float,
+                       protocol: str = PROTOCOL) -> bool:
     """Forward frames until the stream ends; True if the peer said it lacks the next block."""
     while True:
         try:
             with trio.fail_after(idle_timeout):
                 if await reader.at_eof():
                     return False
-                n = await reader.read_uvarint(f"{PROTOCOL} block length")
+                n = await reader.read_uvarint(f"{protocol} block length")
                 if n == 0:
                     return True
                 if n - 1 > MAX_BLOCK_SIZE:
-                    raise PeerProtocolError(f"{PROTOCOL}: {peer} announced a {n - 1} byte block "
+                    raise PeerProtocolError(f"{protocol}: {peer} announced a {n - 1} byte block "
                                             f"(limit {MAX_BLOCK_SIZE})")
-                data = await reader.read_exactly(n - 1, f"{PROTOCOL} block")
+                data = await reader.read_exactly(n - 1, f"{protocol} block")
         except trio.TooSlowError:
-            raise PeerProtocolError(f"{PROTOCOL}: {peer} sent nothing for {idle_timeout:.0f} s") from None
+            raise PeerProtocolError(f"{protocol}: {peer} sent nothing for {idle_timeout:.0f} s") from None
         if not await checker.put(data):
             return False  # the checker stopped on a bad block: run() raises it
 
