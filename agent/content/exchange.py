@@ -9,6 +9,7 @@ Wire (one stream per request; uvarint is unsigned LEB128):
                      ``uvarint(0)`` means "I do not have the next block"; the server stops there.
                      The server closes the stream after the last block.
 
+The request's rules are protocol/blocks.py's (vectors: ipips/vectors/blocks-request.json).
 /infernet/blocks/1.1.0 is the same wire, and its request may also carry ``"wait": ms`` (0..MAX_WAIT_MS):
 when the next block is one the server lacks, it waits up to that long for the block to arrive in its store
 (a peer fetching the same file meanwhile) before it says ``uvarint(0)``; each block it lacks gets its own
@@ -44,18 +45,14 @@ from agent.net.errors import PeerProtocolError
 from agent.net.host import Host
 from agent.net.streams import FrameReader, close_quietly, remote_peer, reset_quietly
 from protocol.cid import CID, RAW, varint_encode
-from protocol.codec import canonical_encode, decode_canonical
+from protocol.blocks import (MAX_REQUEST_BYTES, MAX_WAIT_MS, MAX_WANTS, PROTOCOL, PROTOCOL_WAIT,
+                             encode_request, parse_request)
 from protocol.errors import CIDError, CodecError
 from protocol.unixfs import MAX_BLOCK_SIZE, StreamVerifier, decode_node, verify_block
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = "/infernet/blocks/1.0.0"
-PROTOCOL_WAIT = "/infernet/blocks/1.1.0"  # the same, and a request may ask the server to wait for blocks
-MAX_WAIT_MS = 10_000
 WAIT_STEP = 0.02  # how often a waiting server looks for the block in its store
-MAX_REQUEST_BYTES = 64 * 1024
-MAX_WANTS = 1024
 IDLE_TIMEOUT = 30.0
 PIPELINE_DEPTH = 4  # batches read from disk ahead of the network task (server)
 BATCH_BYTES = 1 << 20  # the server reads and writes blocks in batches of about this many bytes
@@ -63,39 +60,12 @@ CHECK_QUEUE_BYTES = 8 << 20  # received blocks waiting to be checked, at most (c
 NOT_HAVE = varint_encode(0)
 
 
-def encode_request(wants: list[CID], wait_ms: int = 0, shallow: bool = False) -> bytes:
-    """A request; ``wait_ms`` and ``shallow`` only on PROTOCOL_WAIT (not sent when 0 / False)."""
-    request: dict[str, Any] = {"want": [cid.to_bytes() for cid in wants]}
-    if wait_ms:
-        request["wait"] = wait_ms
-    if shallow:
-        request["shallow"] = True
-    body = canonical_encode(request)
-    return varint_encode(len(body)) + body
-
-
 def decode_request(body: bytes, peer: str, protocol: str = PROTOCOL) -> tuple[list[CID], int, bool]:
-    """The wanted CIDs of a request body, its wait in ms and whether it is shallow (PROTOCOL_WAIT only; else 0
-    and False); PeerProtocolError naming the peer if malformed."""
+    """The wanted CIDs of a request body, its wait in ms and whether it is shallow (protocol/blocks.py);
+    PeerProtocolError naming the peer if malformed."""
     try:
-        request = decode_canonical(body, max_bytes=MAX_REQUEST_BYTES)
-        allowed = {"want", "wait", "shallow"} if protocol == PROTOCOL_WAIT else {"want"}
-        if not isinstance(request, dict) or "want" not in request or not set(request) <= allowed:
-            raise CodecError("bad-request", "expected a map with the key 'want'" +
-                             (" and perhaps 'wait', 'shallow'" if protocol == PROTOCOL_WAIT else " only"))
-        wants = request["want"]
-        if not isinstance(wants, list) or not 1 <= len(wants) <= MAX_WANTS:
-            raise CodecError("bad-request", f"'want' must list 1..{MAX_WANTS} CIDs")
-        if not all(isinstance(w, bytes) for w in wants):
-            raise CodecError("bad-request", "'want' entries must be CID bytes")
-        wait = request.get("wait", 0)
-        if not isinstance(wait, int) or isinstance(wait, bool) or not 0 <= wait <= MAX_WAIT_MS:
-            raise CodecError("bad-request", f"'wait' must be an integer 0..{MAX_WAIT_MS} (ms)")
-        shallow = request.get("shallow", False)
-        if not isinstance(shallow, bool):
-            raise CodecError("bad-request", "'shallow' must be true or false")
-        return [CID.from_bytes(w) for w in wants], wait, shallow
-    except (CodecError, CIDError) as exc:
+        return tuple(parse_request(body, protocol))  # type: ignore[return-value]
+    except CodecError as exc:
         raise PeerProtocolError(f"{protocol} request from {peer}: {exc}") from None
 
 

@@ -294,12 +294,9 @@ class ContentService:
                 reference_at[0] = trio.current_time()
                 reference.set()
 
-        def store(cid: CID, data: bytes) -> None:
-            self.store.put_verified(cid, data)
-
         async def own() -> None:
             def counted(cid: CID, data: bytes, _payload: bytes) -> None:
-                store(cid, data)
+                self.store.put_verified(cid, data)
                 report.from_seed += 1
 
             try:
@@ -319,7 +316,7 @@ class ContentService:
                 moved = trio.current_time()
 
             def counted(cid: CID, data: bytes, _payload: bytes) -> None:  # in the fetch's checker thread
-                store(cid, data)
+                self.store.put_verified(cid, data)
                 report.from_members[peer] = report.from_members.get(peer, 0) + 1
                 token.run_sync_soon(note_moved)
 
