@@ -283,6 +283,7 @@ class TrainingSpec:
     report_codec: str = _key("none", _Choice(*REPORT_CODECS))
     inner_schedule: str = _key("constant", _Choice(*INNER_SCHEDULES))
     packing: bool = _key(False, _Flag())
+    aggregate_codec: str = _key("none", _Choice(*REPORT_CODECS))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -448,6 +449,10 @@ training:                         # what each worker does with its shard in each
   report_codec: none              # none | int8 | int4 | int4-log | int4-fresh: a worker's report sends
                                   #   its round's end state whole, or as coded deltas and moments
                                   #   (int8 ~5x, int4* ~9x fewer bytes)
+  aggregate_codec: none           # none | the same codecs: each round's aggregate (rounds 2 to the
+                                  #   last but one) travels to the next round's workers as an update
+                                  #   from the round's start, ~9x fewer bytes with int4-fresh; the
+                                  #   aggregate is then that update's decoded state
 
 dpo:                              # type dpo only
   beta: 0.1                       # in (0, 100]: how far the adapter may move from the base model's
@@ -690,6 +695,9 @@ def _check_across_fields(spec: JobSpec, where: Where) -> None:
     if spec.method == "full" and spec.type == "dpo":
         raise where.bad_value(("type",), "dpo needs method lora or qlora: its reference model is the base model "
                               "with the adapter disabled, and full fine-tuning has no adapter to disable")
+    if spec.method == "full" and spec.training.aggregate_codec != "none":
+        raise where.bad_value(("training", "aggregate_codec"), "full fine-tuning's aggregate travels whole: an "
+                              "update codes an adapter and its AdamW state (write aggregate_codec: none)")
     if spec.method == "full" and spec.runtime != "peft":
         raise where.bad_value(("runtime",), f"full fine-tuning runs on the peft runtime (torch + transformers), "
                               f"not {spec.runtime}")
@@ -914,7 +922,8 @@ def to_terms(spec: JobSpec, *, submitter: str, base_model_sha256: bytes, shards:
         validation_cid=validation_cid,
         training=m.TrainingTerms(t.epochs, t.learning_rate, t.batch_size, t.gradient_accumulation_steps,
                                  t.max_seq_len, t.max_steps, t.schedule, t.warmup_rounds, t.optimizer_state,
-                                 t.report_codec, t.inner_schedule, t.packing, spec.type, spec.dpo.beta),
+                                 t.report_codec, t.inner_schedule, t.packing, spec.type, spec.dpo.beta,
+                                 t.aggregate_codec),
         lora=m.LoraTerms(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules), lora.freeze_a),
         proof=m.ProofTerms(proof.checkpoint_every, proof.verify_segments, proof.tolerance),
         rounds=spec.rounds, aggregation=spec.aggregation, min_accepted_fraction=spec.min_accepted_fraction,

@@ -326,6 +326,10 @@ class TrainingTerms(Wire):
     # with DPO's beta
     objective: str = extension_field("sft", "enum", choices=OBJECTIVES)
     dpo_beta: float = extension_field(0.1)
+    # how a round's aggregate travels to the next round's workers: whole, or as an update through the same
+    # codec from the round's start, the aggregate then being that update's decoded state (IPIP-0006 §2.8.1;
+    # protocol/downlink.py)
+    aggregate_codec: str = extension_field("none", "enum", choices=REPORT_CODECS)
 
     def check(self, path: str) -> None:
         if not 0.0 < self.dpo_beta <= MAX_DPO_BETA:
@@ -435,6 +439,9 @@ class JobTerms(Wire):
         if self.method == "full" and self.aggregation not in FULL_AGGREGATIONS:
             raise CodecError("bad-field", f"{path}.aggregation: full fine-tuning averages weights "
                              f"({', '.join(FULL_AGGREGATIONS)}), not {self.aggregation}")
+        if self.method == "full" and self.training.aggregate_codec != "none":
+            raise CodecError("bad-field", f"{path}.training.aggregate_codec: full fine-tuning's aggregate travels "
+                             "whole (an update codes an adapter and its AdamW state)")
         if self.method == "full" and self.training.objective == "dpo":
             raise CodecError("bad-field", f"{path}.training.objective: dpo's reference is the base model with the "
                              "adapter disabled: it needs method lora or qlora")
@@ -645,6 +652,8 @@ class AggregatePublished(Wire):
     # has the larger implicit reward, and the mean reward margin
     reward_accuracy: Optional[float] = extension_field(None)
     reward_margin: Optional[float] = extension_field(None)
+    # a coded aggregate's update (IPIP-0006 §2.8.1): the bundle that rebuilds ``adapter_cid`` from the round's start
+    update_cid: Optional[str] = extension_field(None, "cid")
 
     def check(self, path: str) -> None:
         if self.reward_accuracy is not None and not 0.0 <= self.reward_accuracy <= 1.0:
@@ -666,6 +675,9 @@ class EarlyStart(Wire):
     initial_adapter_cid: str = cid_field()
     shards: tuple[int, ...] = field(metadata=_meta(max_len=MAX_LIST))
     workers: tuple[str, ...] = field(metadata=_meta("peer", max_len=MAX_LIST))
+    # a coded aggregate's update (IPIP-0006 §2.8.1): the bundle that rebuilds ``initial_adapter_cid`` from the
+    # start of round ``round - 1``
+    update_cid: Optional[str] = extension_field(None, "cid")
 
     def check(self, path: str) -> None:
         if len(self.shards) != len(self.workers):

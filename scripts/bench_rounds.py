@@ -22,7 +22,8 @@ longer than alone and the coordinator's replay competes with training; the figur
 read off the real timings, and say what they are on this machine, not on one GPU per worker.
 Needs root, `ip`, `iptables` (else it prints ``skipped: ...`` to stderr and exits 0).
 Usage: python scripts/bench_rounds.py [--workers 4] [--rounds 6] [--steps 12] [--delay 80] [--rate 20] [--no-wan]
-       [--codec none|int8|int4] [--coordinator-trains] [--no-early-start]
+       [--codec none|int8|int4|int4-log|int4-fresh] [--aggregate-codec none|...] [--coordinator-trains]
+       [--no-early-start]
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def emit(bench: str, value: float, unit: str, reference: float, ratio: float, go
 
 
 def scenario_text(workers: int, rounds: int, steps: int, link: str, codec: str = "none",
-                  coordinator_trains: bool = False, early_start: bool = True) -> str:
+                  coordinator_trains: bool = False, early_start: bool = True, aggregate_codec: str = "none") -> str:
     names = [f"w{i}" for i in range(workers)]
     hosts = "\n".join(f"  {'home' if n == 'submitter' else 'h' + n}: {{agents: [{n}]{link}}}"
                       for n in ["submitter", *names])
@@ -65,7 +66,7 @@ hosts:
 job:
   shards: 4
   rounds: {rounds}
-  training: {{learning_rate: 0.01, batch_size: 8, max_steps: {steps}, max_seq_len: 96, report_codec: {codec}}}
+  training: {{learning_rate: 0.01, batch_size: 8, max_steps: {steps}, max_seq_len: 96, report_codec: {codec}, aggregate_codec: {aggregate_codec}}}
   lora: {{rank: 16, alpha: 32, target_modules: {targets}}}
   aggregation: exact
   max_retries: 2
@@ -151,7 +152,7 @@ def run_once(args: argparse.Namespace, shape: str, link: str) -> Utilization | N
     from agent.train.tiny import tiny_model
 
     text = scenario_text(args.workers, args.rounds, args.steps, link, args.codec, args.coordinator_trains,
-                         not args.no_early_start)
+                         not args.no_early_start, args.aggregate_codec)
     scenario = parse_scenario(text, "bench-rounds")
     with tempfile.TemporaryDirectory(prefix="bench-rounds-") as out:
         result = trio.run(lambda: run_scenario(scenario, Path(out), model_dir=tiny_model()))
@@ -187,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=20.0, help="each link's rate, Mbit/s")
     parser.add_argument("--no-wan", action="store_true", help="only the unshaped run")
     parser.add_argument("--codec", default="none", help="the job's training.report_codec: none | int8 | int4 | int4-log | int4-fresh")
+    parser.add_argument("--aggregate-codec", default="none",
+                        help="the job's training.aggregate_codec: each round's start travels as an update (IPIP-0006 §2.8.1)")
     parser.add_argument("--coordinator-trains", action="store_true",
                         help="the agents' coordinator_trains: the coordinator trains one shard a round too")
     parser.add_argument("--no-early-start", action="store_true",
@@ -206,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         figures = run_once(args, shape, link)
         if figures is not None:
             report(shape, figures, args.workers, steps=args.steps, shaper=delay_method() if link else None,
-                   codec=args.codec, coordinator_trains=args.coordinator_trains, early_start=not args.no_early_start)
+                   codec=args.codec, aggregate_codec=args.aggregate_codec, coordinator_trains=args.coordinator_trains,
+                   early_start=not args.no_early_start)
     return 0
 
 

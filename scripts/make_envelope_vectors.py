@@ -20,6 +20,8 @@ from protocol import messages as m  # noqa: E402
 
 OUT = Path(__file__).resolve().parent.parent / "ipips" / "vectors"
 NOW = 1_790_000_000.0
+AGGREGATE_CID = "bafkreifjjcie6lypi6ny7amxnfftagclbuxndqonfipmb64f2km2devei4"
+UPDATE_CID = "bafkreihdwdcefgh4dqkjv67uzcmw7ojee6xedzdetojuzjevtenxquvyku"
 
 
 def sample_terms(submitter: Identity) -> m.JobTerms:
@@ -75,6 +77,11 @@ def main() -> None:
         ("cap-speeds", bob, replace(sample_capability(), speeds=(
             m.ModelSpeed(bytes(range(32)), 1834.5, "cuda:NVIDIA H100 80GB HBM3"),))),
         ("job-market", alice, m.JobAnnouncement.for_terms(replace(terms, max_nodes=2, providers=(bob.peer_id,)))),
+        # a coded aggregate's update (IPIP-0006 §2.8.1), named by the early announcement and by the aggregate
+        ("early-update", alice, m.EarlyStart(terms.job_id(), 3, 1, AGGREGATE_CID, (0, 1), (bob.peer_id, alice.peer_id),
+                                             update_cid=UPDATE_CID)),
+        ("aggregate-update", alice, m.AggregatePublished(terms.job_id(), 2, 1, AGGREGATE_CID, "exact", (0, 1), 40, False,
+                                                         0.5, None, None, None, update_cid=UPDATE_CID)),
     ]
     vectors = []
     for i, (name, who, msg) in enumerate(cases):

@@ -47,6 +47,7 @@ budget: {price_per_hour: 0.5, total: 100}
  ("a packed GPU job: examples concatenated into 1024-token sequences", HEAD + "training:\n  max_seq_len: 1024\n  packing: true\nresources:\n  min_vram_gb: 16\n"),
  ("a DPO job: preference records (the format follows the type) and its beta", HEAD + "type: dpo\ndpo:\n  beta: 0.25\n"),
  ("full fine-tuning: aggregation follows the method (fedavg), freeze_a the aggregation", HEAD + "method: full\n"),
+ ("every round's start as an update: reports and aggregates coded", HEAD + "training:\n  report_codec: int4-fresh\n  aggregate_codec: int4-fresh\n"),
  ("robust aggregation with enough accepted shards: ceil(0.6 x 5) = 3", HEAD + "aggregation: trimmed_mean\nshards: 5\nmin_accepted_fraction: 0.6\n"),
  ("YAML 1.2 core scalars: 'no' is text, 1E-3 and .5 are numbers, +3 an integer; null and empty sections", """\
 name: no
@@ -144,6 +145,8 @@ invalid = [
  ("full fine-tuning with the exact aggregation", HEAD + "method: full\naggregation: exact\n"),
  ("full fine-tuning of a DPO job", HEAD + "method: full\ntype: dpo\n"),
  ("full fine-tuning on unsloth", HEAD + "method: full\nruntime: unsloth\n"),
+ ("full fine-tuning with a coded aggregate", HEAD + "method: full\ntraining:\n  aggregate_codec: int8\n"),
+ ("an aggregate codec that is not one", HEAD + "training:\n  aggregate_codec: int2\n"),
  ("packing given as a string", HEAD + "training:\n  packing: \"yes\"\n"),
 ]
 

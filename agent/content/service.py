@@ -372,6 +372,34 @@ class ContentService:
                  f"{reference_at[0] - began:.2f} s" if mine else "-", trio.current_time() - began,
                  f"; left: {'; '.join(report.left)}" if report.left else "")
 
+    async def read_local(self, cid: CID | str, out_path: str | os.PathLike[str], *,
+                         max_size: int | None = None) -> bool:
+        """Write the file ``cid`` to ``out_path`` from the blocks held here alone, each checked as a fetch checks
+        it; False, with nothing written, when a block is missing (or the file is over ``max_size``)."""
+        root = parse_cid(cid) if isinstance(cid, str) else cid
+        if self.store.get(root) is None:
+            return False
+        out_path = Path(out_path)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out_path.with_name(f".{out_path.name}.local{os.getpid()}")
+        verifier = StreamVerifier(root, max_file_size=max_size)
+        report = FetchReport(root, out_path, 0)
+
+        def read() -> bool:
+            with open(tmp, "wb") as out:
+                self._resume_from_store(verifier, out, report)
+            return verifier.done and not report.refused
+
+        try:
+            if not await trio.to_thread.run_sync(read):
+                return False
+            os.replace(tmp, out_path)
+            return True
+        except FetchError:  # a held root naming a bad DAG: not a file we hold
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+
     def _resume_from_store(self, verifier: StreamVerifier, out: Any, report: FetchReport) -> None:
         while (cid := verifier.expected()) is not None:
             data = self.store.get(cid)

@@ -81,11 +81,12 @@ from agent.bundle import (
     AGGREGATE_FILES, CHECKPOINT_FILES, REPORT_FILES, BundleError, bundle_size_bound, pack_dir_off_loop, unpack_off_loop,
 )
 from agent.content.errors import FetchError
+from agent.downlink import code_aggregate
 from agent.roles.keep import KeepRefused, keep_before_publishing, keep_within
 from agent.train.recorder import write_checkpoint
 from agent.train.runner import run_torch, train_config
 from agent.sealing import must_seal, seal_dir
-from protocol import messages as m
+from protocol import downlink, messages as m
 from protocol.early import assignment as early_assignment, ready as early_ready
 from protocol import state as st
 from protocol.election import judge_of
@@ -118,6 +119,7 @@ class _Provisional:
     base_score: Any
     samples: int
     cid: str
+    update_cid: str | None  # the coded aggregate's update (IPIP-0006 §2.8.1), None when it travels whole
     leases: tuple[tuple[int, str], ...]  # (shard, worker) of the next round, as announced
     scored: bool = True  # score and base_score computed (else: after the announcement, beside the training)
     taken: set[str] = field(default_factory=set)  # the workers whose claim said they started it
@@ -548,15 +550,17 @@ class CoordinatorRole:
         combined = trio.current_time()
         cid = str(await self.blocks.content.add_file(await pack_dir_off_loop(out, work / "adapter.tar"), provide=False))
         self.blocks.hold(view.job_id, rnd, cid)
+        update_cid = await self._add_update(view, rnd, work)
         if view.state.round != rnd or tuple((s.index, s.attempt) for s in view.state.shards) != shards or \
                 not self.peer_table.is_coordinator(view) or not self._early_inputs_in(view):
             return  # a report was rejected (its shard reopened), the round moved on, or we no longer coordinate it
         leases = early_assignment(tuple(workers.items()), self.local.peer_id, view.verdicts.values())
         provisional = self._provisional[(view.job_id, rnd)] = _Provisional(
-            shards, out, score, base_score, sum(n for _, n in inputs), cid, leases, scored=score_first)
+            shards, out, score, base_score, sum(n for _, n in inputs), cid, update_cid, leases, scored=score_first)
         if leases:
             await self.evidence.publish(m.EarlyStart(view.job_id, rnd + 1, view.coordination.term, cid,
-                                                     tuple(i for i, _ in leases), tuple(w for _, w in leases)))
+                                                     tuple(i for i, _ in leases), tuple(w for _, w in leases),
+                                                     update_cid=update_cid))
         announced = trio.current_time()
         self.local.counters["early_starts_announced"] += 1
 
@@ -885,11 +889,24 @@ class CoordinatorRole:
         terms = view.terms
         out = work / "adapter"
         start = None
-        if terms.outer is not None:
+        if terms.outer is not None or downlink.coded(terms, rnd):
             start = await self._round_start(view, rnd, config, work)
         await trio.to_thread.run_sync(run_torch, partial(_aggregate_adapters, terms, inputs, out, rnd, start))
+        if downlink.coded(terms, rnd):  # the aggregate is the state its update decodes to (IPIP-0006 §2.8.1)
+            adapter, _, optimizer = start
+            await trio.to_thread.run_sync(run_torch, code_aggregate, terms, out, work / "update", adapter, optimizer)
         score, base_score = await self._scores(view, rnd, config, out, work) if scored else (None, None)
         return out, score, base_score
+
+    async def _add_update(self, view: JobMirror, rnd: int, work: Path) -> str | None:
+        """A coded round's update (``work``/update, written by ``_combine``) added and held beside its aggregate; its
+        CID, or None when the round's aggregate travels whole (IPIP-0006 §2.8.1)."""
+        if not downlink.coded(view.terms, rnd) or not (work / "update").is_dir():
+            return None
+        cid = str(await self.blocks.content.add_file(await pack_dir_off_loop(work / "update", work / "update.tar"),
+                                                     provide=False))
+        self.blocks.hold(view.job_id, rnd, cid)
+        return cid
 
     async def _scores(self, view: JobMirror, rnd: int, config: Any, out: Path, work: Path) -> tuple[Any, Any]:
         """The aggregate in ``out`` scored on the validation split, and the base model (round 1); (None, None)
@@ -914,6 +931,7 @@ class CoordinatorRole:
                 (s, view.shard(s).attempt) for s in action.accepted_shards) and early.out.exists():
             # computed while the round's last replays ran (IPIP-0006 §2.9), from the adapters now accepted
             out, score, base_score, samples, cid = early.out, early.score, early.base_score, early.samples, early.cid
+            update_cid = early.update_cid
             if not early.scored:  # its scoring did not end while we waited: scored here, as without early start
                 score, base_score = await self._scores(view, action.round, self._train_config(view, action.round),
                                                        out, out.parent)
@@ -942,7 +960,7 @@ class CoordinatorRole:
                     entry = (directory, report.samples)
                 inputs.append(entry)
             out, score, base_score = await self._combine(view, action.round, config, inputs, work)
-            samples, cid = sum(n for _, n in inputs), None
+            samples, cid, update_cid = sum(n for _, n in inputs), None, None
         loss = score.loss if score is not None else None
         base_loss = base_score.loss if base_score is not None else None
         final = view.ends_with(action.round, loss)  # the last round, or the job's stop rule holds
@@ -954,6 +972,10 @@ class CoordinatorRole:
         if cid is None:
             cid = await self.blocks.content.add_file(await pack_dir_off_loop(out, out.parent / "adapter.tar"),
                                                      provide=False)
+            if not final:  # (a last round's, sealed or not, is not coded: the job's result travels whole)
+                update_cid = await self._add_update(view, action.round, out.parent)
+        if final:
+            update_cid = None
         self.blocks.hold(view.job_id, action.round, cid)
         self.blocks.provide_soon(cid)  # in the background: a slow DHT peer must not delay the aggregate
         if not self.peer_table.is_coordinator(view):
@@ -972,7 +994,7 @@ class CoordinatorRole:
                                          terms.aggregation, tuple(action.accepted_shards),
                                          samples, final, loss, base_loss,
                                          score.reward_accuracy if score is not None else None,
-                                         score.reward_margin if score is not None else None)
+                                         score.reward_margin if score is not None else None, update_cid=update_cid)
         if not await self.evidence.decide(view, published):
             return
         self.local.counters["aggregates_published"] += 1
@@ -989,6 +1011,8 @@ class CoordinatorRole:
                  "shards": list(action.accepted_shards)}
         if terms.outer is not None:
             entry["outer"] = terms.outer.optimizer
+        if update_cid is not None:
+            entry["update_cid"] = update_cid
         if sealed:
             entry["sealed_to"] = terms.submitter
         if loss is not None:

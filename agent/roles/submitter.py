@@ -40,8 +40,9 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from agent.bundle import AGGREGATE_FILES, bundle_size_bound
+from agent.downlink import fetch_coded
 from agent.market import budget_reason
-from protocol import market as mk
+from protocol import downlink, market as mk
 from protocol import messages as m
 from protocol import state as st
 from protocol.jobspec import to_terms
@@ -116,6 +117,8 @@ class SubmitterRole:
         self._keep_locks: dict[tuple[bytes, str], trio.Lock] = {}  # (job, cid) fetched now, one at a time
         # (job, cid) of an announced early start -> the peers fetching it together (protocol/early.swarm), latest last
         self._swarms: dict[tuple[bytes, str], tuple[str, ...]] = {}
+        # (job, aggregate CID) -> (its update, the round's start) as an `early` message named them (IPIP-0006 §2.8.1)
+        self._updates: dict[tuple[bytes, str], tuple[str, str]] = {}
         # an estimate's spec and dataset plan, for the announce that follows it (the plan is taken by it)
         self._specs, self._plans = RecentFiles(), RecentFiles()
 
@@ -285,6 +288,12 @@ class SubmitterRole:
         self._swarms[(view.job_id, early.initial_adapter_cid)] = early_rules.swarm(early, self.local.peer_id)
         while len(self._swarms) > 16:
             self._swarms.pop(next(iter(self._swarms)))
+        base = view.aggregates.get(early.round - 2)  # the start of the round whose aggregate this is
+        if early.update_cid is not None and base is not None and downlink.coded(view.terms, early.round - 1):
+            # a coded aggregate (IPIP-0006 §2.8.1)
+            self._updates[(view.job_id, early.initial_adapter_cid)] = (early.update_cid, base.adapter_cid)
+            while len(self._updates) > 16:
+                self._updates.pop(next(iter(self._updates)))
 
     def on_report(self, view: "JobMirror", report: m.ShardReport, worker: str) -> None:
         """Take a copy of a report's adapter from its worker as soon as it is reported, beside its verification:
@@ -344,10 +353,21 @@ class SubmitterRole:
                 if out.exists():
                     return
                 out.parent.mkdir(parents=True, exist_ok=True)
+                swarm, update = self._swarms.pop((view.job_id, cid), ()), self._updates.pop((view.job_id, cid), None)
+                if update is not None and provider:  # rebuilt from its update onto the round's start we keep
+                    rebuilt = await fetch_coded(self.blocks.content, view.terms, cid=cid, update_cid=update[0],
+                                                base_cid=update[1], out=out, providers=[provider], swarm=swarm,
+                                                timeout=timeout or self.local.config.fetch_timeout,
+                                                work=out.with_name(f".{out.name}.rebuild"))
+                    self.local.counters["aggregates_rebuilt" if rebuilt else "aggregates_not_rebuilt"] += 1
+                    if rebuilt:
+                        self.blocks.provide_soon(cid)
+                        return
+                    swarm = ()  # the others fetch the update, not the whole
                 report = await self.blocks.content.fetch(
                     cid, out, timeout=timeout or self.local.config.fetch_timeout,
                     providers=[provider] if provider else [], use_dht=use_dht,
-                    max_size=bundle_size_bound(4 << 30, AGGREGATE_FILES), swarm=self._swarms.pop((view.job_id, cid), ()))
+                    max_size=bundle_size_bound(4 << 30, AGGREGATE_FILES), swarm=swarm)
                 if report.swarm is not None:
                     self.local.counters["aggregates_fetched_together"] += 1
                 self.blocks.provide_soon(cid)

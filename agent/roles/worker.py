@@ -46,9 +46,10 @@ import trio
 
 from agent.hooks import HonestTraining
 from agent.bundle import AGGREGATE_FILES, DEFAULT_MAX_BYTES, bundle_size_bound, pack_dir_off_loop, unpack_off_loop
+from agent.downlink import fetch_coded
 from protocol.mirror import JobMirror
 from agent.train.runner import run_torch, train_config
-from protocol import early as early_rules
+from protocol import downlink, early as early_rules
 from protocol import messages as m
 from protocol import state as st
 from protocol.fit import training_refusals
@@ -87,6 +88,8 @@ class WorkerRole:
         self._last_claim: dict[bytes, tuple[float, int, bool]] = {}
         self._wake = trio.Event()
         self._market_logged: dict[bytes, str] = {}
+        # (job, round, start CID) -> the update an `early` message named for that start (IPIP-0006 §2.8.1)
+        self._updates: dict[tuple[bytes, int, str], str] = {}
 
     # -- choosing jobs ----------------------------------------------------------------------------
 
@@ -126,6 +129,8 @@ class WorkerRole:
         self.candidates.pop(job_id, None)
         self._last_claim.pop(job_id, None)
         self._market_logged.pop(job_id, None)
+        for key in [k for k in self._updates if k[0] == job_id]:
+            del self._updates[key]
 
     # -- claiming ---------------------------------------------------------------------------------
 
@@ -229,6 +234,10 @@ class WorkerRole:
         key = (view.job_id, early.round, shard, 1)
         self.active[key] = lease
         self._early[key] = None
+        if early.update_cid is not None:
+            self._updates[(view.job_id, early.round, early.initial_adapter_cid)] = early.update_cid
+            while len(self._updates) > 64:
+                self._updates.pop(next(iter(self._updates)))
         # the round's announced workers and the submitter fetch its start together, each taking part of it from
         # the coordinator and the rest from the others (IPIP-0003 §4.2), not the whole of it each over one uplink
         swarm = early_rules.swarm(early, view.terms.submitter)
@@ -418,6 +427,18 @@ class WorkerRole:
             self._last_claim.pop(view.job_id, None)
             self.wake()
 
+    def _start_update(self, view: JobMirror, lease: m.ShardLease) -> tuple[str, str] | None:
+        """(update CID, the CID of the start it decodes onto) of the lease's start when that is a coded aggregate
+        (IPIP-0006 §2.8.1): named by the published aggregate, or by the `early` message that announced it."""
+        published, base = view.aggregates.get(lease.round - 1), view.aggregates.get(lease.round - 2)
+        if base is None or not lease.initial_adapter_cid or not downlink.coded(view.terms, lease.round - 1):
+            return None
+        if published is not None and published.adapter_cid == lease.initial_adapter_cid:
+            update = published.update_cid
+        else:
+            update = self._updates.get((view.job_id, lease.round, lease.initial_adapter_cid))
+        return (update, base.adapter_cid) if update is not None else None
+
     async def _fetch(self, view: JobMirror, lease: m.ShardLease, cid: str, out: Path, providers: list[str],
                      tries: int = 3, swarm: tuple[str, ...] = (), **bound: int) -> Any:
         """Fetch ``cid``, trying again (resuming from the blocks we got) while our lease holds:
@@ -475,12 +496,21 @@ class WorkerRole:
             holders = [p for p in (view.coordination.coordinator, terms.submitter) if p and p != self.local.peer_id]
             # an early start's: the coordinator first (the submitter is taking its copy meanwhile)
             order = holders if early else spread(holders, self.local.peer_id, self.peer_table.live_peers())
-            fetched_start = await self._fetch(view, lease, lease.initial_adapter_cid, bundle, order,
-                                              swarm=swarm if early else (),
-                                              max_size=bundle_size_bound(DEFAULT_MAX_BYTES, AGGREGATE_FILES))
-            if fetched_start.swarm is not None:
-                self.local.counters["starts_fetched_together"] += 1
-                self.local.counters["start_blocks_from_members"] += sum(fetched_start.swarm.from_members.values())
+            update = self._start_update(view, lease)
+            rebuilt = False
+            if update is not None:  # a coded aggregate: its update rebuilt onto the start we hold (IPIP-0006 §2.8.1)
+                rebuilt = await fetch_coded(self.blocks.content, terms, cid=lease.initial_adapter_cid,
+                                            update_cid=update[0], base_cid=update[1], out=bundle, providers=order,
+                                            swarm=swarm if early else (), timeout=self.local.config.fetch_timeout,
+                                            work=run_dir / "rebuild")
+                self.local.counters["starts_rebuilt" if rebuilt else "starts_not_rebuilt"] += 1
+            if not rebuilt:  # (whole; fetched together only when the announced workers all fetch it whole)
+                fetched_start = await self._fetch(view, lease, lease.initial_adapter_cid, bundle, order,
+                                                  swarm=swarm if early and update is None else (),
+                                                  max_size=bundle_size_bound(DEFAULT_MAX_BYTES, AGGREGATE_FILES))
+                if fetched_start.swarm is not None:
+                    self.local.counters["starts_fetched_together"] += 1
+                    self.local.counters["start_blocks_from_members"] += sum(fetched_start.swarm.from_members.values())
             initial = await unpack_off_loop(bundle, run_dir / "initial", allowed=AGGREGATE_FILES)
         config = train_config(terms, model_path, round=lease.round, threads=self.local.config.threads, log_every=5)
         processes = self.train_processes(terms)

@@ -61,8 +61,9 @@ BETA2 = 0.999  # the inner AdamW's (IPIP-0005 §3: betas 0.9/0.999)
 PAYLOAD_FILE = "delta.safetensors"
 
 
-def payload_format(codec: str) -> str:
-    return f"infernet-report-{codec}/1"
+def payload_format(codec: str, kind: str = "report") -> str:
+    """The ``format`` metadata of a payload: a worker's report, or a coded aggregate's ``update`` (IPIP-0006 §2.8.1)."""
+    return f"infernet-{kind}-{codec}/1"
 
 
 class CodecError(ValueError):
@@ -338,17 +339,17 @@ def round_trip(start: Mapping[str, torch.Tensor], end: Mapping[str, torch.Tensor
     return payload, adapter, state
 
 
-def save_payload(path: Path, payload: Mapping[str, torch.Tensor], codec: str = "int8") -> None:
+def save_payload(path: Path, payload: Mapping[str, torch.Tensor], codec: str = "int8", kind: str = "report") -> None:
     from safetensors.torch import save_file
 
-    save_file(dict(payload), str(path), metadata={"format": payload_format(codec), "block": json.dumps(BLOCK)})
+    save_file(dict(payload), str(path), metadata={"format": payload_format(codec, kind), "block": json.dumps(BLOCK)})
 
 
-def load_payload(path: Path, codec: str = "int8") -> dict[str, torch.Tensor]:
+def load_payload(path: Path, codec: str = "int8", kind: str = "report") -> dict[str, torch.Tensor]:
     """The payload's tensors; CodecError when the file is not one of ``codec`` (untrusted bytes)."""
     from safetensors import SafetensorError, safe_open
 
-    expected = payload_format(codec)
+    expected = payload_format(codec, kind)
     try:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}

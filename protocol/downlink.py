@@ -1,0 +1,33 @@
+"""Coded aggregates (IPIP-0006 §2.8.1, spec key ``training.aggregate_codec``): which rounds' aggregates are
+coded, what their update holds, and onto which start it decodes.
+
+Rules of this file:
+- Pure: the job's terms and a round in, a decision out.
+- With ``aggregate_codec`` other than ``none``, the aggregate of round r, for 2 <= r < rounds, is not the
+  round's combined state itself but that state passed through the codec from the round's start (the
+  previous round's published aggregate): start + decode(encode(combined - start)), its AdamW moments as a
+  report's are (agent/train/codec.py). The coordinator publishes that decoded state as the aggregate (so
+  the next round trains from it and its proofs commit it, as ever), and beside it the *update*: a bundle of
+  the payload (``delta.safetensors``, format ``infernet-update-<codec>/1``), the aggregate's
+  ``adapter_config.json`` and, with an outer optimizer, its ``outer_state.safetensors``, whole. It names the
+  update's CID in its ``early`` and ``aggregate`` messages (``update_cid``).
+- Round 1's aggregate travels whole (its start is the seeded adapter, which is no bundle anyone holds), and
+  so does the last round's (the job's result: nobody starts from it); full fine-tuning's always does.
+- A peer holding round r's start rebuilds the aggregate from the update (``UPDATE_FILES``) and checks the
+  rebuilt bundle's CID against the announced aggregate's; when they differ, or it lacks the start, it fetches
+  the aggregate whole. The CID check is the whole of the trust: a wrong update costs its fetch, nothing else.
+The vectors are ``ipips/vectors/downlink.json`` (scripts/make_downlink_vectors.py).
+"""
+
+from __future__ import annotations
+
+from protocol.messages import JobTerms
+
+UPDATE_FILES = frozenset({"adapter_config.json", "delta.safetensors", "outer_state.safetensors"})
+"""The files an update bundle may hold."""
+
+
+def coded(terms: JobTerms, rnd: int) -> bool:
+    """Is round ``rnd``'s aggregate the coded state (and published with an update)?"""
+    return terms.training.aggregate_codec != "none" and terms.method != "full" and 2 <= rnd < terms.rounds
+
