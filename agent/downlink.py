@@ -114,12 +114,11 @@ async def fetch_coded(content: "ContentService", terms: "JobTerms", *, cid: str,
     ``providers``, together with ``swarm``) onto the round's start ``base_cid``, held here; True once the rebuilt
     bundle's CID is ``cid`` (its blocks are then in the store, served as any). False, logged, otherwise: the
     caller fetches ``cid`` whole. ``work``: a scratch directory, removed after."""
-    from agent.train.runner import run_torch
-
     if await content.read_local(cid, out, max_size=bundle_size_bound(MAX_BUNDLE, AGGREGATE_FILES)):
         return True  # held already
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
+    began = trio.current_time()
     try:
         if not await content.read_local(base_cid, work / "start.tar",
                                         max_size=bundle_size_bound(MAX_BUNDLE, AGGREGATE_FILES)):
@@ -132,7 +131,9 @@ async def fetch_coded(content: "ContentService", terms: "JobTerms", *, cid: str,
                                           max_bytes=MAX_BUNDLE)
             update = await unpack_off_loop(work / "update.tar", work / "update", allowed=UPDATE_FILES,
                                            max_bytes=MAX_BUNDLE)
-            await trio.to_thread.run_sync(run_torch, _rebuild_from, terms, update, start, work / "aggregate")
+            # a plain thread, not run_torch: the decode needs torch alone, and run_torch's first call imports peft and
+            # transformers (3 s of CPU in a submitter, which trains nothing, measured beside the round's training)
+            await trio.to_thread.run_sync(_rebuild_from, terms, update, start, work / "aggregate")
             bundle = await pack_dir_off_loop(work / "aggregate", work / "aggregate.tar")
             rebuilt = str(await content.add_file(bundle, provide=False))
         except Exception as exc:  # noqa: BLE001 - any failure here costs the whole fetch, nothing else
@@ -145,6 +146,8 @@ async def fetch_coded(content: "ContentService", terms: "JobTerms", *, cid: str,
             return False
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(bundle), str(out))
+        log.info("aggregate %s…: rebuilt from update %s… (%d bytes for %d) in %.2f s", cid[:24], update_cid[:24],
+                 (work / "update.tar").stat().st_size, out.stat().st_size, trio.current_time() - began)
         return True
     finally:
         shutil.rmtree(work, ignore_errors=True)
