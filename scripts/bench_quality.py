@@ -199,13 +199,23 @@ class Trainer:
 
     def train(self, adapter: dict, examples: list[Example], config: TrainConfig, steps: int,
               offset: int = 0, every: int = 0, on_eval=None, optimizer: dict | None = None,
-              within: str = "constant", window: tuple[int, int] | None = None, tail: float = 0.0) -> tuple[dict, dict]:
+              within: str = "constant", window: tuple[int, int] | None = None, tail: float = 0.0,
+              correction: dict | None = None) -> tuple[dict, dict]:
         """(adapter, AdamW state) after ``steps`` steps from ``adapter`` (and ``optimizer``, else fresh);
         ``within``: the rate within the round (constant, or cosine from the round's rate to 0.1x);
-        ``window`` (first, round_steps): these steps are the round's steps first.. of round_steps."""
+        ``window`` (first, round_steps): these steps are the round's steps first.. of round_steps;
+        ``correction``: added to every step's gradient of each named tensor before AdamW reads it (SCAFFOLD's
+        c - c_i, a study)."""
         session = self.session(adapter, examples, config)
         if optimizer:
             session.load_optimizer_tensors(optimizer)
+        if correction:
+            def corrected(*_args: Any) -> None:
+                for name, parameter in session.parameters.items():
+                    if name in correction and parameter.grad is not None:
+                        parameter.grad.add_(correction[name])
+
+            session.optimizer.register_step_pre_hook(corrected)
         first, total = window or (0, steps)
         averaged, counted = None, 0  # ``tail``: the mean of the iterates after the last int(tail * steps) steps
         for step in range(steps):
@@ -227,6 +237,22 @@ class Trainer:
 
     def evaluate(self, adapter: dict) -> float:
         return self.session(adapter, self.examples[:1], self.config).evaluate(self.validation)
+
+    def gradient(self, adapter: dict, examples: list[Example], config: TrainConfig, batches: int,
+                 offset: int = 0) -> dict:
+        """The mean gradient of ``batches`` steps' batches of ``examples`` at ``adapter`` (no step taken)."""
+        session = self.session(adapter, examples, config)
+        total: dict = {}
+
+        def accumulate() -> None:
+            for name, parameter in session.parameters.items():
+                if parameter.grad is not None:
+                    total[name] = total.get(name, 0) + parameter.grad.detach().clone()
+
+        session.optimizer.step = accumulate  # (the session clears the gradients after its optimizer step)
+        for k in range(batches):
+            session.step(offset + k)
+        return {name: tensor / batches for name, tensor in total.items()}
 
 
 def within_round_factor(rule: str, step: int, steps: int) -> float:
@@ -268,7 +294,7 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
                 warmup_rounds: int = 0, continue_data: bool = True, lr_scale: float = 1.0,
                 carry: bool = True, codec: str = "none", sent: list | None = None,
                 within: str = "constant", ramp: tuple[int, ...] = (), overlap: str = "none",
-                snr: float | None = None, tail: float = 0.0, downlink: str = "none") -> list[float]:
+                snr: float | None = None, tail: float = 0.0, downlink: str = "none", scaffold: int = 0) -> list[float]:
     """The protocol's training, in process: validation loss after each round's aggregate. With
     ``codec`` int8 every worker's end state goes through the report codec (agent/train/codec.py), as
     a worker's does; ``sent`` collects (payload bytes, whole-report bytes) per report. ``ramp``: the
@@ -280,7 +306,10 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
     ``stale``: the same without its own update (a one-round-delayed outer step: PCCL's async DiLoCo).
     ``downlink`` (a study, issue 24: the aggregate is 9× the bytes of an ``int4-fresh`` report, and every
     worker fetches it): the round's aggregate and averaged AdamW state go through that report codec from the
-    round's start, as a worker's end state does, before the next round starts from them."""
+    round's start, as a worker's end state does, before the next round starts from them.
+    ``scaffold`` (a study of client drift, SCAFFOLD option I, Karimireddy et al. 2020): at each round's start every
+    shard's mean gradient g_i over that many batches at the aggregate, c = their shard-weighted mean, and each
+    worker's every step's gradient corrected by c - g_i (the extra gradients are not counted as steps)."""
     if overlap.startswith("lag:"):
         return lagged_run(trainer, shards, config, rounds=rounds, steps=steps, within=within, lag=overlap[4:],
                           method=method)
@@ -298,9 +327,15 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
         offset = sum(plan[:rnd - 1]) if continue_data else 0
         steps = plan[rnd - 1]
         optimizer_before = optimizer
+        corrections = [None] * len(shards)
+        if scaffold:
+            grads = [trainer.gradient(aggregate_now, shard, round_config, scaffold, offset) for shard in shards]
+            weights = [len(shard) / sum(len(s) for s in shards) for shard in shards]
+            mean_grad = {k: sum(w * g[k] for w, g in zip(weights, grads)) for k in grads[0]}
+            corrections = [{k: mean_grad[k] - g[k] for k in g} for g in grads]
         trained = [(trainer.train(aggregate_now, shard, round_config, steps, offset=offset, optimizer=optimizer,
-                                  within=within, tail=tail),
-                    len(shard)) for shard in shards]
+                                  within=within, tail=tail, correction=correction),
+                    len(shard)) for shard, correction in zip(shards, corrections)]
         if codec != "none":
             trained = [(coded(aggregate_now, adapter, opt if carry else {}, trainer.frozen, sent, codec,
                               optimizer if carry else None), n)
@@ -521,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tail", default="0",
                         help="comma list of fractions: a worker reports the mean of its iterates over the round's last "
                              "fraction of steps (tail averaging, a study); 0: its last iterate")
+    parser.add_argument("--scaffold", default="0",
+                        help="comma list of batch counts: a study of SCAFFOLD's drift correction (network_run); 0: off")
     parser.add_argument("--quick", action="store_true", help="demo task, W=4, T=200: a smoke run")
     parser.add_argument("--seeds", default="7",
                         help="training seeds (comma list: LoRA init, shard split, batch order); with several, each row "
@@ -603,9 +640,10 @@ def _one_seed(args: Any, model: Path, seed: int, results: dict, suffix: str) -> 
                     variants = itertools.product(outers, args.optimizer_state.split(","), args.codec.split(","),
                                                  args.schedule.split(","), args.inner_scale.split(","),
                                                  args.within.split(","), args.ramp.split(";"), args.overlap.split(","),
-                                                 [float(t) for t in args.tail.split(",")], args.downlink.split(","))
+                                                 [float(t) for t in args.tail.split(",")], args.downlink.split(","),
+                                                 [int(b) for b in args.scaffold.split(",")])
                     for (label, outer), carried, codec, schedule, inner_scale, within, ramp_text, overlap, tail, \
-                            downlink in variants:
+                            downlink, scaffold in variants:
                         ramp = tuple(int(x) for x in ramp_text.split(",") if x)
                         started, sent = time.perf_counter(), []
                         snr = None
@@ -618,7 +656,7 @@ def _one_seed(args: Any, model: Path, seed: int, results: dict, suffix: str) -> 
                                              continue_data=not args.same_data_each_round,
                                              lr_scale=inner_lr_scale(inner_scale, workers),
                                              carry=carried == "carried", codec=codec, sent=sent, within=within,
-                                             ramp=ramp, overlap=overlap, downlink=downlink)
+                                             ramp=ramp, overlap=overlap, downlink=downlink, scaffold=scaffold)
                         label = f"{label}+{carried}" + "".join(f"+{x}" for x in (codec, schedule, inner_scale)
                                                                if x not in ("none", "constant"))
                         label += f"+within-{within}" if within != "constant" else ""
@@ -627,6 +665,7 @@ def _one_seed(args: Any, model: Path, seed: int, results: dict, suffix: str) -> 
                         label += f"+batch{worker_batch}" if worker_batch != args.batch else ""
                         label += f"+tail{tail:g}" if tail else ""
                         label += f"+down-{downlink}" if downlink != "none" else ""
+                        label += f"+scaffold{scaffold}" if scaffold else ""
                         final = losses[-1]
                         reached, capped = steps_to_reach(central, final)
                         efficiency = reached / args.total
