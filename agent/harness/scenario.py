@@ -718,7 +718,7 @@ class _Run:
         workers = [n for n in net.worker_names() if net.running(n)]
         if target == "coordinator":
             name = self.name_of(view.coordination.coordinator)
-            return [name] if name in net.agents else []
+            return [name] if name in net.agents or name in net.processes else []  # (a process agent too)
         if target == "trainer":
             return self._trainers()[:1]
         if target == "workers":
