@@ -61,9 +61,10 @@ PINNED_DEADLINE = 4_000_000_000  # far away: a scenario's job ends by its own fa
 # is published yet (the harness then slows the submitter's answer by KEEP_ANSWER_DELAY, so that a kill
 # lands between the two);
 # "rejected": a verdict rejected some work;
-# "aggregate": the first aggregate is published, "aggregate-2" round 2's
+# "aggregate": the first aggregate is published, "aggregate-2" round 2's;
+# "early-3": the coordinator announced round 3's start early (IPIP-0006 §2.9), before publishing round 2's aggregate
 TRIGGERS = ("training", "all-training", "checkpoint", "report", "accepted", "rejected", "aggregating", "aggregate", "aggregate-2",
-            "aggregate-3", "round-2", "round-3")
+            "aggregate-3", "round-2", "round-3", "early-2", "early-3")
 ACTIONS = ("kill", "restart", "start", "partition", "heal", "gossip", "attack", "tamper")
 ATTACKS = ("replay", "spoof", "stale", "malformed", "oversize", "claim_flood", "flood")
 SELECTORS = ("coordinator", "trainer", "workers", "killed")
@@ -583,6 +584,7 @@ class _Run:
         self.killed: list[str] = []
         self.down: set[str] = set()  # killed and not started again
         self.releases: list[tuple[str, str]] = []  # (worker name, reason)
+        self.early_rounds: set[int] = set()  # the rounds the submitter heard announced early
         self.checkpoints = 0
         self.verdict_signers: list[tuple[str, str, int]] = []  # (signer, worker, term) as the submitter heard them
         self.accepted_at: list[tuple[float, str]] = []  # (trace time, worker name) of accepted verdicts heard
@@ -611,6 +613,8 @@ class _Run:
                 self.releases.append((self.name_of(args[0].signer), msg.reason))
             elif msg.TYPE == "ckpt":
                 self.checkpoints += 1
+            elif msg.TYPE == "early":
+                self.early_rounds.add(msg.round)
             elif msg.TYPE == "verdict":
                 self.verdict_signers.append((args[0].signer, msg.worker, msg.term))
                 if msg.accepted:
@@ -675,6 +679,8 @@ class _Run:
             return bool(view.aggregates)
         if when.startswith("aggregate-"):
             return int(when.split("-")[1]) in view.aggregates
+        if when.startswith("early-"):
+            return int(when.split("-")[1]) in self.early_rounds
         if when.startswith("round-"):
             return view.state.round >= int(when.split("-")[1])
         raise ValueError(when)
