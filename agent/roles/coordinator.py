@@ -972,7 +972,7 @@ class CoordinatorRole:
         if cid is None:
             cid = await self.blocks.content.add_file(await pack_dir_off_loop(out, out.parent / "adapter.tar"),
                                                      provide=False)
-            if not final:  # (a last round's, sealed or not, is not coded: the job's result travels whole)
+            if not final:  # (a final aggregate, the job's result, has no update: nobody starts from it)
                 update_cid = await self._add_update(view, action.round, out.parent)
         if final:
             update_cid = None
