@@ -294,7 +294,8 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
                 warmup_rounds: int = 0, continue_data: bool = True, lr_scale: float = 1.0,
                 carry: bool = True, codec: str = "none", sent: list | None = None,
                 within: str = "constant", ramp: tuple[int, ...] = (), overlap: str = "none",
-                snr: float | None = None, tail: float = 0.0, downlink: str = "none", scaffold: int = 0) -> list[float]:
+                snr: float | None = None, tail: float = 0.0, downlink: str = "none", scaffold: int = 0,
+                downlink_rounds: str = "all") -> list[float]:
     """The protocol's training, in process: validation loss after each round's aggregate. With
     ``codec`` int8 every worker's end state goes through the report codec (agent/train/codec.py), as
     a worker's does; ``sent`` collects (payload bytes, whole-report bytes) per report. ``ramp``: the
@@ -349,7 +350,7 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
                                 for s in range(steps)))
         round_start, optimizer_start = aggregate_now, optimizer_before
         aggregate_now, state = outer_step(aggregate_now, mean, state, outer, step=rnd, frozen=trainer.frozen)
-        if downlink != "none":
+        if downlink != "none" and (downlink_rounds == "all" or 2 <= rnd < rounds):  # protocol: IPIP-0006 §2.8.1
             aggregate_now, coded_optimizer = coded(round_start, aggregate_now, optimizer if carry else {},
                                                    trainer.frozen, None, downlink,
                                                    optimizer_start if carry else None)
@@ -553,6 +554,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--downlink", default="none",
                         help="a study: the report codec the round's aggregate and AdamW state go through too "
                              "(comma list; none | int8 | int4-fresh ...)")
+    parser.add_argument("--downlink-rounds", default="all", choices=("all", "protocol"),
+                        help="which rounds' aggregates --downlink codes: every one (the first study), or rounds 2 to "
+                             "the last but one, as the protocol does (IPIP-0006 §2.8.1)")
     parser.add_argument("--tail", default="0",
                         help="comma list of fractions: a worker reports the mean of its iterates over the round's last "
                              "fraction of steps (tail averaging, a study); 0: its last iterate")
@@ -656,7 +660,8 @@ def _one_seed(args: Any, model: Path, seed: int, results: dict, suffix: str) -> 
                                              continue_data=not args.same_data_each_round,
                                              lr_scale=inner_lr_scale(inner_scale, workers),
                                              carry=carried == "carried", codec=codec, sent=sent, within=within,
-                                             ramp=ramp, overlap=overlap, downlink=downlink, scaffold=scaffold)
+                                             ramp=ramp, overlap=overlap, downlink=downlink, scaffold=scaffold,
+                                             downlink_rounds=args.downlink_rounds)
                         label = f"{label}+{carried}" + "".join(f"+{x}" for x in (codec, schedule, inner_scale)
                                                                if x not in ("none", "constant"))
                         label += f"+within-{within}" if within != "constant" else ""
@@ -665,6 +670,7 @@ def _one_seed(args: Any, model: Path, seed: int, results: dict, suffix: str) -> 
                         label += f"+batch{worker_batch}" if worker_batch != args.batch else ""
                         label += f"+tail{tail:g}" if tail else ""
                         label += f"+down-{downlink}" if downlink != "none" else ""
+                        label += "-protocol" if downlink != "none" and args.downlink_rounds == "protocol" else ""
                         label += f"+scaffold{scaffold}" if scaffold else ""
                         final = losses[-1]
                         reached, capped = steps_to_reach(central, final)
