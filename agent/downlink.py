@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import trio
 
-from agent.bundle import AGGREGATE_FILES, bundle_size_bound, pack_dir_off_loop, unpack_off_loop
+from agent.bundle import AGGREGATE_FILES, DEFAULT_MAX_BYTES as MAX_BUNDLE, bundle_size_bound, pack_dir_off_loop, \
+    unpack_off_loop
 from protocol.downlink import UPDATE_FILES
 
 if TYPE_CHECKING:
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_BUNDLE = 4 << 30  # an aggregate's bundle bound (agent/bundle.DEFAULT_MAX_BYTES)
 
 
 def code_aggregate(terms: "JobTerms", out: Path, update: Path, start: dict, start_optimizer: dict | None) -> None:
@@ -86,8 +86,7 @@ def rebuild(terms: "JobTerms", update: Path, start: dict, start_optimizer: dict 
         save_file(optimizer, str(out / OPTIMIZER_FILE), metadata={"format": "pt"})
     for name in ("adapter_config.json", OUTER_STATE_FILE):
         if (update / name).exists():
-            if not (out / name).exists() or (out / name).read_bytes() != (update / name).read_bytes():
-                shutil.copyfile(update / name, out / name)
+            shutil.copyfile(update / name, out / name)
         else:
             (out / name).unlink(missing_ok=True)
 

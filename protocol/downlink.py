@@ -13,7 +13,8 @@ Rules of this file:
   update's CID in its ``early`` and ``aggregate`` messages (``update_cid``).
 - Round 1's aggregate travels whole (its start is the seeded adapter, which is no bundle anyone holds), and
   so does the last round's (the job's result: nobody starts from it); full fine-tuning's always does.
-- A peer holding round r's start rebuilds the aggregate from the update (``UPDATE_FILES``) and checks the
+- An update of round r's aggregate decodes onto round r's start, round r - 1's published aggregate
+  (``update_base``). A peer holding round r's start rebuilds the aggregate from the update (``UPDATE_FILES``) and checks the
   rebuilt bundle's CID against the announced aggregate's; when they differ, or it lacks the start, it fetches
   the aggregate whole. The CID check is the whole of the trust: a wrong update costs its fetch, nothing else.
 The vectors are ``ipips/vectors/downlink.json`` (scripts/make_downlink_vectors.py).
@@ -21,7 +22,9 @@ The vectors are ``ipips/vectors/downlink.json`` (scripts/make_downlink_vectors.p
 
 from __future__ import annotations
 
-from protocol.messages import JobTerms
+from collections.abc import Mapping
+
+from protocol.messages import AggregatePublished, JobTerms
 
 UPDATE_FILES = frozenset({"adapter_config.json", "delta.safetensors", "outer_state.safetensors"})
 """The files an update bundle may hold."""
@@ -30,4 +33,12 @@ UPDATE_FILES = frozenset({"adapter_config.json", "delta.safetensors", "outer_sta
 def coded(terms: JobTerms, rnd: int) -> bool:
     """Is round ``rnd``'s aggregate the coded state (and published with an update)?"""
     return terms.training.aggregate_codec != "none" and terms.method != "full" and 2 <= rnd < terms.rounds
+
+
+def update_base(terms: JobTerms, aggregates: Mapping[int, AggregatePublished], rnd: int) -> str | None:
+    """The CID an update of round ``rnd``'s aggregate decodes onto: round ``rnd``'s start, the published aggregate
+    of round ``rnd - 1`` (``aggregates``: a mirror's, by round); None when round ``rnd`` is not coded or that
+    aggregate is not known (then the aggregate is fetched whole)."""
+    base = aggregates.get(rnd - 1)
+    return base.adapter_cid if coded(terms, rnd) and base is not None else None
 

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, ".")
 from agent.downlink import code_aggregate  # noqa: E402
 from agent.train.codec import PAYLOAD_FILE  # noqa: E402
-from protocol.downlink import coded  # noqa: E402
+from protocol.downlink import coded, update_base  # noqa: E402
 
 OUT = Path("ipips/vectors/downlink.json")
 CODED = [  # (name, aggregate_codec, method, rounds, round)
@@ -27,6 +27,18 @@ CODED = [  # (name, aggregate_codec, method, rounds, round)
     ("full fine-tuning (refused by the terms; never coded)", "int8", "full", 4, 2),
 ]
 KEYS = ["m.lora_A.weight", "m.lora_B.weight"]
+BASE = [  # (name, aggregate_codec, rounds, the rounds whose aggregates are published, round)
+    ("round 3's update decodes onto round 2's aggregate", "int4-fresh", 5, [1, 2], 3),
+    ("round 2's onto round 1's", "int4-fresh", 5, [1], 2),
+    ("round 2's start not known here: fetched whole", "int4-fresh", 5, [], 2),
+    ("the last round is not coded", "int4-fresh", 5, [1, 2, 3, 4], 5),
+    ("aggregate_codec none", "none", 5, [1, 2], 3),
+]
+
+
+def aggregate_cid(rnd: int) -> str:
+    """A stand-in for round ``rnd``'s published aggregate CID in the ``base`` cases."""
+    return f"aggregate-r{rnd}"
 
 
 def terms(codec: str, method: str = "lora", rounds: int = 4):
@@ -75,10 +87,15 @@ def sample_round() -> dict:
 def main() -> None:
     doc = {
         "description": "IPIP-0006 §2.8.1: coded = is round `round`'s aggregate coded (and published with an update); "
+                       "base = the aggregate CID its update decodes onto (published: the rounds whose aggregates "
+                       "are known, each named aggregate-r<k>; null: fetched whole); "
                        "round: the coordinator's coded aggregate and update payload from a start and a combined state "
                        "(lora_A frozen: left out of the payload, kept as the start's)",
         "coded": [{"name": n, "aggregate_codec": c, "method": m, "rounds": r, "round": rnd,
                    "coded": coded(terms(c, m, r), rnd)} for n, c, m, r, rnd in CODED],
+        "base": [{"name": n, "aggregate_codec": c, "rounds": r, "published": p, "round": rnd,
+                  "base": update_base(terms(c, "lora", r), {k: SimpleNamespace(adapter_cid=aggregate_cid(k)) for k in p},
+                                      rnd)} for n, c, r, p, rnd in BASE],
         "round": sample_round(),
     }
     OUT.write_text(json.dumps(doc, indent=1) + "\n")

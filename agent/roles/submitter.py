@@ -288,10 +288,9 @@ class SubmitterRole:
         self._swarms[(view.job_id, early.initial_adapter_cid)] = early_rules.swarm(early, self.local.peer_id)
         while len(self._swarms) > 16:
             self._swarms.pop(next(iter(self._swarms)))
-        base = view.aggregates.get(early.round - 2)  # the start of the round whose aggregate this is
-        if early.update_cid is not None and base is not None and downlink.coded(view.terms, early.round - 1):
-            # a coded aggregate (IPIP-0006 §2.8.1)
-            self._updates[(view.job_id, early.initial_adapter_cid)] = (early.update_cid, base.adapter_cid)
+        base = downlink.update_base(view.terms, view.aggregates, early.round - 1)  # a coded aggregate's start
+        if early.update_cid is not None and base is not None:  # (IPIP-0006 §2.8.1)
+            self._updates[(view.job_id, early.initial_adapter_cid)] = (early.update_cid, base)
             while len(self._updates) > 16:
                 self._updates.pop(next(iter(self._updates)))
 

@@ -430,14 +430,15 @@ class WorkerRole:
     def _start_update(self, view: JobMirror, lease: m.ShardLease) -> tuple[str, str] | None:
         """(update CID, the CID of the start it decodes onto) of the lease's start when that is a coded aggregate
         (IPIP-0006 §2.8.1): named by the published aggregate, or by the `early` message that announced it."""
-        published, base = view.aggregates.get(lease.round - 1), view.aggregates.get(lease.round - 2)
-        if base is None or not lease.initial_adapter_cid or not downlink.coded(view.terms, lease.round - 1):
+        base = downlink.update_base(view.terms, view.aggregates, lease.round - 1)
+        if base is None or not lease.initial_adapter_cid:
             return None
+        published = view.aggregates.get(lease.round - 1)
         if published is not None and published.adapter_cid == lease.initial_adapter_cid:
             update = published.update_cid
         else:
             update = self._updates.get((view.job_id, lease.round, lease.initial_adapter_cid))
-        return (update, base.adapter_cid) if update is not None else None
+        return (update, base) if update is not None else None
 
     async def _fetch(self, view: JobMirror, lease: m.ShardLease, cid: str, out: Path, providers: list[str],
                      tries: int = 3, swarm: tuple[str, ...] = (), **bound: int) -> Any:

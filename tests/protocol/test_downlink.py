@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from agent.downlink import code_aggregate, rebuild
 from agent.train.codec import PAYLOAD_FILE
-from protocol.downlink import coded
+from protocol.downlink import coded, update_base
 
 VECTORS = json.loads((Path(__file__).resolve().parents[2] / "ipips/vectors/downlink.json").read_text())
 
@@ -31,6 +31,12 @@ def _tensors(doc: dict) -> dict:
 @pytest.mark.parametrize("case", VECTORS["coded"], ids=lambda c: c["name"])
 def test_which_rounds_are_coded(case):
     assert coded(_terms(case["aggregate_codec"], case["method"], case["rounds"]), case["round"]) is case["coded"]
+
+
+@pytest.mark.parametrize("case", VECTORS["base"], ids=lambda c: c["name"])
+def test_onto_which_start_an_update_decodes(case):
+    aggregates = {k: SimpleNamespace(adapter_cid=f"aggregate-r{k}") for k in case["published"]}
+    assert update_base(_terms(case["aggregate_codec"], rounds=case["rounds"]), aggregates, case["round"]) == case["base"]
 
 
 def test_the_coordinators_coded_aggregate_and_update_and_a_holders_rebuild(tmp_path):
