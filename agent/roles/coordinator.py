@@ -369,6 +369,7 @@ class CoordinatorRole:
             if now - last <= self.early_claim_seconds and rnd == state.round:
                 self._queue(view, worker, rnd, shard)  # claims heard just before we were elected
         self.tasks.spawn_in_job(view.job_id, self._prefetch_validation, view)
+        self.tasks.spawn_in_job(view.job_id, self._warm, view)
         self.resume(view)
 
     def resume(self, view: JobMirror) -> None:
@@ -1061,6 +1062,34 @@ class CoordinatorRole:
             await self._validation_split(view, self.local.work_dir / view.job_id.hex()[:16])
         except Exception as exc:  # noqa: BLE001 - tried again when a round is scored
             log.info("job %s: validation split not fetched yet: %s", view.job_id.hex()[:8], exc)
+
+    async def _warm(self, view: JobMirror) -> None:
+        """On taking a job over: load what the first report's checks would load then (the base model's hash, the
+        ML libraries, the model into the pool, the round's start, our device class), while the round trains.
+        Round 1's first check waited for it (issue 24: 5-6 s here, with a barrier behind it; on a GPU the model's
+        load). Our own failure here is only a cold first check: the checks load it again, and say why."""
+        from agent.train import base_model_sha256
+        from agent.train.run import warm_model
+
+        terms, rnd = view.terms, view.state.round
+        model_path = self.local.capabilities.local_model(terms)
+        if model_path is None or view.state.terminal:
+            return
+        began = trio.current_time()
+        try:
+            if await trio.to_thread.run_sync(base_model_sha256, model_path) != terms.base_model_sha256.hex():
+                return
+            config = train_config(terms, model_path, round=rnd, threads=self.local.config.threads)
+            await trio.to_thread.run_sync(run_torch, warm_model, config)
+            await self._device_class(config)
+            work = self.local.work_dir / view.job_id.hex()[:16] / f"warm-r{rnd}"
+            work.mkdir(parents=True, exist_ok=True)
+            await self._round_start(view, rnd, config, work)
+        except Exception as exc:  # noqa: BLE001 - see above
+            log.info("job %s: verification not prepared ahead: %s", view.job_id.hex()[:8], exc)
+            return
+        self.local.counters["verifications_prepared"] += 1
+        log.info("job %s: ready to verify round %d in %.2f s", view.job_id.hex()[:8], rnd, trio.current_time() - began)
 
     async def _score(self, view: JobMirror, config: Any, adapter_dir: Path, work: Path,
                      with_base: bool) -> tuple[Any, Any]:

@@ -90,6 +90,7 @@ class WorkerRole:
         self._market_logged: dict[bytes, str] = {}
         # (job, round, start CID) -> the update an `early` message named for that start (IPIP-0006 §2.8.1)
         self._updates: dict[tuple[bytes, int, str], str] = {}
+        self._warmed: set[bytes] = set()  # jobs whose first shard we prepared for (``_warm``)
 
     # -- choosing jobs ----------------------------------------------------------------------------
 
@@ -120,13 +121,43 @@ class WorkerRole:
         if reason is None:
             self.candidates[view.job_id] = view
             log.info("job %s: will train (%s)", view.job_id.hex()[:8], view.terms.name)
+            if view.job_id not in self._warmed:
+                self._warmed.add(view.job_id)
+                self.tasks.spawn_in_job(view.job_id, self._warm, view)
         else:
             log.info("job %s: not taking it: %s", view.job_id.hex()[:8], reason)
+
+    async def _warm(self, view: JobMirror) -> None:
+        """A job we will train: while its coordinator is elected and its first leases are granted, load what our
+        first shard would load then (the base model's hash, the ML libraries, the model with its LoRA into the
+        pool: agent/train/run.warm_model), so it starts training at once. Round 1 waited for it (issue 24: 5-7 s
+        of imports here; on a GPU, the model's load)."""
+        from agent.train.run import warm_model
+
+        terms = view.terms
+        model_path = self.local.capabilities.local_model(terms)
+        if model_path is None or terms.runtime != "peft" or self.train_processes(terms) > 1:
+            return  # (another runtime, or several processes: each rank builds its own model)
+        if type(self.training) is not HonestTraining:
+            return  # a harness fault (agent/hooks.py) may train another model, or stall where a shard would
+        if await self.local.capabilities.base_model_hash(model_path) != terms.base_model_sha256.hex():
+            return  # refused when a shard comes, with the reason
+        began = trio.current_time()
+        config = train_config(terms, model_path, threads=self.local.config.threads)
+        try:
+            built = await trio.to_thread.run_sync(run_torch, warm_model, config)
+        except Exception as exc:  # noqa: BLE001 - the shard loads it again, and says why if it fails then
+            log.info("job %s: not prepared ahead: %s", view.job_id.hex()[:8], exc)
+            return
+        self.local.counters["jobs_prepared"] += 1
+        log.info("job %s: ready to train in %.2f s%s", view.job_id.hex()[:8], trio.current_time() - began,
+                 "" if built else " (its model was loaded already)")
 
     def forget(self, job_id: bytes) -> None:
         """The agent stopped following the job (an ended job, agent/node.py ``forget_job``): drop what we
         kept for it."""
         self.candidates.pop(job_id, None)
+        self._warmed.discard(job_id)
         self._last_claim.pop(job_id, None)
         self._market_logged.pop(job_id, None)
         for key in [k for k in self._updates if k[0] == job_id]:

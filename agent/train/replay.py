@@ -63,15 +63,20 @@ def expected_initial_adapter(config: TrainConfig, initial: Path | None = None) -
     A from the seed, B zero), or the adapter in directory ``initial`` (the previous round's aggregate)."""
     from safetensors.torch import load_file
 
-    from agent.train.model import adapter_state
-    from agent.train.run import build_lora_model, pick_device, pick_dtype, set_threads
+    from agent.train.run import POOL, pick_device, pick_dtype, set_threads
 
     if initial is not None:
         return load_file(str(initial / "adapter_model.safetensors"))
     set_threads(config.threads)
     device = pick_device(config.device)
-    model = build_lora_model(config, device, pick_dtype(config.dtype, device), "peft")
-    return {name: tensor.detach().to("cpu").clone() for name, tensor in adapter_state(model).items()}
+    dtype = pick_dtype(config.dtype, device)
+    # the pool's model of these settings (a replay or a score takes it next) rather than a build of its own:
+    # the seeded adapter is what its build left, kept beside it
+    model, seeded = POOL.take(config, device, dtype, "peft")
+    try:
+        return {name: tensor.detach().to("cpu").clone() for name, tensor in seeded.items()}
+    finally:
+        POOL.give(config, device, dtype, "peft", model, seeded)
 
 
 def check_initial_adapter(genesis: Path, commitment: Commitment, expected: dict[str, torch.Tensor],

@@ -203,6 +203,21 @@ class ModelPool:
         seeded = {name: tensor.detach().clone() for name, tensor in adapter_state(model).items()}
         return model, seeded
 
+    def warm(self, config: TrainConfig, device: str, dtype: torch.dtype, backend: str) -> bool:
+        """Build the model a session of these settings will take, and keep it idle for it: True if built;
+        False when one is idle already or the pool is off. Called before the work comes (``warm_model``)."""
+        if not self.enabled():
+            return False
+        key = self.key(config, device, dtype, backend)
+        with self._lock:
+            if any(k == key for k, _, _ in self._idle):
+                return False
+        model = build_lora_model(config, device, dtype, backend)
+        self.built += 1
+        seeded = {name: tensor.detach().clone() for name, tensor in adapter_state(model).items()}
+        self.give(config, device, dtype, backend, model, seeded)
+        return True
+
     def clear(self) -> None:
         """Drop every idle model (their memory goes back once nothing else holds them)."""
         with self._lock:
@@ -240,6 +255,20 @@ def open_session(config: TrainConfig, examples: list[Example], *, pad_id: int, b
     session = LoraSession(model, examples, config, device=device, dtype=dtype, pad_id=pad_id)
     session.on_close = lambda: POOL.give(config, device, dtype, backend, model, seeded)
     return session
+
+
+def warm_model(config: TrainConfig, backend: str = "peft") -> bool:
+    """Before a job's first shard, replay or score: load what its first session would load then (the ML
+    libraries' imports, under ``run_torch``; the base model with its LoRA, into the pool; the tokenizer), so
+    the first round does not wait for it (issue 24: on this machine the imports alone took 5-7 s of round 1,
+    on a GPU the model's load takes seconds to minutes). True if a model was built."""
+    set_threads(config.threads)
+    device = pick_device(config.device)
+    dtype = pick_dtype(config.dtype, device)
+    if device == "cuda":
+        deterministic_cuda()
+    load_tokenizer(config.base_model)
+    return POOL.warm(config, device, dtype, backend)
 
 
 MAX_VALIDATION_EXAMPLES = 256  # a coordinator scores each round on at most this many (IPIP-0006 §2.6)

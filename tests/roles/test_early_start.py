@@ -59,6 +59,9 @@ async def test_workers_train_the_next_round_before_its_aggregate_and_the_job_end
     # §4.2; the tiny model's aggregate is one block, so here that is its root alone: tests/net/test_swarm_fetch.py
     # has files of many blocks)
     assert sum(c.get("starts_fetched_together", 0) for c in counters.values()) == started, counters
+    # every worker loaded its first shard's model ahead, and the coordinator what its first check reads (issue 24)
+    assert all(c.get("jobs_prepared", 0) == 1 for c in counters.values()), counters
+    assert coordinator.get("verifications_prepared", 0) == 1, coordinator
     plain, _, _, _ = await _run(tmp_path / "plain", tiny_model_dir, early=False)
     assert [view.aggregates[r].adapter_cid for r in (1, 2)] == [plain.aggregates[r].adapter_cid for r in (1, 2)]
     # the early aggregate is scored after its announcement, beside the next round's training: the same scores

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from agent.train.model import load_tokenizer, tensors_hash
+from agent.train.model import adapter_state, load_tokenizer, tensors_hash
 from agent.train.run import POOL, load_shard, open_session, pad_token_id
 
 
@@ -55,3 +55,22 @@ def test_two_open_sessions_never_share_a_model(base_config, demo_files):
     finally:
         one.close()
         two.close()
+
+
+def test_a_warmed_model_is_the_one_the_first_session_takes(base_config, demo_files):
+    """warm_model (a job's first shard, replay or score, prepared ahead: issue 24) builds the model once, and
+    the first session takes that one; the round-1 start a verifier expects comes from it, bit for bit what a
+    fresh build seeds."""
+    from agent.train.replay import expected_initial_adapter
+    from agent.train.run import build_lora_model, warm_model
+
+    config = base_config.with_(seed=base_config.seed + 101)  # settings no other test left in the pool
+    fresh = {name: t.clone() for name, t in adapter_state(build_lora_model(config, "cpu", torch.float32, "peft")).items()}
+    POOL.clear()
+    assert warm_model(config) is True
+    built = POOL.built
+    assert warm_model(config) is False  # one is idle already
+    assert tensors_hash(expected_initial_adapter(config)) == tensors_hash(fresh)
+    _, model = run(config, demo_files["shard0"], steps=1)
+    assert POOL.built == built  # the start and the session took the warmed model: nothing built since
+    assert model is POOL._idle[0][1]
