@@ -710,8 +710,10 @@ class CoordinatorRole:
             marks["adapter in"] = trio.current_time()
             adapter_dir = await _unpack_worker_bundle(work / "adapter.tar", work / "adapter", allowed=REPORT_FILES,
                                                       max_bytes=1 << 30)
-            await trio.to_thread.run_sync(run_torch, _materialize_report, adapter_dir, terms, expected, expected_optimizer)
-            adapter = await trio.to_thread.run_sync(run_torch, _check_adapter, adapter_dir, terms)
+            # (beside a replay of another report, not after it: these load no model and change no process-wide
+            # torch setting, and an early start waits for them, not for the replays, IPIP-0006 §2.9)
+            await trio.to_thread.run_sync(_materialize_report, adapter_dir, terms, expected, expected_optimizer)
+            adapter = await trio.to_thread.run_sync(_check_adapter, adapter_dir, terms)
             if await tensors_hash_off_loop(adapter, self.hash_limiter) != commitment.links[-1].adapter_hash:
                 raise Rejection("the adapter does not hash to the last committed checkpoint")
             if terms.training.optimizer_state == "carried":  # it becomes part of the next round's start
@@ -790,7 +792,9 @@ class CoordinatorRole:
                 directory = await unpack_off_loop(bundle, work / f"initial-r{rnd}", allowed=AGGREGATE_FILES, max_bytes=1 << 30)
             if len(self._initial) > 64:
                 self._initial.clear()
-            tensors = await trio.to_thread.run_sync(run_torch, expected_initial_adapter, config, directory)
+            # (round 1's is built from the pool, under the torch lock; a later round's is its aggregate's file)
+            tensors = await trio.to_thread.run_sync(run_torch, expected_initial_adapter, config, directory) \
+                if directory is None else await trio.to_thread.run_sync(expected_initial_adapter, config, directory)
             state, optimizer = {}, {}
             if directory is not None and (directory / OUTER_STATE_FILE).exists():
                 state = await trio.to_thread.run_sync(_load_tensors, directory / OUTER_STATE_FILE)
