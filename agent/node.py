@@ -357,6 +357,8 @@ class Agent:
                 self.worker.on_lease(view, msg)
             elif isinstance(msg, m.ShardReport):
                 self.submitter.on_report(view, msg, by)
+                if self.worker is not None:
+                    self.worker.on_report(view, msg, by)
             elif isinstance(msg, m.Verdict):
                 self.submitter.on_verdict(view, msg)
             elif isinstance(msg, m.AggregatePublished):

@@ -81,6 +81,7 @@ from agent.bundle import (
     AGGREGATE_FILES, CHECKPOINT_FILES, REPORT_FILES, BundleError, bundle_size_bound, pack_dir_off_loop, unpack_off_loop,
 )
 from agent.content.errors import FetchError
+from agent.combine import Rejection, aggregate_adapters, materialize_report
 from agent.downlink import code_aggregate
 from agent.roles.keep import KeepRefused, keep_before_publishing, keep_within
 from agent.train.recorder import write_checkpoint
@@ -143,10 +144,6 @@ class _VerifyCosts:
     def replay_cheaper(self, steps: int) -> bool:
         """Would replaying ``steps`` steps take less than the last checkpoint fetches did?"""
         return steps > 0 and self.fetch is not None and self.step is not None and steps * self.step < self.fetch
-
-
-class Rejection(Exception):
-    """A report failed verification; the message is the verdict's reason."""
 
 
 class CoordinatorRole:
@@ -712,7 +709,7 @@ class CoordinatorRole:
                                                       max_bytes=1 << 30)
             # (beside a replay of another report, not after it: these load no model and change no process-wide
             # torch setting, and an early start waits for them, not for the replays, IPIP-0006 §2.9)
-            await trio.to_thread.run_sync(_materialize_report, adapter_dir, terms, expected, expected_optimizer)
+            await trio.to_thread.run_sync(materialize_report, adapter_dir, terms, expected, expected_optimizer)
             adapter = await trio.to_thread.run_sync(_check_adapter, adapter_dir, terms)
             if await tensors_hash_off_loop(adapter, self.hash_limiter) != commitment.links[-1].adapter_hash:
                 raise Rejection("the adapter does not hash to the last committed checkpoint")
@@ -896,7 +893,7 @@ class CoordinatorRole:
         start = None
         if terms.outer is not None or downlink.coded(terms, rnd):
             start = await self._round_start(view, rnd, config, work)
-        await trio.to_thread.run_sync(run_torch, partial(_aggregate_adapters, terms, inputs, out, rnd, start))
+        await trio.to_thread.run_sync(run_torch, partial(aggregate_adapters, terms, inputs, out, rnd, start))
         if downlink.coded(terms, rnd):  # the aggregate is the state its update decodes to (IPIP-0006 §2.8.1)
             adapter, _, optimizer = start
             await trio.to_thread.run_sync(run_torch, code_aggregate, terms, out, work / "update", adapter, optimizer)
@@ -960,7 +957,7 @@ class CoordinatorRole:
                                                       max_bytes=1 << 30)
                     if terms.training.report_codec != "none":  # verified already: decode it onto the round's start
                         start_adapter, _, start_optimizer = await self._round_start(view, action.round, config, work)
-                        await trio.to_thread.run_sync(run_torch, _materialize_report, directory, terms, start_adapter,
+                        await trio.to_thread.run_sync(run_torch, materialize_report, directory, terms, start_adapter,
                                                       start_optimizer)
                     entry = (directory, report.samples)
                 inputs.append(entry)
@@ -1207,40 +1204,6 @@ def _check_adapter(adapter_dir: Path, terms: m.JobTerms) -> dict:
     return tensors
 
 
-def _materialize_report(directory: Path, terms: m.JobTerms, start: dict, start_optimizer: dict | None = None) -> None:
-    """With a ``report_codec`` (int8, int4, int4-log, int4-fresh; IPIP-0006 §2.8): decode the report's payload onto the round's
-    ``start`` and write the adapter (and AdamW state) files the rest of verification and aggregation
-    read; the decoded state is then checked against the chain like a whole report. A coded job's
-    report must carry the payload and no whole tensors, an uncoded one no payload: else Rejection.
-    ``start_optimizer``: the round's start AdamW state (``int4-fresh`` codes what a round added to it)."""
-    from agent.train.aggregate import OPTIMIZER_FILE, frozen_keys
-    from agent.train.codec import PAYLOAD_FILE, CodecError, decode, load_payload
-    from safetensors.torch import save_file
-
-    coded = terms.training.report_codec != "none"
-    present = {path.name for path in directory.iterdir()}
-    if not coded:
-        if PAYLOAD_FILE in present:
-            raise Rejection(f"the job sends whole reports, but the report has {PAYLOAD_FILE}")
-        return
-    whole = present & {"adapter_model.safetensors", OPTIMIZER_FILE}
-    if whole or PAYLOAD_FILE not in present:
-        raise Rejection(f"the job's reports are coded ({terms.training.report_codec}): expected {PAYLOAD_FILE} "
-                        f"and no {', '.join(sorted(whole)) or 'whole tensors'}")
-    try:
-        codec = terms.training.report_codec
-        payload = load_payload(directory / PAYLOAD_FILE, codec)
-        adapter, optimizer = decode(payload, start, None, frozen_keys(start, terms.lora.freeze_a), codec,
-                                    start_optimizer if terms.training.optimizer_state == "carried" else None)
-    except CodecError as error:
-        raise Rejection(f"report payload: {error}") from None
-    if terms.training.optimizer_state != "carried" and optimizer:
-        raise Rejection("report payload: the job does not carry the optimizer state, but the payload has one")
-    save_file(adapter, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
-    if optimizer:
-        save_file(optimizer, str(directory / OPTIMIZER_FILE), metadata={"format": "pt"})
-
-
 def _check_final_optimizer(adapter_dir: Path, committed: bytes) -> str | None:
     """Why the report's AdamW state is not the one its last checkpoint committed, or None."""
     from safetensors import SafetensorError
@@ -1272,42 +1235,3 @@ def _load_tensors(path: Path) -> dict:
     from safetensors.torch import load_file
 
     return load_file(str(path))
-
-
-def _aggregate_adapters(terms: m.JobTerms, inputs: list[tuple[Path, int]], out: Path, rnd: int,
-                        start: tuple[dict, dict] | None) -> None:
-    """The round's aggregate into ``out``: the job's rule, then its outer step from ``start`` (if any)."""
-    from safetensors.torch import load_file, save_file
-
-    from agent.train.aggregate import (
-        OPTIMIZER_FILE, OUTER_STATE_FILE, OuterOptimizer, aggregate, average_optimizer_states, frozen_keys, outer_step,
-    )
-
-    pairs = [(load_file(str(d / "adapter_model.safetensors")), n) for d, n in inputs]
-    merged = aggregate(terms.aggregation, pairs)
-    out.mkdir(parents=True, exist_ok=True)
-    if terms.training.optimizer_state == "carried":
-        optimizers = [(load_file(str(d / OPTIMIZER_FILE)), n) for d, n in inputs]
-        save_file(average_optimizer_states(optimizers), str(out / OPTIMIZER_FILE), metadata={"format": "pt"})
-    if terms.outer is not None and start is not None:
-        previous, state, _ = start
-        o = terms.outer
-        outer = OuterOptimizer(o.optimizer, o.lr, o.momentum, o.beta1, o.beta2)
-        merged, state = outer_step(previous, merged, state, outer, step=rnd,
-                                   frozen=frozen_keys(previous, terms.lora.freeze_a))
-        if state:
-            save_file(state, str(out / OUTER_STATE_FILE), metadata={"format": "pt"})  # one key: safetensors writes several in varying order
-    save_file(merged, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    write_canonical_config(inputs[0][0] / "adapter_config.json", out / "adapter_config.json")
-
-
-def write_canonical_config(source: Path, target: Path) -> None:
-    """The aggregate's ``adapter_config.json``: the first input's, with sorted keys and target modules.
-    peft writes target_modules from a set, in an order that differs from process to process (string
-    hashing), so copying one worker's file made the aggregate's CID depend on which worker trained the
-    first shard: the same round aggregated by two coordinators, or one job run twice, gave two CIDs for
-    the same tensors. Canonical, a round's aggregate is a function of its accepted inputs alone."""
-    config = json.loads(source.read_text())
-    if isinstance(config.get("target_modules"), list):
-        config["target_modules"] = sorted(config["target_modules"])
-    target.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

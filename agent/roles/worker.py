@@ -44,8 +44,10 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from agent.combine import COMBINE_TIMEOUT, MAX_REPORT_BYTES, combine_here, combines_here, start_here
 from agent.hooks import HonestTraining
-from agent.bundle import AGGREGATE_FILES, DEFAULT_MAX_BYTES, bundle_size_bound, pack_dir_off_loop, unpack_off_loop
+from agent.bundle import AGGREGATE_FILES, DEFAULT_MAX_BYTES, REPORT_FILES, bundle_size_bound, pack_dir_off_loop, \
+    unpack_off_loop
 from agent.downlink import fetch_coded
 from protocol.mirror import JobMirror
 from agent.train.runner import run_torch, train_config
@@ -458,6 +460,51 @@ class WorkerRole:
             self._last_claim.pop(view.job_id, None)
             self.wake()
 
+    async def _combine_start(self, view: JobMirror, lease: m.ShardLease, model_path: str, bundle: Path,
+                             run_dir: Path) -> bool:
+        """An early start's aggregate computed here from the reports of the round we trained in, and the round's start
+        we hold (agent/combine.py, IPIP-0006 §2.9.1): True once it is ``lease.initial_adapter_cid``, in ``bundle``."""
+        rnd, state = lease.round - 1, view.state
+        reports = [view.reports.get((rnd, s.index, s.attempt)) for s in state.shards]
+        if state.round != rnd or any(r is None for r in reports):
+            return False
+        work = run_dir / "combine"
+        previous = view.aggregates.get(rnd - 1)
+        start = await start_here(self.blocks.content, view.terms, rnd, previous.adapter_cid if previous else None,
+                                 train_config(view.terms, model_path, round=rnd, threads=self.local.config.threads),
+                                 run_dir / "combine-start")
+        combined = start is not None and await combine_here(
+            self.blocks.content, view.terms, rnd=rnd, cid=lease.initial_adapter_cid, start=start, out=bundle,
+            reports=[(report.adapter_cid, worker, report.samples) for report, worker in reports], work=work,
+            coordinator=view.coordination.coordinator, timeout=min(self.local.config.fetch_timeout, COMBINE_TIMEOUT))
+        self.local.counters["starts_combined_here" if combined else "starts_not_combined_here"] += 1
+        return combined
+
+    def on_report(self, view: JobMirror, report: m.ShardReport, worker: str) -> None:
+        """Another worker's report of a round we trained in, of a job whose next round's start we compute here when
+        it is announced early (agent/combine.py): its adapter fetched from its worker now, beside our training, so
+        only the round's last report is fetched at the round's end. One try; ``combine_here`` asks again."""
+        me = self.local.peer_id
+        if worker == me or not self.local.config.early_start or view.job_id not in self.candidates or \
+                not combines_here(view.terms) or report.round != view.state.round or \
+                report.round >= view.terms.rounds or not any(s.worker == me for s in view.state.shards):
+            return
+
+        async def prefetch() -> None:
+            out = self.local.work_dir / view.job_id.hex()[:16] / "reports-ahead" / f"{report.adapter_cid}.tar"
+            try:
+                await self.blocks.content.fetch(report.adapter_cid, out, timeout=self.local.config.fetch_timeout,
+                                                providers=[worker],
+                                                max_size=bundle_size_bound(MAX_REPORT_BYTES, REPORT_FILES))
+                self.blocks.hold(view.job_id, report.round, report.adapter_cid)
+                self.local.counters["reports_fetched_ahead"] += 1
+            except Exception as exc:  # noqa: BLE001 - a head start only
+                log.info("job %s: report %s… not fetched ahead: %s", view.job_id.hex()[:8], report.adapter_cid[:24], exc)
+            finally:
+                out.unlink(missing_ok=True)
+
+        self.tasks.spawn_in_job(view.job_id, prefetch)
+
     def _start_update(self, view: JobMirror, lease: m.ShardLease) -> tuple[str, str] | None:
         """(update CID, the CID of the start it decodes onto) of the lease's start when that is a coded aggregate
         (IPIP-0006 §2.8.1): named by the published aggregate, or by the `early` message that announced it."""
@@ -529,8 +576,9 @@ class WorkerRole:
             # an early start's: the coordinator first (the submitter is taking its copy meanwhile)
             order = holders if early else spread(holders, self.local.peer_id, self.peer_table.live_peers())
             update = self._start_update(view, lease)
-            rebuilt = False
-            if update is not None:  # a coded aggregate: its update rebuilt onto the start we hold (IPIP-0006 §2.8.1)
+            rebuilt = early and combines_here(terms) and await self._combine_start(view, lease, model_path, bundle,
+                                                                                    run_dir)
+            if update is not None and not rebuilt:  # a coded aggregate: its update rebuilt onto the start we hold (IPIP-0006 §2.8.1)
                 rebuilt = await fetch_coded(self.blocks.content, terms, cid=lease.initial_adapter_cid,
                                             update_cid=update[0], base_cid=update[1], out=bundle, providers=order,
                                             swarm=swarm if early else (), timeout=self.local.config.fetch_timeout,

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from agent.roles.coordinator import _aggregate_adapters
+from agent.combine import aggregate_adapters
 from agent.train.aggregate import OPTIMIZER_FILE, OUTER_STATE_FILE
 from protocol import messages as m
 from scripts.make_envelope_vectors import sample_terms
@@ -58,7 +58,7 @@ def test_a_successor_coordinator_makes_the_same_aggregate_from_the_published_bun
     previous = None
     for r in (1, 2, 3):
         out = tmp_path / f"first-r{r}"
-        _aggregate_adapters(terms, rounds[r], out, r, start_from(previous))
+        aggregate_adapters(terms, rounds[r], out, r, start_from(previous))
         previous = out
     # round 1's coordinator dies after publishing; its successor has only the published bundle
     published = tmp_path / "fetched-r1"
@@ -66,14 +66,14 @@ def test_a_successor_coordinator_makes_the_same_aggregate_from_the_published_bun
     previous = published
     for r in (2, 3):
         out = tmp_path / f"second-r{r}"
-        _aggregate_adapters(terms, rounds[r], out, r, start_from(previous))
+        aggregate_adapters(terms, rounds[r], out, r, start_from(previous))
         previous = out
     assert digest(tmp_path / "second-r3") == digest(tmp_path / "first-r3")
     assert set(digest(tmp_path / "first-r3")) == {"adapter_config.json", "adapter_model.safetensors",
                                                    OPTIMIZER_FILE, OUTER_STATE_FILE}
     # and the state matters: a successor that lost the outer momentum would publish other bytes
     lost = start_from(published)
-    _aggregate_adapters(terms, rounds[2], tmp_path / "lost-r2", 2, (lost[0], {}, lost[2]))
+    aggregate_adapters(terms, rounds[2], tmp_path / "lost-r2", 2, (lost[0], {}, lost[2]))
     assert digest(tmp_path / "lost-r2")["adapter_model.safetensors"] != digest(tmp_path / "first-r2")["adapter_model.safetensors"]
 
 
@@ -98,7 +98,7 @@ def test_a_coded_report_materializes_to_the_state_its_worker_holds(tmp_path):
     coded job's report with whole tensors, or an uncoded job's with a payload, is refused."""
     import pytest
 
-    from agent.roles.coordinator import Rejection, _materialize_report
+    from agent.combine import Rejection, materialize_report
     from agent.train.codec import PAYLOAD_FILE, round_trip, save_payload
     from agent.train.model import tensors_hash
 
@@ -114,19 +114,19 @@ def test_a_coded_report_materializes_to_the_state_its_worker_holds(tmp_path):
     coded.mkdir()
     shutil.copy(whole / "adapter_config.json", coded)
     save_payload(coded / PAYLOAD_FILE, payload)
-    _materialize_report(coded, terms, start)
+    materialize_report(coded, terms, start)
     assert tensors_hash(load_file(str(coded / "adapter_model.safetensors"))) == tensors_hash(adapter)
     assert tensors_hash(load_file(str(coded / OPTIMIZER_FILE))) == tensors_hash(optimizer)
     with pytest.raises(Rejection, match="reports are coded"):
-        _materialize_report(whole, terms, start)  # whole tensors where the job codes them
+        materialize_report(whole, terms, start)  # whole tensors where the job codes them
     plain = dataclasses.replace(terms, training=dataclasses.replace(terms.training, report_codec="none"))
     with pytest.raises(Rejection, match="whole reports"):
-        _materialize_report(coded, plain, start)
+        materialize_report(coded, plain, start)
     broken = tmp_path / "broken"
     broken.mkdir()
     shutil.copy(whole / "adapter_config.json", broken)
     save_file({k: v for k, v in payload.items() if not k.startswith("optimizer/")}, str(broken / PAYLOAD_FILE),
               metadata={"format": "infernet-report-int8/1"})
     (broken / OPTIMIZER_FILE).unlink(missing_ok=True)
-    _materialize_report(broken, terms, start)  # decodes; the missing state then fails the chain's hash
+    materialize_report(broken, terms, start)  # decodes; the missing state then fails the chain's hash
     assert not (broken / OPTIMIZER_FILE).exists()
