@@ -15,6 +15,9 @@ Rules of this file:
 - An early start is OURS once round r + 1 holds its lease (its attempt, to us) and round r's published
   aggregate is the start it trained from; it WAITS while round r is still verified or aggregated; OPEN when
   round r + 1 began and its shard is not leased yet; any other state voids it (``standing``).
+- A worker whose early start stands OPEN claims its shard again, once (``reclaim``): at once when the job's
+  coordination term is no longer the `early` message's (a coordinator elected since then ignored the claim, which
+  was for the round after its mirror's), else after ``EARLY_RECLAIM_AFTER`` seconds OPEN (a claim lost).
 The vectors are ``ipips/vectors/early-start.json`` (scripts/make_early_vectors.py).
 """
 
@@ -28,6 +31,9 @@ from protocol.state import JobPhase, JobState, ShardPhase
 
 EARLY_LEASE_WAIT = 20.0
 """Seconds an early start waits, after its round began, for the lease announced to it (then it is dropped)."""
+
+EARLY_RECLAIM_AFTER = 2.0
+"""Seconds an early start stands OPEN, under the coordinator that announced it, before its worker claims again."""
 
 OURS, WAIT, OPEN = "ours", "wait", "open"
 _WAITING_PHASES = (JobPhase.VERIFYING, JobPhase.AGGREGATING)
@@ -95,3 +101,11 @@ def standing(state: JobState, published_cid: str | None, rnd: int, shard: int, a
     if current.phase is ShardPhase.OPEN and current.attempt == 0:
         return OPEN
     return f"shard {shard} went to another lease (attempt {current.attempt})"
+
+
+def reclaim(open_for: float, early_term: int, term: int) -> bool:
+    """Does a worker whose early start has stood OPEN for ``open_for`` seconds claim its shard again now (once)?
+    ``early_term``: the term of the `early` message it took; ``term``: the job's coordination term now. A claim
+    sent with an early start is for the round after the coordinator's, and a peer that is not the coordinator
+    yet keeps no such claim (it is no lease request): a coordinator elected since then never heard one."""
+    return term != early_term or open_for >= EARLY_RECLAIM_AFTER

@@ -66,6 +66,13 @@ STAND = [
 ]
 
 
+RECLAIM = [
+    ("open a moment, under the coordinator that announced it", 0.5, 1, 1),
+    ("open long enough: the claim was lost", 2.0, 1, 1),
+    ("a coordinator elected since the announcement", 0.0, 1, 2),
+]
+
+
 SWARM = [
     ("the announced workers in its order, then the submitter", ("B", "A"), "S"),
     ("a submitter that is also announced is named once", ("A", "S"), "S"),
@@ -99,6 +106,8 @@ def main() -> None:
         standing.append({"name": n, "state": s, "published": published, "round": 2, "shard": 0, "attempt": 1,
                          "worker": "A", "start": start,
                          "standing": out if out in (early.OURS, early.WAIT, early.OPEN) else "void", "reason": out})
+    reclaim = [{"name": n, "open_for": t, "early_term": e, "term": term, "reclaim": early.reclaim(t, e, term)}
+               for n, t, e, term in RECLAIM]
     swarm = [{"name": n, "early_workers": list(w), "submitter": sub,
               "members": list(early.swarm(EarlyStart(JOB, 2, 1, CID, tuple(range(len(w))), w), sub))}
              for n, w, sub in SWARM]
@@ -109,13 +118,15 @@ def main() -> None:
                        "round's (shard, worker) pairs: each worker its first shard, not the coordinator, not a worker "
                        "a verdict rejected. 'refusal': does a worker take an announcement (from the coordinator in its "
                        "term, for the round after its mirror's, while it is VERIFYING or AGGREGATING). 'standing': "
-                       "ours, wait, open (round began, not leased yet: the worker's timer) or void. States are "
-                       "{phase, round, shards: [[phase, attempt, worker]]}. 'ready', 'announced', 'taken' and "
-                       "'standing' are normative; 'reason' is not. 'swarm' (IPIP-0003 §4.2): the peers that fetch an "
+                       "ours, wait, open (round began, not leased yet: the worker's timer) or void. 'reclaim': does a worker whose "
+                       "early start has stood open for open_for seconds claim its shard again (once), given the "
+                       "early message's term and the coordination term now. States are "
+                       "{phase, round, shards: [[phase, attempt, worker]]}. 'ready', 'announced', 'taken', "
+                       "'standing' and 'reclaim' are normative; 'reason' is not. 'swarm' (IPIP-0003 §4.2): the peers that fetch an "
                        "announced start together, in the order all of them use; 'deal': which of a root's parts "
                        "(subtrees, next first, by index) each member takes from the seed, and is asked for by the "
                        "others. 'members' and 'dealt' are normative.",
-        "ready": ready, "assignment": assignment, "refusal": refusal, "standing": standing,
+        "ready": ready, "assignment": assignment, "refusal": refusal, "standing": standing, "reclaim": reclaim,
         "swarm": swarm, "deal": dealt,
     }
     Path("ipips/vectors/early-start.json").write_text(json.dumps(doc, indent=1) + "\n")

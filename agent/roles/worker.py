@@ -93,6 +93,7 @@ class WorkerRole:
         # (job, round, start CID) -> the update an `early` message named for that start (IPIP-0006 §2.8.1)
         self._updates: dict[tuple[bytes, int, str], str] = {}
         self._warmed: set[bytes] = set()  # jobs whose first shard we prepared for (``_warm``)
+        self._reclaimed: set[tuple[bytes, int, int, int]] = set()  # early starts we claimed again (early.reclaim)
 
     # -- choosing jobs ----------------------------------------------------------------------------
 
@@ -160,6 +161,7 @@ class WorkerRole:
         kept for it."""
         self.candidates.pop(job_id, None)
         self._warmed.discard(job_id)
+        self._reclaimed = {k for k in self._reclaimed if k[0] != job_id}
         self._last_claim.pop(job_id, None)
         self._market_logged.pop(job_id, None)
         for key in [k for k in self._updates if k[0] == job_id]:
@@ -324,6 +326,16 @@ class WorkerRole:
             return
         deadline = self.local.clock() + view.terms.lease_seconds
         while (outcome := self._early_outcome(view, lease)) == early_rules.WAIT and self.local.clock() < deadline:
+            opened = self._early.get(key)  # (when we first saw its round begin with the shard still open)
+            if opened is not None and key not in self._reclaimed and \
+                    early_rules.reclaim(self.local.clock() - opened, lease.term, view.coordination.term):
+                # our claim went to the round before, and a coordinator elected since never kept it (the scenario
+                # coded-coordinator-killed: the early work was dropped 20 s later, the shards trained again)
+                self._reclaimed.add(key)
+                self.local.counters["early_starts_claimed_again"] += 1
+                log.info("job %s: round %d shard %d: begun, not leased yet (term %d, announced in %d): claiming it "
+                         "again", view.job_id.hex()[:8], lease.round, lease.shard, view.coordination.term, lease.term)
+                await self.evidence.publish(m.ShardClaim(view.job_id, lease.round, lease.shard))
             await self.tasks.wait_until(lambda: self._early_outcome(view, lease) != early_rules.WAIT, 1.0)
         if outcome != early_rules.OURS or self.active.get(key) is not lease:
             if self.active.get(key) is lease:  # its slot free now: a lease arriving meanwhile trains afresh

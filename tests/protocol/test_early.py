@@ -53,3 +53,9 @@ def test_who_fetches_an_announced_start_together_and_which_parts_each_takes():
         dealt = deal(case["parts"], case["members"])
         assert dealt == case["dealt"], case["name"]
         assert sorted(j for indices in dealt.values() for j in indices) == list(range(case["parts"])), case["name"]
+
+
+def test_when_a_worker_claims_its_early_shard_again():
+    assert {c["reclaim"] for c in DOC["reclaim"]} == {True, False}
+    for case in DOC["reclaim"]:
+        assert early.reclaim(case["open_for"], case["early_term"], case["term"]) == case["reclaim"], case["name"]
