@@ -97,8 +97,9 @@ def materialize_report(directory: Path, terms: m.JobTerms, start: dict, start_op
 
 
 def aggregate_adapters(terms: m.JobTerms, inputs: list[tuple[Path, int]], out: Path, rnd: int,
-                        start: tuple[dict, dict] | None) -> None:
-    """The round's aggregate into ``out``: the job's rule, then its outer step from ``start`` (if any)."""
+                       start: tuple[dict, dict] | None, parallel: bool = True) -> None:
+    """The round's aggregate into ``out``: the job's rule, then its outer step from ``start`` (if any). ``parallel``
+    False: no process-wide torch setting changes meanwhile (agent/train/aggregate.aggregate), the same bytes."""
     from safetensors.torch import load_file, save_file
 
     from agent.train.aggregate import (
@@ -106,7 +107,7 @@ def aggregate_adapters(terms: m.JobTerms, inputs: list[tuple[Path, int]], out: P
     )
 
     pairs = [(load_file(str(d / "adapter_model.safetensors")), n) for d, n in inputs]
-    merged = aggregate(terms.aggregation, pairs)
+    merged = aggregate(terms.aggregation, pairs, parallel=parallel)
     out.mkdir(parents=True, exist_ok=True)
     if terms.training.optimizer_state == "carried":
         optimizers = [(load_file(str(d / OPTIMIZER_FILE)), n) for d, n in inputs]

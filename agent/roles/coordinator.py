@@ -542,7 +542,8 @@ class CoordinatorRole:
         # announcement, beside the next round's training (a real job's validation split takes the coordinator's
         # device for seconds to minutes).
         score_first = view.terms.stop is not None
-        out, score, base_score = await self._combine(view, rnd, config, inputs, work, scored=score_first)
+        out, score, base_score = await self._combine(view, rnd, config, inputs, work, scored=score_first,
+                                                     beside_replays=True)
         if view.ends_with(rnd, score.loss if score is not None else None):
             return  # the stop rule ends the job here: no next round to start
         combined = trio.current_time()
@@ -884,19 +885,22 @@ class CoordinatorRole:
         return train_config(terms, model_path, round=rnd, threads=self.local.config.threads)
 
     async def _combine(self, view: JobMirror, rnd: int, config: Any, inputs: list[tuple[Path, int]],
-                       work: Path, scored: bool = True) -> tuple[Path, Any, Any]:
+                       work: Path, scored: bool = True, beside_replays: bool = False) -> tuple[Path, Any, Any]:
         """Round ``rnd``'s aggregate of ``inputs`` (adapter directories and their samples) in ``work``/adapter,
         and (``scored``) its score and the base model's (round 1) on the validation split, each None when not
-        scored."""
+        scored. ``beside_replays``: computed beside the round's replays, not after the one running (an early
+        start waits for it): without the torch lock, and so changing no process-wide torch setting."""
         terms = view.terms
         out = work / "adapter"
         start = None
         if terms.outer is not None or downlink.coded(terms, rnd):
             start = await self._round_start(view, rnd, config, work)
-        await trio.to_thread.run_sync(run_torch, partial(aggregate_adapters, terms, inputs, out, rnd, start))
+        combine = partial(aggregate_adapters, terms, inputs, out, rnd, start, parallel=not beside_replays)
+        await (trio.to_thread.run_sync(combine) if beside_replays else trio.to_thread.run_sync(run_torch, combine))
         if downlink.coded(terms, rnd):  # the aggregate is the state its update decodes to (IPIP-0006 §2.8.1)
             adapter, _, optimizer = start
-            await trio.to_thread.run_sync(run_torch, code_aggregate, terms, out, work / "update", adapter, optimizer)
+            code = partial(code_aggregate, terms, out, work / "update", adapter, optimizer)
+            await (trio.to_thread.run_sync(code) if beside_replays else trio.to_thread.run_sync(run_torch, code))
         score, base_score = await self._scores(view, rnd, config, out, work) if scored else (None, None)
         return out, score, base_score
 

@@ -84,16 +84,17 @@ class _Checked:
 
 
 @torch.no_grad()
-def fedavg(pairs: Pairs) -> dict[str, torch.Tensor]:
-    """Sample-weighted mean of every tensor, A and B separately (naive: not the mean update)."""
+def fedavg(pairs: Pairs, *, parallel: bool = True) -> dict[str, torch.Tensor]:
+    """Sample-weighted mean of every tensor, A and B separately (naive: not the mean update). ``parallel``: see
+    ``_weighted_means`` (the same result either way)."""
     checked = _check_pairs(pairs)
-    return _weighted_means(checked, list(checked.adapters[0]))
+    return _weighted_means(checked, list(checked.adapters[0]), parallel)
 
 
 PARALLEL_MIN_BYTES = 32 << 20  # below this, one thread: splitting costs more than it saves
 
 
-def _weighted_means(checked: _Checked, keys: list[str]) -> dict[str, torch.Tensor]:
+def _weighted_means(checked: _Checked, keys: list[str], parallel: bool = True) -> dict[str, torch.Tensor]:
     """``_weighted_mean`` of every key; large inputs split by tensor over one Python thread per torch
     thread, each running single-threaded ops (the ops release the GIL).
 
@@ -101,12 +102,14 @@ def _weighted_means(checked: _Checked, keys: list[str]) -> dict[str, torch.Tenso
     torch's intra-op threads spends much of its time waking them, so whole tensors go to separate
     threads instead. ``torch.set_num_threads`` is process-wide: it is lowered to 1 for the duration
     and restored after, which is safe only when nothing else runs torch meanwhile — in the agent,
-    aggregation runs under the one torch lock (agent/train/runner.py TORCH_LOCK).
+    aggregation runs under the one torch lock (agent/train/runner.py TORCH_LOCK). With ``parallel`` False it
+    never changes it (one op per tensor on torch's threads, elementwise: the same values), so it may run beside a
+    replay (agent/roles/coordinator.py: a round's aggregate computed early, while the replays run).
     """
     threads = torch.get_num_threads()
     first = checked.adapters[0]  # every adapter has its layout (checked)
     size = len(checked.adapters) * sum(first[key].numel() * first[key].element_size() for key in keys)
-    if threads < 2 or size < PARALLEL_MIN_BYTES or len(keys) < 2 * threads:
+    if not parallel or threads < 2 or size < PARALLEL_MIN_BYTES or len(keys) < 2 * threads:
         return {key: _weighted_mean(checked, key) for key in keys}
     from concurrent.futures import ThreadPoolExecutor
 
@@ -194,9 +197,10 @@ METHODS: dict[str, Callable[..., dict[str, torch.Tensor]]] = {
 
 
 def aggregate(
-    method: str, pairs: Pairs, *, rank: int | None = None, trim_ratio: float = 0.1
+    method: str, pairs: Pairs, *, rank: int | None = None, trim_ratio: float = 0.1, parallel: bool = True
 ) -> dict[str, torch.Tensor]:
-    """Aggregate (adapter, num_samples) pairs with the rule named `method` (see METHODS)."""
+    """Aggregate (adapter, num_samples) pairs with the rule named `method` (see METHODS). ``parallel`` False:
+    no process-wide torch setting is changed meanwhile (``_weighted_means``), the same result."""
     if method not in METHODS:
         raise AggregationError(f"unknown aggregation method {method!r}; known: {', '.join(METHODS)}")
     if method == "svd":
@@ -205,6 +209,8 @@ def aggregate(
         raise AggregationError(f"rank applies only to the svd method, not to {method}")
     if method == "trimmed_mean":
         return trimmed_mean(pairs, trim_ratio=trim_ratio)
+    if method == "fedavg":
+        return fedavg(pairs, parallel=parallel)
     return METHODS[method](pairs)
 
 

@@ -77,6 +77,20 @@ def test_fedavg_split_over_threads_is_the_same_mean_and_restores_torch_threads(r
     assert list(threaded) == list(serial)
     for key in serial:
         assert torch.equal(threaded[key], serial[key]), key
+    # beside a replay (a round's aggregate computed early) it must not touch the process-wide thread count: the
+    # same mean without the split
+    from agent.train.aggregate import aggregate
+
+    calls: list[int] = []
+    real_set = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), real_set(n)))
+    real_set(2)
+    try:
+        beside = aggregate("fedavg", pairs, parallel=False)
+    finally:
+        real_set(before)
+    assert calls == [] and all(torch.equal(beside[key], serial[key]) for key in serial)
+    monkeypatch.setattr(torch, "set_num_threads", real_set)
     bad = to_torch(arrays[1])
     bad[sorted(bad)[3]][0, 0] = float("nan")
     monkeypatch.setattr(module, "PARALLEL_MIN_BYTES", 0)
