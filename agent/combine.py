@@ -34,7 +34,7 @@ import trio
 
 from agent.bundle import AGGREGATE_FILES, DEFAULT_MAX_BYTES as MAX_BUNDLE, REPORT_FILES, bundle_size_bound, \
     pack_dir_off_loop, unpack_off_loop
-from agent.downlink import code_aggregate
+from agent.downlink import code_aggregate, read_start
 from agent.train.runner import run_torch
 from protocol import downlink, messages as m
 
@@ -141,9 +141,6 @@ async def start_here(content: "ContentService", terms: m.JobTerms, rnd: int, pre
     """Round ``rnd``'s start as the coordinator reads it (adapter, outer state, AdamW state carried): the seeded adapter
     (``config``: the job's TrainConfig, from the model pool) in round 1; else round ``rnd`` - 1's aggregate
     ``previous_cid``, from the blocks held here. None when it is not held here."""
-    from safetensors.torch import load_file
-
-    from agent.train.aggregate import OPTIMIZER_FILE, OUTER_STATE_FILE
     from agent.train.replay import expected_initial_adapter
 
     if rnd == 1:
@@ -152,14 +149,7 @@ async def start_here(content: "ContentService", terms: m.JobTerms, rnd: int, pre
                                                             max_size=bundle_size_bound(MAX_BUNDLE, AGGREGATE_FILES)):
         return None
     directory = await unpack_off_loop(work / "start.tar", work / "start", allowed=AGGREGATE_FILES, max_bytes=MAX_BUNDLE)
-
-    def read() -> tuple[dict, dict, dict]:
-        state = load_file(str(directory / OUTER_STATE_FILE)) if (directory / OUTER_STATE_FILE).exists() else {}
-        carried = terms.training.optimizer_state == "carried"
-        return load_file(str(directory / "adapter_model.safetensors")), state, \
-            load_file(str(directory / OPTIMIZER_FILE)) if carried else {}
-
-    return await trio.to_thread.run_sync(read)
+    return await trio.to_thread.run_sync(read_start, terms, directory)
 
 
 async def combine_here(content: "ContentService", terms: m.JobTerms, *, rnd: int, cid: str,
@@ -177,14 +167,15 @@ async def combine_here(content: "ContentService", terms: m.JobTerms, *, rnd: int
     work.mkdir(parents=True)
     began = trio.current_time()
     bound = bundle_size_bound(MAX_REPORT_BYTES, REPORT_FILES)
+
+    async def one(index: int, report_cid: str, worker: str) -> None:
+        bundle = work / f"report-{index}.tar"
+        if not await content.read_local(report_cid, bundle, max_size=bound):
+            providers = [worker] + ([coordinator] if coordinator and coordinator != worker else [])
+            await content.fetch(report_cid, bundle, timeout=timeout, providers=providers, max_size=bound)
+
     try:
         try:
-            async def one(index: int, report_cid: str, worker: str) -> None:
-                bundle = work / f"report-{index}.tar"
-                if not await content.read_local(report_cid, bundle, max_size=bound):
-                    providers = [worker] + ([coordinator] if coordinator and coordinator != worker else [])
-                    await content.fetch(report_cid, bundle, timeout=timeout, providers=providers, max_size=bound)
-
             with trio.fail_after(timeout):
                 async with trio.open_nursery() as nursery:
                     for index, (report_cid, worker, _) in enumerate(reports):

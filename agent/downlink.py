@@ -91,18 +91,25 @@ def rebuild(terms: "JobTerms", update: Path, start: dict, start_optimizer: dict 
             (out / name).unlink(missing_ok=True)
 
 
-def _read_start(terms: "JobTerms", directory: Path) -> tuple[dict, dict | None]:
+def read_start(terms: "JobTerms", directory: Path) -> tuple[dict, dict, dict]:
+    """(In a thread.) A round's start from the previous round's aggregate in ``directory``: its adapter, its outer
+    optimizer state (empty without one) and the AdamW state the job carries (empty when it does not; ValueError when
+    it does and the aggregate lacks it). The coordinator, a rebuilding holder and a combining worker read it here."""
     from safetensors.torch import load_file
 
-    from agent.train.aggregate import OPTIMIZER_FILE
+    from agent.train.aggregate import OPTIMIZER_FILE, OUTER_STATE_FILE
 
     adapter = load_file(str(directory / "adapter_model.safetensors"))
-    carried = terms.training.optimizer_state == "carried"
-    return adapter, load_file(str(directory / OPTIMIZER_FILE)) if carried else None
+    state = load_file(str(directory / OUTER_STATE_FILE)) if (directory / OUTER_STATE_FILE).exists() else {}
+    if terms.training.optimizer_state != "carried":
+        return adapter, state, {}
+    if not (directory / OPTIMIZER_FILE).exists():
+        raise ValueError(f"the round's start carries no {OPTIMIZER_FILE}")
+    return adapter, state, load_file(str(directory / OPTIMIZER_FILE))
 
 
 def _rebuild_from(terms: "JobTerms", update: Path, start_dir: Path, out: Path) -> None:
-    adapter, optimizer = _read_start(terms, start_dir)
+    adapter, _, optimizer = read_start(terms, start_dir)
     rebuild(terms, update, adapter, optimizer, out)
 
 

@@ -32,7 +32,13 @@ UPDATE_FILES = frozenset({"adapter_config.json", "delta.safetensors", "outer_sta
 
 def coded(terms: JobTerms, rnd: int) -> bool:
     """Is round ``rnd``'s aggregate the coded state (and published with an update)?"""
-    return terms.training.aggregate_codec != "none" and terms.method != "full" and 2 <= rnd < terms.rounds
+    return terms.training.aggregate_codec != "none" and terms.method != "full" and coded_round(rnd, terms.rounds)
+
+
+def coded_round(rnd: int, rounds: int) -> bool:
+    """Is round ``rnd`` of ``rounds`` one whose aggregate a job with an ``aggregate_codec`` codes? Not round 1 (its
+    start is no bundle anyone holds), not the last (the job's result: nobody starts from it)."""
+    return 2 <= rnd < rounds
 
 
 def update_base(terms: JobTerms, aggregates: Mapping[int, AggregatePublished], rnd: int) -> str | None:

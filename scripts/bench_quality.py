@@ -66,6 +66,7 @@ from agent.train.data import Example, read_chatml, split_dataset, write_chatml  
 from agent.train.loop import LoraSession  # noqa: E402
 from agent.train.model import adapter_state, load_adapter_state, load_tokenizer  # noqa: E402
 from agent.train.run import build_lora_model, load_shard, pad_token_id  # noqa: E402
+from protocol.downlink import coded_round  # noqa: E402
 from protocol.schedule import inner_rate_factor, round_learning_rate  # noqa: E402
 from agent.train.tiny import demo_records, tiny_model  # noqa: E402
 
@@ -350,7 +351,7 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
                                 for s in range(steps)))
         round_start, optimizer_start = aggregate_now, optimizer_before
         aggregate_now, state = outer_step(aggregate_now, mean, state, outer, step=rnd, frozen=trainer.frozen)
-        if downlink != "none" and (downlink_rounds == "all" or 2 <= rnd < rounds):  # protocol: IPIP-0006 §2.8.1
+        if downlink != "none" and (downlink_rounds == "all" or coded_round(rnd, rounds)):
             aggregate_now, coded_optimizer = coded(round_start, aggregate_now, optimizer if carry else {},
                                                    trainer.frozen, None, downlink,
                                                    optimizer_start if carry else None)

@@ -82,7 +82,7 @@ from agent.bundle import (
 )
 from agent.content.errors import FetchError
 from agent.combine import Rejection, aggregate_adapters, materialize_report
-from agent.downlink import code_aggregate
+from agent.downlink import code_aggregate, read_start
 from agent.roles.keep import KeepRefused, keep_before_publishing, keep_within
 from agent.train.recorder import write_checkpoint
 from agent.train.runner import run_torch, train_config
@@ -773,7 +773,6 @@ class CoordinatorRole:
         """Round ``rnd``'s start (cached): the adapter its training starts from, the outer optimizer
         state and the AdamW state carried with it: the seeded init and no state in round 1, the
         previous aggregate's after (its AdamW state only if the job carries it, IPIP-0006 §2.3)."""
-        from agent.train.aggregate import OPTIMIZER_FILE, OUTER_STATE_FILE
         from agent.train.replay import expected_initial_adapter
 
         key = (view.job_id, rnd)
@@ -790,17 +789,13 @@ class CoordinatorRole:
                 directory = await unpack_off_loop(bundle, work / f"initial-r{rnd}", allowed=AGGREGATE_FILES, max_bytes=1 << 30)
             if len(self._initial) > 64:
                 self._initial.clear()
-            # (round 1's is built from the pool, under the torch lock; a later round's is its aggregate's file)
-            tensors = await trio.to_thread.run_sync(run_torch, expected_initial_adapter, config, directory) \
-                if directory is None else await trio.to_thread.run_sync(expected_initial_adapter, config, directory)
-            state, optimizer = {}, {}
-            if directory is not None and (directory / OUTER_STATE_FILE).exists():
-                state = await trio.to_thread.run_sync(_load_tensors, directory / OUTER_STATE_FILE)
-            if directory is not None and view.terms.training.optimizer_state == "carried":
-                if not (directory / OPTIMIZER_FILE).exists():
-                    raise RuntimeError(f"round {rnd - 1}'s aggregate carries no {OPTIMIZER_FILE}")
-                optimizer = await trio.to_thread.run_sync(_load_tensors, directory / OPTIMIZER_FILE)
-            self._initial[key] = (tensors, state, optimizer)
+            if directory is None:  # round 1: the seeded adapter, from the pool's model (under the torch lock)
+                self._initial[key] = (await trio.to_thread.run_sync(run_torch, expected_initial_adapter, config), {}, {})
+            else:
+                try:
+                    self._initial[key] = await trio.to_thread.run_sync(read_start, view.terms, directory)
+                except ValueError as exc:
+                    raise RuntimeError(f"round {rnd - 1}'s aggregate: {exc}") from None
         return self._initial[key]
 
     async def _known_start(self, view: JobMirror, rnd: int, header: Any, expected: dict,
@@ -895,12 +890,13 @@ class CoordinatorRole:
         start = None
         if terms.outer is not None or downlink.coded(terms, rnd):
             start = await self._round_start(view, rnd, config, work)
-        combine = partial(aggregate_adapters, terms, inputs, out, rnd, start, parallel=not beside_replays)
-        await (trio.to_thread.run_sync(combine) if beside_replays else trio.to_thread.run_sync(run_torch, combine))
+        async def run(fn: Any) -> None:
+            await trio.to_thread.run_sync(fn) if beside_replays else await trio.to_thread.run_sync(run_torch, fn)
+
+        await run(partial(aggregate_adapters, terms, inputs, out, rnd, start, parallel=not beside_replays))
         if downlink.coded(terms, rnd):  # the aggregate is the state its update decodes to (IPIP-0006 §2.8.1)
             adapter, _, optimizer = start
-            code = partial(code_aggregate, terms, out, work / "update", adapter, optimizer)
-            await (trio.to_thread.run_sync(code) if beside_replays else trio.to_thread.run_sync(run_torch, code))
+            await run(partial(code_aggregate, terms, out, work / "update", adapter, optimizer))
         score, base_score = await self._scores(view, rnd, config, out, work) if scored else (None, None)
         return out, score, base_score
 
@@ -961,7 +957,7 @@ class CoordinatorRole:
                                                       max_bytes=1 << 30)
                     if terms.training.report_codec != "none":  # verified already: decode it onto the round's start
                         start_adapter, _, start_optimizer = await self._round_start(view, action.round, config, work)
-                        await trio.to_thread.run_sync(run_torch, materialize_report, directory, terms, start_adapter,
+                        await trio.to_thread.run_sync(materialize_report, directory, terms, start_adapter,
                                                       start_optimizer)
                     entry = (directory, report.samples)
                 inputs.append(entry)

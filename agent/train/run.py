@@ -208,15 +208,10 @@ class ModelPool:
         False when one is idle already or the pool is off. Called before the work comes (``warm_model``)."""
         if not self.enabled():
             return False
-        key = self.key(config, device, dtype, backend)
-        with self._lock:
-            if any(k == key for k, _, _ in self._idle):
-                return False
-        model = build_lora_model(config, device, dtype, backend)
-        self.built += 1
-        seeded = {name: tensor.detach().clone() for name, tensor in adapter_state(model).items()}
+        built = self.built
+        model, seeded = self.take(config, device, dtype, backend)  # (an idle one of these settings, else built)
         self.give(config, device, dtype, backend, model, seeded)
-        return True
+        return self.built > built
 
     def clear(self) -> None:
         """Drop every idle model (their memory goes back once nothing else holds them)."""
