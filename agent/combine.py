@@ -160,9 +160,58 @@ async def combine_here(content: "ContentService", terms: m.JobTerms, *, rnd: int
     (adapter, outer state, AdamW state), as the coordinator computes it; True once the bundle's CID is ``cid`` (its
     blocks are then in the store, served as any). False, logged, otherwise: the caller fetches ``cid``. A report not
     held here is fetched from its worker, else from the ``coordinator`` (which fetched every report it announced the
-    aggregate of), all within ``timeout`` seconds. ``work``: a scratch directory, removed after."""
+    aggregate of), all within ``timeout`` seconds. ``work``: a scratch directory, removed after. A bundle computed
+    ahead (``combine_ahead``) is held already: then nothing is computed."""
     if await content.read_local(cid, out, max_size=bundle_size_bound(MAX_BUNDLE, AGGREGATE_FILES)):
         return True  # held already
+    began = trio.current_time()
+    try:
+        computed = await _combined(content, terms, rnd=rnd, reports=reports, start=start, work=work,
+                                   coordinator=coordinator, timeout=timeout)
+        if computed is None:
+            log.info("aggregate %s…: not computed here; fetching it", cid[:24])
+            return False
+        bundle, computed_cid, fetching = computed
+        if computed_cid != cid:
+            log.warning("aggregate %s…: the round's reports combine here to %s… instead; fetching it", cid[:24],
+                        computed_cid[:24])
+            return False
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(bundle), str(out))
+        log.info("aggregate %s…: computed here from the round's %d reports in %.2f s (%.2f s of it fetching them)",
+                 cid[:24], len(reports), trio.current_time() - began, fetching)
+        return True
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+async def combine_ahead(content: "ContentService", terms: m.JobTerms, *, rnd: int,
+                        reports: Sequence[tuple[str, str, int]], start: tuple[dict, dict, dict], work: Path,
+                        coordinator: str | None, timeout: float) -> str | None:
+    """Round ``rnd``'s aggregate computed from its ``reports`` as soon as they are all reported, before the
+    coordinator announces it: its blocks are added to the store and its CID returned (None, logged, when it could
+    not be computed). ``combine_here`` then finds the announced CID held, if it is this one, and computes nothing
+    at the announcement (IPIP-0006 §2.9.1). Nothing is announced or trained from it: it is what the coordinator
+    computes meanwhile, and the CID the `early` message names is still the whole of the trust."""
+    began = trio.current_time()
+    try:
+        computed = await _combined(content, terms, rnd=rnd, reports=reports, start=start, work=work,
+                                   coordinator=coordinator, timeout=timeout)
+        if computed is None:
+            return None
+        _, cid, fetching = computed
+        log.info("aggregate of round %d computed ahead from its %d reports in %.2f s (%.2f s of it fetching them): "
+                 "%s…", rnd, len(reports), trio.current_time() - began, fetching, cid[:24])
+        return cid
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+async def _combined(content: "ContentService", terms: m.JobTerms, *, rnd: int, reports: Sequence[tuple[str, str, int]],
+                    start: tuple[dict, dict, dict], work: Path, coordinator: str | None,
+                    timeout: float) -> tuple[Path, str, float] | None:
+    """(the bundle in ``work``, its CID, seconds spent fetching reports) of round ``rnd``'s aggregate computed from
+    ``reports`` and ``start`` (see ``combine_here``), its blocks added to the store; None, logged, on any failure."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     began = trio.current_time()
@@ -175,42 +224,29 @@ async def combine_here(content: "ContentService", terms: m.JobTerms, *, rnd: int
             await content.fetch(report_cid, bundle, timeout=timeout, providers=providers, max_size=bound)
 
     try:
-        try:
-            with trio.fail_after(timeout):
-                async with trio.open_nursery() as nursery:
-                    for index, (report_cid, worker, _) in enumerate(reports):
-                        nursery.start_soon(one, index, report_cid, worker)
-            fetched = trio.current_time()
-            inputs = []
-            adapter, _, optimizer = start
-            for index, (_, _, samples) in enumerate(reports):
-                directory = await unpack_off_loop(work / f"report-{index}.tar", work / f"report-{index}",
-                                                  allowed=REPORT_FILES, max_bytes=MAX_REPORT_BYTES)
-                await trio.to_thread.run_sync(materialize_report, directory, terms, adapter, optimizer)
-                inputs.append((directory, samples))
-            combined = work / "adapter"
-            outer_start = start if terms.outer is not None or downlink.coded(terms, rnd) else None
-            await trio.to_thread.run_sync(run_torch, partial(aggregate_adapters, terms, inputs, combined, rnd, outer_start))
-            if downlink.coded(terms, rnd):  # (IPIP-0006 §2.8.1)
-                await trio.to_thread.run_sync(run_torch, code_aggregate, terms, combined, work / "update", adapter,
-                                              optimizer)
-            bundle = await pack_dir_off_loop(combined, work / "aggregate.tar")
-            computed = str(await content.add_file(bundle, provide=False))
-        except Exception as exc:  # noqa: BLE001 - any failure here costs the fetch, nothing else
-            from agent.content.exchange import first_error
+        with trio.fail_after(timeout):
+            async with trio.open_nursery() as nursery:
+                for index, (report_cid, worker, _) in enumerate(reports):
+                    nursery.start_soon(one, index, report_cid, worker)
+        fetched = trio.current_time()
+        inputs = []
+        adapter, _, optimizer = start
+        for index, (_, _, samples) in enumerate(reports):
+            directory = await unpack_off_loop(work / f"report-{index}.tar", work / f"report-{index}",
+                                              allowed=REPORT_FILES, max_bytes=MAX_REPORT_BYTES)
+            await trio.to_thread.run_sync(materialize_report, directory, terms, adapter, optimizer)
+            inputs.append((directory, samples))
+        combined = work / "adapter"
+        outer_start = start if terms.outer is not None or downlink.coded(terms, rnd) else None
+        await trio.to_thread.run_sync(run_torch, partial(aggregate_adapters, terms, inputs, combined, rnd, outer_start))
+        if downlink.coded(terms, rnd):  # (IPIP-0006 §2.8.1)
+            await trio.to_thread.run_sync(run_torch, code_aggregate, terms, combined, work / "update", adapter,
+                                          optimizer)
+        bundle = await pack_dir_off_loop(combined, work / "aggregate.tar")
+        return bundle, str(await content.add_file(bundle, provide=False)), fetched - began
+    except Exception as exc:  # noqa: BLE001 - any failure here costs the fetch, nothing else
+        from agent.content.exchange import first_error
 
-            error = first_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
-            log.info("aggregate %s…: not computed here: %s: %s; fetching it", cid[:24], type(error).__name__,
-                     str(error)[:300])
-            return False
-        if computed != cid:
-            log.warning("aggregate %s…: the round's reports combine here to %s… instead; fetching it", cid[:24],
-                        computed[:24])
-            return False
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(bundle), str(out))
-        log.info("aggregate %s…: computed here from the round's %d reports in %.2f s (%.2f s of it fetching them)",
-                 cid[:24], len(reports), trio.current_time() - began, fetched - began)
-        return True
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        error = first_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
+        log.info("round %d's aggregate: not computed here: %s: %s", rnd, type(error).__name__, str(error)[:300])
+        return None

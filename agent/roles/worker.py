@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from agent.combine import COMBINE_TIMEOUT, MAX_REPORT_BYTES, combine_here, combines_here, start_here
+from agent.combine import COMBINE_TIMEOUT, MAX_REPORT_BYTES, combine_ahead, combine_here, combines_here, start_here
 from agent.hooks import HonestTraining
 from agent.bundle import AGGREGATE_FILES, DEFAULT_MAX_BYTES, REPORT_FILES, bundle_size_bound, pack_dir_off_loop, \
     unpack_off_loop
@@ -74,6 +74,15 @@ class EarlyStartVoid(Exception):
     """An early start (IPIP-0006 §2.9) that will not be leased to us: its work is dropped, unannounced."""
 
 
+class _Ahead:
+    """A round's aggregate being computed ahead of its announcement (WorkerRole._combine_ahead)."""
+
+    def __init__(self, reports: tuple[tuple[str, str, int], ...]) -> None:
+        self.reports = reports  # the inputs: (adapter CID, worker, samples) per shard
+        self.done = trio.Event()
+        self.cid: str | None = None  # the result's CID; None until done, or if it could not be computed
+
+
 class WorkerRole:
     def __init__(self, local: "Local", peer_table: "PeerTable", tasks: "Tasks", blocks: "Blocks", evidence: "Evidence",
                  book: "JobBook", training: HonestTraining | None = None) -> None:
@@ -94,6 +103,7 @@ class WorkerRole:
         self._updates: dict[tuple[bytes, int, str], str] = {}
         self._warmed: set[bytes] = set()  # jobs whose first shard we prepared for (``_warm``)
         self._reclaimed: set[tuple[bytes, int, int, int]] = set()  # early starts we claimed again (early.reclaim)
+        self._ahead: dict[tuple[bytes, int], _Ahead] = {}  # (job, round) -> its aggregate computed ahead (on_report)
 
     # -- choosing jobs ----------------------------------------------------------------------------
 
@@ -166,6 +176,8 @@ class WorkerRole:
         self._market_logged.pop(job_id, None)
         for key in [k for k in self._updates if k[0] == job_id]:
             del self._updates[key]
+        for key in [k for k in self._ahead if k[0] == job_id]:
+            del self._ahead[key]
 
     # -- claiming ---------------------------------------------------------------------------------
 
@@ -475,31 +487,94 @@ class WorkerRole:
     async def _combine_start(self, view: JobMirror, lease: m.ShardLease, model_path: str, bundle: Path,
                              run_dir: Path) -> bool:
         """An early start's aggregate computed here from the reports of the round we trained in, and the round's start
-        we hold (agent/combine.py, IPIP-0006 §2.9.1): True once it is ``lease.initial_adapter_cid``, in ``bundle``."""
-        rnd, state = lease.round - 1, view.state
-        reports = [view.reports.get((rnd, s.index, s.attempt)) for s in state.shards]
-        if state.round != rnd or any(r is None for r in reports):
+        we hold (agent/combine.py, IPIP-0006 §2.9.1): True once it is ``lease.initial_adapter_cid``, in ``bundle``.
+        Computed ahead already (``_combine_ahead``): its result, once it is in."""
+        rnd = lease.round - 1
+        reports = self._round_reports(view, rnd)
+        if reports is None:
             return False
-        work = run_dir / "combine"
-        previous = view.aggregates.get(rnd - 1)
-        start = await start_here(self.blocks.content, view.terms, rnd, previous.adapter_cid if previous else None,
-                                 train_config(view.terms, model_path, round=rnd, threads=self.local.config.threads),
-                                 run_dir / "combine-start")
+        ahead = self._ahead.get((view.job_id, rnd))
+        if ahead is not None and ahead.reports == reports:
+            with trio.move_on_after(COMBINE_TIMEOUT):
+                await ahead.done.wait()
+            if ahead.cid is not None and ahead.cid != lease.initial_adapter_cid:
+                log.warning("job %s round %d: the round's reports combined here to %s…, but %s… was announced; "
+                            "fetching it", view.job_id.hex()[:8], rnd, ahead.cid[:24], lease.initial_adapter_cid[:24])
+                self.local.counters["starts_not_combined_here"] += 1
+                return False
+        start = await self._round_start(view, rnd, model_path, run_dir / "combine-start")
         combined = start is not None and await combine_here(
             self.blocks.content, view.terms, rnd=rnd, cid=lease.initial_adapter_cid, start=start, out=bundle,
-            reports=[(report.adapter_cid, worker, report.samples) for report, worker in reports], work=work,
-            coordinator=view.coordination.coordinator, timeout=min(self.local.config.fetch_timeout, COMBINE_TIMEOUT))
+            reports=list(reports), work=run_dir / "combine", coordinator=view.coordination.coordinator,
+            timeout=min(self.local.config.fetch_timeout, COMBINE_TIMEOUT))
         self.local.counters["starts_combined_here" if combined else "starts_not_combined_here"] += 1
+        if combined and ahead is not None and ahead.cid == lease.initial_adapter_cid:
+            self.local.counters["starts_combined_ahead"] += 1
         return combined
+
+    @staticmethod
+    def _round_reports(view: JobMirror, rnd: int) -> tuple[tuple[str, str, int], ...] | None:
+        """(adapter CID, worker, samples) of each shard's report of round ``rnd``, in shard order, while it is the
+        mirror's round and every shard has a report of its current attempt; else None."""
+        state = view.state
+        reports = [view.reports.get((rnd, s.index, s.attempt)) for s in state.shards]
+        if state.round != rnd or any(r is None for r in reports):
+            return None
+        return tuple((report.adapter_cid, worker, report.samples) for report, worker in reports)
+
+    async def _round_start(self, view: JobMirror, rnd: int, model_path: str | None,
+                           work: Path) -> tuple[dict, dict, dict] | None:
+        """Round ``rnd``'s start as the coordinator reads it, from what we hold (agent/combine.start_here)."""
+        if model_path is None:
+            return None
+        previous = view.aggregates.get(rnd - 1)
+        return await start_here(self.blocks.content, view.terms, rnd, previous.adapter_cid if previous else None,
+                                train_config(view.terms, model_path, round=rnd, threads=self.local.config.threads),
+                                work)
+
+    def _combine_ahead(self, view: JobMirror, rnd: int) -> None:
+        """Every shard of round ``rnd`` (one we trained in) is reported: compute the round's aggregate now, while the
+        coordinator checks the last report, instead of at its `early` message (issue 24: at 12-step rounds that
+        computation, 0.25 s here, was each early start's wait). The announced CID still decides (combine_here)."""
+        reports = self._round_reports(view, rnd)
+        key = (view.job_id, rnd)
+        if reports is None or (key in self._ahead and self._ahead[key].reports == reports):
+            return
+        for old in [k for k in self._ahead if k[0] == view.job_id and k[1] < rnd]:
+            del self._ahead[old]
+        ahead = self._ahead[key] = _Ahead(reports)
+        model_path = self.local.capabilities.local_model(view.terms)
+
+        async def compute() -> None:
+            work = self.local.work_dir / view.job_id.hex()[:16] / f"ahead-r{rnd}"
+            try:
+                start = await self._round_start(view, rnd, model_path, work / "start")
+                if start is not None:
+                    ahead.cid = await combine_ahead(
+                        self.blocks.content, view.terms, rnd=rnd, reports=reports, start=start, work=work / "combine",
+                        coordinator=view.coordination.coordinator,
+                        timeout=min(self.local.config.fetch_timeout, COMBINE_TIMEOUT))
+                if ahead.cid is not None:
+                    self.blocks.hold(view.job_id, rnd + 1, ahead.cid)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+                ahead.done.set()
+
+        if not self.tasks.spawn_in_job(view.job_id, compute):
+            ahead.done.set()
 
     def on_report(self, view: JobMirror, report: m.ShardReport, worker: str) -> None:
         """Another worker's report of a round we trained in, of a job whose next round's start we compute here when
         it is announced early (agent/combine.py): its adapter fetched from its worker now, beside our training, so
-        only the round's last report is fetched at the round's end. One try; ``combine_here`` asks again."""
+        only the round's last report is fetched at the round's end. One try; ``combine_here`` asks again. The round's
+        last report (ours or another's) starts the aggregate's computation (``_combine_ahead``)."""
         me = self.local.peer_id
-        if worker == me or not self.local.config.early_start or view.job_id not in self.candidates or \
+        if not self.local.config.early_start or view.job_id not in self.candidates or \
                 not combines_here(view.terms) or report.round != view.state.round or \
                 report.round >= view.terms.rounds or not any(s.worker == me for s in view.state.shards):
+            return
+        self._combine_ahead(view, report.round)
+        if worker == me:
             return
 
         async def prefetch() -> None:
