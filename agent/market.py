@@ -380,7 +380,7 @@ def count_tokens(spec: Any, plan: Any, model_path: str) -> dict:
                 examples = pack(examples, spec.training.max_seq_len)
             lengths = [len(e.input_ids) for e in examples] or [0]
         shard_tokens.append(sum(lengths))
-        shard_steps.append(config.total_steps(len(examples)))
+        shard_steps.append(config.total_steps(len(examples)))  # a round after the first ones (from_spec: max_steps)
         per_step.append(sum(lengths) / len(lengths) * config.samples_per_step)
     return {"shard_tokens": shard_tokens, "shard_steps": shard_steps, "tokens_per_step": per_step,
             "records": len(records)}
@@ -396,6 +396,7 @@ async def estimate(agent: "Agent", spec: Any, dataset: Path, model_path: str, *,
     digest = bytes.fromhex(await trio.to_thread.run_sync(base_model_sha256, model_path))
     result = mk.estimate(shard_tokens=counted["shard_tokens"], shard_steps=counted["shard_steps"],
                          tokens_per_step=counted["tokens_per_step"], rounds=spec.rounds,
+                         first_round_steps=spec.training.first_round_steps,
                          speeds=speeds_for(agent, digest, providers_only), price_per_hour=spec.budget.price_per_hour,
                          budget=spec.budget.total, max_nodes=max_nodes)
     out = {"name": spec.name, "base_model": spec.base_model, "base_model_sha256": digest.hex(),

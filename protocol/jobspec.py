@@ -41,7 +41,7 @@ from protocol.errors import SpecError
 from protocol.schedule import INNER_SCHEDULES  # the rate within a round (IPIP-0006 §2.5)
 # what the terms allow, read from them (one list each): the training methods, the aggregations full
 # fine-tuning may use, the DPO objective and its beta's bound
-from protocol.messages import FULL_AGGREGATIONS, MAX_DPO_BETA, OBJECTIVES, TRAINING_METHODS
+from protocol.messages import FULL_AGGREGATIONS, MAX_DPO_BETA, MAX_FIRST_ROUNDS, OBJECTIVES, TRAINING_METHODS
 
 MAX_SPEC_BYTES = 1 << 20  # a job spec is a page of settings; 1 MiB is generous
 MAX_DEPTH = 16  # the spec nests 3 deep; the cap keeps the recursive composer off the stack limit
@@ -240,6 +240,21 @@ class _TextList(_Rule):
         return tuple(value)  # items are checked one by one by the reader, to name their index
 
 
+class _IntegerList(_Rule):
+    """A list of integers >= 1 (possibly empty); items are checked one by one by the reader, to name their index."""
+
+    def __init__(self, max_items: int) -> None:
+        self.max_items = max_items
+        self.expected = "a list of integers >= 1"
+
+    def check(self, value: Any) -> tuple[int, ...]:
+        if type(value) not in (list, tuple):
+            raise self.mismatch(value)
+        if len(value) > self.max_items:
+            raise _Mismatch(f"expected at most {self.max_items} items, got {len(value)}")
+        return tuple(value)
+
+
 # --- the spec: one dataclass per section, one field per key ------------------------------------
 
 
@@ -284,6 +299,7 @@ class TrainingSpec:
     inner_schedule: str = _key("constant", _Choice(*INNER_SCHEDULES))
     packing: bool = _key(False, _Flag())
     aggregate_codec: str = _key("none", _Choice(*REPORT_CODECS))
+    first_round_steps: tuple[int, ...] = _key((), _IntegerList(MAX_FIRST_ROUNDS))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -453,6 +469,9 @@ training:                         # what each worker does with its shard in each
                                   #   last but one) travels to the next round's workers as an update
                                   #   from the round's start, ~9x fewer bytes with int4-fresh; the
                                   #   aggregate is then that update's decoded state
+  first_round_steps: []          # steps of the first rounds, before max_steps a round (needs max_steps):
+                                  #   e.g. [25, 25, 50] before 100-step rounds; short rounds first keep
+                                  #   long rounds' quality (IPIP-0006 §2.5)
 
 dpo:                              # type dpo only
   beta: 0.1                       # in (0, 100]: how far the adapter may move from the base model's
@@ -608,6 +627,9 @@ def _read_section(cls: type, value: Any, path: _Path, where: Where,
 def _read_value(rule: _Rule, value: Any, path: _Path, where: Where) -> Any:
     try:
         checked = rule.check(value)
+        if isinstance(rule, _IntegerList):
+            for index, item in enumerate(checked):
+                _read_value(_Integer(1), item, path + (index,), where)
         if isinstance(rule, _TextList):
             seen: set[str] = set()
             for index, item in enumerate(checked):
@@ -716,6 +738,13 @@ def _check_across_fields(spec: JobSpec, where: Where) -> None:
     if spec.training.warmup_rounds >= spec.rounds and spec.training.warmup_rounds:
         raise where.bad_value(("training", "warmup_rounds"),
                               f"must be less than rounds ({spec.rounds}): no round would train at the full rate")
+    first = spec.training.first_round_steps
+    if first and spec.training.max_steps == 0:
+        raise where.bad_value(("training", "first_round_steps"), "needs max_steps, the steps of the rounds after "
+                              "them (write max_steps: N)")
+    if first and len(first) >= spec.rounds:
+        raise where.bad_value(("training", "first_round_steps"), f"names {len(first)} rounds, but the job has "
+                              f"{spec.rounds}: at most {spec.rounds - 1} (the rounds after them train max_steps)")
     if spec.aggregation == "exact" and not spec.lora.freeze_a:
         raise where.bad_value(("lora", "freeze_a"), "must be true when aggregation is 'exact' "
                               "(averaging B alone is exact only if every worker keeps the same A)")
@@ -923,7 +952,7 @@ def to_terms(spec: JobSpec, *, submitter: str, base_model_sha256: bytes, shards:
         training=m.TrainingTerms(t.epochs, t.learning_rate, t.batch_size, t.gradient_accumulation_steps,
                                  t.max_seq_len, t.max_steps, t.schedule, t.warmup_rounds, t.optimizer_state,
                                  t.report_codec, t.inner_schedule, t.packing, spec.type, spec.dpo.beta,
-                                 t.aggregate_codec),
+                                 t.aggregate_codec, tuple(t.first_round_steps)),
         lora=m.LoraTerms(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules), lora.freeze_a),
         proof=m.ProofTerms(proof.checkpoint_every, proof.verify_segments, proof.tolerance),
         rounds=spec.rounds, aggregation=spec.aggregation, min_accepted_fraction=spec.min_accepted_fraction,

@@ -185,18 +185,22 @@ def median(values: Sequence[float]) -> float | None:
 
 def estimate(*, shard_tokens: Sequence[int], shard_steps: Sequence[int], tokens_per_step: Sequence[float],
              rounds: int, speeds: Sequence[float], price_per_hour: float, budget: float,
-             max_nodes: int = 0) -> Estimate:
+             max_nodes: int = 0, first_round_steps: Sequence[int] = ()) -> Estimate:
     """Expected worker-hours and cost of a job: each shard trains ``shard_steps`` steps of
-    ``tokens_per_step`` tokens each round, at the median advertised speed."""
-    steps = sum(shard_steps) * rounds
-    trained = int(round(sum(s * t for s, t in zip(shard_steps, tokens_per_step)) * rounds))
+    ``tokens_per_step`` tokens each round, at the median advertised speed; the job's first rounds
+    train ``first_round_steps`` instead (``training.first_round_steps``; a job that names them sets
+    ``max_steps``, so every shard's steps a round are the same)."""
+    first = list(first_round_steps)[:rounds]
+    per_job = [s * (rounds - len(first)) + sum(first) for s in shard_steps]  # each shard's steps over the job
+    steps = sum(per_job)
+    trained = int(round(sum(s * t for s, t in zip(per_job, tokens_per_step))))
     speed = median(speeds)
     hours = None if speed is None else trained / speed / SECONDS_PER_HOUR
     workers = min(len([s for s in speeds if s > 0]), len(shard_steps), max_nodes or len(shard_steps))
     wall = None
     if speed is not None and workers:
-        per_shard = [s * t / speed / SECONDS_PER_HOUR for s, t in zip(shard_steps, tokens_per_step)]
-        wall = max(per_shard) * math.ceil(len(per_shard) / workers) * rounds
+        per_shard = [s * t / speed / SECONDS_PER_HOUR for s, t in zip(per_job, tokens_per_step)]
+        wall = max(per_shard) * math.ceil(len(per_shard) / workers)
     cost = None if hours is None else hours * price_per_hour
     return Estimate(sum(shard_tokens), steps, trained, speed, len([s for s in speeds if s > 0]), hours, wall,
                     price_per_hour, cost, budget)

@@ -57,6 +57,7 @@ FULL_AGGREGATIONS = ("fedavg", "median", "trimmed_mean")  # exact and svd are ru
 # (12 bytes a parameter) fit the 1 GiB a report, checkpoint or aggregate bundle may hold (IPIP-0003 §3)
 FULL_MAX_PARAMETERS = 80_000_000
 MAX_DPO_BETA = 100.0
+MAX_FIRST_ROUNDS = 64  # training.first_round_steps: the rounds it may name
 
 
 class ShardAttempt(typing.NamedTuple):
@@ -330,8 +331,17 @@ class TrainingTerms(Wire):
     # codec from the round's start, the aggregate then being that update's decoded state (IPIP-0006 §2.8.1;
     # protocol/downlink.py)
     aggregate_codec: str = extension_field("none", "enum", choices=REPORT_CODECS)
+    # the steps of the job's first rounds, shorter than max_steps: a few quick averages while the adapter moves
+    # most (IPIP-0006 §2.5; protocol/schedule.round_steps)
+    first_round_steps: tuple[int, ...] = extension_field((), "count", maximum=2**53, max_len=MAX_FIRST_ROUNDS)
 
     def check(self, path: str) -> None:
+        if self.first_round_steps and self.max_steps == 0:
+            raise CodecError("bad-field", f"{path}.first_round_steps: needs max_steps (the steps of the rounds "
+                             "after them)")
+        for index, steps in enumerate(self.first_round_steps):
+            if steps < 1:
+                raise CodecError("bad-field", f"{path}.first_round_steps[{index}]: expected at least 1 step")
         if not 0.0 < self.dpo_beta <= MAX_DPO_BETA:
             raise CodecError("bad-field", f"{path}.dpo_beta: expected (0, {MAX_DPO_BETA:g}]")
         if self.packing and self.objective != "sft":
@@ -445,6 +455,9 @@ class JobTerms(Wire):
         if self.method == "full" and self.training.objective == "dpo":
             raise CodecError("bad-field", f"{path}.training.objective: dpo's reference is the base model with the "
                              "adapter disabled: it needs method lora or qlora")
+        if len(self.training.first_round_steps) >= self.rounds and self.training.first_round_steps:
+            raise CodecError("bad-field", f"{path}.training.first_round_steps: names {len(self.training.first_round_steps)} "
+                             f"rounds of a {self.rounds}-round job; at most {self.rounds - 1}")
         if not self.shards:
             raise CodecError("bad-field", f"{path}.shards: a job needs at least one shard")
         if [s.index for s in self.shards] != list(range(len(self.shards))):

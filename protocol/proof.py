@@ -352,7 +352,8 @@ def max_checkpoints(terms) -> int:
     (IPIP-0004 §5.2): what the largest shard's steps need at the terms' ``checkpoint_every``, plus the
     margin (``checkpoint_cap``). The same on every mirror: read off the signed terms alone."""
     t = terms.training
-    return max(checkpoint_cap(shard_steps(t.max_steps, t.epochs, ref.records,
+    longest = max((t.max_steps, *t.first_round_steps)) if t.max_steps else 0  # the longest round's (schedule.round_steps)
+    return max(checkpoint_cap(shard_steps(longest, t.epochs, ref.records,
                                           t.batch_size * t.gradient_accumulation_steps),
                               terms.proof.checkpoint_every) for ref in terms.shards)
 

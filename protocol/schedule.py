@@ -11,6 +11,10 @@ Rules of this file:
 - ``constant``: the spec's rate in every round. ``cosine``: the spec's rate at round 1 (after
   warm-up), decaying by half a cosine to ``min_ratio`` times it at the last round. Warm-up rounds
   ramp linearly: round r <= W trains at r/(W+1) of the rate.
+- A round's steps: ``max_steps`` a round, but ``first_round_steps[r - 1]`` for the job's first rounds when
+  the job names them (``round_steps``), and a shard's sample stream goes on where the round before it
+  stopped (``stream_offset``). Shorter first rounds average the workers while the adapter moves most
+  (IPIP-0006 §2.5).
 - A job stops after round r < rounds when its stop rule holds on the validation losses the
   coordinator signed into the aggregates of rounds 1..r (``should_stop``): the latest is below
   ``validation_loss_below``, or the best of the last ``patience_rounds`` rounds is no better than
@@ -62,6 +66,25 @@ def inner_rate_factor(schedule: str, step: int, steps: int) -> float:
         return (step + 1) / (warm + 1)
     span = steps - 1 - warm
     return 1.0 if span <= 0 else 1.0 - (1.0 - MIN_RATIO) * (step - warm) / span
+
+
+def round_steps(max_steps: int, first_round_steps: tuple[int, ...] | list[int], rnd: int) -> int:
+    """Optimizer steps a shard trains in round ``rnd`` (1-based): ``first_round_steps[rnd - 1]`` for the job's
+    first rounds, else ``max_steps`` (0: the shard's epochs decide, as before; a job that names first rounds'
+    steps sets ``max_steps``)."""
+    if rnd < 1:
+        raise ValueError(f"round {rnd} is outside 1..")
+    return first_round_steps[rnd - 1] if rnd <= len(first_round_steps) else max_steps
+
+
+def stream_offset(steps: int, first_round_steps: tuple[int, ...] | list[int], rnd: int) -> int:
+    """The position in a shard's sample stream of round ``rnd``'s step 0: the steps of the rounds before it,
+    ``first_round_steps`` for the first ones and ``steps`` (the job's steps a round after them) for the rest;
+    (rnd - 1) x steps when the job names no first rounds."""
+    if rnd < 1:
+        raise ValueError(f"round {rnd} is outside 1..")
+    first = list(first_round_steps[:rnd - 1])
+    return sum(first) + (rnd - 1 - len(first)) * steps
 
 
 def should_stop(validation_loss_below: float, patience_rounds: int, losses: list[float | None]) -> bool:

@@ -48,6 +48,7 @@ budget: {price_per_hour: 0.5, total: 100}
  ("a DPO job: preference records (the format follows the type) and its beta", HEAD + "type: dpo\ndpo:\n  beta: 0.25\n"),
  ("full fine-tuning: aggregation follows the method (fedavg), freeze_a the aggregation", HEAD + "method: full\n"),
  ("every round's start as an update: reports and aggregates coded", HEAD + "training:\n  report_codec: int4-fresh\n  aggregate_codec: int4-fresh\n"),
+ ("long rounds after shorter first ones: 25, 25 and 50 steps, then 100 a round", HEAD + "rounds: 6\ntraining:\n  max_steps: 100\n  inner_schedule: triangle\n  first_round_steps: [25, 25, 50]\n"),
  ("robust aggregation with enough accepted shards: ceil(0.6 x 5) = 3", HEAD + "aggregation: trimmed_mean\nshards: 5\nmin_accepted_fraction: 0.6\n"),
  ("YAML 1.2 core scalars: 'no' is text, 1E-3 and .5 are numbers, +3 an integer; null and empty sections", """\
 name: no
@@ -147,6 +148,10 @@ invalid = [
  ("full fine-tuning on unsloth", HEAD + "method: full\nruntime: unsloth\n"),
  ("full fine-tuning with a coded aggregate", HEAD + "method: full\ntraining:\n  aggregate_codec: int8\n"),
  ("an aggregate codec that is not one", HEAD + "training:\n  aggregate_codec: int2\n"),
+ ("first rounds' steps without max_steps", HEAD + "rounds: 4\ntraining:\n  first_round_steps: [25]\n"),
+ ("first rounds' steps for every round", HEAD + "rounds: 2\ntraining:\n  max_steps: 100\n  first_round_steps: [25, 50]\n"),
+ ("a first round of no steps", HEAD + "rounds: 4\ntraining:\n  max_steps: 100\n  first_round_steps: [25, 0]\n"),
+ ("first rounds' steps as one number", HEAD + "rounds: 4\ntraining:\n  max_steps: 100\n  first_round_steps: 25\n"),
  ("packing given as a string", HEAD + "training:\n  packing: \"yes\"\n"),
 ]
 

@@ -11,7 +11,8 @@ Rules of this file:
   proof header, because it changes float results.
 - ``max_steps = 0`` means "as many steps as ``epochs`` passes over the shard take".
 - ``round`` is the job round the training belongs to: the shard's sample stream continues across
-  rounds (round r's step s draws the samples of stream position (r-1)·steps + s), so a job's rounds
+  rounds (round r's step s draws the samples of stream position (r-1)·steps + s, or after the steps of
+  the job's ``first_round_steps`` rounds: protocol/schedule.stream_offset), so a job's rounds
   walk on through the shard's epochs instead of repeating round 1's batches. ``learning_rate`` is
   already the round's (protocol/schedule.py).
 This module imports no torch.
@@ -25,7 +26,7 @@ from typing import Any
 
 from protocol.proof import shard_steps  # one rule: the mirrors' checkpoint cap is read from it
 from protocol.messages import OBJECTIVES, REPORT_CODECS
-from protocol.schedule import INNER_SCHEDULES
+from protocol.schedule import INNER_SCHEDULES, round_steps, stream_offset
 
 METHODS = ("lora", "qlora", "full")
 RUNTIMES = ("peft", "unsloth")
@@ -57,6 +58,7 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1
     max_seq_len: int = 512
     max_steps: int = 0
+    first_round_steps: tuple[int, ...] = ()  # the job's first rounds' steps, before max_steps a round
     round: int = 1
     carry_optimizer: bool = False  # start from the initial adapter's averaged AdamW state (IPIP-0006 §2.3)
     inner_schedule: str = "constant"  # the rate within a round (protocol/schedule.inner_rate_factor)
@@ -107,6 +109,7 @@ class TrainConfig:
             if not ok:
                 raise TrainError(f"train config: {message}")
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        object.__setattr__(self, "first_round_steps", tuple(self.first_round_steps))
 
     @property
     def micro_batch(self) -> int:
@@ -118,8 +121,15 @@ class TrainConfig:
         return self.batch_size * self.gradient_accumulation_steps
 
     def total_steps(self, n_examples: int) -> int:
-        """Optimizer steps for one shard: ``max_steps`` if set, else ``epochs`` passes (rounded up)."""
-        return shard_steps(self.max_steps, self.epochs, n_examples, self.samples_per_step)
+        """Optimizer steps for one shard in this round: ``max_steps`` if set (``first_round_steps[round - 1]`` in
+        the job's first rounds: protocol/schedule.round_steps), else ``epochs`` passes (rounded up)."""
+        return shard_steps(round_steps(self.max_steps, self.first_round_steps, self.round), self.epochs, n_examples,
+                           self.samples_per_step)
+
+    def stream_offset(self, n_examples: int) -> int:
+        """Where this round's step 0 is in the shard's sample stream: the steps of the rounds before it."""
+        return stream_offset(shard_steps(self.max_steps, self.epochs, n_examples, self.samples_per_step),
+                             self.first_round_steps, self.round)
 
     @classmethod
     def from_terms(cls, terms: Any, base_model_path: str, *, round: int = 1, **local: Any) -> "TrainConfig":
@@ -138,7 +148,8 @@ class TrainConfig:
             carry_optimizer=t.optimizer_state == "carried", report_codec=t.report_codec,
             inner_schedule=t.inner_schedule, packing=t.packing, objective=t.objective, dpo_beta=t.dpo_beta,
             batch_size=t.batch_size, gradient_accumulation_steps=t.gradient_accumulation_steps,
-            max_seq_len=t.max_seq_len, max_steps=t.max_steps, rank=lora.rank, alpha=lora.alpha,
+            max_seq_len=t.max_seq_len, max_steps=t.max_steps, first_round_steps=t.first_round_steps,
+            rank=lora.rank, alpha=lora.alpha,
             dropout=lora.dropout, target_modules=tuple(lora.target_modules), freeze_a=lora.freeze_a,
             checkpoint_every=proof.checkpoint_every, verify_segments=proof.verify_segments,
             tolerance=proof.tolerance, **local,
@@ -149,18 +160,19 @@ class TrainConfig:
         """The training settings of a JobSpec for a run on this machine (``train run --local``, estimates):
         the spec as terms (protocol/jobspec.to_terms), then ``from_terms``, with what only the spec has:
         its base model as written, its sha256 if given, its validation split and its learning rate as
-        written (a local run is one run, not a job's round)."""
+        written (a local run is one run, not a job's round: it trains max_steps, not the first rounds' steps)."""
         from protocol.jobspec import to_terms
 
         sha256 = spec.base_model_sha256
         terms = to_terms(spec, submitter="", base_model_sha256=bytes.fromhex(sha256) if sha256 else bytes(32))
         return cls.from_terms(terms, spec.base_model, **local).with_(
             base_model_sha256=sha256, validation_split=spec.input.validation_split,
-            learning_rate=spec.training.learning_rate)
+            learning_rate=spec.training.learning_rate, first_round_steps=())  # one run: max_steps
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["target_modules"] = list(self.target_modules)
+        data["first_round_steps"] = list(self.first_round_steps)
         return data
 
     @classmethod

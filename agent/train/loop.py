@@ -4,7 +4,7 @@ Rules of this file:
 - ``LoraSession.step(s)`` is a pure function of (adapter, optimizer state, shard, config, s): it
   reseeds torch from protocol.proof.step_seed(seed, s) first (so dropout never depends on
   what ran before), takes the examples ``data.step_samples`` names (at stream position
-  ``offset + s``, where ``offset`` = (config.round - 1) x the shard's steps per round), runs
+  ``offset + s``, where ``offset`` = the steps of the rounds before: config.stream_offset), runs
   ``gradient_accumulation_steps`` micro-batches of ``batch_size`` (or the worker's
   ``micro_batch_size``: the same samples split otherwise, the same token-weighted mean), and makes
   one AdamW step. This
@@ -260,7 +260,7 @@ class LoraSession:
         self.objective = objective_for(config)
         self.parameters = {peft_name(n): p for n, p in model.named_parameters() if p.requires_grad}
         self.round_steps = config.total_steps(len(self.examples))
-        self.offset = (config.round - 1) * self.round_steps
+        self.offset = config.stream_offset(len(self.examples))
         self.optimizer = torch.optim.AdamW(
             list(self.parameters.values()), lr=config.learning_rate, weight_decay=0.0, foreach=False)
         self.on_close: Callable[[], None] | None = None  # run.py's model pool takes the model back

@@ -227,3 +227,43 @@ def test_a_triangle_round_replays_bit_for_bit(tmp_path, base_config, demo_files)
     assert not flat.accepted  # the rate matters: a worker that trained flat would be caught
     rates = [json.loads(line)["learning_rate"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert rates == [config.learning_rate * inner_rate_factor("triangle", s - 1, 20) for s in (5, 10, 15, 20)]
+
+
+def test_the_first_rounds_steps_and_where_each_round_starts_in_the_stream():
+    """IPIP-0006 §2.5 training.first_round_steps: the job's first rounds train their own steps, the rest
+    max_steps, and each round's step 0 is where the round before it stopped in the shard's stream."""
+    from agent.train.config import TrainConfig
+    from protocol.schedule import round_steps, stream_offset
+
+    first = (25, 25, 50)
+    assert [round_steps(100, first, r) for r in range(1, 7)] == [25, 25, 50, 100, 100, 100]
+    assert [stream_offset(100, first, r) for r in range(1, 7)] == [0, 25, 50, 100, 200, 300]
+    assert [stream_offset(12, (), r) for r in (1, 2, 3)] == [0, 12, 24]  # no first rounds: as before
+    config = TrainConfig(base_model="m", max_steps=100, first_round_steps=first)
+    assert [config.with_(round=r).total_steps(1000) for r in (1, 3, 4)] == [25, 50, 100]
+    assert config.with_(round=5).stream_offset(1000) == 200
+    assert TrainConfig.from_json(config.to_json()) == config
+    with pytest.raises(ValueError):
+        round_steps(100, first, 0)
+
+
+def test_a_shorter_first_round_replays_bit_for_bit_from_where_the_last_one_stopped(tmp_path, base_config, demo_files):
+    """Round 2 of a job whose first rounds train 4 and 6 steps: 6 steps from stream position 4. A verifier
+    with the job's terms replays a segment exactly; one that puts the round elsewhere in the stream does not."""
+    import json
+
+    from agent.train.recorder import checkpoint_name
+    from agent.train.replay import verify_segment
+    from agent.train.run import TrainRequest, train_shard
+    from protocol.proof import Commitment
+
+    config = base_config.with_(dropout=0.0, max_steps=10, first_round_steps=(4, 6), round=2, checkpoint_every=3)
+    run = tmp_path / "run"
+    result = train_shard(TrainRequest(config, demo_files["shard2"], run, job_id=bytes(range(32)), round=2,
+                                      worker="12D3KooWTestWorker"))
+    assert result.steps == 6
+    commitment = Commitment.from_json(json.loads((run / "proof.json").read_text()))
+    start = run / "checkpoints" / checkpoint_name(commitment.links[0].step)
+    assert verify_segment(commitment, 1, start=start, shard=demo_files["shard2"], config=config).accepted
+    elsewhere = config.with_(first_round_steps=(5, 6))  # the same round, from stream position 5
+    assert not verify_segment(commitment, 1, start=start, shard=demo_files["shard2"], config=elsewhere).accepted
