@@ -296,7 +296,7 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
                 carry: bool = True, codec: str = "none", sent: list | None = None,
                 within: str = "constant", ramp: tuple[int, ...] = (), overlap: str = "none",
                 snr: float | None = None, tail: float = 0.0, downlink: str = "none", scaffold: int = 0,
-                downlink_rounds: str = "all") -> list[float]:
+                downlink_rounds: str = "all", spread: float | None = None) -> list[float]:
     """The protocol's training, in process: validation loss after each round's aggregate. With
     ``codec`` int8 every worker's end state goes through the report codec (agent/train/codec.py), as
     a worker's does; ``sent`` collects (payload bytes, whole-report bytes) per report. ``ramp``: the
@@ -349,6 +349,10 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
             mean = snr_gain(aggregate_now, mean, optimizer, len(shards), snr,
                             sum(lr * within_round_factor(within, s, steps) if within != "constant" else lr
                                 for s in range(steps)))
+        if spread is not None:
+            rates = [lr * within_round_factor(within, s, steps) for s in range(steps)]
+            mean = spread_gain(aggregate_now, mean, [adapter for (adapter, _), _ in trained], spread,
+                               sum(rates) ** 2 / sum(r * r for r in rates))
         round_start, optimizer_start = aggregate_now, optimizer_before
         aggregate_now, state = outer_step(aggregate_now, mean, state, outer, step=rnd, frozen=trainer.frozen)
         if downlink != "none" and (downlink_rounds == "all" or coded_round(rnd, rounds)):
@@ -406,6 +410,34 @@ def snr_gain(start: dict, mean: dict, optimizer: dict, workers: int, cap: float,
         out[key] = start[key] + gain * delta
         gains.append(float(gain.mean()))
     print(f"# snr gain: mean {sum(gains) / max(len(gains), 1):.3f} over {len(gains)} tensors", file=sys.stderr, flush=True)
+    return out
+
+
+def spread_gain(start: dict, mean: dict, ends: list[dict], cap: float, steps_eff: float) -> dict:
+    """A study (issue 24 step 1, W = 8): the mean update lengthened per coordinate by how much the W workers'
+    AdamW steps were shortened by their batches' noise, estimated from how much their round updates disagree
+    rather than from the second moment (snr_gain). Per coordinate, with d_i = end_i - start, mu their mean and
+    s2 their sample variance across workers: on a locally linear loss each worker's update is H steps of
+    lr (g + n)/sqrt(g^2 + sigma^2), so d_i = common drift + noise of variance s2, and the common drift's
+    square is mu^2 - s2/W. rho = drift^2 / (H_eff s2) estimates (g / sigma)^2 per batch (H_eff = (sum of the
+    round's rates)^2 / sum of their squares). Sync data parallel's batch W times larger divides by
+    sqrt(g^2 + sigma^2/W) instead, so its step (signal and averaged noise alike) is the mean's times
+    gain = sqrt((rho + 1) / (rho + 1/W)), clamped to [1, cap]."""
+    workers = len(ends)
+    out, gains = dict(mean), []
+    for key, value in mean.items():
+        mu = value - start[key]
+        if workers < 2 or not bool(mu.abs().sum()):
+            continue
+        deltas = torch.stack([end[key] - start[key] for end in ends])
+        s2 = ((deltas - mu) ** 2).sum(0) / (workers - 1)
+        drift2 = (mu * mu - s2 / workers).clamp_min(0)
+        rho = drift2 / (steps_eff * s2).clamp_min(1e-30)
+        gain = ((rho + 1) / (rho + 1 / workers)).sqrt().clamp(1.0, cap)
+        out[key] = start[key] + gain * mu
+        gains.append(float(gain.mean()))
+    print(f"# spread gain: mean {sum(gains) / max(len(gains), 1):.3f} over {len(gains)} tensors", file=sys.stderr,
+          flush=True)
     return out
 
 
@@ -498,7 +530,7 @@ def inner_lr_scale(text: str, workers: int) -> float:
 
 def parse_outer(text: str) -> OuterOptimizer:
     """``none``, ``sgd:LR[:MOMENTUM]``, ``nesterov:LR:MOMENTUM``, ``adam:LR[:BETA1:BETA2]``."""
-    if text.startswith("snr"):  # snr[:CAP]: no outer optimizer, a per-coordinate gain (snr_gain, a study)
+    if text.startswith(("snr", "spread")):  # snr|spread[:CAP]: no outer optimizer, a per-coordinate gain (a study)
         return OuterOptimizer("none")
     name, *numbers = text.split(":")
     values = [float(x) for x in numbers]
@@ -547,8 +579,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="constant | triangle | cosine (comma list): the inner rate within a round "
                              "(triangle: training.inner_schedule; cosine: a study)")
     parser.add_argument("--ramp", default="",
-                        help="first rounds' steps, ';'-separated plans of ','-separated steps (e.g. '25,25,50;12,12,25,50'); "
-                             "an empty plan is no ramp")
+                        help="first rounds' steps, ';'-separated plans of ','-separated steps (e.g. '25,25,50;12,12,25,50'), "
+                             "taken out of the same total (the job option training.first_round_steps); an empty plan "
+                             "is no ramp")
     parser.add_argument("--overlap", default="none",
                         help="none | own | stale | lag:TAU[:avg] (comma list): rounds that do not wait for the last aggregate "
                              "(a study; lag: the next round's first TAU steps trained from the worker's own end)")
@@ -651,9 +684,11 @@ def _one_seed(args: Any, model: Path, seed: int, results: dict, suffix: str) -> 
                             downlink, scaffold in variants:
                         ramp = tuple(int(x) for x in ramp_text.split(",") if x)
                         started, sent = time.perf_counter(), []
-                        snr = None
+                        snr = spread = None
                         if label.startswith("snr"):
                             snr = float(label.split(":")[1]) if ":" in label else workers ** 0.5
+                        if label.startswith("spread"):
+                            spread = float(label.split(":")[1]) if ":" in label else workers ** 0.5
                         losses = network_run(trainer, shards, trainer.config.with_(batch_size=worker_batch), snr=snr,
                                              tail=tail,
                                              rounds=rounds, steps=steps, method=args.method,
@@ -662,7 +697,7 @@ def _one_seed(args: Any, model: Path, seed: int, results: dict, suffix: str) -> 
                                              lr_scale=inner_lr_scale(inner_scale, workers),
                                              carry=carried == "carried", codec=codec, sent=sent, within=within,
                                              ramp=ramp, overlap=overlap, downlink=downlink, scaffold=scaffold,
-                                             downlink_rounds=args.downlink_rounds)
+                                             downlink_rounds=args.downlink_rounds, spread=spread)
                         label = f"{label}+{carried}" + "".join(f"+{x}" for x in (codec, schedule, inner_scale)
                                                                if x not in ("none", "constant"))
                         label += f"+within-{within}" if within != "constant" else ""
