@@ -14,7 +14,9 @@ uncompressed POSIX tar first. Rules of this file:
   behind. ``out_dir`` is REPLACED: an existing directory there (an earlier unpack of the same
   object, say) is removed only once the new contents are complete; a file or a symlink there is
   refused, never followed or removed. Anything wrong raises BundleError naming the bundle (and
-  the entry).
+  the entry). Our own disk full is not the bundle's fault: an OSError (ENOSPC, EDQUOT), never a
+  BundleError, so a verifier whose disk fills does not reject the worker who sent it (issue 24: the demo
+  on a 600 MB disk had two honest reports rejected with "No space left on device").
 - Tensors inside are safetensors; nothing is unpickled.
 - A bundle is up to a few GiB: the agent packs and unpacks from its event loop only through
   ``pack_dir_off_loop``/``unpack_off_loop``, in a worker thread (at most ``BUNDLE_THREADS`` at once
@@ -23,6 +25,7 @@ uncompressed POSIX tar first. Rules of this file:
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tarfile
@@ -141,7 +144,11 @@ def _copy_exactly(tar: tarfile.TarFile, member: tarfile.TarInfo, dst: Path, bund
                     break
                 out.write(chunk)
                 left -= len(chunk)
-    except (tarfile.TarError, OSError) as exc:  # OSError also when our disk is full: named as such
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # our disk is full: our failure, not the bundle's
+            raise OSError(exc.errno, f"{dst}: cannot write an entry of {bundle_name}: {exc.strerror}") from None
+        raise BundleError(f"{bundle_name}: entry {member.name!r} could not be extracted ({exc})") from None
+    except tarfile.TarError as exc:
         raise BundleError(f"{bundle_name}: entry {member.name!r} could not be extracted ({exc})") from None
     if left:
         raise BundleError(f"{bundle_name}: truncated in entry {member.name!r} "

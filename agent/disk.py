@@ -15,7 +15,9 @@ one) and every content block stayed forever: an agent filled its own disk (issue
   whatever the rules say: a fetch or a checkpoint in flight has blocks no message names yet.
 - **Collection** marks every block reachable from a kept root (the UnixFS DAG, through
   ``protocol.unixfs.child_cids``) and deletes the rest; it runs in a worker thread, every
-  ``INTERVAL`` seconds and before each claim when a quota is set.
+  ``INTERVAL`` seconds, before each claim when a quota is set, and at once with a grace of seconds
+  (``FULL_GRACE``) when a claim's probe finds the disk full (agent/writer.py) or fewer than ``LOW_ROOM``
+  bytes are free.
 - **The quota.** With ``max_disk_gb`` set, the agent claims a shard only if, after a collection, its
   home uses less than the quota minus the most that our work directories and blocks grew between
   two of the last ``RESERVE_OVER`` claims (``reserve``: a file someone else wrote is not our work);
@@ -56,6 +58,9 @@ GRACE = 120.0  # seconds: a file younger than this is never collected
 INTERVAL = 60.0  # seconds between collections (and before each claim when a quota is set)
 GB = 1_000_000_000
 RESERVE_OVER = 8  # claims: the reserve is the most our work directories and blocks grew over this many
+LOW_ROOM = 256 * 1024 * 1024  # bytes free under which the disk counts as nearly full (``every_interval``)
+LOW_ROOM_CHECK = 5.0  # seconds between two looks at the room left
+FULL_GRACE = 10.0  # seconds: on a (nearly) full disk, only files younger than this are kept whatever the rules say
 
 # a round's scratch: verifications (and the round's start they read), aggregates (early ones too, IPIP-0006
 # §2.9), fetches, a shard's training (an early start's too)
@@ -284,17 +289,33 @@ class Disk:
         """A job we no longer follow: nothing of it is held (its blocks go by the rules of a finished job)."""
         self.held.pop(job_id, None)
 
-    async def every_interval(self, collect: Callable[[], Awaitable[None]]) -> None:
-        """The collection service: ``collect`` now, then every ``INTERVAL`` seconds."""
+    async def every_interval(self, collect: Callable[..., Awaitable[None]]) -> None:
+        """The collection service: ``collect`` now, then every ``INTERVAL`` seconds; and, checked every
+        ``LOW_ROOM_CHECK`` seconds, at once with the grace of a full disk (``FULL_GRACE``) while the disk it is on
+        has less than ``LOW_ROOM`` bytes free. A coordinator whose disk filled could not aggregate until the next
+        collection, a minute on, and then only of files past the usual grace (issue 24: the demo on a 600 MB disk)."""
         while True:
             await collect()
-            await trio.sleep(INTERVAL)
+            waited = 0.0
+            while waited < INTERVAL:
+                await trio.sleep(LOW_ROOM_CHECK)
+                waited += LOW_ROOM_CHECK
+                if self.low_on_room():
+                    await collect(grace=min(self.grace, FULL_GRACE))
+
+    def low_on_room(self) -> bool:
+        """Whether the disk the home is on has less than ``LOW_ROOM`` bytes free."""
+        try:
+            return shutil.disk_usage(self.home).free < LOW_ROOM
+        except OSError:
+            return False
 
     async def collect_jobs(self, views: Iterable["JobMirror"], me: str, active: Iterable[ActiveShard],
-                           blocks: "BlockStore") -> None:
+                           blocks: "BlockStore", grace: float | None = None) -> None:
         """Delete the blocks and work directories none of ``views`` (the jobs we follow) needs any more,
         ``active`` (our shards in training) and what we hold kept, measuring the home's use before and
-        after; in a worker thread, one collection at a time."""
+        after; in a worker thread, one collection at a time. ``grace``: this collection's (default ``self.grace``;
+        a full disk collects with a shorter one, agent/writer.py)."""
         busy: dict[bytes, list[tuple[int, int, int]]] = {}
         for job_id, rnd, shard, attempt in active:
             busy.setdefault(job_id, []).append((rnd, shard, attempt))
@@ -306,7 +327,7 @@ class Disk:
 
         def run() -> None:
             self.observe()
-            found = collect(self.work, blocks, plans, grace=self.grace)
+            found = collect(self.work, blocks, plans, grace=self.grace if grace is None else grace)
             self.account(found)
             if found:
                 self.observe()

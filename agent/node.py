@@ -383,10 +383,11 @@ class Agent:
         self.job_events = trio.Event()
         self._notify()
 
-    async def collect_disk(self) -> None:
-        """Delete the blocks and work directories no job we follow needs any more (agent/disk.py)."""
+    async def collect_disk(self, grace: float | None = None) -> None:
+        """Delete the blocks and work directories no job we follow needs any more (agent/disk.py); ``grace``: the
+        age under which a file is kept whatever the rules say (default: the configured one)."""
         await self.disk.collect_jobs(list(self.jobs.values()), self.peer_id,
-                                     self.worker.active if self.worker else (), self.content.store)
+                                     self.worker.active if self.worker else (), self.content.store, grace=grace)
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> None:
         """Wait until ``predicate()`` holds, re-checked whenever a job changes; TooSlowError after ``timeout``."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import tarfile
 from pathlib import Path
 
@@ -154,3 +155,33 @@ def test_bundle_size_bound_covers_the_largest_bundle_unpack_accepts(tmp_path):
     size = pack_dir(src, tmp_path / "b.tar").stat().st_size
     assert unpack(tmp_path / "b.tar", tmp_path / "out", allowed=ADAPTER_FILES, max_bytes=20000).is_dir()
     assert size <= bundle_size_bound(20000, ADAPTER_FILES)
+
+
+def test_our_full_disk_is_our_failure_not_a_bad_bundle(tmp_path):
+    """A verifier whose disk fills while it unpacks a worker's bundle must not call the bundle bad (a BundleError
+    is a verdict against its worker): the demo on a 600 MB disk rejected two honest reports so. A real full disk:
+    a tmpfs (root only)."""
+    import errno
+    import subprocess
+
+    from tests.conftest import fill_disk
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "adapter_config.json").write_text("{}")
+    (src / "adapter_model.safetensors").write_bytes(os.urandom(1 << 20))
+    bundle = pack_dir(src, tmp_path / "a.tar")
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        fill_disk(small / "filler")
+        with pytest.raises(OSError) as raised:
+            unpack(bundle, small / "out", allowed=ADAPTER_FILES)
+        assert not isinstance(raised.value, BundleError) and raised.value.errno == errno.ENOSPC, raised.value
+        assert not (small / "out").exists()
+        (small / "filler").unlink()
+        assert (unpack(bundle, small / "out", allowed=ADAPTER_FILES) / "adapter_model.safetensors").stat().st_size == 1 << 20
+    finally:
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)

@@ -592,6 +592,16 @@ class WorkerRole:
 
         self.tasks.spawn_in_job(view.job_id, prefetch)
 
+    async def _add_packed(self, directory: Path, tar: Path) -> Any:
+        """``directory`` packed into ``tar`` and added to the store (not provided), the CID returned; the tar is
+        removed then: its blocks are the copy kept and served. A tar beside its blocks was a second copy of every
+        checkpoint, report and proof (issue 24: the demo filled a 600 MB disk by round 5)."""
+        path = await pack_dir_off_loop(directory, tar)
+        try:
+            return await self.blocks.content.add_file(path, provide=False)
+        finally:
+            path.unlink(missing_ok=True)
+
     def _start_update(self, view: JobMirror, lease: m.ShardLease) -> tuple[str, str] | None:
         """(update CID, the CID of the start it decodes onto) of the lease's start when that is a coded aggregate
         (IPIP-0006 §2.8.1): named by the published aggregate, or by the `early` message that announced it."""
@@ -679,6 +689,7 @@ class WorkerRole:
                     self.local.counters["starts_fetched_together"] += 1
                     self.local.counters["start_blocks_from_members"] += sum(fetched_start.swarm.from_members.values())
             initial = await unpack_off_loop(bundle, run_dir / "initial", allowed=AGGREGATE_FILES)
+            bundle.unlink(missing_ok=True)  # its blocks are in the store: the copy kept and served
         config = train_config(terms, model_path, round=lease.round, threads=self.local.config.threads, log_every=5)
         processes = self.train_processes(terms)
         config = await trio.to_thread.run_sync(self._fit_to_device, config, model_path, processes)
@@ -694,8 +705,7 @@ class WorkerRole:
             nonlocal committing
             await self._until_ours(view, lease)  # an early start announces nothing before its lease
             started = trio.current_time()
-            cid = await self.blocks.content.add_file(await pack_dir_off_loop(event.path, event.path.with_suffix(".tar")),
-                                                provide=False)
+            cid = await self._add_packed(event.path, event.path.with_suffix(".tar"))
             self.blocks.hold(view.job_id, lease.round, cid)
             checkpoint_cids[event.step] = str(cid)
             await self.evidence.publish(m.CheckpointCommit(
@@ -732,21 +742,18 @@ class WorkerRole:
         trained = trio.current_time()
         await self._until_ours(view, lease)
         genesis = request.run_dir / "checkpoints" / "step-000000"
-        checkpoint_cids[0] = str(await self.blocks.content.add_file(await pack_dir_off_loop(genesis, genesis.with_suffix(".tar")),
-                                                              provide=False))
+        checkpoint_cids[0] = str(await self._add_packed(genesis, genesis.with_suffix(".tar")))
         self.blocks.hold(view.job_id, lease.round, checkpoint_cids[0])  # named only inside the proof
         head = self.training.after_training(result.adapter_dir, request.run_dir / PROOF_FILE, result.head)
         # provided in the background: the report names us, and a slow DHT peer must not delay it (issue 17)
-        adapter_cid = await self.blocks.content.add_file(
-            await pack_dir_off_loop(report_dir(result, request.run_dir, terms), run_dir / "adapter.tar"), provide=False)
+        adapter_cid = await self._add_packed(report_dir(result, request.run_dir, terms), run_dir / "adapter.tar")
         self.blocks.hold(view.job_id, lease.round, adapter_cid)
         self.blocks.provide_soon(adapter_cid)
         proof_dir = run_dir / "proof"
         proof_dir.mkdir()
         shutil.copy(request.run_dir / PROOF_FILE, proof_dir / PROOF_FILE)
         (proof_dir / CHECKPOINTS_FILE).write_text(json.dumps({str(k): v for k, v in sorted(checkpoint_cids.items())}))
-        proof_cid = await self.blocks.content.add_file(await pack_dir_off_loop(proof_dir, run_dir / "proof.tar"),
-                                               provide=False)
+        proof_cid = await self._add_packed(proof_dir, run_dir / "proof.tar")
         self.blocks.hold(view.job_id, lease.round, proof_cid)
         self.blocks.provide_soon(proof_cid)
         metrics = {"train_seconds": float(result.train_seconds), "tokens_per_s": float(result.tokens_per_second)}

@@ -171,3 +171,52 @@ def test_a_store_opened_on_a_full_disk_is_a_full_disk_not_a_damaged_store(tmp_pa
             assert len(store.ledger(bytes(32))) == 1
     finally:
         subprocess.run(["umount", "-l", str(home)], capture_output=True)
+
+
+async def test_a_full_disk_collects_at_once_with_a_short_grace_and_takes_work_again(tmp_path):
+    """The demo on a 600 MB disk: full at 30 s, and its agents idle until 180 s, when the collection every 60 s
+    found the blocks it could delete older than its grace of 120 s. Now a claim's probe that meets a full disk
+    collects at once (agent/disk.py FULL_GRACE: files a minute old go), probes again and takes the work. A real
+    full disk: a tmpfs (root only); a real store, block store and collection."""
+    import os
+    import subprocess
+    import time
+
+    from agent.content.blockstore import BlockStore
+    from agent.disk import Disk
+    from agent.store import Store
+    from agent.writer import FULL_COLLECT_EVERY, FULL_GRACE, StoreWriter
+    from protocol.cid import CID, RAW
+    from protocol.identity import Identity
+
+    home = tmp_path / "home"
+    home.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(home)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        blocks = BlockStore(home / "blocks")
+        disk = Disk(home, home / "work", home / "blocks", None)
+        graces = []
+
+        async def collect_disk(grace=None):
+            graces.append(grace)
+            await disk.collect_jobs([], "me", (), blocks, grace=grace)
+
+        writer = StoreWriter(time.monotonic, home / "work", disk, collect_disk, lambda: None)
+        writer.store = Store.in_data_dir(home, Identity.generate())
+        old = time.time() - 60  # a minute old: inside the usual grace, outside a full disk's
+        for i in range(8):  # 2 MiB of blocks no job needs
+            data = os.urandom(256 * 1024) + bytes([i])
+            cid = CID.for_block(data, RAW)
+            blocks.put(cid, data)
+            os.utime(blocks.path_for(cid), (old, old))
+        fill_disk(home / "filler")
+        assert await writer.can_take_work()  # collected at once, with the short grace, and room found
+        assert graces == [FULL_GRACE] and FULL_GRACE < disk.grace
+        assert writer.store_full is None and disk.collected.blocks == 8
+        fill_disk(home / "filler2")  # full again at once: no second collection within FULL_COLLECT_EVERY
+        assert not await writer.can_take_work()
+        assert graces == [FULL_GRACE] and "full" in (writer.store_full or "") and FULL_COLLECT_EVERY > 0
+        writer.store.close()
+    finally:
+        subprocess.run(["umount", "-l", str(home)], capture_output=True)
