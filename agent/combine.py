@@ -4,7 +4,8 @@ the round's start (IPIP-0006 §2.9.1).
 A round's aggregate is a function of its accepted reports (their adapters and sample counts, in the order of the
 round's shards) and the round's start alone (§2.6.1: a successor aggregates a round to the same CID). The
 coordinator computes it through ``materialize_report`` (a coded report decoded onto the start) and
-``aggregate_adapters`` (the job's rule, its outer step; then ``agent/downlink.code_aggregate`` for a coded round).
+``compute_aggregate`` (the job's rule and its outer step, ``aggregate_adapters``; then
+``agent/downlink.code_aggregate`` for a coded round).
 
 ``combine_here`` is a worker's copy of that computation. An early round's named workers trained the round
 before it, so they hold its start and their own reports, and with coded reports (§2.8) the other reports are a
@@ -124,6 +125,23 @@ def aggregate_adapters(terms: m.JobTerms, inputs: list[tuple[Path, int]], out: P
     write_canonical_config(inputs[0][0] / "adapter_config.json", out / "adapter_config.json")
 
 
+def reads_start(terms: m.JobTerms, rnd: int) -> bool:
+    """Does round ``rnd``'s aggregate read the round's start (``compute_aggregate``)? For the outer step, and for a
+    coded round's update (IPIP-0006 §2.4, §2.8.1)."""
+    return terms.outer is not None or downlink.coded(terms, rnd)
+
+
+def compute_aggregate(terms: m.JobTerms, inputs: list[tuple[Path, int]], out: Path, update: Path, rnd: int,
+                      start: tuple[dict, dict, dict] | None, parallel: bool = True) -> None:
+    """(Torch, in a thread.) Round ``rnd``'s aggregate of ``inputs`` into ``out``, and for a coded round its update into
+    ``update`` (the aggregate is then the state the update decodes to, IPIP-0006 §2.8.1). ``start``: the round's
+    start when ``reads_start``, else None. The coordinator and a combining worker both call this one."""
+    aggregate_adapters(terms, inputs, out, rnd, start if reads_start(terms, rnd) else None, parallel=parallel)
+    if downlink.coded(terms, rnd):
+        adapter, _, optimizer = start
+        code_aggregate(terms, out, update, adapter, optimizer)
+
+
 def write_canonical_config(source: Path, target: Path) -> None:
     """The aggregate's ``adapter_config.json``: the first input's, with sorted keys and target modules.
     peft writes target_modules from a set, in an order that differs from process to process (string
@@ -237,11 +255,8 @@ async def _combined(content: "ContentService", terms: m.JobTerms, *, rnd: int, r
             await trio.to_thread.run_sync(materialize_report, directory, terms, adapter, optimizer)
             inputs.append((directory, samples))
         combined = work / "adapter"
-        outer_start = start if terms.outer is not None or downlink.coded(terms, rnd) else None
-        await trio.to_thread.run_sync(run_torch, partial(aggregate_adapters, terms, inputs, combined, rnd, outer_start))
-        if downlink.coded(terms, rnd):  # (IPIP-0006 §2.8.1)
-            await trio.to_thread.run_sync(run_torch, code_aggregate, terms, combined, work / "update", adapter,
-                                          optimizer)
+        await trio.to_thread.run_sync(run_torch, partial(compute_aggregate, terms, inputs, combined, work / "update", rnd,
+                                                         start))
         bundle = await pack_dir_off_loop(combined, work / "aggregate.tar")
         return bundle, str(await content.add_file(bundle, provide=False)), fetched - began
     except Exception as exc:  # noqa: BLE001 - any failure here costs the fetch, nothing else

@@ -81,8 +81,8 @@ from agent.bundle import (
     AGGREGATE_FILES, CHECKPOINT_FILES, REPORT_FILES, BundleError, bundle_size_bound, pack_dir_off_loop, unpack_off_loop,
 )
 from agent.content.errors import FetchError
-from agent.combine import Rejection, aggregate_adapters, materialize_report
-from agent.downlink import code_aggregate, read_start
+from agent.combine import Rejection, compute_aggregate, materialize_report, reads_start
+from agent.downlink import read_start
 from agent.roles.keep import KeepRefused, keep_before_publishing, keep_within
 from agent.train.recorder import write_checkpoint
 from agent.train.runner import run_torch, train_config
@@ -887,16 +887,9 @@ class CoordinatorRole:
         start waits for it): without the torch lock, and so changing no process-wide torch setting."""
         terms = view.terms
         out = work / "adapter"
-        start = None
-        if terms.outer is not None or downlink.coded(terms, rnd):
-            start = await self._round_start(view, rnd, config, work)
-        async def run(fn: Any) -> None:
-            await trio.to_thread.run_sync(fn) if beside_replays else await trio.to_thread.run_sync(run_torch, fn)
-
-        await run(partial(aggregate_adapters, terms, inputs, out, rnd, start, parallel=not beside_replays))
-        if downlink.coded(terms, rnd):  # the aggregate is the state its update decodes to (IPIP-0006 §2.8.1)
-            adapter, _, optimizer = start
-            await run(partial(code_aggregate, terms, out, work / "update", adapter, optimizer))
+        start = await self._round_start(view, rnd, config, work) if reads_start(terms, rnd) else None
+        computed = partial(compute_aggregate, terms, inputs, out, work / "update", rnd, start, parallel=not beside_replays)
+        await (trio.to_thread.run_sync(computed) if beside_replays else trio.to_thread.run_sync(run_torch, computed))
         score, base_score = await self._scores(view, rnd, config, out, work) if scored else (None, None)
         return out, score, base_score
 
