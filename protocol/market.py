@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from protocol.codec import canonical_encode
+from protocol.schedule import round_steps
 
 BILL_DOMAIN = b"infernet/bill/v1\x00"
 SECONDS_PER_HOUR = 3600.0
@@ -190,8 +191,8 @@ def estimate(*, shard_tokens: Sequence[int], shard_steps: Sequence[int], tokens_
     ``tokens_per_step`` tokens each round, at the median advertised speed; the job's first rounds
     train ``first_round_steps`` instead (``training.first_round_steps``; a job that names them sets
     ``max_steps``, so every shard's steps a round are the same)."""
-    first = list(first_round_steps)[:rounds]
-    per_job = [s * (rounds - len(first)) + sum(first) for s in shard_steps]  # each shard's steps over the job
+    # each shard's steps over the job, round by round (protocol/schedule.round_steps)
+    per_job = [sum(round_steps(s, tuple(first_round_steps), r) for r in range(1, rounds + 1)) for s in shard_steps]
     steps = sum(per_job)
     trained = int(round(sum(s * t for s, t in zip(per_job, tokens_per_step))))
     speed = median(speeds)

@@ -83,7 +83,8 @@ def bill_cases() -> list[dict]:
 def estimate_cases() -> list[dict]:
     args = {"shard_tokens": [1000, 1200], "shard_steps": [10, 12], "tokens_per_step": [400.0, 420.0], "rounds": 3,
             "speeds": [500.0, 1500.0, 1000.0], "price_per_hour": 4.0, "budget": 0.05, "max_nodes": 0}
-    return [{**args, "result": mk.estimate(**args).to_json()}]
+    ramped = {**args, "shard_steps": [100, 100], "rounds": 6, "first_round_steps": [25, 25, 50]}
+    return [{**case, "result": mk.estimate(**case).to_json()} for case in (args, ramped)]
 
 
 def main() -> None:

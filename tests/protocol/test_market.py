@@ -82,6 +82,10 @@ def test_estimate_matches_the_vector_and_has_no_hours_without_a_measured_speed()
     assert none.worker_hours is None and none.cost is None and none.tokens_per_s is None
     over = mk.estimate(**{**args, "budget": 0.01})
     assert over.over_budget
+    # a job whose first rounds train fewer steps (training.first_round_steps): 25 + 25 + 50 + 3 x 100 a shard
+    ramped = VECTORS["estimates"][1]
+    assert mk.estimate(**{k: v for k, v in ramped.items() if k != "result"}).to_json() == ramped["result"]
+    assert ramped["result"]["steps"] == 2 * (25 + 25 + 50 + 3 * 100), ramped["result"]
 
 
 def test_accepted_cost_reaches_the_budget_and_stops_leasing():
