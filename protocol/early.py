@@ -8,6 +8,10 @@ Rules of this file:
 - The coordinator announces round r + 1 only when every shard of round r is REPORTED or ACCEPTED and r is
   not the job's last (``ready``); each of round r's workers is announced the first shard it trained in round
   r, one each, never the coordinator itself and never a worker the job's history refuses (``assignment``).
+- A named worker that trained more than one shard of round r trains the others after its announced one, from
+  the same start, in index order, unless a shard is announced to another worker (``queued``); it claims each once
+  the one before it is reported (it holds one lease of a job at a time). Every worker claims the shards that
+  round r's other announced workers trained only when no other shard is open (``reserved``).
 - A worker takes an announcement only from the job's coordinator in its current term, for the round after
   its mirror's, while that round is VERIFYING or AGGREGATING (``refusal``).
 - The announced workers and the job's submitter fetch the announced start together, in the order ``swarm``
@@ -57,6 +61,29 @@ def assignment(trained: Sequence[tuple[int, str | None]], coordinator: str,
             out.append((index, worker))
             named.add(worker)
     return tuple(out)
+
+
+def queued(trained: Sequence[tuple[int, str | None]], early: EarlyStart, worker: str) -> tuple[int, ...]:
+    """The shards of round ``early.round`` that ``worker`` trains early after its announced one, in this order, from
+    the same start: the other shards it trained in round r (``trained``: round r's (shard, worker) pairs), none
+    announced to another worker. Empty for a worker the message does not name."""
+    if worker not in early.workers:
+        return ()
+    return tuple(sorted(index for index, who in trained if who == worker and index not in early.shards))
+
+
+def reserved(trained: Sequence[tuple[int, str | None]], early: EarlyStart, worker: str) -> frozenset[int]:
+    """The shards of round ``early.round`` that ``worker`` claims only when no other shard is open: each one announced
+    to another worker, or queued by one (``queued``: round r's shards of another worker the message names)."""
+    others = {who for who in early.workers if who != worker}
+    return frozenset({index for index, who in zip(early.shards, early.workers) if who != worker} |
+                     {index for index, who in trained if who in others})
+
+
+def claimable(open_shards: Sequence[int], reserved_shards: frozenset[int]) -> list[int]:
+    """The open shards a worker picks its claim from: those not reserved for another worker, else all of them."""
+    free = [index for index in open_shards if index not in reserved_shards]
+    return free or list(open_shards)
 
 
 def refusal(early: EarlyStart, signer: str, coordinator: str | None, term: int, state: JobState,

@@ -66,6 +66,23 @@ STAND = [
 ]
 
 
+# (name, round r's (shard, worker) pairs, the early message's (shard, worker) pairs, the worker, open shards of round
+# r + 1 when it claims)
+QUEUE = [
+    ("two shards each: each its second after its first", [(0, "A"), (1, "B"), (2, "A"), (3, "B")],
+     [(0, "A"), (1, "B")], "A", [2, 3]),
+    ("the other worker's view of the same round", [(0, "A"), (1, "B"), (2, "A"), (3, "B")],
+     [(0, "A"), (1, "B")], "B", [2, 3]),
+    ("three shards, in index order", [(0, "A"), (3, "A"), (1, "A"), (2, "B")], [(0, "A"), (2, "B")], "A", [1, 3]),
+    ("a worker the message does not name trains none early, claims the others' last", [(0, "A"), (1, "B"), (2, "A")],
+     [(0, "A")], "B", [1, 2]),
+    ("a newcomer claims what is not reserved", [(0, "A"), (1, "C"), (2, "A"), (3, None)], [(0, "A")], "D", [2, 3]),
+    ("only reserved shards are open: any of them", [(0, "A"), (1, "B"), (2, "A"), (3, "B")], [(0, "A"), (1, "B")],
+     "D", [2, 3]),
+    ("the coordinator's shard (not announced) is free to all", [(0, "A"), (1, "C"), (2, "A")], [(0, "A")], "B",
+     [1, 2]),
+]
+
 RECLAIM = [
     ("open a moment, under the coordinator that announced it", 0.5, 1, 1),
     ("open long enough: the claim was lost", 2.0, 1, 1),
@@ -106,6 +123,14 @@ def main() -> None:
         standing.append({"name": n, "state": s, "published": published, "round": 2, "shard": 0, "attempt": 1,
                          "worker": "A", "start": start,
                          "standing": out if out in (early.OURS, early.WAIT, early.OPEN) else "void", "reason": out})
+    queue = []
+    for n, trained, announced, worker, open_shards in QUEUE:
+        msg = EarlyStart(JOB, 2, 1, CID, tuple(i for i, _ in announced), tuple(w for _, w in announced))
+        reserved = early.reserved(trained, msg, worker)
+        queue.append({"name": n, "trained": [list(x) for x in trained], "announced": [list(x) for x in announced],
+                      "worker": worker, "queued": list(early.queued(trained, msg, worker)),
+                      "reserved": sorted(reserved), "open": open_shards,
+                      "claimable": early.claimable(open_shards, reserved)})
     reclaim = [{"name": n, "open_for": t, "early_term": e, "term": term, "reclaim": early.reclaim(t, e, term)}
                for n, t, e, term in RECLAIM]
     swarm = [{"name": n, "early_workers": list(w), "submitter": sub,
@@ -122,11 +147,17 @@ def main() -> None:
                        "early start has stood open for open_for seconds claim its shard again (once), given the "
                        "early message's term and the coordination term now. States are "
                        "{phase, round, shards: [[phase, attempt, worker]]}. 'ready', 'announced', 'taken', "
-                       "'standing' and 'reclaim' are normative; 'reason' is not. 'swarm' (IPIP-0003 §4.2): the peers that fetch an "
+                       "'standing' and 'reclaim' are normative; 'reason' is not. 'queue': for a round r + 1 announced early with "
+                       "(shard, worker) pairs 'announced', from round r's (shard, worker) pairs 'trained': the shards "
+                       "'worker' trains early after its announced one, in this order ('queued': its other shards of "
+                       "round r, none announced to another), the shards it claims only when no other is open "
+                       "('reserved': announced to or queued by another announced worker), and the ones it picks a "
+                       "claim from among the open shards 'open' ('claimable'); all three normative. 'swarm' (IPIP-0003 §4.2): the peers that fetch an "
                        "announced start together, in the order all of them use; 'deal': which of a root's parts "
                        "(subtrees, next first, by index) each member takes from the seed, and is asked for by the "
                        "others. 'members' and 'dealt' are normative.",
-        "ready": ready, "assignment": assignment, "refusal": refusal, "standing": standing, "reclaim": reclaim,
+        "ready": ready, "assignment": assignment, "refusal": refusal, "standing": standing, "queue": queue,
+        "reclaim": reclaim,
         "swarm": swarm, "deal": dealt,
     }
     Path("ipips/vectors/early-start.json").write_text(json.dumps(doc, indent=1) + "\n")

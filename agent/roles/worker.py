@@ -104,6 +104,11 @@ class WorkerRole:
         self._warmed: set[bytes] = set()  # jobs whose first shard we prepared for (``_warm``)
         self._reclaimed: set[tuple[bytes, int, int, int]] = set()  # early starts we claimed again (early.reclaim)
         self._ahead: dict[tuple[bytes, int], _Ahead] = {}  # (job, round) -> its aggregate computed ahead (on_report)
+        # (job, round) -> the `early` message we were named in, and the shards of that round we train after our
+        # announced one, not started yet (protocol/early.queued)
+        self._queued: dict[tuple[bytes, int], tuple[m.EarlyStart, list[int]]] = {}
+        # job -> (round, the shards of it we claim last: another announced worker's, protocol/early.reserved)
+        self._reserved: dict[bytes, tuple[int, frozenset[int]]] = {}
 
     # -- choosing jobs ----------------------------------------------------------------------------
 
@@ -178,6 +183,9 @@ class WorkerRole:
             del self._updates[key]
         for key in [k for k in self._ahead if k[0] == job_id]:
             del self._ahead[key]
+        for key in [k for k in self._queued if k[0] == job_id]:
+            del self._queued[key]
+        self._reserved.pop(job_id, None)
 
     # -- claiming ---------------------------------------------------------------------------------
 
@@ -218,6 +226,9 @@ class WorkerRole:
                 if any(k[0] == view.job_id for k in self.active):
                     continue
                 open_shards = view.open_shards()
+                reserved = self._reserved.get(view.job_id)
+                if reserved is not None and reserved[0] == view.state.round:  # another announced worker's last
+                    open_shards = early_rules.claimable(open_shards, reserved[1])
                 if open_shards and self._market_refusal(view):
                     continue
                 # a claim made while we still had a live lease of this job (its report not yet in) was
@@ -267,13 +278,22 @@ class WorkerRole:
         be leased (IPIP-0006 §2.9): when we have room and take the job, train it now, from that start; what it
         commits is announced once the lease is ours (``_until_ours``), and dropped if it never is."""
         me = self.local.peer_id
-        if not self.local.config.early_start or me not in early.workers or view.job_id not in self.candidates:
+        if not self.local.config.early_start or view.job_id not in self.candidates:
             return
         if early_rules.refusal(early, signer, view.coordination.coordinator, view.coordination.term, view.state,
                                view.terms.rounds) is not None:
             return
+        trained = tuple((s.index, s.worker) for s in view.state.shards)
+        self._reserved[view.job_id] = (early.round, early_rules.reserved(trained, early, me))
+        if me not in early.workers:
+            return
         if any(k[0] == view.job_id for k in self.active) or len(self.active) >= self.local.config.max_concurrent_shards:
             return
+        queued = early_rules.queued(trained, early, me)
+        if queued:
+            self._queued[(view.job_id, early.round)] = (early, list(queued))
+            for old in [k for k in self._queued if k[0] == view.job_id and k[1] < early.round]:
+                del self._queued[old]
         shard = early.shards[early.workers.index(me)]
         # the lease we would get: the round's first attempt of the shard, from that start
         lease = m.ShardLease(view.job_id, early.round, shard, 1, me, early.term,
@@ -292,9 +312,46 @@ class WorkerRole:
             self.active.pop(key, None)  # the job ended
             self._early.pop(key, None)
 
-    async def _start_early(self, view: JobMirror, lease: m.ShardLease, key: tuple, swarm: tuple[str, ...] = ()) -> None:
+    def _start_queued(self, view: JobMirror, rnd: int) -> None:
+        """An early start's training ended: the next shard of that round we trained in the round before, if any
+        (protocol/early.queued), trained now from the same start, while the round before is still verified. Its claim
+        goes out once the shard before it is reported (``_claim_queued``): we hold one lease of a job at a time."""
+        entry = self._queued.get((view.job_id, rnd))
+        if entry is None:
+            return
+        early, shards = entry
+        me = self.local.peer_id
+        while shards:
+            shard = shards.pop(0)
+            key = (view.job_id, rnd, shard, 1)
+            published = view.aggregates.get(rnd - 1)
+            standing = early_rules.standing(view.state, published.adapter_cid if published is not None else None, rnd,
+                                            shard, 1, me, early.initial_adapter_cid)
+            if key in self.active or standing not in (early_rules.WAIT, early_rules.OPEN, early_rules.OURS):
+                continue  # (another lease took it, or the round or its start is not the announced one: not trained)
+            lease = m.ShardLease(view.job_id, rnd, shard, 1, me, early.term,
+                                 self.local.clock() + view.terms.lease_seconds, early.initial_adapter_cid)
+            self.active[key] = lease
+            self._early[key] = None
+            if not self.tasks.spawn_in_job(view.job_id, self._start_early, view, lease, key, (), True):
+                self.active.pop(key, None)  # the job ended
+                self._early.pop(key, None)
+            return
+        self._queued.pop((view.job_id, rnd), None)
+
+    async def _claim_queued(self, view: JobMirror, rnd: int) -> None:
+        """One of our shards of round ``rnd`` is reported: claim the next shard of it we started early after our
+        announced one (``_start_queued``), which waits for its lease."""
+        for key in sorted(k for k in self._early if k[:2] == (view.job_id, rnd)):
+            if view.shard(key[2]).phase is st.ShardPhase.OPEN:
+                await self.evidence.publish(m.ShardClaim(view.job_id, rnd, key[2]))
+                return
+
+    async def _start_early(self, view: JobMirror, lease: m.ShardLease, key: tuple, swarm: tuple[str, ...] = (),
+                           queued: bool = False) -> None:
         """An early start, if we would claim the shard now (the disk can keep the evidence, the market lets us),
-        then our claim of it, which tells the coordinator we took it: only then does it lease it to us at once."""
+        then our claim of it, which tells the coordinator we took it: only then does it lease it to us at once. A
+        ``queued`` one (protocol/early.queued) is claimed once the shard before it is reported (``_claim_queued``)."""
         refusal = self._market_refusal(view)
         if refusal is None and not await self.evidence.can_take_work():
             refusal = "the disk cannot keep the evidence of new work"
@@ -304,9 +361,13 @@ class WorkerRole:
                 self._early.pop(key, None)
             return
         self.local.counters["early_starts"] += 1
-        log.info("job %s: round %d shard %d: starting early, from %s… (not leased yet)", view.job_id.hex()[:8],
-                 lease.round, lease.shard, (lease.initial_adapter_cid or "")[:24])
-        await self.evidence.publish(m.ShardClaim(view.job_id, lease.round, lease.shard))
+        if queued:
+            self.local.counters["early_starts_queued"] += 1
+        log.info("job %s: round %d shard %d: starting early%s, from %s… (not leased yet)", view.job_id.hex()[:8],
+                 lease.round, lease.shard, " after our announced shard" if queued else "",
+                 (lease.initial_adapter_cid or "")[:24])
+        if not queued:
+            await self.evidence.publish(m.ShardClaim(view.job_id, lease.round, lease.shard))
         await self._run_shard(view, lease, key, early=True, swarm=swarm)
 
     def _early_outcome(self, view: JobMirror, lease: m.ShardLease) -> str:
@@ -340,7 +401,7 @@ class WorkerRole:
         while (outcome := self._early_outcome(view, lease)) == early_rules.WAIT and self.local.clock() < deadline:
             opened = self._early.get(key)  # (when we first saw its round begin with the shard still open)
             if opened is not None and key not in self._reclaimed and \
-                    early_rules.reclaim(self.local.clock() - opened, lease.term, view.coordination.term):
+                    not view.training_by(self.local.peer_id) and early_rules.reclaim(self.local.clock() - opened, lease.term, view.coordination.term):
                 # our claim went to the round before, and a coordinator elected since never kept it (the scenario
                 # coded-coordinator-killed: the early work was dropped 20 s later, the shards trained again)
                 self._reclaimed.add(key)
@@ -740,6 +801,8 @@ class WorkerRole:
         except BaseExceptionGroup as group:  # a failed announcement (the training then stops at its next checkpoint)
             raise first_error(group) from None
         trained = trio.current_time()
+        if early:
+            self._start_queued(view, lease.round)  # the next shard we trained in the round before, from this start
         await self._until_ours(view, lease)
         genesis = request.run_dir / "checkpoints" / "step-000000"
         checkpoint_cids[0] = str(await self._add_packed(genesis, genesis.with_suffix(".tar")))
@@ -775,6 +838,7 @@ class WorkerRole:
 
         record_shard_speed(self.local.capabilities, terms, float(result.tokens_per_second))
         self.local.counters["shards_trained"] += 1
+        await self._claim_queued(view, lease.round)
         log.info("job %s shard %d: reported (loss %.3f, %d steps)", view.job_id.hex()[:8], lease.shard,
                  result.final_loss, result.steps)
 

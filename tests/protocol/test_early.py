@@ -59,3 +59,20 @@ def test_when_a_worker_claims_its_early_shard_again():
     assert {c["reclaim"] for c in DOC["reclaim"]} == {True, False}
     for case in DOC["reclaim"]:
         assert early.reclaim(case["open_for"], case["early_term"], case["term"]) == case["reclaim"], case["name"]
+
+
+def test_which_shards_a_worker_trains_after_its_announced_one_and_which_it_claims_last():
+    assert any(c["queued"] for c in DOC["queue"]) and any(not c["queued"] for c in DOC["queue"])
+    for case in DOC["queue"]:
+        announced = case["announced"]
+        msg = EarlyStart(bytes(32), 2, 1, "bafkreifjjcie6lypi6ny7amxnfftagclbuxndqonfipmb64f2km2devei4",
+                         tuple(i for i, _ in announced), tuple(w for _, w in announced))
+        trained = [tuple(p) for p in case["trained"]]
+        assert list(early.queued(trained, msg, case["worker"])) == case["queued"], case["name"]
+        reserved = early.reserved(trained, msg, case["worker"])
+        assert sorted(reserved) == case["reserved"], case["name"]
+        assert early.claimable(case["open"], reserved) == case["claimable"], case["name"]
+        # a worker's queue and its announced shard are never another's: nobody else trains them early
+        others = {w for _, w in announced} - {case["worker"]}
+        for other in others:
+            assert not set(early.queued(trained, msg, other)) & set(case["queued"]), case["name"]

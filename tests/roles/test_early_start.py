@@ -4,6 +4,8 @@ The coordinator computes a round's aggregate as soon as every report of it has c
 replays end, and announces it (``early``) with the shard of the next round each of the round's workers
 will be leased. A named worker trains that shard at once, from that start, and announces nothing of it
 (no checkpoint, no report) until the lease is its own and the aggregate published is the one announced.
+A named worker that trained two shards of the round trains its second after its announced one, from the same
+start, and claims it once the first is reported (protocol/early.queued); the others leave it to that worker.
 The job's result is bit for bit the one it has without early start: the same reports, the same aggregates.
 """
 
@@ -17,13 +19,13 @@ from tests.roles.conftest import fast_spec, network, write_dataset
 pytestmark = pytest.mark.network
 
 
-async def _run(tmp_path, tiny_model_dir, early: bool, rounds: int = 2):
+async def _run(tmp_path, tiny_model_dir, early: bool, rounds: int = 2, shards: int = 2):
     tmp_path.mkdir(parents=True)
     dataset = write_dataset(tmp_path / "demo.jsonl")
     overrides = {i: {"early_start": early} for i in range(3)}
     async with network(tmp_path, tiny_model_dir, workers=3, overrides=overrides, common={"early_start": early}) as net:
         submitter, workers = net.submitter, net.workers
-        terms = await submitter.submitter.prepare_terms(fast_spec(shards=2, rounds=rounds), dataset, str(tiny_model_dir))
+        terms = await submitter.submitter.prepare_terms(fast_spec(shards=shards, rounds=rounds), dataset, str(tiny_model_dir))
         view = await submitter.submitter.announce(terms)
         await submitter.wait_for(lambda: view.state.terminal, timeout=180)
         assert view.state.phase is st.JobPhase.DONE, view.state.reason
@@ -41,7 +43,8 @@ async def _run(tmp_path, tiny_model_dir, early: bool, rounds: int = 2):
 
 
 async def test_workers_train_the_next_round_before_its_aggregate_and_the_job_ends_the_same(tmp_path, tiny_model_dir):
-    view, counters, coordinator, rejected = await _run(tmp_path / "early", tiny_model_dir, early=True)
+    # two training workers (the third agent coordinates), four shards: each trains two shards a round
+    view, counters, coordinator, rejected = await _run(tmp_path / "early", tiny_model_dir, early=True, shards=4)
     submitter_counters = counters.pop("submitter")
     assert not rejected
     # round 2 was announced early, and round 1's aggregate not computed again
@@ -50,6 +53,9 @@ async def test_workers_train_the_next_round_before_its_aggregate_and_the_job_end
     started = sum(c.get("early_starts", 0) for c in counters.values())
     leased = sum(c.get("early_starts_leased", 0) for c in counters.values())
     assert started >= 1 and leased == started, counters  # every early start became its announced lease
+    # each worker's second shard of round 2 trained early too, after its announced one, and was leased to it
+    queued = sum(c.get("early_starts_queued", 0) for c in counters.values())
+    assert queued >= 1 and started > queued, counters
     assert sum(c.get("early_starts_dropped", 0) for c in counters.values()) == 0
     # no lease of the job went unused: one attempt per shard and round
     assert all(key[2] == 1 for key in view.reports), sorted(view.reports)
@@ -58,11 +64,12 @@ async def test_workers_train_the_next_round_before_its_aggregate_and_the_job_end
     # every announced start was fetched together with the round's other workers and the submitter (IPIP-0003
     # §4.2; the tiny model's aggregate is one block, so here that is its root alone: tests/net/test_swarm_fetch.py
     # has files of many blocks)
-    assert sum(c.get("starts_fetched_together", 0) for c in counters.values()) == started, counters
+    # (a queued start reads the start its announced one fetched)
+    assert sum(c.get("starts_fetched_together", 0) for c in counters.values()) == started - queued, counters
     # every worker loaded its first shard's model ahead, and the coordinator what its first check reads (issue 24)
     assert all(c.get("jobs_prepared", 0) == 1 for c in counters.values()), counters
     assert coordinator.get("verifications_prepared", 0) == 1, coordinator
-    plain, _, _, _ = await _run(tmp_path / "plain", tiny_model_dir, early=False)
+    plain, _, _, _ = await _run(tmp_path / "plain", tiny_model_dir, early=False, shards=4)
     assert [view.aggregates[r].adapter_cid for r in (1, 2)] == [plain.aggregates[r].adapter_cid for r in (1, 2)]
     # the early aggregate is scored after its announcement, beside the next round's training: the same scores
     scores = [(view.aggregates[r].validation_loss, view.aggregates[r].base_validation_loss) for r in (1, 2)]
