@@ -595,13 +595,20 @@ class ShardLease(Wire):
 
 @message("release", "job")
 class ShardRelease(Wire):
-    """A worker gives a lease back: shutting down, or refusing the shard (hash mismatch, ...)."""
+    """A worker gives a lease back: shutting down, or refusing the shard (hash mismatch, ...). ``cause``
+    ``RELEASE_LOCAL``: the worker's own machine, not the shard (its disk filled, it restarted or shuts down, it
+    has no room for it): the attempt is excused (IPIP-0004 §5 RETRY); any other value counts as a failed attempt."""
 
     job_id: bytes = digest_field()
     round: int = count_field(1000)
     shard: int = count_field(MAX_LIST)
     attempt: int = count_field(1000)
     reason: str = text_field(1024)
+    cause: Optional[str] = extension_field(None, max_len=32)
+
+
+RELEASE_LOCAL = "local"
+"""``ShardRelease.cause``: the worker's own machine gave out, not the shard (an excused attempt)."""
 
 
 @message("ckpt", "job")

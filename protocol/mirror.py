@@ -463,7 +463,8 @@ class JobMirror:
                 self.applied_at[("report", m.attempt_of(msg))] = now
             return actions
         if isinstance(msg, m.ShardRelease):
-            return self._step(st.Released(msg.round, msg.shard, signer, msg.attempt), now, count=count)
+            return self._step(st.Released(msg.round, msg.shard, signer, msg.attempt,
+                                           excused=msg.cause == m.RELEASE_LOCAL), now, count=count)
         if isinstance(msg, DECISIONS):
             self._settle_term(msg, signer, eligible)
         if isinstance(msg, m.Verdict) and (signer == msg.worker or may_judge(self.coordination, signer, msg.worker,

@@ -29,7 +29,8 @@ attempt that ends badly (released, lease expired, report rejected, no verdict in
 *retry*: the shard reopens while attempts are left, else it is FAILED for the round. An attempt that
 ends with no verdict in time is not its worker's failure (the worker reported; the coordinator did
 not decide: it died, or could not get the submitter to keep the adapter, IPIP-0006 §2.6.1): it is
-*excused*, counted apart, so the retry budget (``max_retries + 1`` attempts) counts only attempts
+*excused*, counted apart, as is a release for a cause on the worker's own machine (its disk filled, it
+restarted: ``Released.excused``, the wire's ``cause: local``), so the retry budget (``max_retries + 1`` attempts) counts only attempts
 whose worker failed, and a shard may also have up to ``max_retries + 1`` excused attempts a round. Every waiting
 state has a timer, so no shard can be held forever by a silent worker or a silent verifier.
 A checkpoint extends its attempt's lease, but an attempt takes at most ``max_checkpoints`` of them
@@ -155,7 +156,8 @@ class ShardState:
     expires_at: float | None = None  # lease expiry (LEASED) or end of the verification window (REPORTED)
     late_verdict: str | None = None  # OPEN only: its verification window expired; that attempt's worker
     checkpoints: int = 0  # checkpoints seen in the current attempt (at most config.max_checkpoints)
-    excused: int = 0  # attempts of this round that ended with no verdict in time (not the worker's failure)
+    excused: int = 0  # attempts of this round that ended with no verdict in time or given back for the worker's
+    # own machine (not a failure of the shard's work)
 
 
 @dataclass(frozen=True)
@@ -217,12 +219,14 @@ class ReportReceived:
 
 @dataclass(frozen=True)
 class Released:
-    """The lease holder gave the shard back before reporting (the attempt is spent)."""
+    """The lease holder gave the shard back before reporting (the attempt is spent). ``excused``: for a cause on
+    the worker's own machine (its disk, a restart): counted with the attempts that got no verdict in time."""
 
     round: int
     shard: int
     worker: str
     attempt: int
+    excused: bool = False
 
 
 @dataclass(frozen=True)
@@ -354,6 +358,7 @@ class ShardInput(Enum):
     CHECKPOINT = "checkpoint seen"
     REPORT = "report received"
     RELEASE = "released"
+    RELEASE_EXCUSED = "released for a cause on the worker's machine"
     ACCEPT = "verdict accepted"
     REJECT = "verdict rejected"
     LEASE_EXPIRED = "lease expired"
@@ -373,6 +378,7 @@ SHARD_TRANSITIONS: dict[ShardPhase, dict[ShardInput, ShardPhase | str]] = {
         ShardInput.CHECKPOINT: ShardPhase.LEASED,  # holder only; lease extended to now + lease_seconds
         ShardInput.REPORT: ShardPhase.REPORTED,  # holder only; verification window of lease_seconds
         ShardInput.RELEASE: RETRY,  # holder only
+        ShardInput.RELEASE_EXCUSED: RETRY,  # holder only; an excused attempt
         ShardInput.LEASE_EXPIRED: RETRY,
     },
     ShardPhase.REPORTED: {
@@ -490,8 +496,10 @@ def _shard_event(job: JobState, event: Event) -> tuple[ShardState, ShardInput, s
     elif isinstance(event, ReportReceived):
         shard_input = ShardInput.REPORT
     elif isinstance(event, Released):
-        shard_input = ShardInput.RELEASE
-        reason = f"released by {worker}"
+        if not isinstance(event.excused, bool):
+            raise StateError(f"excused must be true or false, got {event.excused!r}")
+        shard_input = ShardInput.RELEASE_EXCUSED if event.excused else ShardInput.RELEASE
+        reason = f"released by {worker}" + (" (its own machine)" if event.excused else "")
     else:  # VerdictGiven, the only other shard event in JOB_TRANSITIONS
         if not isinstance(event.accepted, bool):
             raise StateError(f"accepted must be true or false, got {event.accepted!r}")
@@ -563,7 +571,7 @@ def _shard_step(
         reason = f"lease of attempt {shard.attempt} expired"
     elif shard_input is ShardInput.VERIFICATION_EXPIRED:
         reason = f"no verdict on attempt {shard.attempt} in time"
-    excused = shard.excused + (shard_input is ShardInput.VERIFICATION_EXPIRED)
+    excused = shard.excused + (shard_input in (ShardInput.VERIFICATION_EXPIRED, ShardInput.RELEASE_EXCUSED))
     failed = shard.attempt - excused  # attempts whose worker failed (released, expired, rejected)
     if failed < config.attempts_per_round and excused <= config.attempts_per_round:
         late = shard.worker if shard_input is ShardInput.VERIFICATION_EXPIRED else None  # its verdict may follow
@@ -571,7 +579,8 @@ def _shard_step(
                            excused=excused)
         return reopened, (ReopenShard(r, i, reason),)
     if excused > config.attempts_per_round:
-        reason = f"{reason}; {excused} attempts ended with no verdict in time, more than {config.attempts_per_round}"
+        reason = f"{reason}; {excused} attempts were excused (no verdict in time, or given back for the worker's own " \
+                 f"machine), more than {config.attempts_per_round}"
     else:
         reason = f"{reason}; no attempts left ({failed} of {config.attempts_per_round} failed)"
     return (replace(shard, phase=ShardPhase.FAILED, worker=None, expires_at=None, excused=excused),

@@ -9,6 +9,8 @@ def ev(e):
     fields = dataclasses.asdict(e)
     if isinstance(e, AggregatePublished) and not e.final:
         del fields["final"]  # the default: the vectors written before it existed stay the same
+    if isinstance(e, Released) and not e.excused:
+        del fields["excused"]  # (the same)
     return {"type": type(e).__name__, **fields}
 
 def act(a):
@@ -100,6 +102,25 @@ make("no-verdict-excused", "An attempt whose report got no verdict within lease_
     (202.0, LeaseGranted(1, 0, A)),
     (210.0, ReportReceived(1, 0, A, 4)),
     (270.0, Tick()),
+])
+
+make("release-excused", "A release for a cause on the worker's own machine (its disk filled, it restarted: the wire's cause 'local', Released.excused) is excused like an attempt with no verdict in time, not a failure of the shard's work: max_retries=0 allows 1 failed attempt and, apart, 1 excused one a round. Attempt 1 is given back with its disk full (excused 1: reopened); attempt 2 is given back plainly (failed 1 of 1) and the shard FAILS, and the job with it. A plain release alone fails it at once (state-job-fails).",
+     dict(shards=1, rounds=1, lease_seconds=60.0, max_retries=0, min_accepted_fraction=1.0, deadline=None), [
+    (0.0, LeaseGranted(1, 0, A)),
+    (5.0, Released(1, 0, A, 1, True)),
+    (6.0, LeaseGranted(1, 0, B)),
+    (7.0, Released(1, 0, B, 2)),
+    (8.0, LeaseGranted(1, 0, C)),
+])
+
+make("release-excused-budget", "Excused releases have the budget of excused attempts (max_retries + 1), so a worker that gives a shard back for its own machine again and again cannot hold it forever: max_retries=1, attempts 1 and 2 given back excused (reopened), attempt 3 given back excused (excused 3 > 2): the shard FAILS.",
+     dict(shards=1, rounds=1, lease_seconds=60.0, max_retries=1, min_accepted_fraction=1.0, deadline=None), [
+    (0.0, LeaseGranted(1, 0, A)),
+    (1.0, Released(1, 0, A, 1, True)),
+    (2.0, LeaseGranted(1, 0, A)),
+    (3.0, Released(1, 0, A, 2, True)),
+    (4.0, LeaseGranted(1, 0, B)),
+    (5.0, Released(1, 0, B, 3, True)),
 ])
 
 make("timers", "Verification window and aggregation window: a report without a verdict within lease_seconds reopens the shard (an excused attempt, see state-no-verdict-excused); an aggregate not published within lease_seconds fails the job.",

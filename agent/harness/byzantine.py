@@ -7,12 +7,14 @@ none), ``stale_start`` (ignores the round's aggregate), ``crash`` (faulty, not B
 training always fails), ``stall_once`` (faulty: its first shard waits ``STALL_SECONDS`` before
 training, as a worker on a full disk or a stopped machine does, so its lease runs out meanwhile; a
 stall the worker itself cut short, by cancelling that attempt, is recorded in ``stall_cut_short``),
-``wrong_lr`` (trains at 1.5 times the job's learning rate: its proof, adapter and start all check out, and
+``disk_full_once`` (faulty: its first shard fails as a full disk fails a write, ENOSPC, so it gives the shard back
+for its own machine, an excused attempt, IPIP-0004 §5), ``wrong_lr`` (trains at 1.5 times the job's learning rate: its proof, adapter and start all check out, and
 only the replay rejects it, after the coordinator may have announced an early start with it, IPIP-0006 §2.9).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 from typing import Any
@@ -22,8 +24,9 @@ import trio
 from agent.hooks import HonestTraining
 from agent.train.runner import run_torch
 
-MISBEHAVIOURS = ("random_adapter", "forged_chain", "wrong_base", "stale_start", "crash", "stall_once", "wrong_lr")
-FAULTY = ("crash", "stall_once")  # faulty, not Byzantine: such a worker may coordinate
+MISBEHAVIOURS = ("random_adapter", "forged_chain", "wrong_base", "stale_start", "crash", "stall_once", "wrong_lr",
+                 "disk_full_once")
+FAULTY = ("crash", "stall_once", "disk_full_once")  # faulty, not Byzantine: such a worker may coordinate
 STALL_SECONDS = 120.0
 
 
@@ -38,6 +41,9 @@ class Byzantine(HonestTraining):
     def before_training(self) -> None:
         if self.mode == "crash":
             raise RuntimeError("training crashed (harness: this worker's training always fails)")
+        if self.mode == "disk_full_once" and not self.stalled:
+            self.stalled = True
+            raise OSError(errno.ENOSPC, "No space left on device (harness: this worker's first shard)")
 
     async def base_model(self, home: Path) -> str | None:
         if self.mode == "stall_once" and not self.stalled:

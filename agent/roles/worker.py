@@ -49,6 +49,7 @@ from agent.hooks import HonestTraining
 from agent.bundle import AGGREGATE_FILES, DEFAULT_MAX_BYTES, REPORT_FILES, bundle_size_bound, pack_dir_off_loop, \
     unpack_off_loop
 from agent.downlink import fetch_coded
+from agent.disk import full_disk
 from protocol.mirror import JobMirror
 from agent.train.runner import run_torch, train_config
 from protocol import downlink, early as early_rules
@@ -267,7 +268,8 @@ class WorkerRole:
             log.info("job %s round %d shard %d: leased while busy; giving it back", view.job_id.hex()[:8],
                      lease.round, lease.shard)
             self.tasks.spawn_in_job(view.job_id, self.evidence.publish, m.ShardRelease(
-                view.job_id, lease.round, lease.shard, lease.attempt, "the worker has no room for it now"))
+                view.job_id, lease.round, lease.shard, lease.attempt, "the worker has no room for it now",
+                cause=m.RELEASE_LOCAL))
             return
         self.active[key] = lease
         if not self.tasks.spawn_in_job(view.job_id, self._run_shard, view, lease, key):
@@ -470,12 +472,12 @@ class WorkerRole:
                          shard.index, shard.attempt)
                 with trio.move_on_after(5):
                     await self.evidence.publish(m.ShardRelease(view.job_id, view.state.round, shard.index, shard.attempt,
-                                                       "the worker restarted"))
+                                                       "the worker restarted", cause=m.RELEASE_LOCAL))
 
     async def release_all(self, reason: str) -> None:
         for (job_id, rnd, shard, attempt) in list(self.active):
             with trio.move_on_after(2):
-                await self.evidence.publish(m.ShardRelease(job_id, rnd, shard, attempt, reason))
+                await self.evidence.publish(m.ShardRelease(job_id, rnd, shard, attempt, reason, cause=m.RELEASE_LOCAL))
 
     # -- one shard --------------------------------------------------------------------------------
 
@@ -532,10 +534,16 @@ class WorkerRole:
             if key in self._early or self.active.get(key) is not lease:  # not (or no longer) ours: nothing to give back
                 log.warning("job %s shard %d: early start failed: %s", view.job_id.hex()[:8], lease.shard, exc)
                 return
-            log.warning("job %s shard %d: giving it back: %s", view.job_id.hex()[:8], lease.shard, exc)
+            # our own full disk is not the shard's failure: the attempt is excused (IPIP-0004 §5 RETRY; issue 24: a
+            # worker whose disk filled spent the shard's attempts, and the demo failed a round)
+            # (torch.save on a full disk says only "unexpected pos …": a disk nearly full now counts too)
+            local = full_disk(exc) or self.evidence.store_full is not None or self.evidence.writer.disk.low_on_room()
+            log.warning("job %s shard %d: giving it back%s: %s", view.job_id.hex()[:8], lease.shard,
+                        " (our disk is full)" if local else "", exc)
             with trio.move_on_after(5):
                 await self.evidence.publish(m.ShardRelease(view.job_id, lease.round, lease.shard, lease.attempt,
-                                                   str(exc)[:1000] or type(exc).__name__))
+                                                   str(exc)[:1000] or type(exc).__name__,
+                                                   cause=m.RELEASE_LOCAL if local else None))
         finally:
             if self.active.get(key) is lease:  # (a dropped early start's lease may have been replaced by the real one)
                 self.active.pop(key, None)

@@ -220,3 +220,65 @@ async def test_a_full_disk_collects_at_once_with_a_short_grace_and_takes_work_ag
         writer.store.close()
     finally:
         subprocess.run(["umount", "-l", str(home)], capture_output=True)
+
+
+def test_a_full_disk_is_told_from_other_failures_of_a_shard(tmp_path):
+    """The worker gives a shard back for its own machine (``cause: local``, an excused attempt, IPIP-0004 §5) when
+    the failure came from its full disk: the OSError a write raises there, or a library's error raised from it;
+    a training that crashed for another reason is not. A real full disk: a 1 MiB tmpfs (root only)."""
+    import errno
+    import subprocess
+
+    from agent.disk import full_disk
+    from agent.store import StoreFullError
+
+    assert not full_disk(RuntimeError("training crashed"))
+    assert not full_disk(OSError(errno.ENOENT, "No such file or directory"))
+    assert full_disk(StoreFullError("cannot write: the disk is full"))
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        from safetensors.numpy import save_file
+        import numpy as np
+
+        fill_disk(small / "filler")
+        with pytest.raises(OSError) as written:
+            with open(small / "one-more", "wb", buffering=0) as out:
+                out.write(b"\0" * 65536)
+        assert written.value.errno == errno.ENOSPC and full_disk(written.value)
+        try:  # what a checkpoint's write raises there: safetensors' own error, naming the OS error
+            save_file({"w": np.zeros(1 << 18, dtype=np.float32)}, str(small / "adapter.safetensors"))
+        except Exception as exc:  # noqa: BLE001 - its type is the library's
+            assert full_disk(exc), exc
+        try:  # and raised from the OSError, as a training step's failure is
+            try:
+                open(small / "more", "wb", buffering=0).write(b"\0" * 4096)
+            except OSError as exc:
+                raise RuntimeError("checkpoint 2 could not be written") from exc
+        except RuntimeError as exc:
+            assert full_disk(exc)
+    finally:
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)
+
+
+async def test_a_shard_given_back_for_the_workers_own_full_disk_costs_the_job_no_attempt(tmp_path, tiny_model_dir):
+    """max_retries 0: one failed attempt fails a shard for the round, and the job with it. Each worker's first shard
+    fails as a full disk fails a write (ENOSPC); the worker gives it back for its own machine (``cause: local``),
+    the attempt is excused, and the shards are trained again: the job ends DONE, nobody blamed. Before, the first
+    release failed the job."""
+    from protocol import state as st
+
+    dataset = write_dataset(tmp_path / "demo.jsonl")
+    async with network(tmp_path, tiny_model_dir, workers=3,
+                       misbehave={i: "disk_full_once" for i in range(3)}) as net:
+        terms = await net.submitter.submitter.prepare_terms(fast_spec(shards=2, rounds=1, max_retries=0), dataset,
+                                                            str(tiny_model_dir))
+        view = await net.submitter.submitter.announce(terms)
+        await net.submitter.wait_for(lambda: view.state.terminal, timeout=120)
+        assert view.state.phase is st.JobPhase.DONE, view.state.reason
+        assert all(v.accepted for v in view.verdicts.values()), view.verdicts
+        # at least one shard was given back and trained again: its report is of a later attempt
+        assert max(key[2] for key in view.reports) >= 2, sorted(view.reports)
+        assert all(shard.excused >= 1 for shard in view.state.shards if shard.attempt >= 2), view.state.shards
