@@ -402,8 +402,9 @@ class WorkerRole:
         deadline = self.local.clock() + view.terms.lease_seconds
         while (outcome := self._early_outcome(view, lease)) == early_rules.WAIT and self.local.clock() < deadline:
             opened = self._early.get(key)  # (when we first saw its round begin with the shard still open)
-            if opened is not None and key not in self._reclaimed and \
-                    not view.training_by(self.local.peer_id) and early_rules.reclaim(self.local.clock() - opened, lease.term, view.coordination.term):
+            # (not while we hold a live lease of the job: a queued start's claim follows that lease's report)
+            if opened is not None and key not in self._reclaimed and not view.training_by(self.local.peer_id) and \
+                    early_rules.reclaim(self.local.clock() - opened, lease.term, view.coordination.term):
                 # our claim went to the round before, and a coordinator elected since never kept it (the scenario
                 # coded-coordinator-killed: the early work was dropped 20 s later, the shards trained again)
                 self._reclaimed.add(key)
