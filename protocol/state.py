@@ -29,10 +29,10 @@ attempt that ends badly (released, lease expired, report rejected, no verdict in
 *retry*: the shard reopens while attempts are left, else it is FAILED for the round. An attempt that
 ends with no verdict in time is not its worker's failure (the worker reported; the coordinator did
 not decide: it died, or could not get the submitter to keep the adapter, IPIP-0006 §2.6.1): it is
-*excused*, counted apart, as is a release for a cause on the worker's own machine (its disk filled, it
-restarted: ``Released.excused``, the wire's ``cause: local``), so the retry budget (``max_retries + 1`` attempts) counts only attempts
-whose worker failed, and a shard may also have up to ``max_retries + 1`` excused attempts a round. Every waiting
-state has a timer, so no shard can be held forever by a silent worker or a silent verifier.
+*excused*, counted apart, as is a release for a cause on the worker's own machine (its disk filled,
+it restarted: ``Released.excused``, the wire's ``cause: local``), so the retry budget (``max_retries +
+1`` attempts) counts only attempts whose worker failed, and a shard may also have up to ``max_retries +
+1`` excused attempts a round. Every waiting state has a timer, so no shard can be held forever by a silent worker or a silent verifier.
 A checkpoint extends its attempt's lease, but an attempt takes at most ``max_checkpoints`` of them
 (the number its training needs, from the terms, plus a margin): past that a lease holder's commits
 are refused, so it can neither keep a lease alive forever nor make every mirror store a flood.
