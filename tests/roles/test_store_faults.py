@@ -8,7 +8,7 @@ import trio
 
 from agent.control import _status
 from protocol.election import elect
-from tests.conftest import fill_disk
+from tests.conftest import fill_disk, tmpfs
 from tests.roles.conftest import fast_spec, network, write_dataset
 
 pytestmark = pytest.mark.network
@@ -123,16 +123,12 @@ def test_a_full_work_disk_is_found_by_the_claim_probe_even_when_the_store_has_ro
     """The soak: with the disk full, SQLite still had free pages, so the store's probe passed while every
     shard failed with ENOSPC; the worker claimed, failed and gave back one shard three times in a second.
     The claim probe now writes in the work directory too. A real full disk: a 2 MiB tmpfs (root only)."""
-    import subprocess
-
     from agent.writer import probe_work_dir
     from agent.store import StoreFullError
 
     work = tmp_path / "work"
     work.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(work)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with tmpfs(work, "2m"):
         probe_work_dir(work)  # room: passes, leaves nothing behind
         assert not list(work.iterdir())
         fill_disk(work / "filler")
@@ -140,24 +136,18 @@ def test_a_full_work_disk_is_found_by_the_claim_probe_even_when_the_store_has_ro
             probe_work_dir(work)
         (work / "filler").unlink()
         probe_work_dir(work)  # room again
-    finally:
-        subprocess.run(["umount", "-l", str(work)], capture_output=True)
 
 
 def test_a_store_opened_on_a_full_disk_is_a_full_disk_not_a_damaged_store(tmp_path):
     """The soak filled a worker's disk 4 s after it restarted: SQLite could not grow its WAL at open and
     said "disk I/O error"; the agent called its store unusable and exited 1. On a full disk that is
     StoreFullError (the agent waits for room: StoreWriter.open, agent/writer.py). A real full disk: a tmpfs (root only)."""
-    import subprocess
-
     from agent.store import STORE_FILENAME, Store, StoreFullError
     from protocol.identity import Identity
 
     home = tmp_path / "home"
     home.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(home)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with tmpfs(home, "4m"):
         identity = Identity.generate()
         with Store.in_data_dir(home, identity) as store:
             store.append_event(bytes(32), "done", {}, 1.0)
@@ -169,8 +159,6 @@ def test_a_store_opened_on_a_full_disk_is_a_full_disk_not_a_damaged_store(tmp_pa
         (home / "filler").unlink()
         with Store.in_data_dir(home, identity) as store:  # room again: the same store, whole
             assert len(store.ledger(bytes(32))) == 1
-    finally:
-        subprocess.run(["umount", "-l", str(home)], capture_output=True)
 
 
 async def test_a_full_disk_collects_at_once_with_a_short_grace_and_takes_work_again(tmp_path):
@@ -179,7 +167,6 @@ async def test_a_full_disk_collects_at_once_with_a_short_grace_and_takes_work_ag
     collects at once (agent/disk.py FULL_GRACE: files a minute old go), probes again and takes the work. A real
     full disk: a tmpfs (root only); a real store, block store and collection."""
     import os
-    import subprocess
     import time
 
     from agent.content.blockstore import BlockStore
@@ -191,9 +178,7 @@ async def test_a_full_disk_collects_at_once_with_a_short_grace_and_takes_work_ag
 
     home = tmp_path / "home"
     home.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(home)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with tmpfs(home, "6m"):
         blocks = BlockStore(home / "blocks")
         disk = Disk(home, home / "work", home / "blocks", None)
         graces = []
@@ -218,8 +203,6 @@ async def test_a_full_disk_collects_at_once_with_a_short_grace_and_takes_work_ag
         assert not await writer.can_take_work()
         assert graces == [FULL_GRACE] and "full" in (writer.store_full or "") and FULL_COLLECT_EVERY > 0
         writer.store.close()
-    finally:
-        subprocess.run(["umount", "-l", str(home)], capture_output=True)
 
 
 def test_a_full_disk_is_told_from_other_failures_of_a_shard(tmp_path):
@@ -227,8 +210,6 @@ def test_a_full_disk_is_told_from_other_failures_of_a_shard(tmp_path):
     the failure came from its full disk: the OSError a write raises there, or a library's error raised from it;
     a training that crashed for another reason is not. A real full disk: a 1 MiB tmpfs (root only)."""
     import errno
-    import subprocess
-
     from agent.disk import full_disk
     from agent.store import StoreFullError
 
@@ -237,9 +218,7 @@ def test_a_full_disk_is_told_from_other_failures_of_a_shard(tmp_path):
     assert full_disk(StoreFullError("cannot write: the disk is full"))
     small = tmp_path / "small"
     small.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with tmpfs(small, "1m"):
         from safetensors.numpy import save_file
         import numpy as np
 
@@ -259,8 +238,6 @@ def test_a_full_disk_is_told_from_other_failures_of_a_shard(tmp_path):
                 raise RuntimeError("checkpoint 2 could not be written") from exc
         except RuntimeError as exc:
             assert full_disk(exc)
-    finally:
-        subprocess.run(["umount", "-l", str(small)], capture_output=True)
 
 
 async def test_a_shard_given_back_for_the_workers_own_full_disk_costs_the_job_no_attempt(tmp_path, tiny_model_dir):
