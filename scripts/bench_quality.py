@@ -201,15 +201,26 @@ class Trainer:
     def train(self, adapter: dict, examples: list[Example], config: TrainConfig, steps: int,
               offset: int = 0, every: int = 0, on_eval=None, optimizer: dict | None = None,
               within: str = "constant", window: tuple[int, int] | None = None, tail: float = 0.0,
-              correction: dict | None = None) -> tuple[dict, dict]:
+              correction: dict | None = None, frozen_v: bool = False) -> tuple[dict, dict]:
         """(adapter, AdamW state) after ``steps`` steps from ``adapter`` (and ``optimizer``, else fresh);
         ``within``: the rate within the round (constant, or cosine from the round's rate to 0.1x);
         ``window`` (first, round_steps): these steps are the round's steps first.. of round_steps;
         ``correction``: added to every step's gradient of each named tensor before AdamW reads it (SCAFFOLD's
-        c - c_i, a study)."""
+        c - c_i, a study); ``frozen_v``: AdamW's second moment held at the round's start (``optimizer``, the
+        averaged state) through the round, so every worker divides by the same preconditioner (a study)."""
         session = self.session(adapter, examples, config)
         if optimizer:
             session.load_optimizer_tensors(optimizer)
+        if optimizer and frozen_v:
+            held = {id(p): state["exp_avg_sq"].clone() for p, state in session.optimizer.state.items()
+                    if "exp_avg_sq" in state}
+
+            def hold(*_args: Any) -> None:
+                for p, state in session.optimizer.state.items():
+                    if id(p) in held:
+                        state["exp_avg_sq"].copy_(held[id(p)])
+
+            session.optimizer.register_step_post_hook(hold)
         if correction:
             def corrected(*_args: Any) -> None:
                 for name, parameter in session.parameters.items():
@@ -296,7 +307,7 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
                 carry: bool = True, codec: str = "none", sent: list | None = None,
                 within: str = "constant", ramp: tuple[int, ...] = (), overlap: str = "none",
                 snr: float | None = None, tail: float = 0.0, downlink: str = "none", scaffold: int = 0,
-                downlink_rounds: str = "all", spread: float | None = None) -> list[float]:
+                downlink_rounds: str = "all", spread: float | None = None, frozen_v: bool = False) -> list[float]:
     """The protocol's training, in process: validation loss after each round's aggregate. With
     ``codec`` int8 every worker's end state goes through the report codec (agent/train/codec.py), as
     a worker's does; ``sent`` collects (payload bytes, whole-report bytes) per report. ``ramp``: the
@@ -336,7 +347,7 @@ def network_run(trainer: Trainer, shards: list[list[Example]], config: TrainConf
             mean_grad = {k: sum(w * g[k] for w, g in zip(weights, grads)) for k in grads[0]}
             corrections = [{k: mean_grad[k] - g[k] for k in g} for g in grads]
         trained = [(trainer.train(aggregate_now, shard, round_config, steps, offset=offset, optimizer=optimizer,
-                                  within=within, tail=tail, correction=correction),
+                                  within=within, tail=tail, correction=correction, frozen_v=frozen_v),
                     len(shard)) for shard, correction in zip(shards, corrections)]
         if codec != "none":
             trained = [(coded(aggregate_now, adapter, opt if carry else {}, trainer.frozen, sent, codec,
@@ -596,6 +607,9 @@ def main(argv: list[str] | None = None) -> int:
                              "fraction of steps (tail averaging, a study); 0: its last iterate")
     parser.add_argument("--scaffold", default="0",
                         help="comma list of batch counts: a study of SCAFFOLD's drift correction (network_run); 0: off")
+    parser.add_argument("--frozen-v", action="store_true",
+                        help="a study: each worker's AdamW second moment held at the round's averaged one through "
+                             "the round (one preconditioner for all workers; network_run)")
     parser.add_argument("--quick", action="store_true", help="demo task, W=4, T=200: a smoke run")
     parser.add_argument("--seeds", default="7",
                         help="training seeds (comma list: LoRA init, shard split, batch order); with several, each row "
@@ -697,7 +711,8 @@ def _one_seed(args: Any, model: Path, seed: int, results: dict, suffix: str) -> 
                                              lr_scale=inner_lr_scale(inner_scale, workers),
                                              carry=carried == "carried", codec=codec, sent=sent, within=within,
                                              ramp=ramp, overlap=overlap, downlink=downlink, scaffold=scaffold,
-                                             downlink_rounds=args.downlink_rounds, spread=spread)
+                                             downlink_rounds=args.downlink_rounds, spread=spread,
+                                             frozen_v=args.frozen_v)
                         label = f"{label}+{carried}" + "".join(f"+{x}" for x in (codec, schedule, inner_scale)
                                                                if x not in ("none", "constant"))
                         label += f"+within-{within}" if within != "constant" else ""
@@ -708,6 +723,7 @@ def _one_seed(args: Any, model: Path, seed: int, results: dict, suffix: str) -> 
                         label += f"+down-{downlink}" if downlink != "none" else ""
                         label += "-protocol" if downlink != "none" and args.downlink_rounds == "protocol" else ""
                         label += f"+scaffold{scaffold}" if scaffold else ""
+                        label += "+frozen-v" if args.frozen_v else ""
                         final = losses[-1]
                         reached, capped = steps_to_reach(central, final)
                         efficiency = reached / args.total
