@@ -25,7 +25,6 @@ uncompressed POSIX tar first. Rules of this file:
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import tarfile
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import trio
+
+from agent.store import FULL_ERRNOS
 
 ADAPTER_FILES = frozenset({"adapter_config.json", "adapter_model.safetensors"})
 CHECKPOINT_FILES = ADAPTER_FILES | {"optimizer.safetensors", "state.json"}
@@ -145,7 +146,7 @@ def _copy_exactly(tar: tarfile.TarFile, member: tarfile.TarInfo, dst: Path, bund
                 out.write(chunk)
                 left -= len(chunk)
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # our disk is full: our failure, not the bundle's
+        if exc.errno in FULL_ERRNOS:  # our disk is full: our failure, not the bundle's
             raise OSError(exc.errno, f"{dst}: cannot write an entry of {bundle_name}: {exc.strerror}") from None
         raise BundleError(f"{bundle_name}: entry {member.name!r} could not be extracted ({exc})") from None
     except tarfile.TarError as exc:

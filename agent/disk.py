@@ -28,7 +28,6 @@ one) and every content block stayed forever: an agent filled its own disk (issue
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import os
 import re
@@ -70,27 +69,6 @@ _ROUND_ENTRY = re.compile(r"^(?:verify-|start-|aggregate-|fetched-|early-)?r(\d+
 
 class DiskQuotaError(StoreFullError):
     """Our home uses (or would use with the next piece of work) more than ``max_disk_gb``."""
-
-
-def full_disk(exc: BaseException) -> bool:
-    """Did ``exc`` (or an exception it was raised from or during) come from our own full disk: ENOSPC or EDQUOT,
-    a store or quota that is full, or a library's message of the same (torch's writer says "No space left on
-    device" in a RuntimeError)? A shard given back for it is excused (IPIP-0004 §5 RETRY, ``cause: local``)."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        current = todo.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, StoreFullError) or \
-                isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT) or \
-                "No space left on device" in str(current) or "Disk quota exceeded" in str(current):
-            return True
-        todo += [current.__cause__, current.__context__]
-        if isinstance(current, BaseExceptionGroup):
-            todo += list(current.exceptions)
-    return False
 
 
 @dataclass

@@ -69,6 +69,7 @@ Rules of this file:
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import sqlite3
@@ -167,6 +168,29 @@ class StoreFullError(StoreError):
 
 
 FULL_BELOW = 1 << 20  # bytes free under which a failed SQLite write is taken for a full disk
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # an OSError with one of these: our own disk (or quota) is full
+
+
+def full_disk(exc: BaseException) -> bool:
+    """Did ``exc`` (or an exception it was raised from or during) come from our own full disk: an OSError of
+    ``FULL_ERRNOS``, a full store or quota (StoreFullError), or a library's error naming the same (safetensors:
+    "I/O error: No space left on device")? torch.save's does not (on a full tmpfs: "unexpected pos 576 vs 534"):
+    ``disk_is_full`` tells that case. A shard given back for it is excused (IPIP-0004 §5 RETRY, ``cause: local``)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, StoreFullError) or \
+                isinstance(current, OSError) and current.errno in FULL_ERRNOS or \
+                "No space left on device" in str(current) or "Disk quota exceeded" in str(current):
+            return True
+        todo += [current.__cause__, current.__context__]
+        if isinstance(current, BaseExceptionGroup):
+            todo += list(current.exceptions)
+    return False
 
 
 def disk_is_full(path: Path) -> bool:

@@ -18,7 +18,6 @@ Rules of this file:
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -29,7 +28,7 @@ from typing import Any, Callable
 import trio
 
 from agent.disk import FULL_GRACE
-from agent.store import Store, StoreFullError
+from agent.store import FULL_ERRNOS, Store, StoreFullError
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +237,7 @@ def probe_work_dir(work_dir: Path) -> None:
             file.flush()
             os.fsync(file.fileno())
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        if exc.errno in FULL_ERRNOS:
             raise StoreFullError(f"{work_dir}: no room for new work ({exc.strerror})") from None
         raise
     finally:

@@ -49,7 +49,7 @@ from agent.hooks import HonestTraining
 from agent.bundle import AGGREGATE_FILES, DEFAULT_MAX_BYTES, REPORT_FILES, bundle_size_bound, pack_dir_off_loop, \
     unpack_off_loop
 from agent.downlink import fetch_coded
-from agent.disk import full_disk
+from agent.store import disk_is_full, full_disk
 from protocol.mirror import JobMirror
 from agent.train.runner import run_torch, train_config
 from protocol import downlink, early as early_rules
@@ -537,8 +537,8 @@ class WorkerRole:
                 return
             # our own full disk is not the shard's failure: the attempt is excused (IPIP-0004 §5 RETRY; issue 24: a
             # worker whose disk filled spent the shard's attempts, and the demo failed a round)
-            # (torch.save on a full disk says only "unexpected pos …": a disk nearly full now counts too)
-            local = full_disk(exc) or self.evidence.store_full is not None or self.evidence.writer.disk.low_on_room()
+            # (torch.save on a full disk says only "unexpected pos …": a disk full now counts too)
+            local = full_disk(exc) or self.evidence.store_full is not None or disk_is_full(self.local.work_dir)
             log.warning("job %s shard %d: giving it back%s: %s", view.job_id.hex()[:8], lease.shard,
                         " (our disk is full)" if local else "", exc)
             with trio.move_on_after(5):

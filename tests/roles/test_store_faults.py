@@ -210,8 +210,7 @@ def test_a_full_disk_is_told_from_other_failures_of_a_shard(tmp_path):
     the failure came from its full disk: the OSError a write raises there, or a library's error raised from it;
     a training that crashed for another reason is not. A real full disk: a 1 MiB tmpfs (root only)."""
     import errno
-    from agent.disk import full_disk
-    from agent.store import StoreFullError
+    from agent.store import StoreFullError, full_disk
 
     assert not full_disk(RuntimeError("training crashed"))
     assert not full_disk(OSError(errno.ENOENT, "No such file or directory"))
