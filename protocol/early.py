@@ -19,7 +19,8 @@ Rules of this file:
 - An early start is OURS once round r + 1 holds its lease (its attempt, to us) and round r's published
   aggregate is the start it trained from; it WAITS while round r is still verified or aggregated; OPEN when
   round r + 1 began and its shard is not leased yet; any other state voids it (``standing``).
-- A worker whose early start stands OPEN claims its shard again, once (``reclaim``): at once when the job's
+- A worker whose early start stands OPEN claims its shard again, once, while it holds no live lease of the job
+  (``reclaim``): at once when the job's
   coordination term is no longer the `early` message's (a coordinator elected since then ignored the claim, which
   was for the round after its mirror's), else after ``EARLY_RECLAIM_AFTER`` seconds OPEN (a claim lost).
 The vectors are ``ipips/vectors/early-start.json`` (scripts/make_early_vectors.py).
@@ -130,9 +131,11 @@ def standing(state: JobState, published_cid: str | None, rnd: int, shard: int, a
     return f"shard {shard} went to another lease (attempt {current.attempt})"
 
 
-def reclaim(open_for: float, early_term: int, term: int) -> bool:
+def reclaim(open_for: float, early_term: int, term: int, holding: bool = False) -> bool:
     """Does a worker whose early start has stood OPEN for ``open_for`` seconds claim its shard again now (once)?
     ``early_term``: the term of the `early` message it took; ``term``: the job's coordination term now. A claim
     sent with an early start is for the round after the coordinator's, and a peer that is not the coordinator
-    yet keeps no such claim (it is no lease request): a coordinator elected since then never heard one."""
-    return term != early_term or open_for >= EARLY_RECLAIM_AFTER
+    yet keeps no such claim (it is no lease request): a coordinator elected since then never heard one.
+    ``holding``: the worker holds a live lease of the job, which makes a coordinator refuse its claim: not now (a
+    queued start's claim follows the report of the lease it holds)."""
+    return not holding and (term != early_term or open_for >= EARLY_RECLAIM_AFTER)

@@ -87,6 +87,8 @@ RECLAIM = [
     ("open a moment, under the coordinator that announced it", 0.5, 1, 1),
     ("open long enough: the claim was lost", 2.0, 1, 1),
     ("a coordinator elected since the announcement", 0.0, 1, 2),
+    ("open long enough, but the worker holds a live lease of the job (a queued start)", 5.0, 1, 1, True),
+    ("a new coordinator, but the worker holds a live lease of the job", 0.0, 1, 2, True),
 ]
 
 
@@ -131,8 +133,9 @@ def main() -> None:
                       "worker": worker, "queued": list(early.queued(trained, msg, worker)),
                       "reserved": sorted(reserved), "open": open_shards,
                       "claimable": early.claimable(open_shards, reserved)})
-    reclaim = [{"name": n, "open_for": t, "early_term": e, "term": term, "reclaim": early.reclaim(t, e, term)}
-               for n, t, e, term in RECLAIM]
+    reclaim = [{"name": n, "open_for": t, "early_term": e, "term": term, "holding": bool(holding),
+                "reclaim": early.reclaim(t, e, term, bool(holding))}
+               for n, t, e, term, *holding in RECLAIM]
     swarm = [{"name": n, "early_workers": list(w), "submitter": sub,
               "members": list(early.swarm(EarlyStart(JOB, 2, 1, CID, tuple(range(len(w))), w), sub))}
              for n, w, sub in SWARM]
@@ -145,7 +148,8 @@ def main() -> None:
                        "term, for the round after its mirror's, while it is VERIFYING or AGGREGATING). 'standing': "
                        "ours, wait, open (round began, not leased yet: the worker's timer) or void. 'reclaim': does a worker whose "
                        "early start has stood open for open_for seconds claim its shard again (once), given the "
-                       "early message's term and the coordination term now. States are "
+                       "early message's term, the coordination term now, and whether it holds a live lease of the "
+                       "job ('holding': then not). States are "
                        "{phase, round, shards: [[phase, attempt, worker]]}. 'ready', 'announced', 'taken', "
                        "'standing' and 'reclaim' are normative; 'reason' is not. 'queue': for a round r + 1 announced early with "
                        "(shard, worker) pairs 'announced', from round r's (shard, worker) pairs 'trained': the shards "

@@ -37,12 +37,13 @@ class Byzantine(HonestTraining):
         self.mode = mode
         self.stalled = False
         self.stall_cut_short = False  # stall_once: the worker cancelled the stalled attempt (drop_stale)
+        self.disk_filled = False  # disk_full_once: its first shard failed already
 
     def before_training(self) -> None:
         if self.mode == "crash":
             raise RuntimeError("training crashed (harness: this worker's training always fails)")
-        if self.mode == "disk_full_once" and not self.stalled:
-            self.stalled = True
+        if self.mode == "disk_full_once" and not self.disk_filled:
+            self.disk_filled = True
             raise OSError(errno.ENOSPC, "No space left on device (harness: this worker's first shard)")
 
     async def base_model(self, home: Path) -> str | None:

@@ -322,17 +322,13 @@ class WorkerRole:
         if entry is None:
             return
         early, shards = entry
-        me = self.local.peer_id
         while shards:
             shard = shards.pop(0)
             key = (view.job_id, rnd, shard, 1)
-            published = view.aggregates.get(rnd - 1)
-            standing = early_rules.standing(view.state, published.adapter_cid if published is not None else None, rnd,
-                                            shard, 1, me, early.initial_adapter_cid)
-            if key in self.active or standing not in (early_rules.WAIT, early_rules.OPEN, early_rules.OURS):
-                continue  # (another lease took it, or the round or its start is not the announced one: not trained)
-            lease = m.ShardLease(view.job_id, rnd, shard, 1, me, early.term,
+            lease = m.ShardLease(view.job_id, rnd, shard, 1, self.local.peer_id, early.term,
                                  self.local.clock() + view.terms.lease_seconds, early.initial_adapter_cid)
+            if key in self.active or self._early_outcome(view, lease) not in (early_rules.WAIT, early_rules.OURS):
+                continue  # (another lease took it, or the round or its start is not the announced one: not trained)
             self.active[key] = lease
             self._early[key] = None
             if not self.tasks.spawn_in_job(view.job_id, self._start_early, view, lease, key, (), True):
@@ -402,9 +398,9 @@ class WorkerRole:
         deadline = self.local.clock() + view.terms.lease_seconds
         while (outcome := self._early_outcome(view, lease)) == early_rules.WAIT and self.local.clock() < deadline:
             opened = self._early.get(key)  # (when we first saw its round begin with the shard still open)
-            # (not while we hold a live lease of the job: a queued start's claim follows that lease's report)
-            if opened is not None and key not in self._reclaimed and not view.training_by(self.local.peer_id) and \
-                    early_rules.reclaim(self.local.clock() - opened, lease.term, view.coordination.term):
+            if opened is not None and key not in self._reclaimed and \
+                    early_rules.reclaim(self.local.clock() - opened, lease.term, view.coordination.term,
+                                        holding=bool(view.training_by(self.local.peer_id))):
                 # our claim went to the round before, and a coordinator elected since never kept it (the scenario
                 # coded-coordinator-killed: the early work was dropped 20 s later, the shards trained again)
                 self._reclaimed.add(key)

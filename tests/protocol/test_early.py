@@ -58,7 +58,8 @@ def test_who_fetches_an_announced_start_together_and_which_parts_each_takes():
 def test_when_a_worker_claims_its_early_shard_again():
     assert {c["reclaim"] for c in DOC["reclaim"]} == {True, False}
     for case in DOC["reclaim"]:
-        assert early.reclaim(case["open_for"], case["early_term"], case["term"]) == case["reclaim"], case["name"]
+        assert early.reclaim(case["open_for"], case["early_term"], case["term"], case["holding"]) == case["reclaim"], \
+            case["name"]
 
 
 def test_which_shards_a_worker_trains_after_its_announced_one_and_which_it_claims_last():
