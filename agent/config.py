@@ -55,6 +55,9 @@ class AgentConfig:
     heartbeat_seconds: float = 1.0
     missed_heartbeats: int = 5
     grace_seconds: float = 3.0
+    # as a coordinator, end the lease of a holder not heard for this long (IPIP-0004 §5.3; at least twice the
+    # heartbeat silence); 0: leases end only when they run out (lease_seconds)
+    silent_holder_seconds: float = 15.0
     claim_interval: float = 1.0
     fetch_timeout: float = 120.0
     max_disk_gb: float = 0.0  # the most the home may use (agent/disk.py); 0 = no limit
@@ -144,6 +147,11 @@ max_disk_gb = 0
 heartbeat_seconds = 1.0
 missed_heartbeats = 5
 
+# As a job's coordinator: end the lease of a worker not heard for this many seconds (no heartbeat, no
+# checkpoint) while the other peers are heard, so its shard goes to another worker now instead of when
+# the lease runs out (the job's lease_seconds). At least twice the heartbeat silence; 0 = never.
+silent_holder_seconds = 15.0
+
 # Gossip accepted from one peer (the messages it signs), per second and in a burst; beyond that its
 # messages are dropped at the first hop (a flood stops here, and we are not blamed for relaying it).
 gossip_max_rate = 200.0
@@ -172,7 +180,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "price_per_hour": (int, float), "threads": int, "train_processes": int, "ipfs_api": str, "fetch_timeout": (int, float),
     "max_disk_gb": (int, float),
     "heartbeat_seconds": (int, float), "missed_heartbeats": int, "grace_seconds": (int, float),
-    "claim_interval": (int, float), "models": dict, "gossip_max_rate": (int, float),
+    "silent_holder_seconds": (int, float), "claim_interval": (int, float), "models": dict, "gossip_max_rate": (int, float),
     "gossip_max_burst": (int, float), "measure_speed": bool, "repair_from_senders": bool,
 }
 
@@ -188,6 +196,7 @@ RANGES: dict[str, tuple[float, float, str]] = {
     "heartbeat_seconds": (0.1, 60, " seconds"),  # 0 was a busy loop flooding every peer
     "missed_heartbeats": (2, 100, ""),
     "grace_seconds": (0, 600, " seconds"),
+    "silent_holder_seconds": (0, 86400, " seconds (0: never)"),
     "claim_interval": (0.05, 3600, " seconds"),
     "gossip_max_rate": (1, 1e6, " messages per second"),
     "gossip_max_burst": (1, 1e7, " messages"),

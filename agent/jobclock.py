@@ -3,7 +3,8 @@
 Rules of this file:
 - Twice a second every followed job gets one ``tick``: its election view moves (``update_election``),
   what its mirror held for a term is tried again when the view moved, the state machine's clock runs
-  (``JobMirror.tick``: leases expire, rounds time out), and what that caused is committed through the
+  (``JobMirror.tick``: leases expire, rounds time out), a job we coordinate ends the leases of holders we no
+  longer hear (``CoordinatorRole.revoke_silent``), and what that caused is committed through the
   agent's one ``commit`` (agent/node.py).
 - Election view: a job's coordinator is elected once the job has been known for ``grace_seconds`` (so
   that peers whose views converged agree on term 1), and stays until it falls silent; then the next
@@ -159,6 +160,7 @@ class JobClock:
             self.coordinating.add(view.job_id)
             self.coordinator.take_over(view)
         self.coordinator.judge_reports(view)  # the coordinator's own reports, if we are their judge
+        await self.coordinator.revoke_silent(view, now)  # leases whose holder fell silent (IPIP-0004 §5.3)
 
     async def _retry_held(self, view: "JobMirror", now: float) -> None:
         """Our view of the job's term moved (an election tick, a coordinator's heartbeat): the messages

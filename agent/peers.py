@@ -53,8 +53,12 @@ class PeerTable:
 
     def heard(self, signer: str, heartbeat: m.Heartbeat, now: float) -> bool:
         """A heartbeat of ``signer`` arrived; True if the peer is new to us or back after a silence."""
-        if signer != self.me and not self.live_peers():
-            self.hearing_peers_since = now  # the first peer heard since we (re)started or were alone
+        if signer != self.me and not any(i.heartbeats and now - i.last_heartbeat < self.silence
+                                         for p, i in self.peers.items() if p != self.me):
+            # the first peer heard since we (re)started or were alone. By heartbeats: a capability that came
+            # first made its peer look live here, and an agent that heard a capability before any heartbeat
+            # never set this (a coordinator then ended no silent holder's lease, IPIP-0004 §5.3)
+            self.hearing_peers_since = now
         info = self.peers.setdefault(signer, PeerInfo(now, live_since=now))
         # new to us: its first heartbeat, whether or not its capability came first (an agent publishes its
         # capability before its first heartbeat, so "not in the table" was never true of a new agent, and

@@ -17,11 +17,15 @@ Rules of this file:
   3. never a second live lease of the job to one worker (a shard it reported and that awaits its
      verdict does not count: it trains the next one meanwhile).
 - The claimant's capability (protocol/fit.py) and the market (protocol/market.py) are checked after.
+- ``silent_holders``: whose lease the coordinator ends because it no longer hears the holder (IPIP-0004 §5.3).
+  Read off what the coordinator hears (heartbeats: no signed history says a peer is silent), so it is
+  the coordinator's decision, signed (``revoke``), applied by every mirror like a lease.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Mapping
 
 from protocol.messages import Verdict
 from protocol.state import ShardPhase, ShardState
@@ -41,3 +45,31 @@ def history_refusal(worker: str, coordinator: str | None, verdicts: Iterable[Ver
         if shard.worker == worker and shard.phase is ShardPhase.LEASED:
             return f"it holds a live lease of this job (shard {shard.index})"
     return None
+
+
+def silent_holders(shards: Iterable[ShardState], coordinator: str, heard: Mapping[str, float], now: float,
+                   lease_seconds: float, silent_seconds: float, silence: float,
+                   hearing_since: float | None) -> list[tuple[int, float]]:
+    """The LEASED shards whose lease the coordinator ends now (IPIP-0004 §5.3), as (shard, seconds silent).
+
+    ``heard``: when we last heard each peer's heartbeat; ``silence``: the heartbeat silence after which a peer
+    is not live (heartbeat_seconds x missed_heartbeats); ``hearing_since``: since when we have heard other peers
+    without a break (None: we hear nobody). A holder is silent when neither its heartbeat nor its job's
+    last sign of life (the lease, or its last checkpoint: ``expires_at - lease_seconds``) came in the last
+    ``silent_seconds``. Revoked only while we have heard peers for ``silent_seconds`` and another peer is live
+    to us now: a coordinator that restarted, was cut off or whose own loop stalled hears nobody, and ends no
+    lease. Never our own lease (``coordinator``), and nothing when ``silent_seconds`` is 0 (off)."""
+    if silent_seconds <= 0 or hearing_since is None or now - hearing_since < silent_seconds:
+        return []
+    out: list[tuple[int, float]] = []
+    for shard in shards:
+        if shard.phase is not ShardPhase.LEASED or shard.worker is None or shard.worker == coordinator:
+            continue
+        if not any(now - t < silence for peer, t in heard.items() if peer not in (shard.worker, coordinator)):
+            continue  # we hear nobody else either: the silence may be ours
+        last = heard.get(shard.worker, -math.inf)
+        if shard.expires_at is not None:
+            last = max(last, shard.expires_at - lease_seconds)
+        if now - last >= silent_seconds:
+            out.append((shard.index, now - last if math.isfinite(last) else silent_seconds))
+    return out

@@ -611,6 +611,25 @@ RELEASE_LOCAL = "local"
 """``ShardRelease.cause``: the worker's own machine gave out, not the shard (an excused attempt)."""
 
 
+@message("revoke", "job")
+class ShardRevoke(Wire):
+    """The job's coordinator ends a lease whose holder it no longer hears (IPIP-0004 §5.3): no heartbeat of
+    ``worker`` for ``silent_seconds`` while the other peers' still arrive. The attempt is excused; the shard
+    reopens at once instead of when the lease runs out (``lease_seconds``, an hour by default)."""
+
+    job_id: bytes = digest_field()
+    round: int = count_field(1000)
+    shard: int = count_field(MAX_LIST)
+    attempt: int = count_field(1000)
+    worker: str = peer_field()
+    term: int = count_field()
+    silent_seconds: float = field()
+
+    def check(self, path: str) -> None:
+        if self.silent_seconds < 0:
+            raise CodecError("bad-field", f"{path}.silent_seconds: must be >= 0, got {self.silent_seconds!r}")
+
+
 @message("ckpt", "job")
 class CheckpointCommit(Wire):
     job_id: bytes = digest_field()
@@ -730,7 +749,7 @@ class Heartbeat(Wire):
 
 
 Message = typing.Union[
-    JobAnnouncement, Capability, ShardClaim, ShardLease, ShardRelease, CheckpointCommit,
+    JobAnnouncement, Capability, ShardClaim, ShardLease, ShardRelease, ShardRevoke, CheckpointCommit,
     ShardReport, Verdict, AggregatePublished, EarlyStart, JobCancel, Heartbeat,
 ]
 

@@ -27,7 +27,7 @@ Rules of this file:
   coordinator's own decisions are applied when it makes them; every other peer applies them when
   they arrive. So a successor coordinator already holds the job's state when it takes over.
 - Worker messages (``ckpt``, ``report``, ``release``) are applied by everyone. Coordinator
-  messages (``lease``, ``verdict``, ``aggregate``) only when their signer and term pass the
+  messages (``lease``, ``revoke``, ``verdict``, ``aggregate``) only when their signer and term pass the
   election view (protocol/election.py); echoes of our own decisions are skipped. A verdict signed
   by the worker it judges is never applied; one on the coordinator's own report is applied from
   another eligible peer in the coordinator's term (``election.may_judge``).
@@ -71,7 +71,7 @@ from protocol.proof import max_checkpoints
 log = logging.getLogger(__name__)
 
 Key = m.ShardAttempt  # (round, shard, attempt)
-DECISIONS = (m.ShardLease, m.Verdict, m.AggregatePublished)  # a coordinator's messages
+DECISIONS = (m.ShardLease, m.ShardRevoke, m.Verdict, m.AggregatePublished)  # a coordinator's messages
 PENDING_MAX = 256
 PENDING_PER_SIGNER = 32  # held messages of one signer; its oldest goes first
 PENDING_SECONDS = 300.0  # an envelope's acceptance window (IPIP-0001)
@@ -130,6 +130,7 @@ class JobMirror:
     commits: dict[Key, list[m.CheckpointCommit]] = field(default_factory=lambda: defaultdict(list))
     reports: dict[Key, tuple[m.ShardReport, str]] = field(default_factory=dict)
     verdicts: dict[Key, m.Verdict] = field(default_factory=dict)
+    revocations: dict[Key, m.ShardRevoke] = field(default_factory=dict)  # leases ended: their holder fell silent
     aggregates: dict[int, m.AggregatePublished] = field(default_factory=dict)
     refused: Counter = field(default_factory=Counter)
     # (first seen, message, signer, envelope bytes or None)
@@ -297,7 +298,7 @@ class JobMirror:
         term before its. The outcome's evidence is the history's, then what applied here (so the store
         holds what the rebuilt mirror holds)."""
         for name in ("state", "coordination", "term_from_verdict", "leases", "commits", "reports", "verdicts",
-                     "aggregates"):
+                     "revocations", "aggregates"):
             setattr(self, name, getattr(fresh, name))
         term = self.coordination.term
         self.pending = [p for p in self.pending if p[2] != self.me and getattr(p[1], "term", term) >= term]
@@ -529,6 +530,11 @@ class JobMirror:
             self.state = state
             self.leases[m.attempt_of(msg)] = msg
             self.applied_at[("lease", m.attempt_of(msg))] = now
+            return actions
+        if isinstance(msg, m.ShardRevoke):
+            actions = self._step(st.Revoked(msg.round, msg.shard, msg.worker, msg.attempt), now, count=count)
+            if actions is not None:
+                self.revocations[m.attempt_of(msg)] = msg
             return actions
         if isinstance(msg, m.Verdict):
             actions = self._step(st.VerdictGiven(msg.round, msg.shard, msg.attempt, msg.accepted, msg.reason), now,

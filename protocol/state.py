@@ -30,7 +30,8 @@ attempt that ends badly (released, lease expired, report rejected, no verdict in
 ends with no verdict in time is not its worker's failure (the worker reported; the coordinator did
 not decide: it died, or could not get the submitter to keep the adapter, IPIP-0006 §2.6.1): it is
 *excused*, counted apart, as is a release for a cause on the worker's own machine (its disk filled,
-it restarted: ``Released.excused``, the wire's ``cause: local``), so the retry budget (``max_retries +
+it restarted: ``Released.excused``, the wire's ``cause: local``), and a lease the coordinator revoked because
+its holder fell silent (``Revoked``, IPIP-0004 §5.3), so the retry budget (``max_retries +
 1`` attempts) counts only attempts whose worker failed, and a shard may also have up to ``max_retries +
 1`` excused attempts a round. Every waiting state has a timer, so no shard can be held forever by a silent worker or a silent verifier.
 A checkpoint extends its attempt's lease, but an attempt takes at most ``max_checkpoints`` of them
@@ -230,6 +231,17 @@ class Released:
 
 
 @dataclass(frozen=True)
+class Revoked:
+    """The coordinator ended the lease of a holder it no longer hears (IPIP-0004 §5.3): the worker fell silent
+    (its machine died, or the network between them did), not the shard's work: an excused attempt."""
+
+    round: int
+    shard: int
+    worker: str
+    attempt: int
+
+
+@dataclass(frozen=True)
 class VerdictGiven:
     """Verification of the reported attempt finished."""
 
@@ -261,7 +273,8 @@ class Cancel:
     reason: str = "cancelled by the submitter"
 
 
-Event = LeaseGranted | CheckpointSeen | ReportReceived | Released | VerdictGiven | Tick | AggregatePublished | Cancel
+Event = LeaseGranted | CheckpointSeen | ReportReceived | Released | Revoked | VerdictGiven | Tick | AggregatePublished | \
+    Cancel
 
 
 @dataclass(frozen=True)
@@ -362,6 +375,7 @@ class ShardInput(Enum):
     ACCEPT = "verdict accepted"
     REJECT = "verdict rejected"
     LEASE_EXPIRED = "lease expired"
+    LEASE_REVOKED = "lease revoked: its holder fell silent"
     VERIFICATION_EXPIRED = "verification window expired"
 
 
@@ -380,6 +394,7 @@ SHARD_TRANSITIONS: dict[ShardPhase, dict[ShardInput, ShardPhase | str]] = {
         ShardInput.RELEASE: RETRY,  # holder only
         ShardInput.RELEASE_EXCUSED: RETRY,  # holder only; an excused attempt
         ShardInput.LEASE_EXPIRED: RETRY,
+        ShardInput.LEASE_REVOKED: RETRY,  # holder, current attempt (the coordinator's decision); an excused attempt
     },
     ShardPhase.REPORTED: {
         ShardInput.ACCEPT: ShardPhase.ACCEPTED,  # current attempt only
@@ -389,6 +404,9 @@ SHARD_TRANSITIONS: dict[ShardPhase, dict[ShardInput, ShardPhase | str]] = {
     ShardPhase.ACCEPTED: {},
     ShardPhase.FAILED: {},
 }
+
+EXCUSED_INPUTS = frozenset({ShardInput.VERIFICATION_EXPIRED, ShardInput.RELEASE_EXCUSED, ShardInput.LEASE_REVOKED})
+"""The RETRY inputs that are not the worker's failure: counted in ``ShardState.excused``, apart from the retry budget."""
 
 NEXT_ROUND = "NEXT_ROUND"
 """Table target: TRAINING in round + 1 with every shard reopened, or DONE after the last round."""
@@ -406,6 +424,7 @@ JOB_TRANSITIONS: dict[JobPhase, dict[type, JobPhase | str]] = {
         CheckpointSeen: JobPhase.TRAINING,
         ReportReceived: JobPhase.TRAINING,
         Released: JobPhase.TRAINING,
+        Revoked: JobPhase.TRAINING,
         VerdictGiven: JobPhase.TRAINING,
         Cancel: JobPhase.CANCELLED,
     },
@@ -500,6 +519,9 @@ def _shard_event(job: JobState, event: Event) -> tuple[ShardState, ShardInput, s
             raise StateError(f"excused must be true or false, got {event.excused!r}")
         shard_input = ShardInput.RELEASE_EXCUSED if event.excused else ShardInput.RELEASE
         reason = f"released by {worker}" + (" (its own machine)" if event.excused else "")
+    elif isinstance(event, Revoked):
+        shard_input = ShardInput.LEASE_REVOKED
+        reason = f"lease of attempt {attempt} revoked: {worker} fell silent"
     else:  # VerdictGiven, the only other shard event in JOB_TRANSITIONS
         if not isinstance(event.accepted, bool):
             raise StateError(f"accepted must be true or false, got {event.accepted!r}")
@@ -571,7 +593,7 @@ def _shard_step(
         reason = f"lease of attempt {shard.attempt} expired"
     elif shard_input is ShardInput.VERIFICATION_EXPIRED:
         reason = f"no verdict on attempt {shard.attempt} in time"
-    excused = shard.excused + (shard_input in (ShardInput.VERIFICATION_EXPIRED, ShardInput.RELEASE_EXCUSED))
+    excused = shard.excused + (shard_input in EXCUSED_INPUTS)
     failed = shard.attempt - excused  # attempts whose worker failed (released, expired, rejected)
     if failed < config.attempts_per_round and excused <= config.attempts_per_round:
         late = shard.worker if shard_input is ShardInput.VERIFICATION_EXPIRED else None  # its verdict may follow

@@ -93,6 +93,7 @@ def sample_messages() -> list[Any]:
         m.ShardClaim(job, 1, 1),
         m.ShardLease(job, 1, 1, 1, BOB.peer_id, 1, NOW + 120, CID_V1),
         m.ShardRelease(job, 1, 1, 1, "dataset hash mismatch"),
+        m.ShardRevoke(job, 1, 1, 1, BOB.peer_id, 1, 16.5),
         m.CheckpointCommit(job, 1, 1, 1, 10, 1, bytes(32), bytes([7]) * 32, 2.5, CID_V1),
         m.ShardReport(job, 1, 1, 1, CID_V1, CID_V1, bytes(32), 3, 30, 100, 1.25, {"val_loss": 1.5}),
         m.Verdict(job, 1, 1, 1, BOB.peer_id, 1, True, "replayed 2 segments exactly", (0, 2)),

@@ -123,6 +123,17 @@ make("release-excused-budget", "Excused releases have the budget of excused atte
     (5.0, Released(1, 0, B, 3, True)),
 ])
 
+make("lease-revoked", "A lease the coordinator revoked because its holder fell silent (IPIP-0004 §5.3; the wire's revoke) reopens the shard at once, long before lease_seconds, and is excused like an attempt with no verdict in time: max_retries=0 allows 1 failed attempt and, apart, 1 excused one a round. A revoke naming another worker than the holder, or another attempt, is refused. Attempt 1 is revoked (excused 1: reopened); attempt 2 is revoked too (excused 2 > 1): the shard FAILS, and the job with it (min_accepted_fraction 1).",
+     dict(shards=2, rounds=1, lease_seconds=3600.0, max_retries=0, min_accepted_fraction=1.0, deadline=None), [
+    (0.0, LeaseGranted(1, 0, A)),
+    (0.0, LeaseGranted(1, 1, B)),
+    (20.0, Revoked(1, 0, B, 1)),
+    (20.0, Revoked(1, 0, A, 2)),
+    (20.0, Revoked(1, 0, A, 1)),
+    (21.0, LeaseGranted(1, 0, C)),
+    (30.0, Revoked(1, 0, C, 2)),
+])
+
 make("timers", "Verification window and aggregation window: a report without a verdict within lease_seconds reopens the shard (an excused attempt, see state-no-verdict-excused); an aggregate not published within lease_seconds fails the job.",
      dict(shards=1, rounds=1, lease_seconds=60.0, max_retries=1, min_accepted_fraction=1.0, deadline=None), [
     (0.0, LeaseGranted(1, 0, A)),

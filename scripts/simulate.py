@@ -55,6 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="remedy: a coordinator claims no shards, so its replays never wait for training")
     parser.add_argument("--verdict-margin", type=float, default=0.0, metavar="SECONDS",
                         help="remedy: a coordinator withholds a verdict this close to its verification window's end")
+    parser.add_argument("--silent-holder-seconds", type=float, default=defaults.silent_holder_seconds,
+                        metavar="SECONDS", help="a coordinator revokes the lease of a holder it has not heard for this "
+                                                "long (IPIP-0004 §5.3; the agent's silent_holder_seconds); 0: never")
     parser.add_argument("--remedies", action="store_true", help="every what-if remedy (coordinators don't train, verdict margin 60 s)")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON lines")
     return parser.parse_args(argv)
@@ -72,7 +75,8 @@ def config_from(args: argparse.Namespace) -> SimConfig:
                      reorder_buffer=not args.no_reorder_buffer, catch_up=not args.no_catch_up,
                      repair=args.repair and not args.no_catch_up,
                      coordinators_train=not (args.coordinators_dont_train or args.remedies),
-                     verdict_margin=args.verdict_margin or (60.0 if args.remedies else 0.0))
+                     verdict_margin=args.verdict_margin or (60.0 if args.remedies else 0.0),
+                     silent_holder_seconds=args.silent_holder_seconds)
 
 
 def figures(summary: dict, wall: float, config: SimConfig) -> list[dict]:

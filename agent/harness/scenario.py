@@ -73,7 +73,7 @@ AGENT_KEYS = {"claim_interval": float, "max_concurrent_shards": int, "can_coordi
               "gossip_max_rate": float, "gossip_max_burst": float, "relay": bool}
 EXPECT_KEYS = ("phase", "reason", "min_term", "reassigned", "rejected", "released", "gossip_rejected",
                "rate_limited", "trained", "not_trained", "coordinator_judged", "relayed", "direct", "max_term",
-               "recovered")
+               "recovered", "revoked")
 
 
 @dataclass(frozen=True)
@@ -395,7 +395,7 @@ class _Reader:
         for key in ("min_term", "max_term"):
             if key in data:
                 out[key] = self.integer(data[key], path + (key,), 1, 1000)
-        for key in ("reassigned", "rate_limited", "coordinator_judged", "relayed", "direct", "recovered"):
+        for key in ("reassigned", "rate_limited", "coordinator_judged", "relayed", "direct", "recovered", "revoked"):
             if key in data:
                 out[key] = self.typed(data[key], path + (key,), bool)
         if "released" in data:
@@ -889,6 +889,12 @@ class _Run:
             attempts = [k for k in view.leases if k[2] >= 2]
             add(Check("a shard was reassigned", bool(attempts),
                       ", ".join(f"r{k[0]} s{k[1]} attempt {k[2]}" for k in sorted(attempts)[:6])))
+        if "revoked" in expect:  # a silent holder's lease ended by the coordinator (IPIP-0004 §5.3)
+            revoked = sorted(view.revocations.items())
+            add(Check("a silent holder's lease was revoked" if expect["revoked"] else "no lease was revoked",
+                      bool(revoked) == expect["revoked"],
+                      ", ".join(f"r{k[0]} s{k[1]} attempt {k[2]}: {self.name_of(r.worker)} silent {r.silent_seconds:.0f} s"
+                                for k, r in revoked[:4]) or "none"))
         if "released" in expect:
             hits = [f"{n}: {_brief(r, around=expect['released'])}" for n, r in self.releases if expect["released"] in r]
             add(Check(f"a shard given back: {expect['released']!r}", bool(hits),

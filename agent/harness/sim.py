@@ -89,7 +89,7 @@ from protocol import messages as m
 from protocol import state as st
 from protocol.election import keep_or_elect, rank_peers
 from protocol.identity import Identity
-from protocol.leasing import history_refusal
+from protocol.leasing import history_refusal, silent_holders
 from protocol.mirror import DECISIONS, JobMirror, Outcome, job_config
 from protocol.resync import STALL_SECONDS, WORKER_MESSAGES, needs_resync, repair_sources, stall_after, stalled
 from protocol.proof import catch_probability, faked_segments, segment_selection_seed, select_segments
@@ -177,6 +177,9 @@ class SimConfig:
     sync_after: float = 5.0  # resync.RESYNC_HELD_SECONDS: a message held this long means the mirror fell behind
     resync_interval: float = 15.0  # resync.RESYNC_INTERVAL: at most one rebuild or repair of a mirror this often
     verdict_margin: float = 0.0  # a coordinator withholds a verdict this close to its window's end
+    # a coordinator revokes the lease of a holder it has not heard for this long (CoordinatorRole.revoke_silent,
+    # IPIP-0004 §5.3; the agent's silent_holder_seconds); 0: leases end only when they run out
+    silent_holder_seconds: float = 15.0
 
     @property
     def silence(self) -> float:
@@ -642,6 +645,10 @@ class Simulation:
         self.partitions.append((partition.start, partition.end, side))
         self._liveness_changed()
         self._at(self.now + self.cfg.silence, self._partition_noticed)
+        if self.cfg.silent_holder_seconds > 0:  # holders cut off from their coordinator fall silent to it
+            for job in self.jobs:
+                self._at(self.now + self._silent_holder_seconds() + self.cfg.heartbeat_seconds, self._revoke_silent,
+                         job.index)
         self._at(partition.end + self.cfg.heartbeat_seconds, self._heartbeat_terms)
 
     def _partition_noticed(self) -> None:
@@ -1284,6 +1291,9 @@ class Simulation:
             job_index, rnd, shard, attempt = agent.lease  # WorkerRole.release_all on a clean shutdown
             job = self.jobs[job_index]
             self._publish(agent, job, m.ShardRelease(job.job_id, rnd, shard, attempt, "the agent is shutting down"))
+        elif agent.lease is not None and self.cfg.silent_holder_seconds > 0:  # crashed holding a lease
+            self._at(self.now + self._silent_holder_seconds() + self.cfg.heartbeat_seconds, self._revoke_silent,
+                     agent.lease[0])
         agent.online = False
         agent.left_at = self.now
         agent.online_seconds += self.now - agent.joined_at
@@ -1306,6 +1316,35 @@ class Simulation:
         agent.poll_pending = False
         self._at(self.now + self.cfg.silence, self._silent, index, agent.epoch)
         self._at(self.now + self.rng.expovariate(1.0 / (self.cfg.offline_minutes * 60)), self._join, index, agent.epoch)
+
+    # -- silent holders (CoordinatorRole.revoke_silent, JobClock.tick_job) ---------------------------------
+
+    def _silent_holder_seconds(self) -> float:
+        """The agent's rule: the setting, at least twice the heartbeat silence."""
+        return max(self.cfg.silent_holder_seconds, 2 * self.cfg.silence)
+
+    def _revoke_silent(self, job_index: int) -> None:
+        """The job's coordinators (by their own view) revoke the leases of holders they no longer hear
+        (protocol/leasing.silent_holders, as the agent's tick does; here at the moments a holder can fall
+        silent: it crashed, or a partition cut it off)."""
+        job = self.jobs[job_index]
+        for index in list(job.subscribers):
+            agent = self.agents[index]
+            f = agent.mirrors.get(job_index)
+            if f is None or not self._is_coordinator(agent, f) or f.mirror.state.phase is not st.JobPhase.TRAINING:
+                continue
+            state = f.mirror.state
+            heard = {self.agents[job.submitter].peer: self._last_heard(index, job.submitter)}
+            for shard in state.shards:
+                if shard.phase is st.ShardPhase.LEASED and shard.worker is not None and shard.worker in self.by_peer:
+                    heard[shard.worker] = self._last_heard(index, self.by_peer[shard.worker])
+            for shard_index, seconds in silent_holders(state.shards, agent.peer, heard, self.now,
+                                                       state.config.lease_seconds, self._silent_holder_seconds(),
+                                                       self.cfg.silence, agent.joined_at):
+                shard = state.shards[shard_index]
+                self._decide(agent, f, m.ShardRevoke(job.job_id, state.round, shard_index, shard.attempt,
+                                                     shard.worker or "", f.mirror.coordination.term, round(seconds, 3)))
+                state = f.mirror.state
 
     def _join(self, index: int, epoch: int) -> None:
         agent = self.agents[index]

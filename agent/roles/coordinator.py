@@ -94,7 +94,7 @@ from protocol.election import judge_of
 from protocol.acceptance import HEADER_FIELDS, TensorFacts, adapter_refusal, chain_refusal, header_refusal
 from protocol.cid import parse_cid
 from protocol.fit import lease_refusals
-from protocol.leasing import history_refusal
+from protocol.leasing import history_refusal, silent_holders
 from protocol.mirror import JobMirror
 
 if TYPE_CHECKING:
@@ -303,6 +303,27 @@ class CoordinatorRole:
             return
         self.evidence.ledger(view.job_id, "lease", {"round": lease.round, "shard": lease.shard, "attempt": lease.attempt,
                                             "worker": worker, "expires_at": lease.expires_at})
+
+    async def revoke_silent(self, view: JobMirror, now: float) -> None:
+        """End the leases whose holder we no longer hear (protocol/leasing.silent_holders, IPIP-0004 §5.3): the
+        shard reopens now, not ``lease_seconds`` later (an hour by default). A worker SIGKILLed after its claim
+        was granted held a demo round for the whole lease (issue 24, early-member-killed)."""
+        if not self.peer_table.is_coordinator(view) or view.state.phase is not st.JobPhase.TRAINING:
+            return
+        table = self.peer_table
+        silent = max(self.local.config.silent_holder_seconds, 2 * table.silence) \
+            if self.local.config.silent_holder_seconds > 0 else 0.0
+        heard = {p: i.last_heartbeat for p, i in table.peers.items() if p != self.local.peer_id}
+        for index, seconds in silent_holders(view.state.shards, self.local.peer_id, heard, now,
+                                             view.state.config.lease_seconds, silent, table.silence,
+                                             table.hearing_peers_since):
+            shard = view.shard(index)
+            revoke = m.ShardRevoke(view.job_id, view.state.round, index, shard.attempt, shard.worker or "",
+                                   view.coordination.term, round(seconds, 3))
+            if await self.evidence.decide(view, revoke):
+                self.local.counters["leases_revoked"] += 1
+                log.warning("job %s round %d shard %d: lease of attempt %d revoked: %s silent for %.0f s",
+                            view.job_id.hex()[:8], revoke.round, index, revoke.attempt, revoke.worker[-8:], seconds)
 
     def lease_refusal(self, view: JobMirror, worker: str) -> str | None:
         """Why we grant ``worker`` no lease of this job, read off its latest signed capability (ours: the

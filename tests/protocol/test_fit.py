@@ -130,6 +130,24 @@ def test_lease_history_vectors():
         assert (refusal is None) == case["lease"], case["name"]
 
 
+def test_lease_silent_vectors():
+    """ipips/vectors/lease-silent.json (IPIP-0004 §5.3): whose lease a coordinator ends because it no longer hears
+    the holder; never while it hears nobody else, has heard peers only briefly, or for its own lease."""
+    import json
+    from pathlib import Path
+
+    from protocol.leasing import silent_holders
+    from protocol.state import ShardPhase, ShardState
+
+    doc = json.loads((Path(__file__).resolve().parents[2] / "ipips/vectors/lease-silent.json").read_text())
+    assert len(doc["cases"]) >= 10 and any(c["revoke"] for c in doc["cases"])
+    for case in doc["cases"]:
+        shards = [ShardState(s["index"], ShardPhase(s["phase"]), 1, s["worker"], s["expires_at"]) for s in case["shards"]]
+        got = silent_holders(shards, case["coordinator"], case["heard"], case["now"], case["lease_seconds"],
+                             case["silent_seconds"], case["silence"], case["hearing_since"])
+        assert [[i, round(seconds, 3)] for i, seconds in got] == case["revoke"], case["name"]
+
+
 def test_the_size_rule_of_full_fine_tuning():
     from protocol.fit import full_size_refusal
     from protocol.messages import FULL_MAX_PARAMETERS

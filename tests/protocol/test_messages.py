@@ -25,6 +25,7 @@ def every_message():
         m.ShardClaim(JOB, 0, 1),
         m.ShardLease(JOB, 0, 1, 0, BOB.peer_id, 1, NOW + 120, None),
         m.ShardRelease(JOB, 0, 1, 0, "dataset hash mismatch"),
+        m.ShardRevoke(JOB, 0, 1, 0, BOB.peer_id, 1, 16.5),
         m.CheckpointCommit(JOB, 0, 1, 0, 10, 1, bytes(32), bytes(32), 2.5, CID),
         m.ShardReport(JOB, 0, 1, 0, CID, CID, bytes(32), 3, 30, 100, 1.25, {"val_loss": 1.5}),
         m.Verdict(JOB, 0, 1, 0, BOB.peer_id, 1, True, "replayed 2 segments exactly", (0, 2)),
@@ -98,10 +99,20 @@ def test_lists_and_maps_are_bounded():
     wire["segments_checked"] = list(range(m.MAX_LIST + 1))
     with pytest.raises(CodecError, match="more than"):
         m.decode_body("verdict", wire)
-    report = every_message()[6].to_wire()
+    report = next(x for x in every_message() if isinstance(x, m.ShardReport)).to_wire()
     report["metrics"] = {f"k{i}": 1.0 for i in range(m.MAX_MAP + 1)}
     with pytest.raises(CodecError, match="more than"):
         m.decode_body("report", report)
+
+
+def test_a_revoke_names_a_silence_that_is_not_negative():
+    wire = m.ShardRevoke(JOB, 1, 0, 1, BOB.peer_id, 1, 15.0).to_wire()
+    wire["silent_seconds"] = -1.0
+    with pytest.raises(CodecError, match=r"silent_seconds: must be >= 0"):
+        m.decode_body("revoke", wire)
+    wire["silent_seconds"] = float("inf")
+    with pytest.raises(CodecError, match="finite"):
+        m.decode_body("revoke", wire)
 
 
 # --- extension fields (added after the message first shipped) -----------------------------------

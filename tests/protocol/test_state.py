@@ -34,6 +34,7 @@ from protocol.state import (
     Released,
     ReopenShard,
     ReportReceived,
+    Revoked,
     ShardPhase,
     ShardState,
     StartRound,
@@ -47,7 +48,8 @@ from protocol.state import (
 VECTORS = Path(__file__).resolve().parents[2] / "ipips" / "vectors"
 EVENT_TYPES = {
     cls.__name__: cls
-    for cls in (LeaseGranted, CheckpointSeen, ReportReceived, Released, VerdictGiven, Tick, AggregatePublished, Cancel)
+    for cls in (LeaseGranted, CheckpointSeen, ReportReceived, Released, Revoked, VerdictGiven, Tick, AggregatePublished,
+                Cancel)
 }
 
 OPEN, LEASED, REPORTED, ACCEPTED, SHARD_FAILED = (
@@ -446,6 +448,7 @@ arbitrary_events = st.one_of(
     st.builds(CheckpointSeen, round_, index, worker, attempt),
     st.builds(ReportReceived, round_, index, worker, attempt),
     st.builds(Released, round_, index, worker, attempt),
+    st.builds(Revoked, round_, index, worker, attempt),
     st.builds(VerdictGiven, round_, index, attempt, st.one_of(st.booleans(), st.just("yes")), st.sampled_from(["", "bad", None])),
     st.builds(AggregatePublished, round_, st.sampled_from(["cid", "", None])),
     st.builds(Cancel, st.sampled_from([None, 7])),
@@ -546,7 +549,7 @@ class JobRun(RuleBasedStateMachine):
         self.feed(LeaseGranted(self.job.round, shards[pick % len(shards)].index, worker))
 
     @precondition(lambda self: self.shards_in(LEASED))
-    @rule(pick=st.integers(0, 20), kind=st.sampled_from([ReportReceived, ReportReceived, CheckpointSeen, Released]))
+    @rule(pick=st.integers(0, 20), kind=st.sampled_from([ReportReceived, ReportReceived, CheckpointSeen, Released, Revoked]))
     def lease_holder_acts(self, pick: int, kind: type) -> None:
         shard = self.shards_in(LEASED)[pick % len(self.shards_in(LEASED))]
         self.feed(kind(self.job.round, shard.index, shard.worker, shard.attempt))
@@ -616,3 +619,28 @@ def test_a_job_whose_shards_all_fail_ends_failed(config):
         now += 1.0
     assert job.phase is JobPhase.FAILED
     assert job.round == 1 and job.published == ()
+
+
+# ---------------------------------------------------------------------------------------------
+# A revoked lease (IPIP-0004 §5.3)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_revoked_lease_reopens_the_shard_and_is_excused():
+    job = leased(JobConfig(shards=1, lease_seconds=3600, max_retries=0))
+    job, actions = step(job, Revoked(1, 0, "w1", 1), 20.0)
+    assert phases(job) == [OPEN] and job.shards[0].excused == 1
+    assert [type(a) for a in actions] == [ReopenShard]
+    job, _ = run(job, (21.0, LeaseGranted(1, 0, "w2")))  # attempt 2: max_retries 0 still leaves one failure
+    assert job.shards[0].attempt == 2 and job.shards[0].phase is LEASED
+
+
+def test_a_revoke_names_the_holder_and_the_current_attempt():
+    job = leased(JobConfig(shards=1))
+    with pytest.raises(StateError, match="w2 does not hold the lease"):
+        step(job, Revoked(1, 0, "w2", 1), 1.0)
+    with pytest.raises(StateError, match="attempt 2 is stale"):
+        step(job, Revoked(1, 0, "w1", 2), 1.0)
+    job, _ = run(job, (2.0, ReportReceived(1, 0, "w1", 1)))
+    with pytest.raises(StateError, match="VERIFYING"):  # a report in hand is verified, never revoked
+        step(job, Revoked(1, 0, "w1", 1), 3.0)

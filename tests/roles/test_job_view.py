@@ -201,3 +201,22 @@ def test_a_lease_naming_another_attempt_than_ours_is_held_not_renumbered():
     v.receive(lease(0, 1, W1), COORD.peer_id, NOW + 1, ELIGIBLE)
     v.receive(m.ShardRelease(JOB, 1, 0, 1, "bye"), W1.peer_id, NOW + 2, ELIGIBLE)
     assert (v.shard(0).attempt, v.shard(0).worker) == (2, W2.peer_id) and not v.pending
+
+
+def test_a_revoke_applies_from_the_coordinator_only_and_the_next_lease_follows_it():
+    """IPIP-0004 §5.3: a coordinator ends a silent holder's lease with a signed ``revoke``; from anyone else (the
+    holder's rival, the worker itself) it is refused and held, and the shard stays leased."""
+    v = view()
+    v.receive(lease(0, 1, W1), COORD.peer_id, NOW, ELIGIBLE)
+    revoke = m.ShardRevoke(JOB, 1, 0, 1, W1.peer_id, 1, 16.0)
+    assert v.receive(revoke, W2.peer_id, NOW + 16, ELIGIBLE).actions is None  # not the coordinator
+    assert v.shard(0).phase is st.ShardPhase.LEASED and v.refused["coordinator"] == 1
+    wrong = m.ShardRevoke(JOB, 1, 0, 1, W2.peer_id, 1, 16.0)  # names another worker than the holder
+    assert v.receive(wrong, COORD.peer_id, NOW + 16, ELIGIBLE).actions is None
+    assert v.shard(0).phase is st.ShardPhase.LEASED
+    outcome = v.receive(revoke, COORD.peer_id, NOW + 17, ELIGIBLE, b"revoke")
+    assert any(isinstance(a, st.ReopenShard) for a in outcome.actions) and outcome.evidence == (b"revoke",)
+    assert (v.shard(0).phase, v.shard(0).excused) == (st.ShardPhase.OPEN, 1)
+    assert v.revocations[(1, 0, 1)] == revoke
+    assert v.receive(lease(0, 2, W2), COORD.peer_id, NOW + 18, ELIGIBLE).actions is not None
+    assert (v.shard(0).worker, v.shard(0).attempt) == (W2.peer_id, 2)
