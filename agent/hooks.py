@@ -37,6 +37,10 @@ class HonestTraining:
         """The trained adapter and proof may be altered here; returns the chain head to report."""
         return head
 
+    def heartbeats_muted(self) -> bool:
+        """Send no heartbeat now (the agent looks gone to its peers while it keeps working)?"""
+        return False
+
 
 @dataclass(frozen=True)
 class AgentHooks:

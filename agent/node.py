@@ -273,7 +273,7 @@ class Agent:
             jobs_topic = await self.net.gossip.subscribe(m.TOPIC_JOBS)
             self.service("jobs topic reader", self.following.read_jobs_topic, jobs_topic)
             self.service("heartbeats", self.capabilities.heartbeats, self.jobclock.coordinating_terms,
-                         lambda: len(self.worker.active) if self.worker else 0)
+                         lambda: len(self.worker.active) if self.worker else 0, self.hooks.training.heartbeats_muted)
             # (file hashes taken in training, replay or verification threads are saved after each pass)
             self.service("ticks", self.jobclock.run, self.capabilities.save_file_hashes)
             self.service("ledger sync", ledger_sync_loop, self, self.ledger_sync_interval)
@@ -359,6 +359,13 @@ class Agent:
                 self.submitter.on_report(view, msg, by)
                 if self.worker is not None:
                     self.worker.on_report(view, msg, by)
+            elif isinstance(msg, m.ShardRevoke) and msg.worker == self.peer_id and by != self.peer_id:
+                # the coordinator stopped hearing us (IPIP-0004 §5.3): our heartbeats did not reach it, or our loop
+                # stalled; the attempt is no longer ours (the worker stops training it: drop_stale)
+                self.counters["our_leases_revoked"] += 1
+                log.warning("job %s round %d shard %d: our lease of attempt %d was revoked: the coordinator had not "
+                            "heard us for %.0f s (a network cut, or this agent's event loop stalled)",
+                            view.job_id.hex()[:8], msg.round, msg.shard, msg.attempt, msg.silent_seconds)
             elif isinstance(msg, m.Verdict):
                 self.submitter.on_verdict(view, msg)
             elif isinstance(msg, m.AggregatePublished):

@@ -8,7 +8,9 @@ training always fails), ``stall_once`` (faulty: its first shard waits ``STALL_SE
 training, as a worker on a full disk or a stopped machine does, so its lease runs out meanwhile; a
 stall the worker itself cut short, by cancelling that attempt, is recorded in ``stall_cut_short``),
 ``disk_full_once`` (faulty: its first shard fails as a full disk fails a write, ENOSPC, so it gives the shard back
-for its own machine, an excused attempt, IPIP-0004 §5), ``wrong_lr`` (trains at 1.5 times the job's learning rate: its proof, adapter and start all check out, and
+for its own machine, an excused attempt, IPIP-0004 §5), ``mute_once`` (faulty: through its first shard it sends
+no heartbeat and stalls ``STALL_SECONDS`` before training, as a worker cut off from its peers does while it works,
+so its coordinator revokes the lease, IPIP-0004 §5.3; the revoke it then hears stops that attempt: ``stall_cut_short``), ``wrong_lr`` (trains at 1.5 times the job's learning rate: its proof, adapter and start all check out, and
 only the replay rejects it, after the coordinator may have announced an early start with it, IPIP-0006 §2.9).
 """
 
@@ -25,8 +27,8 @@ from agent.hooks import HonestTraining
 from agent.train.runner import run_torch
 
 MISBEHAVIOURS = ("random_adapter", "forged_chain", "wrong_base", "stale_start", "crash", "stall_once", "wrong_lr",
-                 "disk_full_once")
-FAULTY = ("crash", "stall_once", "disk_full_once")  # faulty, not Byzantine: such a worker may coordinate
+                 "disk_full_once", "mute_once")
+FAULTY = ("crash", "stall_once", "disk_full_once", "mute_once")  # faulty, not Byzantine: such a worker may coordinate
 STALL_SECONDS = 120.0
 
 
@@ -38,6 +40,7 @@ class Byzantine(HonestTraining):
         self.stalled = False
         self.stall_cut_short = False  # stall_once: the worker cancelled the stalled attempt (drop_stale)
         self.disk_filled = False  # disk_full_once: its first shard failed already
+        self.muted = False  # mute_once: no heartbeats now (through its first shard)
 
     def before_training(self) -> None:
         if self.mode == "crash":
@@ -47,18 +50,24 @@ class Byzantine(HonestTraining):
             raise OSError(errno.ENOSPC, "No space left on device (harness: this worker's first shard)")
 
     async def base_model(self, home: Path) -> str | None:
-        if self.mode == "stall_once" and not self.stalled:
+        if self.mode in ("stall_once", "mute_once") and not self.stalled:
             self.stalled = True
+            self.muted = self.mode == "mute_once"
             try:
                 await trio.sleep(STALL_SECONDS)
             except trio.Cancelled:
                 self.stall_cut_short = True
                 raise
+            finally:
+                self.muted = False
         if self.mode != "wrong_base":
             return None
         from agent.train.tiny import tiny_model
 
         return str(await trio.to_thread.run_sync(run_torch, tiny_model, home / "models", 7))
+
+    def heartbeats_muted(self) -> bool:
+        return self.muted
 
     def use_initial_adapter(self) -> bool:
         return self.mode != "stale_start"

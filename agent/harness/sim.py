@@ -8,7 +8,7 @@ Rules of this file:
 
 - The protocol is the real one, and so is the mirror. Every follower's copy of a job is a
   ``protocol.mirror.JobMirror`` built from the job's real ``protocol.messages.JobTerms`` and fed the
-  real job-topic messages (``ShardLease``, ``CheckpointCommit``, ``ShardReport``, ``ShardRelease``,
+  real job-topic messages (``ShardLease``, ``ShardRevoke``, ``CheckpointCommit``, ``ShardReport``, ``ShardRelease``,
   ``Verdict``, ``AggregatePublished``) with their signers' peer IDs, through its doors only:
   ``receive``, ``lease_for`` + ``decide``, ``replay``, ``tick``, ``observe_term``, ``retry``, ``adopt``.
   Its state machine, its election view (``coordination``) and its held messages with their limits
@@ -46,6 +46,10 @@ Rules of this file:
       (releasing their lease), half by crashing, and return after an exponential time with an
       empty memory (a restarted process): they follow jobs again at the next re-announcement,
       with a mirror that missed the history. Submitters stay: they serve the shards by CID.
+      A crashed lease holder's coordinator revokes its lease ``silent_holder_seconds`` after its last
+      heartbeat (CoordinatorRole.revoke_silent with protocol/leasing.silent_holders, IPIP-0004 §5.3),
+      checked from the crash (or a partition's start, or a lease granted to a worker gone since) and
+      every ``silence`` after while the holder is gone, where the agent checks at every tick.
     * work: a shard takes ``shard_minutes`` x the worker's speed factor (log-normal), after a
       fetch; ``checkpoints`` evenly spaced commitments extend the lease. Training, replays and
       aggregation take one per-agent lock (agent/train/runner.py TORCH_LOCK), so a coordinator's
@@ -1150,8 +1154,10 @@ class Simulation:
             return
         shard = claim.shard if claim.shard in open_shards else open_shards[0]
         lease = mirror.lease_for(shard, peer, self.now)
-        if lease is not None:
-            self._decide(agent, f, lease)
+        if lease is not None and self._decide(agent, f, lease) and self.cfg.silent_holder_seconds > 0 and \
+                not self.agents[self.by_peer[peer]].online:  # granted on a claim of a worker gone since (still live)
+            self._at(self.now + self._silent_holder_seconds() + self.cfg.heartbeat_seconds, self._revoke_silent,
+                     f.job.index)
 
     def _take_over(self, agent: SimAgent, f: Followed) -> None:
         """CoordinatorRole.take_over: resume what the mirror says is pending; our heartbeats carry the term."""
@@ -1323,11 +1329,17 @@ class Simulation:
         """The agent's rule: the setting, at least twice the heartbeat silence."""
         return max(self.cfg.silent_holder_seconds, 2 * self.cfg.silence)
 
-    def _revoke_silent(self, job_index: int) -> None:
+    def _revoke_silent(self, job_index: int, tries: int = 0) -> None:
         """The job's coordinators (by their own view) revoke the leases of holders they no longer hear
-        (protocol/leasing.silent_holders, as the agent's tick does; here at the moments a holder can fall
-        silent: it crashed, or a partition cut it off)."""
+        (protocol/leasing.silent_holders, as the agent's tick does; here from the moments a holder can fall
+        silent: it crashed, or a partition cut it off, and again every ``silence`` while a holder that is gone
+        still holds its lease: its coordinator may be gone too, and its successor not yet elected)."""
         job = self.jobs[job_index]
+        if tries < 20 and any(shard.phase is st.ShardPhase.LEASED and shard.worker in self.by_peer
+                              and not self.agents[self.by_peer[shard.worker]].online
+                              for f in (self.agents[job.submitter].mirrors.get(job_index),) if f is not None
+                              for shard in f.mirror.state.shards):
+            self._at(self.now + self.cfg.silence, self._revoke_silent, job_index, tries + 1)
         for index in list(job.subscribers):
             agent = self.agents[index]
             f = agent.mirrors.get(job_index)
