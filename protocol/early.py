@@ -19,10 +19,11 @@ Rules of this file:
 - An early start is OURS once round r + 1 holds its lease (its attempt, to us) and round r's published
   aggregate is the start it trained from; it WAITS while round r is still verified or aggregated; OPEN when
   round r + 1 began and its shard is not leased yet; any other state voids it (``standing``).
-- A worker whose early start stands OPEN claims its shard again, once, while it holds no live lease of the job
-  (``reclaim``): at once when the job's
+- A worker whose early start stands OPEN claims its shard again, once per coordination term, while it holds no
+  live lease of the job (``reclaim``): at once when the job's
   coordination term is no longer the `early` message's (a coordinator elected since then ignored the claim, which
-  was for the round after its mirror's), else after ``EARLY_RECLAIM_AFTER`` seconds OPEN (a claim lost).
+  was for the round after its mirror's), else after ``EARLY_RECLAIM_AFTER`` seconds OPEN (a claim lost). Once per
+  term, not once: a claim sent to a coordinator that dies next is lost with it, and its successor never hears one.
 The vectors are ``ipips/vectors/early-start.json`` (scripts/make_early_vectors.py).
 """
 
@@ -132,7 +133,8 @@ def standing(state: JobState, published_cid: str | None, rnd: int, shard: int, a
 
 
 def reclaim(open_for: float, early_term: int, term: int, holding: bool = False) -> bool:
-    """Does a worker whose early start has stood OPEN for ``open_for`` seconds claim its shard again now (once)?
+    """Does a worker whose early start has stood OPEN for ``open_for`` seconds claim its shard again now (once per
+    coordination term: the worker keeps which terms it claimed in)?
     ``early_term``: the term of the `early` message it took; ``term``: the job's coordination term now. A claim
     sent with an early start is for the round after the coordinator's, and a peer that is not the coordinator
     yet keeps no such claim (it is no lease request): a coordinator elected since then never heard one.

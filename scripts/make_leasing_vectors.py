@@ -116,7 +116,7 @@ def silent() -> None:
                        "holder. 'heard': when the coordinator last heard each peer's heartbeat; a shard's expires_at - "
                        "lease_seconds is its last lease or checkpoint. A holder is silent when neither came in the "
                        "last silent_seconds; nothing is revoked unless the coordinator has heard peers without a break "
-                       "for silent_seconds (hearing_since) and another peer is live to it now (heard within "
+                       "for silent_seconds (hearing_since: by heartbeats) and another peer is live to it now (heard within "
                        "'silence'), and never the coordinator's own lease. 'revoke': [shard, seconds silent] in shard "
                        "order, normative.",
         "cases": cases,

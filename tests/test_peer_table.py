@@ -22,18 +22,18 @@ def test_a_peer_whose_capability_came_first_arrives_at_its_first_heartbeat_and_a
     assert table.heard(NEW, beat, now[0])
 
 
-def test_hearing_peers_since_starts_at_the_first_heartbeat_even_after_a_capability():
-    """``hearing_peers_since`` (since when we hear other peers without a break) is set by heartbeats: a capability
-    that came first made its peer look live, and the first heartbeat then never set it. A coordinator then
-    revoked no silent holder's lease (IPIP-0004 §5.3: the worker-crash scenario waited out an hour's lease)."""
+def test_beating_since_starts_at_the_first_heartbeat_even_after_a_capability():
+    """``beating_since`` (since when we hear other peers' heartbeats without a break) is set by heartbeats: a
+    capability that came first makes its peer look live, and ``hearing_peers_since`` is then never set. A
+    coordinator that read it revoked no silent holder's lease (IPIP-0004 §5.3: worker-crash waited out an hour)."""
     now = [100.0]
     table = PeerTable(ME, lambda: now[0], heartbeat_seconds=1.0, missed_heartbeats=5, ours=lambda: None)
     beat = m.Heartbeat(1, 0, ())
     table.told(NEW, sample_capability(), now[0])
-    assert table.hearing_peers_since is None  # a capability is no heartbeat
+    assert table.beating_since is None  # a capability is no heartbeat
     table.heard(NEW, beat, 100.5)
-    assert table.hearing_peers_since == 100.5
+    assert table.beating_since == 100.5 and table.hearing_peers_since is None  # (the election's clock, unchanged)
     table.heard(NEW, beat, 101.5)
-    assert table.hearing_peers_since == 100.5  # heard without a break: unchanged
+    assert table.beating_since == 100.5  # heard without a break: unchanged
     table.heard(NEW, beat, 200.0)  # after a silence (alone meanwhile): hearing again from now
-    assert table.hearing_peers_since == 200.0
+    assert table.beating_since == 200.0

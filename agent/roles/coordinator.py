@@ -316,7 +316,7 @@ class CoordinatorRole:
         heard = {p: i.last_heartbeat for p, i in table.peers.items() if p != self.local.peer_id}
         for index, seconds in silent_holders(view.state.shards, self.local.peer_id, heard, now,
                                              view.state.config.lease_seconds, silent, table.silence,
-                                             table.hearing_peers_since):
+                                             table.beating_since):
             shard = view.shard(index)
             revoke = m.ShardRevoke(view.job_id, view.state.round, index, shard.attempt, shard.worker or "",
                                    view.coordination.term, round(seconds, 3))

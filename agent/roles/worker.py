@@ -103,7 +103,8 @@ class WorkerRole:
         # (job, round, start CID) -> the update an `early` message named for that start (IPIP-0006 §2.8.1)
         self._updates: dict[tuple[bytes, int, str], str] = {}
         self._warmed: set[bytes] = set()  # jobs whose first shard we prepared for (``_warm``)
-        self._reclaimed: set[tuple[bytes, int, int, int]] = set()  # early starts we claimed again (early.reclaim)
+        # (early start, term): early starts we claimed again, once per coordination term (early.reclaim)
+        self._reclaimed: set[tuple[tuple[bytes, int, int, int], int]] = set()
         self._ahead: dict[tuple[bytes, int], _Ahead] = {}  # (job, round) -> its aggregate computed ahead (on_report)
         # (job, round) -> the `early` message we were named in, and the shards of that round we train after our
         # announced one, not started yet (protocol/early.queued)
@@ -177,7 +178,7 @@ class WorkerRole:
         kept for it."""
         self.candidates.pop(job_id, None)
         self._warmed.discard(job_id)
-        self._reclaimed = {k for k in self._reclaimed if k[0] != job_id}
+        self._reclaimed = {k for k in self._reclaimed if k[0][0] != job_id}
         self._last_claim.pop(job_id, None)
         self._market_logged.pop(job_id, None)
         for key in [k for k in self._updates if k[0] == job_id]:
@@ -398,12 +399,12 @@ class WorkerRole:
         deadline = self.local.clock() + view.terms.lease_seconds
         while (outcome := self._early_outcome(view, lease)) == early_rules.WAIT and self.local.clock() < deadline:
             opened = self._early.get(key)  # (when we first saw its round begin with the shard still open)
-            if opened is not None and key not in self._reclaimed and \
+            if opened is not None and (key, view.coordination.term) not in self._reclaimed and \
                     early_rules.reclaim(self.local.clock() - opened, lease.term, view.coordination.term,
                                         holding=bool(view.training_by(self.local.peer_id))):
                 # our claim went to the round before, and a coordinator elected since never kept it (the scenario
                 # coded-coordinator-killed: the early work was dropped 20 s later, the shards trained again)
-                self._reclaimed.add(key)
+                self._reclaimed.add((key, view.coordination.term))
                 self.local.counters["early_starts_claimed_again"] += 1
                 log.info("job %s: round %d shard %d: begun, not leased yet (term %d, announced in %d): claiming it "
                          "again", view.job_id.hex()[:8], lease.round, lease.shard, view.coordination.term, lease.term)

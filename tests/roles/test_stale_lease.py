@@ -70,6 +70,7 @@ async def test_a_worker_drops_its_expired_attempt_and_trains_the_new_one(tmp_pat
         assert not view.revocations  # its heartbeats came: a slow worker is not revoked, its lease ran out
 
 
+@pytest.mark.slow  # about 30 s; the worker-crash scenario (a holder that died) is the short version CI runs
 async def test_a_silent_holder_loses_its_lease_long_before_it_runs_out_and_stops_that_attempt(tmp_path,
                                                                                              tiny_model_dir):
     # an hour's lease (the default): without the revoke the job waits it out. w1 sends no heartbeat through its
