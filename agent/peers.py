@@ -45,6 +45,7 @@ class PeerTable:
         self.peers: dict[str, PeerInfo] = {}
         self.hearing_peers_since: float | None = None  # other peers' heartbeats arrive without a break since
         self.beating_since: float | None = None  # ... counted by heartbeats alone (a capability is no heartbeat)
+        self._last_beat = float("-inf")  # when another peer's heartbeat last arrived
         self.reputations: Callable[[], dict[str, Any]] = dict  # worker -> protocol/market.Reputation
 
     @property
@@ -56,14 +57,15 @@ class PeerTable:
         """A heartbeat of ``signer`` arrived; True if the peer is new to us or back after a silence."""
         if signer != self.me and not self.live_peers():
             self.hearing_peers_since = now  # the first peer heard since we (re)started or were alone
-        if signer != self.me and not any(i.heartbeats and now - i.last_heartbeat < self.silence
-                                         for p, i in self.peers.items() if p != self.me):
+        if signer != self.me and now - self._last_beat >= self.silence:
             # the same, by heartbeats alone: a capability that came first makes its peer look live above, so an
             # agent that heard a capability before any heartbeat never set hearing_peers_since (a coordinator then
             # revoked no silent holder's lease, IPIP-0004 §5.3). The submitter's election (IPIP-0006 §1.3 rule 5)
             # still reads hearing_peers_since: set by heartbeats, the submitter of the coordinator-crash-aggregate
             # scenario moved its own view before it heard the coordinator's heartbeats, and leasing stalled
             self.beating_since = now
+        if signer != self.me:
+            self._last_beat = now
         info = self.peers.setdefault(signer, PeerInfo(now, live_since=now))
         # new to us: its first heartbeat, whether or not its capability came first (an agent publishes its
         # capability before its first heartbeat, so "not in the table" was never true of a new agent, and

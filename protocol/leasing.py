@@ -47,6 +47,13 @@ def history_refusal(worker: str, coordinator: str | None, verdicts: Iterable[Ver
     return None
 
 
+def silent_seconds(setting: float, silence: float) -> float:
+    """The silence after which a coordinator revokes a holder's lease (IPIP-0004 §5.3): its ``setting``
+    (the agent's ``silent_holder_seconds``; 0: never), at least twice the heartbeat ``silence`` after which a
+    peer is not live (a coordinator is itself replaced after one)."""
+    return max(setting, 2 * silence) if setting > 0 else 0.0
+
+
 def silent_holders(shards: Iterable[ShardState], coordinator: str, heard: Mapping[str, float], now: float,
                    lease_seconds: float, silent_seconds: float, silence: float,
                    hearing_since: float | None) -> list[tuple[int, float]]:

@@ -93,7 +93,7 @@ from protocol import messages as m
 from protocol import state as st
 from protocol.election import keep_or_elect, rank_peers
 from protocol.identity import Identity
-from protocol.leasing import history_refusal, silent_holders
+from protocol.leasing import history_refusal, silent_holders, silent_seconds
 from protocol.mirror import DECISIONS, JobMirror, Outcome, job_config
 from protocol.resync import STALL_SECONDS, WORKER_MESSAGES, needs_resync, repair_sources, stall_after, stalled
 from protocol.proof import catch_probability, faked_segments, segment_selection_seed, select_segments
@@ -1326,8 +1326,7 @@ class Simulation:
     # -- silent holders (CoordinatorRole.revoke_silent, JobClock.tick_job) ---------------------------------
 
     def _silent_holder_seconds(self) -> float:
-        """The agent's rule: the setting, at least twice the heartbeat silence."""
-        return max(self.cfg.silent_holder_seconds, 2 * self.cfg.silence)
+        return silent_seconds(self.cfg.silent_holder_seconds, self.cfg.silence)
 
     def _revoke_silent(self, job_index: int, tries: int = 0) -> None:
         """The job's coordinators (by their own view) revoke the leases of holders they no longer hear

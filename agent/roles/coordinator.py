@@ -94,7 +94,7 @@ from protocol.election import judge_of
 from protocol.acceptance import HEADER_FIELDS, TensorFacts, adapter_refusal, chain_refusal, header_refusal
 from protocol.cid import parse_cid
 from protocol.fit import lease_refusals
-from protocol.leasing import history_refusal, silent_holders
+from protocol.leasing import history_refusal, silent_holders, silent_seconds
 from protocol.mirror import JobMirror
 
 if TYPE_CHECKING:
@@ -311,8 +311,7 @@ class CoordinatorRole:
         if not self.peer_table.is_coordinator(view) or view.state.phase is not st.JobPhase.TRAINING:
             return
         table = self.peer_table
-        silent = max(self.local.config.silent_holder_seconds, 2 * table.silence) \
-            if self.local.config.silent_holder_seconds > 0 else 0.0
+        silent = silent_seconds(self.local.config.silent_holder_seconds, table.silence)
         heard = {p: i.last_heartbeat for p, i in table.peers.items() if p != self.local.peer_id}
         for index, seconds in silent_holders(view.state.shards, self.local.peer_id, heard, now,
                                              view.state.config.lease_seconds, silent, table.silence,

@@ -155,3 +155,11 @@ def test_the_size_rule_of_full_fine_tuning():
     assert full_size_refusal(FULL_MAX_PARAMETERS) is None
     refusal = full_size_refusal(FULL_MAX_PARAMETERS + 1)
     assert refusal is not None and "more than the 80M full fine-tuning allows" in refusal and "\n" not in refusal
+
+
+def test_the_revoke_silence_is_at_least_twice_the_heartbeat_silence():
+    from protocol.leasing import silent_seconds
+
+    assert silent_seconds(15.0, 5.0) == 15.0
+    assert silent_seconds(4.0, 5.0) == 10.0  # a holder gets at least twice the grace a coordinator gets
+    assert silent_seconds(0.0, 5.0) == 0.0  # off
