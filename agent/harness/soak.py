@@ -13,9 +13,10 @@ Rules of this file:
   partition is real (its link to "the internet" goes down); elsewhere all run on loopback and no
   partition is made (said in the report). One worker's home is a small tmpfs where root may mount
   one, so its disk can be filled for real.
-- Jobs run one after another, each a small LoRA job of the demo task, until ``minutes`` pass; the
-  last one is waited for.
-- Faults, drawn from ``random.Random(seed)`` every ``fault_every`` seconds (± half): kill -9 of a
+- Jobs run one after another, each a small LoRA job of the demo task, until ``minutes`` pass (counted
+  from when every agent is up); the last one is waited for.
+- Faults, drawn from ``random.Random(seed)`` every ``fault_every`` seconds (± half), among the kinds
+  that can be made at that moment (a second sooner when none can): kill -9 of a
   worker or of the submitter, SIGTERM of a worker, a freeze (SIGSTOP, then SIGCONT), each followed by
   a restart with the same home; a brand-new agent joining; a partition of one or two workers (then
   healed); a full disk (then freed). At most two workers are down, frozen, cut off or full at once,
@@ -307,7 +308,7 @@ class Soak:
         """Jobs run in a thread of their own (a control request may wait long on a struggling agent); this
         thread injects the faults, undoes them when due and checks the agents, until the time is up and
         the last job has ended."""
-        end = self.started + self.options.minutes * 60
+        end = time.monotonic() + self.options.minutes * 60  # the minutes under faults start once all are up
         jobs = threading.Thread(target=self._run_jobs, args=(end,), name="soak-jobs", daemon=True)
         jobs.start()
         next_fault = time.monotonic() + self._interval()
@@ -318,8 +319,9 @@ class Soak:
                 self.undo.remove(item)
                 self._do(item[1], item[2])
             if now >= next_fault and now < end:
-                self._inject()
-                next_fault = now + self._interval()
+                # when no kind of fault can be made now (too many impaired, the submitter down, no join left),
+                # one is drawn again soon, not a whole interval later
+                next_fault = now + (self._interval() if self._inject() else 1.0)
             if now >= next_check:
                 self._check_running()
                 next_check = now + CHECK_EVERY
@@ -478,12 +480,28 @@ class Soak:
     def _impaired(self) -> int:
         return sum(1 for a in self._workers() if a.down or a.frozen or a.cut or a.full)
 
-    def _inject(self) -> None:
-        kinds = [k for k in FAULTS if k not in self.report.skipped]
-        kind = self.rng.choices(kinds, weights=[FAULTS[k] for k in kinds])[0]
+    def _possible(self) -> list[str]:
+        """The fault kinds that can be made now: at most MAX_DOWN workers impaired and two healthy left, a
+        submitter that is up, a join left, the disk worker up and not full already."""
         room = self._impaired() < MAX_DOWN and len(self._healthy()) > 2
-        if kind in ("kill9", "term", "freeze", "partition") and not room:
-            return
+        submitter = self.agents["submitter"]
+        disk = self.agents.get(self.disk_worker or "")
+        ruled_out = {
+            "kill9": not room, "term": not room, "freeze": not room, "partition": not room,
+            "kill9-submitter": submitter.down or not submitter.running,
+            "join": self.joins >= self.options.max_joins,
+            "disk-full": disk is None or disk.full or not disk.running or disk.down or not room,
+        }
+        return [k for k in FAULTS if k not in self.report.skipped and not ruled_out.get(k, False)]
+
+    def _inject(self) -> bool:
+        """Inject one fault, drawn by weight among the kinds that can be made now (a draw among all of them
+        found no room most of the time with 3 workers, and the short soak made 2 faults in 30 s); False
+        when none can."""
+        kinds = self._possible()
+        if not kinds:
+            return False
+        kind = self.rng.choices(kinds, weights=[FAULTS[k] for k in kinds])[0]
         victims = self._healthy()
         if kind == "kill9":
             self._kill(self.rng.choice(victims), signal.SIGKILL)
@@ -492,13 +510,8 @@ class Soak:
         elif kind == "freeze":
             self._freeze(self.rng.choice(victims), self.rng.uniform(3, 12))
         elif kind == "kill9-submitter":
-            submitter = self.agents["submitter"]
-            if submitter.down or not submitter.running:
-                return
-            self._kill(submitter, signal.SIGKILL, restart_after=self.rng.uniform(2, 6))
+            self._kill(self.agents["submitter"], signal.SIGKILL, restart_after=self.rng.uniform(2, 6))
         elif kind == "join":
-            if self.joins >= self.options.max_joins:
-                return
             name = f"j{self.joins}"
             self.joins += 1
             agent = self._create(name)
@@ -508,10 +521,8 @@ class Soak:
             group = self.rng.sample(victims, k=1 if self._impaired() or len(victims) < 4 else self.rng.choice((1, 2)))
             self._partition(group, self.rng.uniform(5, 20))
         elif kind == "disk-full":
-            agent = self.agents.get(self.disk_worker or "")
-            if agent is None or agent.full or not agent.running or agent.down or not room:
-                return
-            self._fill(agent, self.rng.uniform(10, 30))
+            self._fill(self.agents[self.disk_worker or ""], self.rng.uniform(10, 30))
+        return True
 
     def _count(self, kind: str, what: str) -> None:
         self.report.faults[kind] = self.report.faults.get(kind, 0) + 1
