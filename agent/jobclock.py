@@ -160,6 +160,7 @@ class JobClock:
             self.coordinating.add(view.job_id)
             self.coordinator.take_over(view)
         self.coordinator.judge_reports(view)  # the coordinator's own reports, if we are their judge
+        self.coordinator.grant_heard(view, now)  # claims from peers we had not heard yet, heard now
         await self.coordinator.revoke_silent(view, now)  # leases whose holder fell silent (IPIP-0004 §5.3)
 
     async def _retry_held(self, view: "JobMirror", now: float) -> None:

@@ -31,6 +31,7 @@ class PeerInfo:
     live_since: float = 0.0  # when its heartbeats started arriving again after a silence
     active_shards: int = 0  # from its latest heartbeat: busy (> 0) or idle
     heartbeats: int = 0  # heard from it (its capability may come first: a starting agent publishes that first)
+    seq: int = 0  # its latest heartbeat's count (each start of an agent counts from 1)
 
 
 class PeerTable:
@@ -76,6 +77,11 @@ class PeerTable:
         if now - info.last_heartbeat > self.silence:
             info.live_since = now  # back after a silence (it restarted, or a partition healed)
             arrived = True
+        elif heartbeat.seq < info.seq:
+            # it restarted quicker than we miss a peer: its count starts over, and it lost what it had heard of us
+            # (a restarted coordinator heard no capability for 15 s and refused every claim meanwhile)
+            arrived = True
+        info.seq = heartbeat.seq
         info.last_heartbeat = now
         info.active_shards = heartbeat.active_shards
         return arrived

@@ -37,3 +37,15 @@ def test_beating_since_starts_at_the_first_heartbeat_even_after_a_capability():
     assert table.beating_since == 100.5  # heard without a break: unchanged
     table.heard(NEW, beat, 200.0)  # after a silence (alone meanwhile): hearing again from now
     assert table.beating_since == 200.0
+
+
+def test_a_peer_restarted_quicker_than_its_silence_arrives_again():
+    """Its heartbeat count starts over: it lost every capability it had heard, so it arrives and is told ours. A
+    coordinator restarted in 2 s (a silence is 5 heartbeats) heard none for 15 s and refused every claim meanwhile
+    (tests/roles/test_resume.py took 43 to 85 s, 22 s after)."""
+    now = [100.0]
+    table = PeerTable(ME, lambda: now[0], heartbeat_seconds=1.0, missed_heartbeats=5, ours=lambda: None)
+    for seq in range(1, 6):
+        assert table.heard(NEW, m.Heartbeat(seq, 0, ()), now[0] + seq) == (seq == 1)
+    assert table.heard(NEW, m.Heartbeat(1, 0, ()), now[0] + 7.0)  # restarted: counting from 1 again, 2 s later
+    assert not table.heard(NEW, m.Heartbeat(2, 0, ()), now[0] + 8.0)

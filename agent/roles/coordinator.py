@@ -155,6 +155,11 @@ class CoordinatorRole:
     # claims heard before we coordinate a job: kept this long, this many workers per job at most
     early_claim_seconds: float = 5.0
     early_claims_max: int = 256
+    # claims from a peer we have not heard yet (no heartbeat or no signed capability: we just restarted or
+    # took over, and peers tell theirs on hearing us back, at most every CAPABILITY_TELL_GAP, else every 30 s):
+    # kept this long and granted once we hear it (a restarted coordinator refused an early start's claim and the
+    # worker dropped that work 20 s later, unleased: tests/roles/test_resume.py)
+    unheard_claim_seconds: float = 30.0
 
     def __init__(self, local: "Local", peer_table: "PeerTable", tasks: "Tasks", blocks: "Blocks", evidence: "Evidence",
                  net: Callable[[], "Network"]) -> None:
@@ -182,6 +187,8 @@ class CoordinatorRole:
         # coordinate the job; granted in order of first hearing (a worker repeating its claim keeps its
         # place), if the last is fresh
         self._early: dict[bytes, dict[str, tuple[float, float, int, int]]] = {}
+        # job -> worker -> (first heard, round, shard): claims refused only because we have not heard that peer yet
+        self._unheard: dict[bytes, dict[str, tuple[float, int, int]]] = {}
 
     # -- leases -----------------------------------------------------------------------------------
 
@@ -200,6 +207,11 @@ class CoordinatorRole:
 
     def _queue(self, view: JobMirror, worker: str, rnd: int, shard: int) -> None:
         if not self._may_lease(view, rnd, worker):
+            if self._unheard_claimant(view, worker, rnd):
+                waiting = self._unheard.setdefault(view.job_id, {})
+                if worker in waiting or len(waiting) < self.early_claims_max:
+                    first = waiting[worker][0] if worker in waiting else self.local.clock()
+                    waiting[worker] = (first, rnd, shard)
             return
         queue = self._claims.setdefault(view.job_id, [])
         if any(w == worker for w, _, _ in queue):
@@ -207,6 +219,36 @@ class CoordinatorRole:
         queue.append((worker, rnd, shard))
         if len(queue) == 1 and not self.tasks.spawn_in_job(view.job_id, self._grant_claims, view):
             self._claims.pop(view.job_id, None)  # the job ended
+
+    def _unheard_claimant(self, view: JobMirror, worker: str, rnd: int) -> bool:
+        """Was a claim refused only because we have not heard its worker yet (its heartbeat or its capability)?"""
+        if worker == self.local.peer_id or rnd != view.state.round or not self.peer_table.is_coordinator(view):
+            return False
+        if view.state.phase not in (st.JobPhase.ANNOUNCED, st.JobPhase.TRAINING):
+            return False
+        if history_refusal(worker, self.local.peer_id, view.verdicts.values(), view.state.shards) is not None:
+            return False
+        return worker not in self.peer_table.live_peers() or self.peer_table.capability_of(worker) is None
+
+    def grant_heard(self, view: JobMirror, now: float) -> None:
+        """At each tick: the claims kept for a peer we had not heard (``_queue``) are queued again once we hear
+        it, dropped ``unheard_claim_seconds`` after the first, or when their round is over."""
+        waiting = self._unheard.get(view.job_id)
+        if not waiting:
+            return
+        if not self.peer_table.is_coordinator(view) or view.state.terminal:
+            del self._unheard[view.job_id]
+            return
+        live = self.peer_table.live_peers()
+        for worker, (first, rnd, shard) in list(waiting.items()):
+            if now - first > self.unheard_claim_seconds or rnd != view.state.round:
+                del waiting[worker]
+            elif worker in live and self.peer_table.capability_of(worker) is not None:
+                del waiting[worker]
+                log.info("job %s: heard %s now: its claim of round %d shard %d is queued again", view.job_id.hex()[:8],
+                         worker[-8:], rnd, shard)
+                self._refused.pop((view.job_id, worker), None)
+                self._queue(view, worker, rnd, shard)
 
     def _remember_early(self, view: JobMirror, claim: m.ShardClaim, worker: str) -> None:
         """A claim we cannot grant because we do not coordinate the job (yet): kept for ``take_over``."""
@@ -370,7 +412,7 @@ class CoordinatorRole:
     def forget(self, job_id: bytes) -> None:
         """The agent stopped following the job (agent/node.py ``forget_job``): drop what we kept for it
         (its tasks were cancelled with the job's nursery)."""
-        for per_job in (self._validation, self._claims, self._early, self._verify_costs):
+        for per_job in (self._validation, self._claims, self._early, self._unheard, self._verify_costs):
             per_job.pop(job_id, None)
         for keyed in (self.accepted_adapters, self._initial, self._start_hashes, self._refused, self._checked,
                       self._provisional):

@@ -69,3 +69,45 @@ def test_remembered_claims_are_queued_in_the_order_the_workers_first_claimed():
     now[0] = 2.0
     role.take_over(view)  # type: ignore[arg-type]
     assert queued == ["w0", "w1", "w2", "w3"]
+
+
+def test_a_claim_from_a_peer_not_heard_yet_is_queued_once_it_is_heard():
+    """A coordinator that just restarted (or took over) refuses the claims of peers whose heartbeat or capability
+    it has not heard yet; the claim is kept and queued at the tick that hears them, not lost: the worker claimed
+    its early start once in the term and dropped that work 20 s later, unleased (tests/roles/test_resume.py)."""
+    from types import SimpleNamespace
+
+    from agent.peers import PeerTable
+    from agent.roles.coordinator import CoordinatorRole
+    from protocol import messages as m
+    from scripts.make_envelope_vectors import sample_capability
+
+    now = [100.0]
+    table = PeerTable("me", lambda: now[0], heartbeat_seconds=1.0, missed_heartbeats=3, ours=lambda: None)
+    table.is_coordinator = lambda view: True  # type: ignore[method-assign] - (the election is tested elsewhere)
+    local = SimpleNamespace(clock=lambda: now[0], peer_id="me")
+    tasks = SimpleNamespace(spawn_in_job=lambda job, fn, *args: True)
+    role = CoordinatorRole(local, table, tasks, None, None, lambda: None)  # type: ignore[arg-type]
+    heard = lambda w: w in table.live_peers() and table.capability_of(w) is not None  # noqa: E731
+    role._may_lease = lambda view, rnd, worker, count=True: heard(worker)  # type: ignore[method-assign]
+    state = SimpleNamespace(round=2, terminal=False, shards=(), phase=st.JobPhase.TRAINING)
+    view = SimpleNamespace(job_id=b"j" * 32, state=state, verdicts={}, coordination=SimpleNamespace(term=1))
+
+    role._queue(view, "w1", 2, 1)  # type: ignore[arg-type]  - w1 never heard: kept
+    table.heard("w2", m.Heartbeat(1, 0, ()), now[0])
+    role._queue(view, "w2", 2, 0)  # type: ignore[arg-type]  - w2 heard, its capability not: kept
+    role._queue(view, "w3", 1, 0)  # type: ignore[arg-type]  - a round that is over: not kept
+    queued = role._claims.setdefault(view.job_id, [])  # (what _grant_claims takes, in order)
+    assert set(role._unheard[view.job_id]) == {"w1", "w2"} and not queued
+    now[0] += 0.5
+    role.grant_heard(view, now[0])  # type: ignore[arg-type]
+    assert not queued  # nothing heard meanwhile
+    table.told("w2", sample_capability(), now[0])
+    table.heard("w2", m.Heartbeat(2, 0, ()), now[0])
+    role.grant_heard(view, now[0])  # type: ignore[arg-type]
+    assert [q[0] for q in queued] == ["w2"] and set(role._unheard[view.job_id]) == {"w1"}
+    now[0] += role.unheard_claim_seconds
+    table.told("w1", sample_capability(), now[0])
+    table.heard("w1", m.Heartbeat(1, 0, ()), now[0])
+    role.grant_heard(view, now[0])  # type: ignore[arg-type]
+    assert [q[0] for q in queued] == ["w2"] and not role._unheard[view.job_id]  # kept too long: dropped
