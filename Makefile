@@ -26,12 +26,14 @@ test: setup
 	$(PYTEST)
 
 # The web page (`infernet ui`) in a real headless Chromium against a demo network; the screenshot stays in
-# ui-check/. Installs Debian's chromium when run as root and it is missing; the test skips, saying so, without one.
+# ui-check/. Installs Debian's chromium when run as root and it is missing; without one the test warns, saying so.
+# (The UI is checked on the network of the CLI job test, once its job is DONE.)
 ui-check: setup
 	@command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || apt-get install -y -q chromium >/dev/null 2>&1 \
 		|| (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1) || true
 	mkdir -p ui-check
-	INFERNET_UI_SHOTS=$(CURDIR)/ui-check $(PY) -m pytest -q -rs -p no:cacheprovider tests/cli/test_ui.py
+	INFERNET_UI_SHOTS=$(CURDIR)/ui-check $(PY) -m pytest -q -rs -p no:cacheprovider tests/cli/test_ui.py \
+		tests/cli/test_job_flow.py::test_job_announce_watch_fetch_between_agent_processes
 
 test-all: setup
 	$(PYTEST) -m ''

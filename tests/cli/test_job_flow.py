@@ -8,6 +8,7 @@ import time
 import pytest
 
 from tests.cli.conftest import Daemon, assert_one_line_error, cli, cli_json, model_config, small_spec
+from tests.cli.test_ui import check_the_ui
 
 
 def _network(tmp_path, daemons, model_dir, workers: int) -> Daemon:
@@ -30,7 +31,7 @@ def _network(tmp_path, daemons, model_dir, workers: int) -> Daemon:
 def test_job_announce_watch_fetch_between_agent_processes(tmp_path, daemons, tiny_model_dir):
     submitter = _network(tmp_path, daemons, tiny_model_dir, workers=2)  # one coordinates, one trains
     home = str(submitter.home)
-    job = cli_json("job", "announce", str(small_spec(tmp_path / "spec.yml")), "--home", home, timeout=180)
+    job = cli_json("job", "announce", str(small_spec(tmp_path / "spec.yml", rounds=2)), "--home", home, timeout=180)
     watch = cli("job", "watch", job["id"][:12], "--home", home, "--json", "--interval", "0.5", "--timeout", "240",
                 timeout=300)
     assert watch.returncode == 0, watch.stderr
@@ -82,6 +83,7 @@ def test_job_announce_watch_fetch_between_agent_processes(tmp_path, daemons, tin
     assert got["size"] == shard["size"] == (tmp_path / "shard0.jsonl").stat().st_size
     listed = cli_json("job", "list", "--home", home)
     assert listed[0]["state"] == "DONE"
+    check_the_ui(tmp_path, home, job)  # `infernet ui` on this network (issue 27)
     for daemon in daemons:
         assert daemon.terminate() == 0
 

@@ -1,6 +1,7 @@
 """`infernet ui` (issue 27): the read-only page of a running network, its token, and the page as a real browser
 renders it (headless Chromium, Debian's package: peers listed, the job's state, the chart's points per round).
-Without Chromium the browser half is skipped with one line naming it; `make ui-check` keeps the screenshot."""
+The checks run on the network of tests/cli/test_job_flow.py once its job is DONE (``check_the_ui``). Without
+Chromium the browser half is left out with a warning naming it; `make ui-check` keeps the screenshot."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+import warnings
 from pathlib import Path
 
 import pytest
 
-from tests.cli.conftest import REPO, cli, cli_json, small_spec
-from tests.cli.test_job_flow import _network
+from tests.cli.conftest import REPO, cli
 
 pytestmark = pytest.mark.network
 
@@ -43,13 +44,9 @@ def _post(url: str, body: dict, token: str | None = None) -> tuple[int, bytes]:
         return error.code, error.read()
 
 
-def test_the_ui_shows_the_network_and_its_job(tmp_path, daemons, tiny_model_dir):
-    submitter = _network(tmp_path, daemons, tiny_model_dir, workers=2)
-    home = str(submitter.home)
-    job = cli_json("job", "announce", str(small_spec(tmp_path / "spec.yml", rounds=2)), "--home", home, timeout=180)
-    watch = cli("job", "watch", job["id"][:12], "--home", home, "--json", "--interval", "0.5", "--timeout", "240",
-                "--no-tensorboard", timeout=300)
-    assert watch.returncode == 0 and json.loads(watch.stdout.splitlines()[-1])["state"] == "DONE", watch.stderr
+def check_the_ui(tmp_path: Path, home: str, job: dict) -> None:
+    """The UI of a network whose 2-round job ``job`` is DONE (tests/cli/test_job_flow.py runs that network: a network
+    of agent processes of its own here took 30-40 s of the suite for the same job)."""
     ui = subprocess.Popen([sys.executable, "-m", "agent.cli", "ui", "--home", home], stdout=subprocess.PIPE, text=True,
                           cwd=REPO, env=dict(os.environ))
     try:
@@ -83,7 +80,8 @@ def test_the_ui_shows_the_network_and_its_job(tmp_path, daemons, tiny_model_dir)
 
         browser = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
         if browser is None:
-            pytest.skip(f"no headless browser here ({', '.join(BROWSERS)}): the page's rendering was not checked")
+            warnings.warn(f"no headless browser here ({', '.join(BROWSERS)}): the UI page's rendering was not checked")
+            return
         url = f"{base}?token={token}&job={job['id']}"
         flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                  "--virtual-time-budget=8000", "--window-size=1280,1300"]
