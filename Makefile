@@ -13,8 +13,7 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check $(TORCH)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,qlora,data,hf,viz]'
+	bash scripts/install_venv.sh $(VENV) '$(TORCH)' '.[dev,qlora,data,hf,viz]'  # uv, or pip when uv fails
 	touch $@
 
 # Two test processes (pytest-xdist): most tests wait on real agents' timers, not on the CPU, so two at
