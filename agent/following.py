@@ -57,6 +57,14 @@ MAX_JOBS_FOLLOWED = 256  # jobs followed at once; an ended job makes room for a 
 # jobs not yet ended followed per announcing peer; we announce no more of our own (IPIP-0004 §13)
 MAX_LIVE_JOBS_PER_SUBMITTER = st.MAX_LIVE_JOBS_PER_SUBMITTER
 
+# a restarted agent's own decisions sent again (Following._send_decisions_again): at most this many, the newest,
+# made at least RESEND_MARGIN s inside the envelope window, one per RESEND_GAP s, once a peer is on the job's
+# topic (at most RESEND_WAIT s after the restart)
+RESEND_MAX = 64
+RESEND_MARGIN = 30.0
+RESEND_GAP = 0.2
+RESEND_WAIT = 30.0
+
 Observer = Callable[..., None]  # the test harness's tap (agent/hooks.py), or None
 
 
@@ -133,6 +141,7 @@ class Following:
             self.tasks.nursery.start_soon(partial(self.read_job_topic, view, subscription, True, resumed=True))  # supervised
             self.on_resume(view)
             self.tasks.one_shot(f"job {view.job_id.hex()[:8]}: provide again", self._provide_again, view)
+            self.tasks.one_shot(f"job {view.job_id.hex()[:8]}: decisions again", self._send_decisions_again, view)
 
     async def _provide_again(self, view: JobMirror) -> None:
         """After a restart our address changed: provide again the job's aggregates and adapters we hold."""
@@ -145,6 +154,39 @@ class Following:
             if self.blocks().has(cid):
                 with trio.move_on_after(30):
                     await self.net().discovery.provide(cid)
+
+    async def _send_decisions_again(self, view: JobMirror) -> None:
+        """After a restart: our own stored decisions still inside the envelope window (IPIP-0001 §4), sent again.
+        A decision is stored before it is published (agent/evidence.py), so one made just before a crash may
+        never have gone out: our rebuilt mirror holds a lease nobody else heard, its holder never trains it,
+        and the others hold every later attempt of that shard (tests/roles/test_resume.py). A peer that heard it
+        drops the copy (`replayed`, which blames nobody); one that did not applies it."""
+        from protocol.envelope import MAX_AGE_S
+        from protocol.errors import CodecError
+        from protocol.mirror import DECISIONS
+
+        now = self.clock()
+        ours = [s for s in self.writer.store.envelopes(view.job_id, stored_order=True)
+                if s.signer == self.peer_id and isinstance(s.message, DECISIONS)
+                and now - s.timestamp_ms / 1000 < MAX_AGE_S - RESEND_MARGIN][-RESEND_MAX:]
+        if not ours:
+            return
+        gossip = self.net().gossip
+        topic = m.job_topic(view.job_id)
+        if not await self.tasks.wait_until(lambda: bool(gossip.mesh_peers(topic)), RESEND_WAIT):
+            log.info("job %s: no peer on its topic %.0f s after the restart; our decisions are not sent again",
+                     view.job_id.hex()[:8], RESEND_WAIT)
+            return
+        sent = 0
+        for stored in ours:
+            try:
+                await gossip.publish_sealed(stored.message, stored.data)
+                sent += 1
+            except CodecError:
+                continue  # past the window meanwhile
+            await trio.sleep(RESEND_GAP)  # peers cut a sender's bursts (the gossip rate limit)
+        log.info("job %s: sent our %d decisions of the last %.0f s again after the restart", view.job_id.hex()[:8],
+                 sent, MAX_AGE_S - RESEND_MARGIN)
 
     def unended_jobs(self, submitter: str) -> list[bytes]:
         """The followed jobs of ``submitter`` not ended (MAX_LIVE_JOBS_PER_SUBMITTER)."""

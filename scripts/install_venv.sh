@@ -10,7 +10,9 @@ venv=$1 torch=$2 target=$3
 py=$venv/bin/python
 pip_install=("$py" -m pip install -q --disable-pip-version-check)
 if [ "${INFERNET_NO_UV:-}" != 1 ] && "${pip_install[@]}" uv >/dev/null 2>&1; then
-    args=(--python "$py" --index-strategy unsafe-best-match)
+    # --compile-bytecode: pip writes the .pyc files when it installs, uv does not; with PYTHONDONTWRITEBYTECODE set
+    # (CI's machine sets it) every agent process then compiled torch and transformers anew: the suite took 17 min
+    args=(--python "$py" --index-strategy unsafe-best-match --compile-bytecode)
     for link in $("$py" -m pip config get global.find-links 2>/dev/null || true) ${PIP_FIND_LINKS:-}; do
         args+=(--find-links "$link")
     done
