@@ -59,11 +59,12 @@ MAX_LIVE_JOBS_PER_SUBMITTER = st.MAX_LIVE_JOBS_PER_SUBMITTER
 
 # a restarted agent's own decisions sent again (Following._send_decisions_again): at most this many, the newest,
 # made at least RESEND_MARGIN s inside the envelope window, one per RESEND_GAP s, once a peer is on the job's
-# topic (at most RESEND_WAIT s after the restart)
+# topic (at most RESEND_WAIT s after the restart), of the term our mirror is in then
 RESEND_MAX = 64
 RESEND_MARGIN = 30.0
 RESEND_GAP = 0.2
 RESEND_WAIT = 30.0
+RESEND_CATCH_UP = 10.0  # ... and at most this much longer for the submitter's history (its term)
 
 Observer = Callable[..., None]  # the test harness's tap (agent/hooks.py), or None
 
@@ -165,11 +166,13 @@ class Following:
         from protocol.errors import CodecError
         from protocol.mirror import DECISIONS
 
-        now = self.clock()
-        ours = [s for s in self.writer.store.envelopes(view.job_id, stored_order=True)
-                if s.signer == self.peer_id and isinstance(s.message, DECISIONS)
-                and now - s.timestamp_ms / 1000 < MAX_AGE_S - RESEND_MARGIN][-RESEND_MAX:]
-        if not ours:
+        def ours() -> list:
+            now = self.clock()
+            return [s for s in self.writer.store.envelopes(view.job_id, stored_order=True)
+                    if s.signer == self.peer_id and isinstance(s.message, DECISIONS)
+                    and now - s.timestamp_ms / 1000 < MAX_AGE_S - RESEND_MARGIN]
+
+        if not ours():  # (a worker's: it decides nothing)
             return
         gossip = self.net().gossip
         topic = m.job_topic(view.job_id)
@@ -177,8 +180,13 @@ class Following:
             log.info("job %s: no peer on its topic %.0f s after the restart; our decisions are not sent again",
                      view.job_id.hex()[:8], RESEND_WAIT)
             return
+        # only those of the term our mirror is in once it caught up on the submitter's history (bounded: a submitter
+        # that is down does not stop them): the decisions of a term we were deposed from would only be held
+        await self.tasks.wait_until(lambda: not view.catching_up, RESEND_CATCH_UP)
+        term = view.coordination.term
+        again = [s for s in ours() if s.message.term == term][-RESEND_MAX:]
         sent = 0
-        for stored in ours:
+        for stored in again:
             try:
                 await gossip.publish_sealed(stored.message, stored.data)
                 sent += 1
