@@ -166,13 +166,11 @@ class Following:
         from protocol.errors import CodecError
         from protocol.mirror import DECISIONS
 
-        def ours() -> list:
-            now = self.clock()
-            return [s for s in self.writer.store.envelopes(view.job_id, stored_order=True)
-                    if s.signer == self.peer_id and isinstance(s.message, DECISIONS)
-                    and now - s.timestamp_ms / 1000 < MAX_AGE_S - RESEND_MARGIN]
-
-        if not ours():  # (a worker's: it decides nothing)
+        now = self.clock()  # (read once: what we decide from now on goes out as it is made)
+        ours = [s for s in self.writer.store.envelopes(view.job_id, stored_order=True)
+                if s.signer == self.peer_id and isinstance(s.message, DECISIONS)
+                and now - s.timestamp_ms / 1000 < MAX_AGE_S - RESEND_MARGIN]
+        if not ours:  # (a worker's: it decides nothing)
             return
         gossip = self.net().gossip
         topic = m.job_topic(view.job_id)
@@ -184,7 +182,7 @@ class Following:
         # that is down does not stop them): the decisions of a term we were deposed from would only be held
         await self.tasks.wait_until(lambda: not view.catching_up, RESEND_CATCH_UP)
         term = view.coordination.term
-        again = [s for s in ours() if s.message.term == term][-RESEND_MAX:]
+        again = [s for s in ours if s.message.term == term][-RESEND_MAX:]  # (past the window meanwhile: CodecError)
         sent = 0
         for stored in again:
             try:

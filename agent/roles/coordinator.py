@@ -222,13 +222,8 @@ class CoordinatorRole:
 
     def _unheard_claimant(self, view: JobMirror, worker: str, rnd: int) -> bool:
         """Was a claim refused only because we have not heard its worker yet (its heartbeat or its capability)?"""
-        if worker == self.local.peer_id or rnd != view.state.round or not self.peer_table.is_coordinator(view):
-            return False
-        if view.state.phase not in (st.JobPhase.ANNOUNCED, st.JobPhase.TRAINING):
-            return False
-        if history_refusal(worker, self.local.peer_id, view.verdicts.values(), view.state.shards) is not None:
-            return False
-        return worker not in self.peer_table.live_peers() or self.peer_table.capability_of(worker) is None
+        return worker != self.local.peer_id and self._claim_in_order(view, rnd, worker) and \
+            (worker not in self.peer_table.live_peers() or self.peer_table.capability_of(worker) is None)
 
     def grant_heard(self, view: JobMirror, now: float) -> None:
         """At each tick: the claims kept for a peer we had not heard (``_queue``) are queued again once we hear
@@ -266,18 +261,23 @@ class CoordinatorRole:
         first = early[worker][0] if worker in early and early[worker][2] == claim.round else now
         early[worker] = (first, now, claim.round, claim.shard)
 
-    def _may_lease(self, view: JobMirror, rnd: int, worker: str, *, count: bool = True) -> bool:
-        from agent.market import lease_refusal as market_lease_refusal
+    def _claim_in_order(self, view: JobMirror, rnd: int, worker: str) -> bool:
+        """What a claim must pass whatever we know of its worker: we coordinate the job, in its current round and a
+        phase that leases, and the worker may train it by the job's history (or, for ourselves, ``_we_train``)."""
         if not self.peer_table.is_coordinator(view) or rnd != view.state.round:
             return False
         if view.state.phase not in (st.JobPhase.ANNOUNCED, st.JobPhase.TRAINING):
             return False
-        if worker == self.local.peer_id:
-            if not self._we_train(view):  # (with the history rule, our judge included: protocol/leasing.py)
-                return False  # we coordinate only, or hold a shard of this round already, or nobody would judge us
-        elif history_refusal(worker, self.local.peer_id, view.verdicts.values(), view.state.shards) is not None:
-            return False  # a worker rejected in any term, or one training a shard of it (protocol/leasing.py)
-        elif worker not in self.peer_table.live_peers():
+        if worker == self.local.peer_id:  # (with the history rule, our judge included: protocol/leasing.py)
+            return self._we_train(view)  # we coordinate only, or hold a shard of this round already, or nobody would judge us
+        # a worker rejected in any term, or one training a shard of it (protocol/leasing.py)
+        return history_refusal(worker, self.local.peer_id, view.verdicts.values(), view.state.shards) is None
+
+    def _may_lease(self, view: JobMirror, rnd: int, worker: str, *, count: bool = True) -> bool:
+        from agent.market import lease_refusal as market_lease_refusal
+        if not self._claim_in_order(view, rnd, worker):
+            return False
+        if worker != self.local.peer_id and worker not in self.peer_table.live_peers():
             return False
         # its signed capability fits the job (protocol/fit.py), then the market's rules (protocol/market.py:
         # budget, named providers, max_nodes)
