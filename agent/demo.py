@@ -53,6 +53,8 @@ class DemoOptions:
     # job gets to one machine's training at the same compute (scripts/bench_quality.py, IPIP-0006 §2.3)
     rounds: int = 16
     steps: int = 12
+    # the steps of the first rounds, before `steps` a round (training.first_round_steps, IPIP-0006 §2.5)
+    first_round_steps: tuple[int, ...] = ()
     directory: Path | None = None
     timeout: float = 600.0
     verbose: bool = False
@@ -99,6 +101,8 @@ def demo_spec(options: DemoOptions) -> str:
     if full:
         what += ", every weight of the model fine-tuned"
     method = "method: full                      # every weight trains; fedavg averages the weights\n" if full else ""
+    first_rounds = (f"  first_round_steps: [{', '.join(map(str, options.first_round_steps))}]   # shorter first rounds "
+                    f"(ipips/0006 §2.5)\n" if options.first_round_steps else "")
     return f"""\
 # The demo job: the tiny model learns {what}.
 name: infernet-demo{"-dpo" if options.type == "dpo" else ""}{"-full" if full else ""}
@@ -113,7 +117,7 @@ training:
   max_steps: {options.steps}
   max_seq_len: {options.max_seq_len}
   inner_schedule: triangle        # warm up, then decay within each round (ipips/0006 §2.5)
-lora:
+{first_rounds}lora:
   rank: 16
   alpha: 32
   target_modules: [{", ".join(TARGET_MODULES)}]
@@ -243,6 +247,18 @@ def die_with(parent: int):
     return tie if sys.platform.startswith("linux") else None
 
 
+def _check_spec(options: DemoOptions) -> None:
+    """The job the options make is refused here, in one line, before anything starts (e.g. ``--first-rounds``
+    naming as many rounds as ``--rounds``)."""
+    from protocol.errors import SpecError
+    from protocol.jobspec import parse_spec
+
+    try:
+        parse_spec(demo_spec(options), "the demo's job spec")
+    except SpecError as err:
+        raise DemoError(str(err)) from None
+
+
 def run_demo(options: DemoOptions) -> int:
     console = Console(soft_wrap=True)  # a path or CID printed whole (copied from the terminal), never cut in two
     started = time.monotonic()
@@ -250,6 +266,7 @@ def run_demo(options: DemoOptions) -> int:
     root.mkdir(parents=True, exist_ok=True)
     if any(root.iterdir()):
         raise DemoError(f"{root}: not empty; give --dir a new directory")
+    _check_spec(options)
     network: DemoNetwork | None = None
     signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM stops the agents too, like Ctrl-C
     try:

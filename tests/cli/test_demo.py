@@ -54,6 +54,19 @@ def test_demo_refuses_a_directory_in_use_and_bad_options(tmp_path):
     assert_one_line_error(cli("demo", "--workers", "1"), "--workers must be at least 2")
 
 
+def test_demo_first_rounds_go_into_the_job_and_a_bad_plan_is_refused_before_any_agent_starts(tmp_path):
+    from agent.demo import DemoOptions, demo_spec
+    from protocol.jobspec import parse_spec
+
+    spec = parse_spec(demo_spec(DemoOptions(rounds=5, steps=40, first_round_steps=(10, 20))))
+    assert (spec.rounds, spec.training.max_steps, spec.training.first_round_steps) == (5, 40, (10, 20))
+    assert parse_spec(demo_spec(DemoOptions())).training.first_round_steps == ()
+    root = tmp_path / "net"
+    done = cli("demo", "--rounds", "2", "--steps", "8", "--first-rounds", "4,4", "--dir", str(root))
+    assert_one_line_error(done, "first_round_steps", "names 2 rounds")
+    assert not (root / "submitter").exists()  # no agent was started
+
+
 def test_agents_do_not_outlive_a_killed_demo_and_homes_are_private(tmp_path, tiny_model_dir):
     """Issue 17: `infernet demo` killed by SIGKILL (or SIGHUP) left its agents running in their own
     sessions; now the kernel stops each with SIGTERM (PR_SET_PDEATHSIG). Homes are 0700 with 0600
