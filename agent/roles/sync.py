@@ -36,7 +36,8 @@ from agent.net.errors import NetError, PeerProtocolError
 from agent.net.streams import FrameReader, frame, remote_peer, request_frames
 from agent.store import StoreFullError, reopen
 from protocol import messages as m
-from protocol.mirror import JobMirror, Outcome
+from protocol.mirror import DECISIONS, JobMirror, Outcome
+from protocol.state import ShardPhase
 from protocol.cid import varint_encode
 from protocol.envelope import MAX_ENVELOPE_BYTES
 
@@ -189,7 +190,10 @@ class JobSync:
         # job on the others. They are asked at once (a dead one costs its timeout once, not in turn).
         random.shuffle(live)
         peers = sorted(live, key=lambda p: p != coordinator)[:PEERS_ASKED]
-        applied, answered = await self._receive_histories(view, peers, timeout, vouch=True)
+        applied, answered, histories = await self._receive_histories(view, peers, timeout, vouch=True)
+        if coordinator is not None and histories.get(coordinator) and \
+                _holds_decisions(view, self.peers.eligible_coordinators(view.terms)):
+            await self._rebuild_from(view, coordinator, histories[coordinator])
         if applied:
             log.info("job %s: caught up on %d messages from %d peers after a restart (%d held): %s, round %d, "
                      "term %d", view.job_id.hex()[:8], len(applied), len(peers), len(view.pending),
@@ -205,7 +209,7 @@ class JobSync:
         """Our mirror holds worker messages it cannot apply (protocol/resync.repair_sources): ask their signers,
         not the submitter, for their history of the job, and receive what we lack as any peer's messages
         (IPIP-0004 §11.1). Returns the message IDs applied."""
-        applied, _ = await self._receive_histories(view, list(peers), timeout, act=True)
+        applied, _, _ = await self._receive_histories(view, list(peers), timeout, act=True)
         if applied:
             log.info("job %s: repaired %d messages from %s: %s, round %d", view.job_id.hex()[:8], len(applied),
                      ", ".join(p[-8:] for p in peers), view.state.phase.value, view.state.round)
@@ -213,13 +217,13 @@ class JobSync:
         return applied
 
     async def _receive_histories(self, view: Any, peers: list[str], timeout: float, *, act: bool = False,
-                                 vouch: bool = False) -> tuple[set[bytes], int]:
+                                 vouch: bool = False) -> tuple[set[bytes], int, dict[str, list[Any] | None]]:
         """Fetch ``peers``' histories of the job at once, then receive, peer by peer, the envelopes our store lacks
         as live messages with their own timestamps (``history=True``): coordinator decisions pass our election
         view like live ones (nobody's stored junk can move our term), the rest is applied as anyone's; then
         the live messages held meanwhile are tried once at the real now. What applied is committed with its
         reactions; the state machine's actions of the past are nobody's to carry out. Returns (the message
-        IDs applied, how many of ``peers`` answered).
+        IDs applied, how many of ``peers`` answered, each peer's verified history or None).
 
         ``vouch`` (the submitter catching up): the history of our view's coordinator vouches for the
         decisions of earlier terms in it (IPIP-0006 §1.3 rule 9): a coordinator that is gone signed them,
@@ -259,7 +263,40 @@ class JobSync:
             await receive(peer)
         if vouch and view.coordination.coordinator in histories:
             await receive(view.coordination.coordinator)  # what its history held from before our view reached its term
-        return applied, sum(1 for history in histories.values() if history is not None)
+        return applied, sum(1 for history in histories.values() if history is not None), histories
+
+    async def _rebuild_from(self, view: JobMirror, coordinator: str, history: list[Any]) -> bool:
+        """We are the job's submitter and our mirror still holds decisions of the job's coordinators after we
+        caught up: it diverged on something we stored, not on something we missed, so no message we lack can
+        mend it. The case met (scenario submitter-coordinator-down under load, agent processes): a lease's
+        clock ran out in our mirror a tenth of a second before the holder's first checkpoint reached us, while
+        the other mirrors, which had heard the lease a little later, took the checkpoint; our mirror reopened
+        the shard, and held the holder's report, the verdict and every aggregate after it, and the job stayed
+        TRAINING for us while the others ended it DONE. So the mirror is rebuilt from our view's coordinator's
+        history, each message received as a live one at its signed time (every signature and election rule
+        checked, IPIP-0006 §1.3 rule 9 for its past terms: not a replay, which would believe any signer at
+        its term), and adopted only if it got further than ours (ended, a later round, or more shards
+        accepted in ours). IPIP-0004 §11.1. True if adopted."""
+        eligible = self.peers.eligible_coordinators(view.terms)
+        fresh = JobMirror(view.terms, view.first_seen, view.me)
+        outcomes = []
+        for _ in range(2):  # again, for what applies once the first pass moved the view (as _receive_histories)
+            for data, opened in history:
+                signer, at = opened.envelope.signer, opened.envelope.timestamp_ms / 1000.0
+                outcomes.append(fresh.receive(opened.message, signer, at, eligible, data, history=True, vouched=True))
+        if _progress(fresh) <= _progress(view):
+            log.info("job %s: our mirror holds %d messages; rebuilt from %s's history it gets no further "
+                     "(%s round %d), kept", view.job_id.hex()[:8], len(view.pending), coordinator[-8:],
+                     fresh.state.phase.value, fresh.state.round)
+            return False
+        before = (view.state.phase.value, view.state.round, len(view.pending))
+        outcome = view.adopt(fresh, Outcome.join(outcomes), self.clock(), eligible)
+        await self._commit(view, outcome)
+        log.warning("job %s: our mirror rebuilt from the coordinator %s's history (%d messages): was %s round %d "
+                    "with %d held, now %s round %d, term %d", view.job_id.hex()[:8], coordinator[-8:], len(history),
+                    *before, view.state.phase.value, view.state.round, view.coordination.term)
+        self.writer.save_job_row(view)
+        return True
 
     async def _commit(self, view: JobMirror, outcome: Outcome, *, act: bool = True) -> None:
         """The agent's ``commit``; a full disk raises StoreFullError to the caller, as a direct store write would."""
@@ -306,6 +343,18 @@ class JobSync:
                     view.state.phase.value, view.state.round, view.coordination.term)
         self.writer.save_job_row(view)
         return True
+
+
+def _holds_decisions(view: JobMirror, eligible: frozenset[str]) -> bool:
+    """Does the mirror hold a decision (lease, revoke, verdict, aggregate) of one of the job's eligible
+    coordinators (as protocol/resync.needs_resync: nobody else's junk makes us rebuild)?"""
+    return any(isinstance(msg, DECISIONS) and signer in eligible for _, msg, signer, _ in view.pending)
+
+
+def _progress(view: JobMirror) -> tuple[bool, int, int]:
+    """How far a mirror got: ended, its round, its shards accepted in that round."""
+    state = view.state
+    return (state.terminal, state.round, sum(1 for s in state.shards if s.phase is ShardPhase.ACCEPTED))
 
 
 def _replay(view: JobMirror, opened: Any, data: bytes | None = None) -> Outcome:
