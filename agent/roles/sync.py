@@ -276,7 +276,7 @@ class JobSync:
         history, each message received as a live one at its signed time (every signature and election rule
         checked, IPIP-0006 §1.3 rule 9 for its past terms: not a replay, which would believe any signer at
         its term), and adopted only if it got further than ours (ended, a later round, or more shards
-        accepted in ours). IPIP-0004 §11.1. True if adopted."""
+        accepted in ours). IPIP-0004 §11. True if adopted."""
         eligible = self.peers.eligible_coordinators(view.terms)
         fresh = JobMirror(view.terms, view.first_seen, view.me)
         outcomes = []
