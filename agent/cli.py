@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--shards", type=int, default=4, help="dataset shards (default 4)")
     demo.add_argument("--rounds", type=int, default=16, help="train-then-aggregate rounds (default 16)")
     demo.add_argument("--steps", type=int, default=12, help="optimizer steps per shard and round (default 12)")
-    demo.add_argument("--first-rounds", type=_step_list, default=None, metavar="N,N,...",
+    demo.add_argument("--first-rounds", type=_step_list, default=(), metavar="N,N,...",
                       help="steps of the first rounds, before --steps a round (training.first_round_steps; "
                            "'' for none)")
     demo.add_argument("--dir", type=Path, default=None, help="where the agents' homes go (default: a new temp dir)")
@@ -1296,7 +1296,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise UserError("--method full with --type dpo: DPO's reference is the base model with the adapter disabled, "
                         "so it needs a LoRA")
     return run_demo(DemoOptions(workers=args.workers, shards=args.shards, rounds=args.rounds, steps=args.steps,
-                                **({} if args.first_rounds is None else {"first_round_steps": args.first_rounds}),
+                                first_round_steps=args.first_rounds,
                                 directory=args.dir, timeout=args.timeout, dataset=args.dataset, type=args.type,
                                 method=args.method,
                                 verbose=bool(getattr(args, "verbose", False))))

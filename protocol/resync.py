@@ -8,6 +8,10 @@ for the agent (agent/jobclock.py) and the simulator (agent/harness/sim.py):
 - ``needs_resync``: a held *decision* (lease, verdict, aggregate) of an eligible coordinator: the
   mirror is rebuilt from the submitter's whole history (the submitter's record wins).
 - ``stalled``: our own job, with nothing applied for a long while: the submitter asks live peers.
+- ``holds_decisions`` and ``got_further``: the submitter itself has no submitter to rebuild from. When its
+  mirror still holds a decision of an eligible coordinator after it caught up on what it lacked, it diverged
+  on what it stored (a lease's clock ran out in its mirror alone): it rebuilds from its view's coordinator's
+  history, received as live messages, and keeps the rebuilt mirror only if it ``got_further`` (IPIP-0004 §11).
 - ``repair_sources``: a held *worker message* (checkpoint, report, release): its signer holds a lease
   our mirror lacks, so the signer is asked for its history of the job, and what its history holds
   is received as any peer's messages (``JobMirror.receive(history=True)``: every signature and
@@ -30,6 +34,7 @@ from typing import Any
 
 from protocol import messages as m
 from protocol.mirror import DECISIONS
+from protocol.state import ShardPhase
 
 RESYNC_HELD_SECONDS = 5.0  # a message held this long means our mirror missed something (not reordering)
 RESYNC_INTERVAL = 15.0  # at most one rebuild or repair of a job's mirror this often
@@ -39,14 +44,15 @@ REPAIR_PEERS = 2  # the signers of held worker messages asked at one repair, the
 WORKER_MESSAGES = (m.CheckpointCommit, m.ShardReport, m.ShardRelease)
 
 
-def _held(view: Any, kinds: tuple[type, ...], now: float, held_seconds: float) -> list[tuple[float, Any, str]]:
+def _held(view: Any, kinds: tuple[type, ...], now: float, held_seconds: float, *,
+          whenever: bool = False) -> list[tuple[float, Any, str]]:
     """(since, message, signer) of what the mirror holds of ``kinds``, by others, over ``held_seconds``, since
-    the last rebuild or repair; nothing once the job ended."""
+    the last rebuild or repair (``whenever``: all of it); nothing once the job ended."""
     if view.state.terminal:
         return []
-    since = view.resynced_at
+    since = None if whenever else view.resynced_at
     return [(seen, msg, signer) for seen, msg, signer, _ in view.pending
-            if isinstance(msg, kinds) and signer != view.me and now - seen > held_seconds
+            if isinstance(msg, kinds) and signer != view.me and (whenever or now - seen > held_seconds)
             and (since is None or seen > since)]
 
 
@@ -56,6 +62,21 @@ def needs_resync(view: Any, eligible: frozenset[str], now: float,
     Its term does not matter: our view of the term may be the wrong one (we changed it while the
     others did not). Decisions of anyone else, an attacker's included, never trigger a rebuild."""
     return any(signer in eligible for _, _, signer in _held(view, DECISIONS, now, held_seconds))
+
+
+def holds_decisions(view: Any, eligible: frozenset[str]) -> bool:
+    """Does the mirror hold a decision of an eligible coordinator, however briefly and whenever since (the
+    submitter, once it caught up: what it still holds then no message it lacks will apply)? Nobody else's
+    decisions count, our own never, nothing once the job ended."""
+    return any(signer in eligible for _, _, signer in _held(view, DECISIONS, 0.0, 0.0, whenever=True))
+
+
+def got_further(rebuilt: Any, view: Any) -> bool:
+    """Did the mirror rebuilt from another history get further than ours: the job ended, a later round, or more
+    of the round's shards accepted?"""
+    def progress(v: Any) -> tuple[bool, int, int]:
+        return (v.state.terminal, v.state.round, sum(1 for s in v.state.shards if s.phase is ShardPhase.ACCEPTED))
+    return progress(rebuilt) > progress(view)
 
 
 def repair_sources(view: Any, now: float, held_seconds: float = RESYNC_HELD_SECONDS,

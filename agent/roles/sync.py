@@ -36,8 +36,8 @@ from agent.net.errors import NetError, PeerProtocolError
 from agent.net.streams import FrameReader, frame, remote_peer, request_frames
 from agent.store import StoreFullError, reopen
 from protocol import messages as m
-from protocol.mirror import DECISIONS, JobMirror, Outcome
-from protocol.state import ShardPhase
+from protocol.mirror import JobMirror, Outcome
+from protocol.resync import got_further, holds_decisions
 from protocol.cid import varint_encode
 from protocol.envelope import MAX_ENVELOPE_BYTES
 
@@ -192,7 +192,7 @@ class JobSync:
         peers = sorted(live, key=lambda p: p != coordinator)[:PEERS_ASKED]
         applied, answered, histories = await self._receive_histories(view, peers, timeout, vouch=True)
         if coordinator is not None and histories.get(coordinator) and \
-                _holds_decisions(view, self.peers.eligible_coordinators(view.terms)):
+                holds_decisions(view, self.peers.eligible_coordinators(view.terms)):
             await self._rebuild_from(view, coordinator, histories[coordinator])
         if applied:
             log.info("job %s: caught up on %d messages from %d peers after a restart (%d held): %s, round %d, "
@@ -249,9 +249,8 @@ class JobSync:
             for data, opened in histories.get(peer) or ():
                 if self.writer.store.has_envelope(opened.envelope.message_id):
                     continue  # (what applied in an earlier pass is stored: committed below)
-                signer, at = opened.envelope.signer, opened.envelope.timestamp_ms / 1000.0
-                outcomes.append(view.receive(opened.message, signer, at, self.peers.eligible_coordinators(view.terms),
-                                             data, history=True, vouched=vouch and peer == view.coordination.coordinator))
+                outcomes.append(_as_live(view, opened, data, self.peers.eligible_coordinators(view.terms),
+                                         vouched=vouch and peer == view.coordination.coordinator))
             if outcomes:  # the live messages held meanwhile, tried once at the real now (not at a stored time)
                 outcomes.append(view.retry(self.clock(), self.peers.eligible_coordinators(view.terms)))
             outcome = Outcome.join(outcomes)
@@ -267,36 +266,39 @@ class JobSync:
 
     async def _rebuild_from(self, view: JobMirror, coordinator: str, history: list[Any]) -> bool:
         """We are the job's submitter and our mirror still holds decisions of the job's coordinators after we
-        caught up: it diverged on something we stored, not on something we missed, so no message we lack can
-        mend it. The case met (scenario submitter-coordinator-down under load, agent processes): a lease's
-        clock ran out in our mirror a tenth of a second before the holder's first checkpoint reached us, while
-        the other mirrors, which had heard the lease a little later, took the checkpoint; our mirror reopened
-        the shard, and held the holder's report, the verdict and every aggregate after it, and the job stayed
-        TRAINING for us while the others ended it DONE. So the mirror is rebuilt from our view's coordinator's
-        history, each message received as a live one at its signed time (every signature and election rule
-        checked, IPIP-0006 §1.3 rule 9 for its past terms: not a replay, which would believe any signer at
-        its term), and adopted only if it got further than ours (ended, a later round, or more shards
-        accepted in ours). IPIP-0004 §11. True if adopted."""
+        caught up (protocol/resync.holds_decisions): it diverged on something we stored, not on something we
+        missed, so no message we lack can mend it. The case met (scenario submitter-coordinator-down under load,
+        agent processes): a lease's clock ran out in our mirror a tenth of a second before the holder's first
+        checkpoint reached us, while the other mirrors, which had heard the lease a little later, took the
+        checkpoint; our mirror reopened the shard, held the holder's report, the verdict and every aggregate
+        after it, and the job stayed TRAINING for us while the others ended it DONE. So the mirror is rebuilt
+        from our view's coordinator's history, each message received as a live one at its signed time (every
+        signature and election rule checked, IPIP-0006 §1.3 rule 9 for its past terms: not a replay, which
+        would believe any signer at its term), and adopted only if it got further than ours
+        (protocol/resync.got_further). IPIP-0004 §11. True if adopted."""
         eligible = self.peers.eligible_coordinators(view.terms)
         fresh = JobMirror(view.terms, view.first_seen, view.me)
-        outcomes = []
-        for _ in range(2):  # again, for what applies once the first pass moved the view (as _receive_histories)
-            for data, opened in history:
-                signer, at = opened.envelope.signer, opened.envelope.timestamp_ms / 1000.0
-                outcomes.append(fresh.receive(opened.message, signer, at, eligible, data, history=True, vouched=True))
-        if _progress(fresh) <= _progress(view):
+        # twice: again for what applies once the first pass moved the view (as _receive_histories does)
+        outcomes = [_as_live(fresh, opened, data, eligible, vouched=True) for _ in range(2) for data, opened in history]
+        if not got_further(fresh, view):
             log.info("job %s: our mirror holds %d messages; rebuilt from %s's history it gets no further "
                      "(%s round %d), kept", view.job_id.hex()[:8], len(view.pending), coordinator[-8:],
                      fresh.state.phase.value, fresh.state.round)
             return False
-        before = (view.state.phase.value, view.state.round, len(view.pending))
-        outcome = view.adopt(fresh, Outcome.join(outcomes), self.clock(), eligible)
-        await self._commit(view, outcome)
-        log.warning("job %s: our mirror rebuilt from the coordinator %s's history (%d messages): was %s round %d "
-                    "with %d held, now %s round %d, term %d", view.job_id.hex()[:8], coordinator[-8:], len(history),
-                    *before, view.state.phase.value, view.state.round, view.coordination.term)
-        self.writer.save_job_row(view)
+        await self._adopt(view, fresh, Outcome.join(outcomes), f"the coordinator {coordinator[-8:]}'s", len(history))
         return True
+
+    async def _adopt(self, view: JobMirror, fresh: JobMirror, history: Outcome, whose: str, messages: int) -> None:
+        """Swap in ``fresh``, our mirror rebuilt from ``whose`` history (``JobMirror.adopt``: the held live messages
+        tried on it), then commit the history and what they did on it, reactions included."""
+        before = (view.state.phase.value, view.state.round, len(view.pending))
+        # nothing may run on the old mirror between the rebuild and the swap: no await until adopt
+        outcome = view.adopt(fresh, history, self.clock(), self.peers.eligible_coordinators(view.terms))
+        await self._commit(view, outcome)
+        log.warning("job %s: mirror rebuilt from %s history (%d messages): was %s round %d with %d held, "
+                    "now %s round %d, term %d", view.job_id.hex()[:8], whose, messages, *before,
+                    view.state.phase.value, view.state.round, view.coordination.term)
+        self.writer.save_job_row(view)
 
     async def _commit(self, view: JobMirror, outcome: Outcome, *, act: bool = True) -> None:
         """The agent's ``commit``; a full disk raises StoreFullError to the caller, as a direct store write would."""
@@ -334,27 +336,14 @@ class JobSync:
             return False
         fresh = JobMirror(view.terms, view.first_seen, view.me)
         history = Outcome.join([_replay(fresh, opened, data) for data, opened in verified])
-        before = (view.state.phase.value, view.state.round, len(view.pending))
-        # nothing may run on the old mirror between the rebuild and the swap: no await until adopt
-        outcome = view.adopt(fresh, history, self.clock(), self.peers.eligible_coordinators(view.terms))
-        await self._commit(view, outcome)
-        log.warning("job %s: mirror rebuilt from the submitter's history (%d messages): was %s round %d with %d held, "
-                    "now %s round %d, term %d", view.job_id.hex()[:8], len(verified), *before,
-                    view.state.phase.value, view.state.round, view.coordination.term)
-        self.writer.save_job_row(view)
+        await self._adopt(view, fresh, history, "the submitter's", len(verified))
         return True
 
 
-def _holds_decisions(view: JobMirror, eligible: frozenset[str]) -> bool:
-    """Does the mirror hold a decision (lease, revoke, verdict, aggregate) of one of the job's eligible
-    coordinators (as protocol/resync.needs_resync: nobody else's junk makes us rebuild)?"""
-    return any(isinstance(msg, DECISIONS) and signer in eligible for _, msg, signer, _ in view.pending)
-
-
-def _progress(view: JobMirror) -> tuple[bool, int, int]:
-    """How far a mirror got: ended, its round, its shards accepted in that round."""
-    state = view.state
-    return (state.terminal, state.round, sum(1 for s in state.shards if s.phase is ShardPhase.ACCEPTED))
+def _as_live(view: JobMirror, opened: Any, data: bytes, eligible: frozenset[str], *, vouched: bool) -> Outcome:
+    """A stored envelope of a peer's history received as a live message at its signed time (``history=True``)."""
+    return view.receive(opened.message, opened.envelope.signer, opened.envelope.timestamp_ms / 1000.0, eligible, data,
+                        history=True, vouched=vouched)
 
 
 def _replay(view: JobMirror, opened: Any, data: bytes | None = None) -> Outcome:

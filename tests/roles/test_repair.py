@@ -26,7 +26,7 @@ from protocol.election import Coordination
 from protocol.envelope import open_envelope, seal
 from protocol.identity import Identity
 from protocol.mirror import JobMirror
-from protocol.resync import needs_resync, repair_sources
+from protocol.resync import got_further, holds_decisions, needs_resync, repair_sources
 from scripts.make_envelope_vectors import sample_capability, sample_terms
 from tests.roles.conftest import network
 
@@ -61,6 +61,23 @@ def test_the_rules_vectors():
         eligible = frozenset(case["eligible"])
         assert needs_resync(view, eligible, case["now"]) is case["needs_resync"], case["name"]
         assert list(repair_sources(view, case["now"])) == case["repair_sources"], case["name"]
+        assert holds_decisions(view, eligible) is case["holds_decisions"], case["name"]
+
+
+def test_the_further_vectors():
+    """ipips/vectors/resync.json "further": when a submitter keeps a mirror rebuilt from its coordinator's history."""
+    def mirror(progress: dict) -> JobMirror:
+        view = JobMirror(TERMS, 0.0, "S")
+        shards = tuple(dataclasses.replace(s, phase=st.ShardPhase.ACCEPTED) if i < progress["accepted"] else s
+                       for i, s in enumerate(view.state.shards))
+        view.state = dataclasses.replace(view.state, round=progress["round"], shards=shards,
+                                         phase=st.JobPhase.DONE if progress["ended"] else st.JobPhase.TRAINING)
+        return view
+
+    cases = json.loads(VECTORS.read_text())["further"]
+    assert len(cases) >= 6
+    for case in cases:
+        assert got_further(mirror(case["rebuilt"]), mirror(case["ours"])) is case["got_further"], case["name"]
 
 
 def received(identity: Identity, message, at: float) -> Received:
