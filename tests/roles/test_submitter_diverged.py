@@ -1,5 +1,5 @@
 """A submitter whose own mirror diverged on something it stored, not on something it missed, rebuilds it
-from its coordinator's history (agent/roles/sync.Sync._rebuild_from, IPIP-0004 §11.1).
+from its coordinator's history (agent/roles/sync.JobSync._rebuild_from, IPIP-0004 §11.1).
 
 Met with agent processes (scenario submitter-coordinator-down, three copies at once on 2 cores): the
 restarted submitter heard a lease by catching up, its clock for that lease ran out 0.1 s before the
