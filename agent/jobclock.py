@@ -19,7 +19,9 @@ Rules of this file:
   worker messages it cannot apply (``repair_sources``) asks their signers for their history
   (agent/roles/sync.py ``repair``), when the operator turned that on (``repair_from_senders``). At most
   one of these per job per ``RESYNC_INTERVAL``, one at a time.
-  A rebuild that leaves us coordinator resumes the pending work (``CoordinatorRole.resume``).
+  A rebuild that leaves us coordinator resumes the pending work (``CoordinatorRole.resume``); one that holds a
+  live lease to us has our worker train it (``WorkerRole.take_leases``): it came in the history, not as a live
+  message, so nothing else would start it before it ran out.
 """
 
 from __future__ import annotations
@@ -54,11 +56,12 @@ class JobClock:
                  jobs: Mapping[bytes, "JobMirror"], tasks: "Tasks", coordinator: "CoordinatorRole", sync: "JobSync", *,
                  commit: Callable[["JobMirror", "Outcome"], Awaitable[bool]],
                  ledger: Callable[[bytes, str, dict], None], refuse_work: Callable[[Exception], None],
-                 repair: bool = False) -> None:
+                 repair: bool = False, rebuilt: Callable[["JobMirror"], None] = lambda view: None) -> None:
         self.peer_id, self.clock = peer_id, clock
         self.peers, self.jobs, self.tasks, self.coordinator, self.sync = peers, jobs, tasks, coordinator, sync
         self.commit, self.ledger, self.refuse_work = commit, ledger, refuse_work
         self.repair = repair  # the operator's repair_from_senders (IPIP-0004 §11.1)
+        self.rebuilt = rebuilt  # a mirror changed by a rebuild or repair: our worker takes a lease to us it brought
         self.coordinating: set[bytes] = set()  # jobs whose pending work we took over as coordinator
         self.resyncing: set[bytes] = set()  # jobs whose mirror is being rebuilt
         self.last_resync: dict[bytes, float] = {}
@@ -187,6 +190,8 @@ class JobClock:
                 changed = await self.sync.resync(view)
             if changed and self.is_coordinator(view) and view.job_id in self.coordinating:
                 self.coordinator.resume(view)
+            if changed:
+                self.rebuilt(view)
         except StoreFullError as exc:
             self.refuse_work(exc)
         finally:

@@ -176,7 +176,8 @@ class Agent:
         # elections, the state machines' timers, rebuilds, taking a job over (agent/jobclock.py)
         self.jobclock = JobClock(self.peer_id, clock, self.peer_table, self.jobs, self.tasks,
                                  self.coordinator, self.jobsync, commit=self.commit, ledger=self.ledger,
-                                 refuse_work=self.refuse_work, repair=config.repair_from_senders)
+                                 refuse_work=self.refuse_work, repair=config.repair_from_senders,
+                                 rebuilt=self._rebuilt)
         from agent.market import Reputations
 
         self.reputations = Reputations(self)
@@ -318,6 +319,12 @@ class Agent:
         if self.worker is not None:
             self.worker.consider(view)
             self.spawn_in_job(view.job_id, self.worker.release_stale, view)
+
+    def _rebuilt(self, view: JobMirror) -> None:
+        """Our mirror of a job was rebuilt (or repaired) from a peer's history: a live lease to us it holds now is
+        trained (``WorkerRole.take_leases``)."""
+        if self.worker is not None:
+            self.worker.take_leases(view)
 
     def _forgotten(self, job_id: bytes) -> None:
         """A job we no longer follow: every role drops what it kept for it."""

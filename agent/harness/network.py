@@ -242,6 +242,16 @@ class LoopbackNet:
         for name in self.agents:
             self._apply_faults(name)
 
+    def cut(self, pairs: list[list[str]]) -> None:
+        """Cut gossip between the two agents of each pair, either way (names), on top of any partition: each drops
+        what the other signed, relayed or not, as a peer does that never got the other's messages."""
+        ids = {n: identity_for(self.seed, n).peer_id for n in self.configs}
+        for a, b in pairs:
+            self.blocked[a] = self.blocked.get(a, frozenset()) | {ids[b]}
+            self.blocked[b] = self.blocked.get(b, frozenset()) | {ids[a]}
+        for name in {n for pair in pairs for n in pair} & set(self.agents):
+            self._apply_faults(name)
+
     def heal(self) -> None:
         self.blocked = {}
         for name in self.agents:

@@ -65,12 +65,12 @@ PINNED_DEADLINE = 4_000_000_000  # far away: a scenario's job ends by its own fa
 # "early-3": the coordinator announced round 3's start early (IPIP-0006 §2.9), before publishing round 2's aggregate
 TRIGGERS = ("training", "all-training", "checkpoint", "report", "accepted", "rejected", "aggregating", "aggregate", "aggregate-2",
             "aggregate-3", "round-2", "round-3", "early-2", "early-3")
-ACTIONS = ("kill", "restart", "start", "partition", "heal", "gossip", "attack", "tamper")
+ACTIONS = ("kill", "restart", "start", "partition", "cut", "heal", "gossip", "attack", "tamper")
 ATTACKS = ("replay", "spoof", "stale", "malformed", "oversize", "claim_flood", "flood")
 SELECTORS = ("coordinator", "trainer", "workers", "killed")
 AGENT_KEYS = {"claim_interval": float, "max_concurrent_shards": int, "can_coordinate": bool, "coordinator_trains": bool, "early_start": bool,
               "price_per_hour": float, "min_price_per_hour": float, "fetch_timeout": float,
-              "gossip_max_rate": float, "gossip_max_burst": float, "relay": bool}
+              "gossip_max_rate": float, "gossip_max_burst": float, "relay": bool, "grace_seconds": float}
 EXPECT_KEYS = ("phase", "reason", "min_term", "reassigned", "rejected", "released", "gossip_rejected",
                "rate_limited", "trained", "not_trained", "coordinator_judged", "relayed", "direct", "max_term",
                "recovered", "revoked")
@@ -297,6 +297,13 @@ class _Reader:
             groups = self.sequence(raw, vpath)
             value = [[self.agent_name(n, vpath + (i, j), known) for j, n in enumerate(self.sequence(g, vpath + (i,)))]
                      for i, g in enumerate(groups)]
+        elif action == "cut":  # pairs of agents whose gossip does not cross, either way (a lost capability)
+            pairs = self.sequence(raw, vpath)
+            value = [[self.agent_name(n, vpath + (i, j), known) for j, n in enumerate(self.sequence(p, vpath + (i,)))]
+                     for i, p in enumerate(pairs)]
+            for i, pair in enumerate(value):
+                if len(pair) != 2 or pair[0] == pair[1]:
+                    raise self.fail(vpath + (i,), "expected a pair of two agents, like [w1, w2]")
         elif action == "heal":
             value = self.typed(raw, vpath, bool)
         elif action == "gossip":
@@ -758,6 +765,9 @@ class _Run:
         if action == "partition":
             net.partition(value)
             return "partition " + " | ".join(",".join(g) for g in value)
+        if action == "cut":
+            net.cut(value)
+            return "cut " + " ".join("-".join(p) for p in value)
         if action == "heal":
             net.heal()
             return "heal"

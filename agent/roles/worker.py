@@ -276,6 +276,22 @@ class WorkerRole:
         if not self.tasks.spawn_in_job(view.job_id, self._run_shard, view, lease, key):
             self.active.pop(key, None)  # the job ended
 
+    def take_leases(self, view: JobMirror) -> None:
+        """Our mirror was just rebuilt from a peer's history (agent/jobclock.py): a live lease to us it holds came in
+        that history, not as a live message, so ``on_lease`` never saw it. Trained now; else it was held unused until
+        it ran out, an hour by default (the scenario successor-same-term: 30 s of its 30 s lease, the round waiting)."""
+        if view.job_id not in self.candidates or view.state.terminal:
+            return
+        now = self.local.clock()
+        for shard in view.training_by(self.local.peer_id):
+            lease = view.leases.get(m.ShardAttempt(view.state.round, shard.index, shard.attempt))
+            key = (view.job_id, view.state.round, shard.index, shard.attempt)
+            if lease is None or key in self.active or (shard.expires_at is not None and shard.expires_at <= now):
+                continue
+            log.info("job %s round %d shard %d attempt %d: leased to us in the history our mirror was rebuilt from; "
+                     "training it", view.job_id.hex()[:8], lease.round, lease.shard, lease.attempt)
+            self.on_lease(view, lease)
+
     def on_early_start(self, view: JobMirror, early: m.EarlyStart, signer: str) -> None:
         """The job's coordinator says what round ``early.round`` will start from and which shard of it we would
         be leased (IPIP-0006 §2.9): when we have room and take the job, train it now, from that start; what it
