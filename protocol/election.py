@@ -62,6 +62,14 @@ Rules of this file:
   coordinator whose rebuild from the submitter's older history took it back to term 1 (naming a live
   peer), while everyone else had followed it into term 3; both peers were live, neither acted, and the
   job stood in round 2 until its deadline.
+- One coordinator, two numbers (rule 11). Term numbers are each view's own count of view changes, so two
+  views can name the same live coordinator under different numbers: one counted the death of a coordinator
+  the other never elected. A coordinator message of a term below the view's is not stale when its signer is
+  the view's own coordinator and that term is the one it claims in its latest heartbeat: it is that
+  coordinator's current tenure, counted lower there (``check_message``'s ``claimed``; ``may_judge`` likewise
+  for its judge). It never moves the view. For rule 10 such a claim counts: the coordinator acts. Without
+  it, the view refused every decision of its own coordinator, deposed it 15 s later, and the two mirrors
+  then differed on the leases of that term (the scenario successor-same-term: 30 s of one lease lost).
 - Errors. A malformed job ID or peer ID, a stale or conflicting term: ``StateError``, nothing else.
 
 The document is ``ipips/0006-election-aggregation.md``; ``ipips/vectors/election-*.json`` are
@@ -217,17 +225,22 @@ class Coordination:
             return self
         return self._moved(self.term + 1, winner)
 
-    def check_message(self, signer: str, term: int, live: Iterable[str], *, adopt: bool = True) -> Coordination:
+    def check_message(self, signer: str, term: int, live: Iterable[str], *, adopt: bool = True,
+                      claimed: int | None = None) -> Coordination:
         """The view after a coordinator message signed by ``signer`` in ``term``; StateError if it is
         stale or not from the term's coordinator (the message must then be ignored). In the view's own
         term, an eligible live signer that ranks before the view's coordinator becomes it (rule 8: two
         peers claimed one term; not for ``adopt=False``). ``adopt=False``
         (verdicts: a judge signs them too, rule 6) never moves the view to a higher term: StateError,
-        and the message waits until the view reaches its term."""
+        and the message waits until the view reaches its term. ``claimed``: the term ``signer`` claims in
+        its latest heartbeat (None: none heard); a lower term than the view's, from the view's own
+        coordinator, passes when it is that one (rule 11: the coordinator counts its tenure lower)."""
         if isinstance(term, bool) or not isinstance(term, int) or term < 1:
             raise StateError(f"coordinator term must be an integer >= 1, got {term!r}")
         _peer_id_binary(signer)
         if term < self.term:
+            if signer == self.coordinator and claimed == term:
+                return self  # our coordinator's current tenure, which its own view numbers lower (rule 11)
             raise StateError(f"stale term {term}: the job is in term {self.term} (coordinator {self.coordinator})")
         if term == self.term:
             if signer == self.coordinator:
@@ -258,12 +271,15 @@ def judge_of(job_id: bytes, coordinator: str | None, worker: str, eligible: Iter
     return ranking[0] if ranking else None
 
 
-def may_judge(view: Coordination, signer: str, worker: str, term: int, eligible: Iterable[str]) -> bool:
+def may_judge(view: Coordination, signer: str, worker: str, term: int, eligible: Iterable[str],
+              claimed: int | None = None) -> bool:
     """May a verdict on ``worker``'s report, signed by ``signer`` in ``term``, be applied? Only for a
-    report by the view's coordinator (other verdicts follow ``check_message``): in the view's term,
+    report by the view's coordinator (other verdicts follow ``check_message``): in the view's term (or the
+    term the coordinator ``claimed`` in its latest heartbeat, which its view may number lower: rule 11),
     from an eligible live peer that is not the worker. Never one signed by the worker it judges."""
     return (signer != worker and view.coordinator is not None and worker == view.coordinator
-            and term == view.term and signer in set(eligible))
+            and (term == view.term or (claimed is not None and term == claimed <= view.term))
+            and signer in set(eligible))
 
 
 def settle_replayed_term(job_id: bytes, first: str, judged: str, signer: str, worker: str | None) -> str | None:

@@ -264,18 +264,30 @@ class JobMirror:
 
     def observe_term(self, signer: str, term: int, now: float, eligible: frozenset[str]) -> Outcome:
         """A coordinator's term heard outside the job's topic (its heartbeat): our election view may move
-        to it, and what was held for that term may apply now."""
+        to it, and what was held for that term may apply now -- also when our own coordinator claims a lower
+        term than our view's, newly: its decisions held as stale apply in that term (IPIP-0006 §1.3 rule 11)."""
+        previous = self.claims.get(signer)
         self.claims[signer] = (term, now)
         before = self.coordination
         self._check_coordinator(signer, term, eligible)
-        if self.coordination == before:
+        renumbered = signer == before.coordinator and term < before.term and (previous is None or previous[0] != term)
+        if self.coordination == before and not (renumbered and self.pending):
             return Outcome()
         return self.retry(now, eligible)
 
     def claimed_at(self, peer: str, term: int) -> float | None:
-        """When ``peer`` last claimed to coordinate the job in ``term`` or a later one (None: not heard)."""
+        """When ``peer`` last claimed to coordinate the job in ``term`` or a later one, or, when it is our view's
+        coordinator, in any term (a lower one is its tenure counted lower, whose decisions apply: IPIP-0006 §1.3
+        rule 11, so for rule 10 it acts) (None: not heard)."""
         claim = self.claims.get(peer)
-        return claim[1] if claim is not None and claim[0] >= term else None
+        if claim is None:
+            return None
+        return claim[1] if claim[0] >= term or peer == self.coordination.coordinator else None
+
+    def _claimed(self, peer: str | None) -> int | None:
+        """The term ``peer`` claims to coordinate the job in, by its latest heartbeat (None: none heard)."""
+        claim = self.claims.get(peer) if peer is not None else None
+        return claim[0] if claim is not None else None
 
     def tick(self, now: float) -> Outcome:
         """The timers due at ``now`` (leases, windows, the deadline); held messages past their
@@ -315,7 +327,7 @@ class JobMirror:
         the worker, when the message is a verdict (a term taken from one is provisional: ``_settle_term``)."""
         before = self.coordination
         try:
-            self.coordination = before.check_message(signer, term, eligible, adopt=adopt)
+            self.coordination = before.check_message(signer, term, eligible, adopt=adopt, claimed=self._claimed(signer))
         except StateError as exc:
             self.refused["coordinator"] += 1
             log.debug("job %s: ignored coordinator message: %s", self.job_id.hex()[:8], exc)
@@ -468,8 +480,8 @@ class JobMirror:
                                            excused=msg.cause == m.RELEASE_LOCAL), now, count=count)
         if isinstance(msg, DECISIONS):
             self._settle_term(msg, signer, eligible)
-        if isinstance(msg, m.Verdict) and (signer == msg.worker or may_judge(self.coordination, signer, msg.worker,
-                                                                            msg.term, eligible)):
+        if isinstance(msg, m.Verdict) and (signer == msg.worker or may_judge(
+                self.coordination, signer, msg.worker, msg.term, eligible, self._claimed(self.coordination.coordinator))):
             # a worker never judges itself; the coordinator's own work is judged by another peer
             if signer == msg.worker and count:
                 self.refused["self-judged"] += 1
@@ -481,7 +493,9 @@ class JobMirror:
             # an earlier term's verdict (IPIP-0006 §1.3 rule 7): never moves the view
             lease = self.leases.get(m.attempt_of(msg))
             lease_term = None if lease is None else lease.term
-            if not may_apply_past_verdict(self.coordination, signer, msg.worker, msg.term, lease_term, eligible) \
+            ours = signer == self.coordination.coordinator and self._claimed(signer) == msg.term  # rule 11
+            if not ours and \
+                    not may_apply_past_verdict(self.coordination, signer, msg.worker, msg.term, lease_term, eligible) \
                     and not (self._vouched and may_apply_vouched_past(self.coordination, signer, msg.term, msg.worker,
                                                                       lease_term)):
                 if count:

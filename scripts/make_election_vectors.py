@@ -231,3 +231,48 @@ eligibility = {
     "jobs": cases,
 }
 Path("ipips/vectors/election-eligibility.json").write_text(json.dumps(eligibility, indent=1) + "\n")
+
+# --- rule 11: one coordinator, two numbers (IPIP-0006 §1.3) ------------------------------------------
+from protocol.election import may_judge
+
+past_doc = json.loads(Path("ipips/vectors/election-past.json").read_text())
+rjob, rank = bytes.fromhex(past_doc["job_id_hex"]), past_doc["ranking"]
+# the view counted term 2 for ranking[0]'s death and named ranking[1]; ranking[1] never elected ranking[0],
+# so its own view numbers its tenure 1
+rview = Coordination(rjob, 1, rank[0])._moved(2, rank[1])
+renumbered = []
+for name, kind, signer, term, claimed in [
+    ("our coordinator, in the term it claims (lower than ours): applies", "lease", rank[1], 1, 1),
+    ("our coordinator's verdict, in the term it claims: applies", "verdict", rank[1], 1, 1),
+    ("our coordinator in our own term: applies (rule 2)", "lease", rank[1], 2, 1),
+    ("our coordinator, in a lower term than it claims (an earlier tenure): stale", "lease", rank[1], 1, 2),
+    ("our coordinator, no claim heard yet: stale (held; tried again when its claim comes)", "lease", rank[1], 1, None),
+    ("another peer, in the term it claims: stale", "lease", rank[2], 1, 1),
+    ("term 1's coordinator in this view, in term 1: stale", "aggregate", rank[0], 1, 1),
+]:
+    item = {"name": name, "kind": kind, "signer": signer, "term": term, "claimed": claimed}
+    try:
+        after = rview.check_message(signer, term, rank, adopt=kind != "verdict", claimed=claimed)
+        item["applies"] = True
+        item["expect_view"] = {"term": after.term, "coordinator": after.coordinator}
+    except StateError:
+        item["applies"] = False
+    renumbered.append(item)
+judged = []
+for name, signer, term, claimed in [
+    ("the judge, in the term the coordinator claims: applies", rank[2], 1, 1),
+    ("the judge, in our term: applies", rank[2], 2, 1),
+    ("the judge, in a term the coordinator does not claim: refused", rank[2], 1, None),
+    ("the coordinator judging itself: refused", rank[1], 1, 1),
+]:
+    judged.append({"name": name, "signer": signer, "worker": rank[1], "term": term, "claimed": claimed,
+                   "applies": may_judge(rview, signer, rank[1], term, rank, claimed)})
+renumbered_doc = {
+    "description": "IPIP-0006 §1.3 rule 11 on the job and peers of election-past.json ('ranking' is their order by rank): a view that held term 1 (ranking[0]) and moved to term 2 naming ranking[1], whose own view numbers its tenure 1. 'messages': a coordinator message of 'kind' signed by 'signer' in 'term', 'claimed' being the term that signer claims in its latest heartbeat (null: none heard), checked with every ranked peer eligible and live (check_message, adopt false for a verdict): 'applies', and the view after it ('expect_view'; a lower term never moves it). 'judged': a verdict on the report of the view's coordinator ('worker') signed by 'signer' in 'term', with 'claimed' the coordinator's claim (may_judge).",
+    "job_id_hex": rjob.hex(),
+    "ranking": rank,
+    "view": {"term": rview.term, "coordinator": rview.coordinator, "past": [list(p) for p in rview.past]},
+    "messages": renumbered,
+    "judged": judged,
+}
+Path("ipips/vectors/election-renumbered.json").write_text(json.dumps(renumbered_doc, indent=1) + "\n")

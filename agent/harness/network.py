@@ -244,7 +244,8 @@ class LoopbackNet:
 
     def cut(self, pairs: list[list[str]]) -> None:
         """Cut gossip between the two agents of each pair, either way (names), on top of any partition: each drops
-        what the other signed, relayed or not, as a peer does that never got the other's messages."""
+        what the other signed, relayed or not, as a peer does that never got the other's messages. ``heal`` ends
+        it; a ``partition`` replaces it."""
         ids = {n: identity_for(self.seed, n).peer_id for n in self.configs}
         for a, b in pairs:
             self.blocked[a] = self.blocked.get(a, frozenset()) | {ids[b]}

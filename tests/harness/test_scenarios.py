@@ -196,4 +196,12 @@ def test_the_readme_example_scenario_is_valid():
     start = text.index("  name: my-scenario")
     block = "\n".join(line[2:] for line in text[start:text.index("```", start)].splitlines())
     scenario = parse_scenario(block, "README.md")
-    assert scenario.name == "my-scenario" and len(scenario.faults) == 8 and scenario.processes == ("w2",)
+    assert scenario.name == "my-scenario" and len(scenario.faults) == 9 and scenario.processes == ("w2",)
+
+
+def test_a_cut_names_pairs_of_two_agents():
+    scenario = parse_scenario("name: t\nfaults:\n  - at: 0\n    cut: [[w0, w2]]\n", "x.yml")
+    assert scenario.faults[0].value == [["w0", "w2"]]
+    for bad in ("[[w0]]", "[[w0, w0]]", "[[w0, w1, w2]]"):
+        with pytest.raises(Exception, match=r"x.yml:4: faults\[0\].cut\[0\]: expected a pair of two agents"):
+            parse_scenario(f"name: t\nfaults:\n  - at: 0\n    cut: {bad}\n", "x.yml")

@@ -427,3 +427,29 @@ def test_a_live_coordinator_that_does_not_claim_its_term_is_deposed_vector():
         if after != view:
             assert after.past[-1] == (view.term, view.coordinator)  # the deposed term is remembered (rule 7)
     assert 0 < moved < len(vector["cases"])
+
+
+def test_one_coordinator_counted_lower_by_its_own_view_vector():
+    """IPIP-0006 §1.3 rule 11: a lower term than the view's passes only from the view's own coordinator, in the
+    very term its latest heartbeat claims (its current tenure, numbered lower there), and never moves the view;
+    its judge's verdict likewise."""
+    from protocol.election import may_judge
+
+    vector = json.loads((VECTORS / "election-renumbered.json").read_text())
+    job, ranking = bytes.fromhex(vector["job_id_hex"]), vector["ranking"]
+    view = Coordination(job, 1, ranking[0])._moved(vector["view"]["term"], vector["view"]["coordinator"])
+    assert [list(p) for p in view.past] == vector["view"]["past"]
+    assert {c["applies"] for c in vector["messages"]} == {True, False}
+    for case in vector["messages"]:
+        try:
+            after = view.check_message(case["signer"], case["term"], ranking, adopt=case["kind"] != "verdict",
+                                       claimed=case["claimed"])
+        except StateError:
+            assert not case["applies"], case["name"]
+            continue
+        assert case["applies"], case["name"]
+        assert (after.term, after.coordinator) == (case["expect_view"]["term"], case["expect_view"]["coordinator"])
+    assert {c["applies"] for c in vector["judged"]} == {True, False}
+    for case in vector["judged"]:
+        got = may_judge(view, case["signer"], case["worker"], case["term"], ranking, case["claimed"])
+        assert got == case["applies"], case["name"]

@@ -115,3 +115,28 @@ def test_a_submitters_job_with_nothing_applied_for_long_is_stalled_and_asks_its_
     for data, opened in _verified([lease(0, at=NOW + wait)], JOB)[0]:
         view.receive(opened.message, opened.envelope.signer, NOW + wait, frozenset({COORD.peer_id}), data)
     assert not stalled(view, SUBMITTER.peer_id, NOW + wait + 1)  # a message applied: it moves
+
+
+def test_our_coordinators_decision_in_the_lower_term_it_claims_applies_once_its_claim_is_heard():
+    """IPIP-0006 §1.3 rule 11 in a mirror: our view named COORD in term 2 (it counted a dead coordinator's term);
+    COORD's own view numbers its tenure 1. Its term-1 lease is held until its heartbeat claims term 1, then applies
+    without moving the view; for rule 10 that claim counts (the scenario successor-same-term, agents)."""
+    view = JobMirror(TERMS, NOW, WORKER.peer_id)
+    dead = Identity(bytes([5]) * 32).peer_id
+    eligible = frozenset({COORD.peer_id})
+    view.coordination = view.coordination.check_message(dead, 1, {dead})._moved(2, COORD.peer_id)
+    lease_msg = m.ShardLease(JOB, 1, 0, 1, WORKER.peer_id, 1, NOW + 600, None)
+    assert not view.receive(lease_msg, COORD.peer_id, NOW, eligible).applied  # stale for now: held
+    assert view.pending and view.claimed_at(COORD.peer_id, 2) is None
+    out = view.observe_term(COORD.peer_id, 1, NOW + 1, eligible)
+    assert [type(msg).__name__ for msg, _ in out.applied] == ["ShardLease"]
+    assert view.state.shards[0].phase.value == "LEASED" and not view.pending
+    assert (view.coordination.term, view.coordination.coordinator) == (2, COORD.peer_id)
+    assert view.claimed_at(COORD.peer_id, 2) == NOW + 1  # it acts: rule 10 does not depose it
+    assert view.observe_term(COORD.peer_id, 1, NOW + 2, eligible).applied == ()  # (nothing more held)
+    # another peer's claim of a lower term is no claim of ours, and its decisions stay stale
+    other = Identity(bytes([6]) * 32).peer_id
+    view.observe_term(other, 1, NOW + 3, eligible | {other})
+    assert view.claimed_at(other, 2) is None
+    assert not view.receive(m.ShardLease(JOB, 1, 1, 1, WORKER.peer_id, 1, NOW + 600, None), other, NOW + 3,
+                            eligible | {other}).applied
