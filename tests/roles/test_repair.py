@@ -120,3 +120,36 @@ async def test_a_worker_that_missed_a_lease_gets_it_from_the_lease_holder(tmp_pa
                 await trio.sleep(0.1)
         stored = [s.type for s in w0.store.envelopes(JOB, stored_order=True)]
         assert stored[-2:] == ["lease", "ckpt"]
+
+
+@pytest.mark.network
+async def test_a_lease_to_us_that_a_rebuild_brings_is_trained(tmp_path, tiny_model_dir):
+    """IPIP-0004 §11: a worker's mirror rebuilt from the submitter's history holds a lease to that worker which it
+    never received live (here: it missed it; in the scenario successor-same-term it refused it for its term).
+    Nothing started it before (a lease reached the worker only as a live message): held unused until it ran out,
+    30 s in that scenario, an hour by default. Now the rebuild hands it to the worker."""
+    async with network(tmp_path, tiny_model_dir, workers=1) as net:
+        submitter, w0 = net.submitter, net.workers[0]
+        terms = dataclasses.replace(sample_terms(submitter.identity), deadline=0)
+        job = terms.job_id()
+        now = time.time()
+        lease = m.ShardLease(job, 1, 0, 1, w0.peer_id, 1, now + 600, None)
+        views = {}
+        for agent, role in ((submitter, "submitter"), (w0, "worker")):  # COORD (not running) coordinates term 1
+            agent.store.add_job(terms, role, now - 100)
+            agent.peers[COORD.peer_id] = PeerInfo(now, capability=sample_capability(), live_since=now - 100)
+            view = JobMirror(terms, now - 100, agent.peer_id)
+            view.coordination = Coordination(job, 1, COORD.peer_id)
+            agent.jobs[job] = view
+            views[agent] = view
+        w0.worker.candidates[job] = views[w0]  # a job it trains
+        opened = open_envelope(seal(COORD, lease, now=now - 10), now=now - 10)
+        await submitter.on_job_message(views[submitter], Received(m.job_topic(job), opened.message, opened.envelope,
+                                                                   COORD.peer_id))  # stored: in its history
+        assert views[submitter].shard(0).phase is st.ShardPhase.LEASED
+        assert views[w0].shard(0).phase is st.ShardPhase.OPEN  # w0 missed it
+        taken = []  # what the worker is handed (a fabricated job has no task scope to train it in)
+        w0.worker.on_lease = lambda view, msg: taken.append((view, msg))
+        await w0.jobclock._fetch_history(views[w0], ())  # the rebuild a diverged mirror asks for (JobClock.tick_job)
+        assert views[w0].shard(0).phase is st.ShardPhase.LEASED and views[w0].shard(0).worker == w0.peer_id
+        assert taken == [(views[w0], lease)]
