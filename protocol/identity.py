@@ -17,6 +17,8 @@ The file handling lives in agent/keyfile.py; this module only parses the bytes
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 
 import nacl.exceptions
@@ -87,15 +89,17 @@ class Identity:
     def generate(cls) -> "Identity":
         return cls(bytes(nacl.signing.SigningKey.generate()))
 
-    @property
+    # derived once per identity (a key pair from its seed is a scalar multiplication): a running agent asked for
+    # its own peer ID on every gossip message it validated and every job it showed (py-spy, the demo's submitter)
+    @functools.cached_property
     def _signing_key(self) -> nacl.signing.SigningKey:
         return nacl.signing.SigningKey(self.seed)
 
-    @property
+    @functools.cached_property
     def public_key(self) -> bytes:
         return bytes(self._signing_key.verify_key)
 
-    @property
+    @functools.cached_property
     def peer_id(self) -> str:
         return peer_id_from_public_key(self.public_key)
 
