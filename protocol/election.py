@@ -65,10 +65,11 @@ Rules of this file:
 - One coordinator, two numbers (rule 11). Term numbers are each view's own count of view changes, so two
   views can name the same live coordinator under different numbers: one counted the death of a coordinator
   the other never elected. A coordinator message of a term below the view's is not stale when its signer is
-  the view's own coordinator and that term is the one it claims in its latest heartbeat: it is that
+  the view's own coordinator and that term is the one it claims in its latest heartbeat (heard within the silence
+  window; protocol/mirror.py keeps the claims): it is that
   coordinator's current tenure, counted lower there (``check_message``'s ``claimed``; ``may_judge`` likewise
   for its judge). It never moves the view. For rule 10 such a claim counts: the coordinator acts. Without
-  it, the view refused every decision of its own coordinator, deposed it 15 s later, and the two mirrors
+  it, the view refused every decision of its own coordinator, deposed it by rule 10, and the two mirrors
   then differed on the leases of that term (the scenario successor-same-term: 30 s of one lease lost).
 - Errors. A malformed job ID or peer ID, a stale or conflicting term: ``StateError``, nothing else.
 
@@ -92,9 +93,12 @@ HEARTBEAT_SECONDS = 10.0
 """How often a live peer gossips a Heartbeat."""
 MISSED_HEARTBEATS = 3
 """A peer silent for this many heartbeat intervals is no longer live."""
-UNCLAIMED_FACTOR = 3
+UNCLAIMED_FACTOR = 8
 """Rule 10: a live coordinator that has not claimed its term for this many silence windows (heartbeat
-intervals x MISSED_HEARTBEATS) is deposed: long enough for a just-elected peer to form its own view and catch up."""
+intervals x MISSED_HEARTBEATS) is deposed: long enough for a just-elected peer to form its own view and catch up
+(the agent's: 40 s at its 5 s silence, covering a job's grace, the first view's wait for capabilities and a 30 s
+catch-up; it was 3, 15 s, and a term-1 coordinator still catching up under load was deposed while it was about
+to act: two coordinators, leases refused on one side, round 1 of coordinator-crash-aggregate 60 s longer)."""
 PAST_TERMS_KEPT = 64
 """Earlier terms a view remembers the coordinator of (rule 7); verdicts of older ones are refused."""
 

@@ -63,8 +63,8 @@ from typing import Any
 
 from protocol import messages as m
 from protocol import state as st
-from protocol.election import Coordination, may_apply_past_verdict, may_apply_vouched_past, may_judge, \
-    settle_replayed_term
+from protocol.election import HEARTBEAT_SECONDS, MISSED_HEARTBEATS, Coordination, may_apply_past_verdict, \
+    may_apply_vouched_past, may_judge, settle_replayed_term
 from protocol.errors import StateError
 from protocol.proof import max_checkpoints
 
@@ -75,6 +75,8 @@ DECISIONS = (m.ShardLease, m.ShardRevoke, m.Verdict, m.AggregatePublished)  # a 
 PENDING_MAX = 256
 PENDING_PER_SIGNER = 32  # held messages of one signer; its oldest goes first
 PENDING_SECONDS = 300.0  # an envelope's acceptance window (IPIP-0001)
+# a coordinator's heartbeat claim of a term counts this long (IPIP-0006 §1.3 rule 11): the protocol's silence window
+CLAIM_FRESH_SECONDS = MISSED_HEARTBEATS * HEARTBEAT_SECONDS
 
 
 def job_config(terms: m.JobTerms) -> st.JobConfig:
@@ -269,7 +271,7 @@ class JobMirror:
         previous = self.claims.get(signer)
         self.claims[signer] = (term, now)
         before = self.coordination
-        self._check_coordinator(signer, term, eligible)
+        self._check_coordinator(signer, term, eligible, now=now)
         renumbered = signer == before.coordinator and term < before.term and (previous is None or previous[0] != term)
         if self.coordination == before and not (renumbered and self.pending):
             return Outcome()
@@ -284,10 +286,11 @@ class JobMirror:
             return None
         return claim[1] if claim[0] >= term or peer == self.coordination.coordinator else None
 
-    def _claimed(self, peer: str | None) -> int | None:
-        """The term ``peer`` claims to coordinate the job in, by its latest heartbeat (None: none heard)."""
+    def _claimed(self, peer: str | None, now: float) -> int | None:
+        """The term ``peer`` claims to coordinate the job in, by its latest heartbeat, heard within the protocol's
+        silence window before ``now`` (None: none heard then; a peer that stopped claiming claims nothing)."""
         claim = self.claims.get(peer) if peer is not None else None
-        return claim[0] if claim is not None else None
+        return claim[0] if claim is not None and now - claim[1] <= CLAIM_FRESH_SECONDS else None
 
     def tick(self, now: float) -> Outcome:
         """The timers due at ``now`` (leases, windows, the deadline); held messages past their
@@ -320,14 +323,15 @@ class JobMirror:
 
     # -- applying messages -----------------------------------------------------------------------
 
-    def _check_coordinator(self, signer: str, term: int, eligible: frozenset[str], *, adopt: bool = True,
+    def _check_coordinator(self, signer: str, term: int, eligible: frozenset[str], now: float, *, adopt: bool = True,
                           judged: str | None = None) -> bool:
         """Does a coordinator message from ``signer`` in ``term`` pass our election view? (``adopt=False``
         for live verdicts: they never move the view to a higher term, IPIP-0006 §1.3 rule 6.) ``judged``:
         the worker, when the message is a verdict (a term taken from one is provisional: ``_settle_term``)."""
         before = self.coordination
         try:
-            self.coordination = before.check_message(signer, term, eligible, adopt=adopt, claimed=self._claimed(signer))
+            self.coordination = before.check_message(signer, term, eligible, adopt=adopt,
+                                                     claimed=self._claimed(signer, now))
         except StateError as exc:
             self.refused["coordinator"] += 1
             log.debug("job %s: ignored coordinator message: %s", self.job_id.hex()[:8], exc)
@@ -417,7 +421,7 @@ class JobMirror:
                 may_judge(self.coordination, signer, msg.worker, msg.term, frozenset({signer})):
             own = self._apply_decision(msg, at)  # we judged the coordinator's own work (IPIP-0006 §1.3)
         elif isinstance(msg, DECISIONS) and signer == self.me:
-            if self._check_coordinator(signer, msg.term, frozenset({signer}), judged=_judged(msg)):
+            if self._check_coordinator(signer, msg.term, frozenset({signer}), at, judged=_judged(msg)):
                 own = self._apply_decision(msg, at)
         else:
             # history is believed as it was accepted: here a verdict's higher term is adopted (live, it
@@ -481,7 +485,8 @@ class JobMirror:
         if isinstance(msg, DECISIONS):
             self._settle_term(msg, signer, eligible)
         if isinstance(msg, m.Verdict) and (signer == msg.worker or may_judge(
-                self.coordination, signer, msg.worker, msg.term, eligible, self._claimed(self.coordination.coordinator))):
+                self.coordination, signer, msg.worker, msg.term, eligible,
+                self._claimed(self.coordination.coordinator, now))):
             # a worker never judges itself; the coordinator's own work is judged by another peer
             if signer == msg.worker and count:
                 self.refused["self-judged"] += 1
@@ -493,7 +498,7 @@ class JobMirror:
             # an earlier term's verdict (IPIP-0006 §1.3 rule 7): never moves the view
             lease = self.leases.get(m.attempt_of(msg))
             lease_term = None if lease is None else lease.term
-            ours = signer == self.coordination.coordinator and self._claimed(signer) == msg.term  # rule 11
+            ours = signer == self.coordination.coordinator and self._claimed(signer, now) == msg.term  # rule 11
             if not ours and \
                     not may_apply_past_verdict(self.coordination, signer, msg.worker, msg.term, lease_term, eligible) \
                     and not (self._vouched and may_apply_vouched_past(self.coordination, signer, msg.term, msg.worker,
@@ -512,7 +517,7 @@ class JobMirror:
             return self._apply_decision(msg, now, count=count)
         if isinstance(msg, DECISIONS):
             if signer == self.me or not self._check_coordinator(
-                    signer, msg.term, eligible, adopt=self._replaying or not isinstance(msg, m.Verdict),
+                    signer, msg.term, eligible, now, adopt=self._replaying or not isinstance(msg, m.Verdict),
                     judged=_judged(msg)):
                 return None
             return self._apply_decision(msg, now, count=count)

@@ -134,6 +134,10 @@ def test_our_coordinators_decision_in_the_lower_term_it_claims_applies_once_its_
     assert (view.coordination.term, view.coordination.coordinator) == (2, COORD.peer_id)
     assert view.claimed_at(COORD.peer_id, 2) == NOW + 1  # it acts: rule 10 does not depose it
     assert view.observe_term(COORD.peer_id, 1, NOW + 2, eligible).applied == ()  # (nothing more held)
+    # a claim counts within the protocol's silence window (30 s): a coordinator that stopped claiming claims nothing
+    late = m.ShardLease(JOB, 1, 1, 1, Identity(bytes([8]) * 32).peer_id, 1, NOW + 600, None)  # (another worker)
+    assert not view.receive(late, COORD.peer_id, NOW + 2 + 31, eligible).applied
+    assert view.receive(late, COORD.peer_id, NOW + 2 + 29, eligible).applied
     # another peer's claim of a lower term is no claim of ours, and its decisions stay stale
     other = Identity(bytes([6]) * 32).peer_id
     view.observe_term(other, 1, NOW + 3, eligible | {other})
