@@ -306,17 +306,21 @@ def settle_replayed_term(job_id: bytes, first: str, judged: str, signer: str, wo
 
 
 def may_apply_past_verdict(view: Coordination, signer: str, worker: str, term: int, lease_term: int | None,
-                           eligible: Iterable[str]) -> bool:
+                           eligible: Iterable[str], claimed: int | None = None) -> bool:
     """May a verdict of an earlier term than the view's be applied (rule 7)? It judges ``worker``'s
     attempt, leased in ``lease_term`` (None: the lease is not known here). Only when the verdict's
     term is not older than that lease, it is not signed by the worker it judges, and its signer
     coordinated that term in this view, or judged the report of that term's coordinator, or the view
-    skipped that term (never held it) and the signer is an eligible live peer. It never moves the view;
-    the state machine still refuses it unless that attempt is the one waiting for a verdict."""
+    skipped that term (never held it) and the signer is an eligible live peer; or the signer is the view's
+    coordinator and ``term`` the one it ``claimed`` in its latest heartbeat (rule 11: its current tenure, numbered
+    lower in its own view). It never moves the view; the state machine still refuses it unless that attempt is the
+    one waiting for a verdict."""
     if isinstance(term, bool) or not isinstance(term, int) or not 1 <= term < view.term or signer == worker:
         return False
     if lease_term is not None and term < lease_term:
         return False  # a coordinator of an earlier term never saw this attempt's lease
+    if signer == view.coordinator and claimed == term:
+        return True  # rule 11
     known, coordinator = view.coordinator_of(term)
     if known:
         return signer == coordinator or (coordinator is not None and worker == coordinator and signer in set(eligible))

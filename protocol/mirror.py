@@ -498,9 +498,8 @@ class JobMirror:
             # an earlier term's verdict (IPIP-0006 §1.3 rule 7): never moves the view
             lease = self.leases.get(m.attempt_of(msg))
             lease_term = None if lease is None else lease.term
-            ours = signer == self.coordination.coordinator and self._claimed(signer, now) == msg.term  # rule 11
-            if not ours and \
-                    not may_apply_past_verdict(self.coordination, signer, msg.worker, msg.term, lease_term, eligible) \
+            if not may_apply_past_verdict(self.coordination, signer, msg.worker, msg.term, lease_term, eligible,
+                                          self._claimed(signer, now)) \
                     and not (self._vouched and may_apply_vouched_past(self.coordination, signer, msg.term, msg.worker,
                                                                       lease_term)):
                 if count:

@@ -233,7 +233,7 @@ eligibility = {
 Path("ipips/vectors/election-eligibility.json").write_text(json.dumps(eligibility, indent=1) + "\n")
 
 # --- rule 11: one coordinator, two numbers (IPIP-0006 §1.3) ------------------------------------------
-from protocol.election import may_judge
+from protocol.election import may_apply_past_verdict, may_judge
 
 past_doc = json.loads(Path("ipips/vectors/election-past.json").read_text())
 rjob, rank = bytes.fromhex(past_doc["job_id_hex"]), past_doc["ranking"]
@@ -267,12 +267,24 @@ for name, signer, term, claimed in [
 ]:
     judged.append({"name": name, "signer": signer, "worker": rank[1], "term": term, "claimed": claimed,
                    "applies": may_judge(rview, signer, rank[1], term, rank, claimed)})
+past_verdicts = []
+for name, signer, worker, term, lease_term, claimed in [
+    ("our coordinator's verdict in the term it claims, on an attempt it leased then: applies", rank[1], rank[3], 1, 1, 1),
+    ("the same, the lease not known here: applies", rank[1], rank[3], 1, None, 1),
+    ("the same, no claim heard: refused (term 1 is ranking[0]'s in this view)", rank[1], rank[3], 1, 1, None),
+    ("on an attempt leased in a later term: refused", rank[1], rank[3], 1, 2, 1),
+    ("our coordinator judging its own attempt: refused", rank[1], rank[1], 1, 1, 1),
+]:
+    past_verdicts.append({"name": name, "signer": signer, "worker": worker, "term": term, "lease_term": lease_term,
+                          "claimed": claimed,
+                          "applies": may_apply_past_verdict(rview, signer, worker, term, lease_term, rank, claimed)})
 renumbered_doc = {
-    "description": "IPIP-0006 §1.3 rule 11 on the job and peers of election-past.json ('ranking' is their order by rank): a view that held term 1 (ranking[0]) and moved to term 2 naming ranking[1], whose own view numbers its tenure 1. 'messages': a coordinator message of 'kind' signed by 'signer' in 'term', 'claimed' being the term that signer claims in its latest heartbeat (null: none heard), checked with every ranked peer eligible and live (check_message, adopt false for a verdict): 'applies', and the view after it ('expect_view'; a lower term never moves it). 'judged': a verdict on the report of the view's coordinator ('worker') signed by 'signer' in 'term', with 'claimed' the coordinator's claim (may_judge).",
+    "description": "IPIP-0006 §1.3 rule 11 on the job and peers of election-past.json ('ranking' is their order by rank): a view that held term 1 (ranking[0]) and moved to term 2 naming ranking[1], whose own view numbers its tenure 1. 'messages': a coordinator message of 'kind' signed by 'signer' in 'term', 'claimed' being the term that signer claims in its latest heartbeat (null: none heard), checked with every ranked peer eligible and live (check_message, adopt false for a verdict): 'applies', and the view after it ('expect_view'; a lower term never moves it). 'judged': a verdict on the report of the view's coordinator ('worker') signed by 'signer' in 'term', with 'claimed' the coordinator's claim (may_judge). 'past_verdicts': a verdict of a term below the view's, signed by 'signer' on 'worker''s attempt leased in 'lease_term' (null: not known here), 'claimed' the signer's claimed term (may_apply_past_verdict, rule 7 with rule 11).",
     "job_id_hex": rjob.hex(),
     "ranking": rank,
     "view": {"term": rview.term, "coordinator": rview.coordinator, "past": [list(p) for p in rview.past]},
     "messages": renumbered,
     "judged": judged,
+    "past_verdicts": past_verdicts,
 }
 Path("ipips/vectors/election-renumbered.json").write_text(json.dumps(renumbered_doc, indent=1) + "\n")

@@ -293,15 +293,10 @@ class _Reader:
             value: Any = self.target(raw, vpath, known)
         elif action == "start":
             value = self.agent_name(raw, vpath, workers)
-        elif action == "partition":
-            groups = self.sequence(raw, vpath)
+        elif action in ("partition", "cut"):  # groups of agents; a cut's are pairs whose gossip does not cross
             value = [[self.agent_name(n, vpath + (i, j), known) for j, n in enumerate(self.sequence(g, vpath + (i,)))]
-                     for i, g in enumerate(groups)]
-        elif action == "cut":  # pairs of agents whose gossip does not cross, either way (a lost capability)
-            pairs = self.sequence(raw, vpath)
-            value = [[self.agent_name(n, vpath + (i, j), known) for j, n in enumerate(self.sequence(p, vpath + (i,)))]
-                     for i, p in enumerate(pairs)]
-            for i, pair in enumerate(value):
+                     for i, g in enumerate(self.sequence(raw, vpath))]
+            for i, pair in enumerate(value if action == "cut" else ()):
                 if len(pair) != 2 or pair[0] == pair[1]:
                     raise self.fail(vpath + (i,), "expected a pair of two agents, like [w1, w2]")
         elif action == "heal":

@@ -433,7 +433,7 @@ def test_one_coordinator_counted_lower_by_its_own_view_vector():
     """IPIP-0006 §1.3 rule 11: a lower term than the view's passes only from the view's own coordinator, in the
     very term its latest heartbeat claims (its current tenure, numbered lower there), and never moves the view;
     its judge's verdict likewise."""
-    from protocol.election import may_judge
+    from protocol.election import may_apply_past_verdict, may_judge
 
     vector = json.loads((VECTORS / "election-renumbered.json").read_text())
     job, ranking = bytes.fromhex(vector["job_id_hex"]), vector["ranking"]
@@ -452,4 +452,9 @@ def test_one_coordinator_counted_lower_by_its_own_view_vector():
     assert {c["applies"] for c in vector["judged"]} == {True, False}
     for case in vector["judged"]:
         got = may_judge(view, case["signer"], case["worker"], case["term"], ranking, case["claimed"])
+        assert got == case["applies"], case["name"]
+    assert {c["applies"] for c in vector["past_verdicts"]} == {True, False}
+    for case in vector["past_verdicts"]:
+        got = may_apply_past_verdict(view, case["signer"], case["worker"], case["term"], case["lease_term"], ranking,
+                                     case["claimed"])
         assert got == case["applies"], case["name"]
