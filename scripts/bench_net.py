@@ -7,6 +7,13 @@ Figures (one JSON object per line, each with a reference measured in the same ru
   Reference: one GossipSub heartbeat (1000 ms), ratio = reference / value, goal 1.0 (the p95 to all
   within one heartbeat); ``one_hop_ms`` is the same percentile of a one-hop delivery of a frame
   over an open raw stream between two of the agents, for comparison.
+- gossip_cpu_per_delivery_{N}_agents: the process's CPU time (every thread) per message delivered to an
+  agent, while every agent publishes a signed heartbeat every ``--cpu-interval`` s. Reference: the same
+  agents with py-libp2p 0.8.1's own ways, in alternating phases of the same run (``--cpu-phases`` of
+  ``--cpu-seconds`` each): a Yamux window update sent back after every read (agent/net/host.py
+  ``_batch_window_updates``) and every RPC's signed peer record verified again (agent/net/gossip.py
+  ``_check_each_peer_record_once``).
+  Ratio = reference / value (a speedup), goal 1.2.
 - transfer_raw_stream / transfer_blocks_protocol / transfer_bitswap: MiB/s moving a ``--mib`` MiB
   file from one agent to another. Raw: the provider writes the bytes in 256 KiB pieces into one
   stream, nothing checked or stored. Ours and Bitswap: a complete ``ContentService.fetch`` into an
@@ -31,6 +38,8 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent.content.service import VIA_BITSWAP, VIA_BLOCKS, open_content  # noqa: E402
+from agent.net import gossip  # noqa: E402
+from libp2p.stream_muxer.yamux.yamux import YamuxStream  # noqa: E402
 from agent.net.host import NetConfig  # noqa: E402
 from agent.net.stack import open_network  # noqa: E402
 from agent.net.streams import FrameReader, frame  # noqa: E402
@@ -40,6 +49,9 @@ from protocol.messages import TOPIC_JOBS, Heartbeat  # noqa: E402
 MiB = 1 << 20
 PIECE = 256 * 1024
 GOSSIP_GOAL_MS = 1000.0
+CPU_GOAL = 1.2
+OUR_RECORD_CHECK = gossip._pubsub_module.maybe_consume_signed_record  # its .original is py-libp2p's
+OUR_WINDOW_UPDATE = YamuxStream._auto_tune_and_send_window_update  # agent/net/host.py's; .original likewise
 TRANSFER_GOAL = 0.8
 TRANSFER_TIMEOUT = 300.0  # one transfer; a stalled one fails the bench instead of hanging it
 
@@ -108,6 +120,64 @@ async def bench_gossip(count: int, messages: int) -> None:
         for name, q in (("p50", 0.5), ("p95", 0.95)):
             emit(f"gossip_latency_{name}_to_all_{count}_agents", percentile(to_all, q) * 1000, "ms",
                  GOSSIP_GOAL_MS, 1.0, lower_is_better=True, one_hop_ms=percentile(one_hop, q) * 1000)
+
+
+def libp2p_defaults(on: bool) -> None:
+    """Switch py-libp2p's own ways (a window update per read, every peer record verified) on or off."""
+    chosen = OUR_RECORD_CHECK.original if on else OUR_RECORD_CHECK
+    for module in (gossip._pubsub_module, gossip._gossipsub_module):
+        module.maybe_consume_signed_record = chosen
+    YamuxStream._auto_tune_and_send_window_update = OUR_WINDOW_UPDATE.original if on else OUR_WINDOW_UPDATE
+
+
+async def bench_gossip_cpu(count: int, seconds: float, phases: int, interval: float) -> None:
+    async with AsyncExitStack() as stack:
+        nets = await start_agents(stack, count)
+        async with trio.open_nursery() as nursery:
+            for net in nets:
+                nursery.start_soon(net.discovery.advertise_worker)
+        async with trio.open_nursery() as nursery:
+            for net in nets:
+                nursery.start_soon(net.discovery.find_workers)
+        delivered = 0
+
+        async def receive(sub) -> None:
+            nonlocal delivered
+            async for _ in sub:
+                delivered += 1
+
+        async def beat(net, offset: float) -> None:
+            await trio.sleep(offset)
+            seq = 0
+            while True:
+                seq += 1
+                await net.gossip.publish(Heartbeat(seq=seq, active_shards=0, coordinating=()))
+                await trio.sleep(interval)
+
+        subs = [await net.gossip.subscribe(TOPIC_JOBS) for net in nets]
+        with trio.fail_after(30):
+            while not all(net.gossip.mesh_peers(TOPIC_JOBS) for net in nets):
+                await trio.sleep(0.05)
+        spent = {True: [0.0, 0], False: [0.0, 0]}  # py-libp2p's ways on: [CPU seconds, deliveries]
+        async with trio.open_nursery() as nursery:
+            for sub in subs:
+                nursery.start_soon(receive, sub)
+            for i, net in enumerate(nets):
+                nursery.start_soon(beat, net, interval * i / count)
+            await trio.sleep(2.0)  # let the meshes settle
+            for phase in range(2 * phases):
+                defaults = phase % 2 == 0
+                libp2p_defaults(defaults)
+                await trio.sleep(1.0)  # what the last phase left in flight is not counted
+                cpu, before = time.process_time(), delivered
+                await trio.sleep(seconds)
+                spent[defaults][0] += time.process_time() - cpu
+                spent[defaults][1] += delivered - before
+            nursery.cancel_scope.cancel()
+        libp2p_defaults(False)
+        ours, reference = (spent[k][0] / max(1, spent[k][1]) * 1000 for k in (False, True))
+        emit(f"gossip_cpu_per_delivery_{count}_agents", ours, "ms", reference, CPU_GOAL, lower_is_better=True,
+             deliveries=spent[False][1], reference_deliveries=spent[True][1])
 
 
 async def one_hop_latencies(a, b, count: int) -> list[float]:
@@ -197,6 +267,7 @@ async def bench_transfer(mib: int, repeats: int, workdir: Path) -> None:
 
 async def main(args: argparse.Namespace) -> None:
     await bench_gossip(args.agents, args.messages)
+    await bench_gossip_cpu(args.agents, args.cpu_seconds, args.cpu_phases, args.cpu_interval)
     with tempfile.TemporaryDirectory(prefix="bench_net_") as tmp:
         await bench_transfer(args.mib, args.repeats, Path(tmp))
 
@@ -205,6 +276,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agents", type=int, default=10)
     parser.add_argument("--messages", type=int, default=60)
+    parser.add_argument("--cpu-seconds", type=float, default=10.0)
+    parser.add_argument("--cpu-phases", type=int, default=3)
+    parser.add_argument("--cpu-interval", type=float, default=0.5)
     parser.add_argument("--mib", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=5)
     logging.basicConfig(level=logging.ERROR)

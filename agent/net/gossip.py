@@ -38,6 +38,10 @@ Rules of this file:
   *after* validation, as a hostile network would: it may drop, duplicate, delay (and so reorder)
   them, or drop everything signed by peers on the other side of a partition. The roles above must
   cope with all of it; a forged message still never gets past validation.
+- py-libp2p attaches the sender's signed peer record to every RPC and, on every receipt, checks its
+  Ed25519 signature and clears and re-adds the peer's addresses. A record byte-for-byte the one this
+  host last accepted from that peer, less than ``RECORD_RECHECK_SECONDS`` ago, is taken as accepted
+  (``_check_each_peer_record_once``): the same bytes verify the same way, and a newer record differs.
 - Validated messages go straight into a channel of ours per topic (``delivery_buffer`` slots),
   bypassing py-libp2p's 32-slot subscription channel, which drops silently when a burst outruns
   its reader. When ours fills, the drop is counted (``dropped``) and logged, never silent.
@@ -48,6 +52,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -59,6 +64,8 @@ from libp2p.pubsub.gossipsub import PROTOCOL_ID as GOSSIPSUB_V10
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11 as GOSSIPSUB_V11
 from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.mcache import MessageCache, default_msg_id_fn
+from libp2p.pubsub import gossipsub as _gossipsub_module
+from libp2p.pubsub import pubsub as _pubsub_module
 from libp2p.pubsub.pubsub import Pubsub
 
 from agent.net.host import Host
@@ -250,6 +257,40 @@ class _GuardedPubsub(Pubsub):
         except Exception as exc:  # noqa: BLE001
             self.remote_errors += 1
             log.debug("dropped a message from %s that broke py-libp2p: %r", msg_forwarder, exc)
+
+
+RECORD_RECHECK_SECONDS = 600.0  # a peer record seen again is verified and stored anew after this (its TTL is 2 h)
+
+
+def _check_each_peer_record_once() -> None:
+    """Verify a peer's signed peer record (py-libp2p's ``maybe_consume_signed_record``) when its bytes
+    change, not on every RPC that carries it. Per host: agents that share a process (the harness)
+    keep their own peerstores."""
+    consume = _pubsub_module.maybe_consume_signed_record
+    if getattr(consume, "infernet_once", False):
+        return
+    accepted: weakref.WeakKeyDictionary[Any, dict[ID, tuple[bytes, float]]] = weakref.WeakKeyDictionary()
+
+    def consume_once(msg: Any, host: Any, peer_id: ID) -> bool:
+        if not msg.HasField("senderRecord"):
+            return True
+        record, now = msg.senderRecord, time.monotonic()
+        known = accepted.setdefault(host, {})
+        last = known.get(peer_id)
+        if last is not None and last[0] == record and now - last[1] < RECORD_RECHECK_SECONDS:
+            return True
+        if not consume(msg, host, peer_id):
+            return False
+        known[peer_id] = (record, now)
+        return True
+
+    consume_once.infernet_once = True  # type: ignore[attr-defined]
+    consume_once.original = consume  # type: ignore[attr-defined]  (scripts/bench_net.py measures against it)
+    for module in (_pubsub_module, _gossipsub_module):
+        module.maybe_consume_signed_record = consume_once  # type: ignore[attr-defined]
+
+
+_check_each_peer_record_once()
 
 
 class BufferedReads:

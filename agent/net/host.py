@@ -13,6 +13,10 @@ Rules of this file:
   In py-libp2p 0.8.1 a frame write cancelled half-way (a deadline, a nursery cancelling a task whose
   stream read was sending a window update) leaves half a frame or a skipped Noise nonce on the
   wire, and every later frame on that connection fails authentication: the connection dies.
+- A Yamux receiver tells the sender of the room it freed (WINDOW_UPDATE) once half its window is
+  free, as go-yamux does (``_batch_window_updates``). py-libp2p 0.8.1 sent one after every read that
+  freed any room (its "partial slack" rule, whatever ``PY_YAMUX_RELEASE_ON_READ`` says): one more
+  encrypted frame each way per gossip message, written by one side and read by the other.
 - py-libp2p logs every stream it fails to open at ERROR, eight lines each; GossipSub tries one to
   every peer it meets, so each IPFS node without GossipSub (Kubo by default, Helia) printed an
   "error". Those records are demoted to DEBUG (``_StreamFailuresAtDebug``): a failure that matters
@@ -45,7 +49,7 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.exceptions import MuxedConnUnavailable
-from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 from libp2p.tools.anyio_service.context import background_trio_service
 
 from agent.net.errors import NetConfigError, NetError, ProtocolNotSupported
@@ -346,6 +350,31 @@ def _shield_yamux_frame_writes() -> None:
 
 
 _shield_yamux_frame_writes()
+
+
+def _batch_window_updates() -> None:
+    """go-yamux's ``sendWindowUpdate``: send the room freed once it is at least half the window
+    (py-libp2p's growth of the window for fast links, its auto-tuning, kept); nothing otherwise."""
+    update = YamuxStream._auto_tune_and_send_window_update
+    if getattr(update, "infernet_batched", False):
+        return
+
+    async def batched_window_update(self: YamuxStream, *, bytes_read: int = 0) -> None:
+        async with self.window_lock:
+            buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
+            if self.target_recv_window - (self.recv_window + buffered) < self.target_recv_window // 2:
+                return
+            increment = self._grow_to_delta(buffered) + self._apply_autotune_epoch(buffered)
+            self._pending_recv_release = 0
+        if increment > 0:
+            await self.send_window_update(increment, skip_lock=True)
+
+    batched_window_update.infernet_batched = True  # type: ignore[attr-defined]
+    batched_window_update.original = update  # type: ignore[attr-defined]  (scripts/bench_net.py measures against it)
+    YamuxStream._auto_tune_and_send_window_update = batched_window_update  # type: ignore[method-assign]
+
+
+_batch_window_updates()
 
 
 class PipelinedMultiselectClient(MultiselectClient):

@@ -175,6 +175,42 @@ async def test_our_own_bursts_arrive_whole():
         assert not b.gossip.invalid and not b.gossip.rate_limited and not b.gossip.dropped
 
 
+async def test_a_peer_record_is_verified_when_its_bytes_change_not_on_every_message(monkeypatch):
+    # py-libp2p 0.8.1 verifies the signed peer record every RPC carries, on every RPC (agent/net/gossip.py)
+    import libp2p.pubsub.utils as pubsub_utils
+    from libp2p.peer.peerstore import env_to_send_in_RPC
+    from libp2p.pubsub import pb
+    from libp2p.pubsub import pubsub as pubsub_module
+
+    verified = []
+    consume_envelope = pubsub_utils.consume_envelope
+    monkeypatch.setattr(pubsub_utils, "consume_envelope",
+                        lambda *args: verified.append(args) or consume_envelope(*args))
+    async with agents(2) as (a, b):
+        sub_b = await b.gossip.subscribe(TOPIC_JOBS)
+        await a.gossip.subscribe(TOPIC_JOBS)
+        await mesh_ready([a, b], TOPIC_JOBS)
+        before = len(verified)
+        for seq in range(30):
+            await a.gossip.publish(heartbeat(seq))
+        with trio.fail_after(20):
+            got = {(await sub_b.receive()).message.seq for _ in range(30)}
+        assert got == set(range(30)) and len(verified) - before <= 2, len(verified) - before
+
+        # a record that differs from the one accepted is verified: a forged signature is refused
+        check = pubsub_module.maybe_consume_signed_record
+        record, _ = env_to_send_in_RPC(a.host.libp2p)
+        rpc = pb.rpc_pb2.RPC(senderRecord=record)
+        a_id = ID.from_base58(a.peer_id)
+        assert check(rpc, b.host.libp2p, a_id)
+        count = len(verified)
+        assert check(rpc, b.host.libp2p, a_id) and len(verified) == count  # the same bytes: taken as verified
+        forged = pb.rpc_pb2.RPC(senderRecord=record[:-1] + bytes([record[-1] ^ 1]))
+        assert not check(forged, b.host.libp2p, a_id) and len(verified) == count + 1
+        assert not check(rpc, b.host.libp2p, ID.from_base58(b.peer_id))  # a's record is no record of b's
+        assert check(rpc, b.host.libp2p, a_id) and len(verified) == count + 2  # nor did it take a's place
+
+
 async def test_a_flooding_peer_is_rate_limited():
     async with agents(2, gossip_config=GossipConfig(max_rate=20.0, max_burst=20.0)) as (a, b):
         await a.gossip.subscribe(TOPIC_JOBS)
