@@ -109,3 +109,48 @@ async def test_cancelling_a_read_mid_transfer_does_not_kill_the_connection():
         with trio.fail_after(5):
             assert await stream.read(100) == b"still alive"
         assert b.host.libp2p.get_network().get_connections(a.host.libp2p.get_id())[0] is conn
+
+
+async def test_window_updates_go_back_once_half_the_window_is_read_not_after_every_read(monkeypatch):
+    """py-libp2p 0.8.1 answered every read with a Yamux WINDOW_UPDATE frame (one more encrypted frame each
+    way per gossip message); go-yamux's rule (agent/net/host.py) sends one once half the window is free,
+    and a sender that fills the window still gets its room back."""
+    from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE, YamuxStream
+
+    updates: list[int] = []
+    send_window_update = YamuxStream.send_window_update
+
+    async def counted(self, increment, skip_lock=False):
+        updates.append(increment)
+        await send_window_update(self, increment, skip_lock=skip_lock)
+
+    monkeypatch.setattr(YamuxStream, "send_window_update", counted)
+    async with agents(2) as (a, b):
+        small, piece = 200, b"x" * 500  # 100 kB in small reads: under half the window
+        big = 4 * DEFAULT_WINDOW_SIZE  # four windows: only the receiver's updates let it through
+        got = {"small": 0, "big": 0}
+
+        async def sink(stream):
+            reader = FrameReader(stream, chunk=len(piece) + 8)
+            for _ in range(small):
+                got["small"] += len(await reader.read_frame(1024))
+            received = 0
+            while received < big:
+                received += len(await stream.read(65536))
+            got["big"] = received
+            await stream.write(b"done")
+
+        a.host.set_handler("/test/window/1", sink, timeout=30)
+        stream = await b.host.open_stream(a.peer_id, ["/test/window/1"])
+        before = len(updates)
+        for _ in range(small):
+            await stream.write(frame(piece))
+        with trio.fail_after(10):
+            while got["small"] < small * len(piece):
+                await trio.sleep(0.01)
+        assert len(updates) == before, updates[before:]  # 200 reads, no update
+        with trio.fail_after(20):
+            for _ in range(big // 65536):
+                await stream.write(b"\0" * 65536)
+            assert await stream.read(4) == b"done"
+        assert got["big"] == big and 1 <= len(updates) - before <= 16, updates[before:]
