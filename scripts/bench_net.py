@@ -79,25 +79,37 @@ async def start_agents(stack: AsyncExitStack, count: int) -> list:
     return nets
 
 
+async def gossiping_agents(stack: AsyncExitStack, count: int) -> list:
+    """``count`` agents that found each other through the DHT's workers key, as agents do."""
+    nets = await start_agents(stack, count)
+    async with trio.open_nursery() as nursery:
+        for net in nets:
+            nursery.start_soon(net.discovery.advertise_worker)
+    async with trio.open_nursery() as nursery:
+        for net in nets:
+            nursery.start_soon(net.discovery.find_workers)
+    return nets
+
+
+async def meshed(nets: list) -> list:
+    """Each agent's subscription to the jobs topic, once every agent has a mesh peer on it."""
+    subs = [await net.gossip.subscribe(TOPIC_JOBS) for net in nets]
+    with trio.fail_after(30):
+        while not all(net.gossip.mesh_peers(TOPIC_JOBS) for net in nets):
+            await trio.sleep(0.05)
+    return subs
+
+
 async def bench_gossip(count: int, messages: int) -> None:
     async with AsyncExitStack() as stack:
-        nets = await start_agents(stack, count)
-        async with trio.open_nursery() as nursery:
-            for net in nets:
-                nursery.start_soon(net.discovery.advertise_worker)
-        async with trio.open_nursery() as nursery:
-            for net in nets:
-                nursery.start_soon(net.discovery.find_workers)
+        nets = await gossiping_agents(stack, count)
         arrivals: dict[int, dict[str, float]] = {}
 
         async def receive(net, sub) -> None:
             async for received in sub:
                 arrivals.setdefault(received.message.seq, {})[net.peer_id] = time.perf_counter()
 
-        subs = [await net.gossip.subscribe(TOPIC_JOBS) for net in nets]
-        with trio.fail_after(30):
-            while not all(net.gossip.mesh_peers(TOPIC_JOBS) for net in nets):
-                await trio.sleep(0.05)
+        subs = await meshed(nets)
         await trio.sleep(2.0)  # let a couple of heartbeats settle the meshes
 
         to_all: list[float] = []
@@ -132,13 +144,7 @@ def libp2p_defaults(on: bool) -> None:
 
 async def bench_gossip_cpu(count: int, seconds: float, phases: int, interval: float) -> None:
     async with AsyncExitStack() as stack:
-        nets = await start_agents(stack, count)
-        async with trio.open_nursery() as nursery:
-            for net in nets:
-                nursery.start_soon(net.discovery.advertise_worker)
-        async with trio.open_nursery() as nursery:
-            for net in nets:
-                nursery.start_soon(net.discovery.find_workers)
+        nets = await gossiping_agents(stack, count)
         delivered = 0
 
         async def receive(sub) -> None:
@@ -154,10 +160,7 @@ async def bench_gossip_cpu(count: int, seconds: float, phases: int, interval: fl
                 await net.gossip.publish(Heartbeat(seq=seq, active_shards=0, coordinating=()))
                 await trio.sleep(interval)
 
-        subs = [await net.gossip.subscribe(TOPIC_JOBS) for net in nets]
-        with trio.fail_after(30):
-            while not all(net.gossip.mesh_peers(TOPIC_JOBS) for net in nets):
-                await trio.sleep(0.05)
+        subs = await meshed(nets)
         spent = {True: [0.0, 0], False: [0.0, 0]}  # py-libp2p's ways on: [CPU seconds, deliveries]
         async with trio.open_nursery() as nursery:
             for sub in subs:
