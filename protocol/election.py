@@ -93,6 +93,8 @@ HEARTBEAT_SECONDS = 10.0
 """How often a live peer gossips a Heartbeat."""
 MISSED_HEARTBEATS = 3
 """A peer silent for this many heartbeat intervals is no longer live."""
+SILENCE_SECONDS = MISSED_HEARTBEATS * HEARTBEAT_SECONDS
+"""The protocol's silence window; rule 11 counts a coordinator's heartbeat claim of a term this long."""
 UNCLAIMED_FACTOR = 8
 """Rule 10: a live coordinator that has not claimed its term for this many silence windows (heartbeat
 intervals x MISSED_HEARTBEATS) is deposed: long enough for a just-elected peer to form its own view and catch up
@@ -354,7 +356,7 @@ def stepped_down(before: Coordination, after: Coordination, me: str) -> bool:
 
 def depose_unclaimed(view: Coordination, eligible: Iterable[str], me: str, named_at: float,
                      claimed_at: float | None, now: float,
-                     window: float = UNCLAIMED_FACTOR * MISSED_HEARTBEATS * HEARTBEAT_SECONDS) -> Coordination:
+                     window: float = UNCLAIMED_FACTOR * SILENCE_SECONDS) -> Coordination:
     """Rule 10: the view after its coordinator failed to claim the view's term for ``window`` seconds.
     ``named_at``: when this view named it (in this term); ``claimed_at``: when it last claimed this term or a
     later one (its heartbeats), None if never. A coordinator that is us, or not eligible and live (that is

@@ -63,8 +63,8 @@ from typing import Any
 
 from protocol import messages as m
 from protocol import state as st
-from protocol.election import HEARTBEAT_SECONDS, MISSED_HEARTBEATS, Coordination, may_apply_past_verdict, \
-    may_apply_vouched_past, may_judge, settle_replayed_term
+from protocol.election import SILENCE_SECONDS, Coordination, may_apply_past_verdict, may_apply_vouched_past, \
+    may_judge, settle_replayed_term
 from protocol.errors import StateError
 from protocol.proof import max_checkpoints
 
@@ -75,8 +75,6 @@ DECISIONS = (m.ShardLease, m.ShardRevoke, m.Verdict, m.AggregatePublished)  # a 
 PENDING_MAX = 256
 PENDING_PER_SIGNER = 32  # held messages of one signer; its oldest goes first
 PENDING_SECONDS = 300.0  # an envelope's acceptance window (IPIP-0001)
-# a coordinator's heartbeat claim of a term counts this long (IPIP-0006 §1.3 rule 11): the protocol's silence window
-CLAIM_FRESH_SECONDS = MISSED_HEARTBEATS * HEARTBEAT_SECONDS
 
 
 def job_config(terms: m.JobTerms) -> st.JobConfig:
@@ -290,7 +288,7 @@ class JobMirror:
         """The term ``peer`` claims to coordinate the job in, by its latest heartbeat, heard within the protocol's
         silence window before ``now`` (None: none heard then; a peer that stopped claiming claims nothing)."""
         claim = self.claims.get(peer) if peer is not None else None
-        return claim[0] if claim is not None and now - claim[1] <= CLAIM_FRESH_SECONDS else None
+        return claim[0] if claim is not None and now - claim[1] <= SILENCE_SECONDS else None
 
     def tick(self, now: float) -> Outcome:
         """The timers due at ``now`` (leases, windows, the deadline); held messages past their

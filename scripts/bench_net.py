@@ -38,8 +38,10 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent.content.service import VIA_BITSWAP, VIA_BLOCKS, open_content  # noqa: E402
-from agent.net import gossip  # noqa: E402
+from libp2p.pubsub import gossipsub, pubsub  # noqa: E402
 from libp2p.stream_muxer.yamux.yamux import YamuxStream  # noqa: E402
+
+import agent.net.gossip  # noqa: E402,F401  (its py-libp2p patches: measured against their .original)
 from agent.net.host import NetConfig  # noqa: E402
 from agent.net.stack import open_network  # noqa: E402
 from agent.net.streams import FrameReader, frame  # noqa: E402
@@ -50,7 +52,7 @@ MiB = 1 << 20
 PIECE = 256 * 1024
 GOSSIP_GOAL_MS = 1000.0
 CPU_GOAL = 1.2
-OUR_RECORD_CHECK = gossip._pubsub_module.maybe_consume_signed_record  # its .original is py-libp2p's
+OUR_RECORD_CHECK = pubsub.maybe_consume_signed_record  # agent/net/gossip.py's; .original is py-libp2p's
 OUR_WINDOW_UPDATE = YamuxStream._auto_tune_and_send_window_update  # agent/net/host.py's; .original likewise
 TRANSFER_GOAL = 0.8
 TRANSFER_TIMEOUT = 300.0  # one transfer; a stalled one fails the bench instead of hanging it
@@ -137,7 +139,7 @@ async def bench_gossip(count: int, messages: int) -> None:
 def libp2p_defaults(on: bool) -> None:
     """Switch py-libp2p's own ways (a window update per read, every peer record verified) on or off."""
     chosen = OUR_RECORD_CHECK.original if on else OUR_RECORD_CHECK
-    for module in (gossip._pubsub_module, gossip._gossipsub_module):
+    for module in (pubsub, gossipsub):
         module.maybe_consume_signed_record = chosen
     YamuxStream._auto_tune_and_send_window_update = OUR_WINDOW_UPDATE.original if on else OUR_WINDOW_UPDATE
 

@@ -296,9 +296,10 @@ class _Reader:
         elif action in ("partition", "cut"):  # groups of agents; a cut's are pairs whose gossip does not cross
             value = [[self.agent_name(n, vpath + (i, j), known) for j, n in enumerate(self.sequence(g, vpath + (i,)))]
                      for i, g in enumerate(self.sequence(raw, vpath))]
-            for i, pair in enumerate(value if action == "cut" else ()):
-                if len(pair) != 2 or pair[0] == pair[1]:
-                    raise self.fail(vpath + (i,), "expected a pair of two agents, like [w1, w2]")
+            if action == "cut":
+                for i, pair in enumerate(value):
+                    if len(pair) != 2 or pair[0] == pair[1]:
+                        raise self.fail(vpath + (i,), "expected a pair of two agents, like [w1, w2]")
         elif action == "heal":
             value = self.typed(raw, vpath, bool)
         elif action == "gossip":

@@ -365,7 +365,6 @@ def _batch_window_updates() -> None:
             if self.target_recv_window - (self.recv_window + buffered) < self.target_recv_window // 2:
                 return
             increment = self._grow_to_delta(buffered) + self._apply_autotune_epoch(buffered)
-            self._pending_recv_release = 0
         if increment > 0:
             await self.send_window_update(increment, skip_lock=True)
 
