@@ -7,6 +7,11 @@ Prints one JSON object per figure:
   replay_segment_seconds  verify_segment of one segment (load, hash checks, re-run, compare) against
                           the time the worker spent training that segment; ratio = train / replay
                           (higher is better, as everywhere), goal 0.8 (a replay within 1.25x).
+  round_shard_seconds     a worker's whole shard at the demo's round shape (12 steps, a checkpoint every 3,
+                          rank 16 on every projection, round 2: the start adapter and its AdamW state
+                          loaded from a bundle) from the call to the result: loading, steps, checkpoints,
+                          the final adapter; against the bare loop's time for the same 12 steps; ratio =
+                          bare / whole (the share of a short round's shard that is training), goal 0.8.
   unsloth_vs_peft_tokens_per_s  (``--runtime unsloth``) the worker's unsloth backend (its child process,
                           agent/train/unsloth_runner.py) against the worker's peft backend above, same
                           model, shard, config and device; ratio = unsloth / peft, goal 1.5. Without a
@@ -143,6 +148,24 @@ def bare_loop(config: TrainConfig, shard: Path) -> tuple[int, float]:
     return tokens, time.perf_counter() - started
 
 
+def round_shard_row(config: TrainConfig, shard: Path, work: Path, repeats: int) -> dict:
+    """``round_shard_seconds``: train_shard of round 2 at the demo's shape, whole, against the bare loop's 12 steps."""
+    config = config.with_(max_steps=12, checkpoint_every=3, rank=16, alpha=32.0, carry_optimizer=True, round=1)
+    first = train_shard(TrainRequest(config, shard, work / "round1"))
+    start = first.adapter_dir  # the round's start as a worker unpacks it: adapter, its config, AdamW state
+    config = config.with_(round=2)
+    wholes, bares = [], []
+    for repeat in range(repeats):
+        bares.append(bare_loop(config, shard)[1])
+        started = time.perf_counter()
+        train_shard(TrainRequest(config, shard, work / f"round2-{repeat}", initial_adapter=start, round=2))
+        wholes.append(time.perf_counter() - started)
+    whole, bare = min(wholes), min(bares)
+    return {"bench": "round_shard_seconds", "value": round(whole, 3), "unit": "s", "reference": round(bare, 3),
+            "ratio": round(bare / whole, 3), "goal": 0.8, "steps": 12, "threads": config.threads,
+            "device": config.device}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
@@ -197,6 +220,8 @@ def main() -> None:
         if not verdict.accepted:
             raise SystemExit(f"replay rejected an honest segment: {verdict}")
 
+    round_shard = round_shard_row(config, shard, work, args.repeats)
+
     worker, bare = max(worker_rates), max(bare_rates)
     print(json.dumps({"bench": "train_tokens_per_s", "value": round(worker, 1), "unit": "tokens/s",
                       "reference": round(bare, 1), "ratio": round(worker / bare, 3), "goal": 0.95,
@@ -206,6 +231,7 @@ def main() -> None:
     print(json.dumps({"bench": "replay_segment_seconds", "value": round(replay, 3), "unit": "s",
                       "reference": round(train, 3), "ratio": round(train / replay, 3), "goal": 0.8,
                       "threads": args.threads, "segment_steps": args.checkpoint_every}))
+    print(json.dumps(round_shard), flush=True)
     if args.runtime == "unsloth":
         print(json.dumps(unsloth_row(config, shard, work, worker, args.repeats)), flush=True)
 

@@ -264,6 +264,7 @@ class LoraSession:
         self.optimizer = torch.optim.AdamW(
             list(self.parameters.values()), lr=config.learning_rate, weight_decay=0.0, foreach=False)
         self.on_close: Callable[[], None] | None = None  # run.py's model pool takes the model back
+        self._in_train_mode = False  # model.train() walks every module: once, not every step (``_score`` undoes it)
 
     def close(self) -> None:
         """Done with the model: hand it back (run.ModelPool); the session must not be used after."""
@@ -299,7 +300,9 @@ class LoraSession:
         torch.manual_seed(step_seed(config.seed, position))
         indices = step_samples(len(self.examples), config.samples_per_step, config.seed, position)
         weight = self.objective.weight([self.examples[i] for i in indices])
-        self.model.train()
+        if not self._in_train_mode:
+            self.model.train()
+            self._in_train_mode = True
         loss_total, tokens = 0.0, 0
         world, rank = data_parallel()
         per_micro = world > 1 or config.micro_batch_rng
@@ -345,6 +348,7 @@ class LoraSession:
     @torch.no_grad()
     def _score(self, examples: Sequence[Any]) -> Evaluation:
         self.model.eval()
+        self._in_train_mode = False
         total, count, margins = 0.0, 0, []
         for start in range(0, len(examples), self.config.batch_size):
             chunk = examples[start:start + self.config.batch_size]

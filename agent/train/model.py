@@ -139,10 +139,39 @@ def pick_dtype(requested: str, device: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[requested]
 
 
+_TOKENIZERS = threading.local()
+TOKENIZER_KEY = "_infernet_tokenizer_key"
+
+
 def load_tokenizer(path_or_name: str) -> Any:
+    """The base model's tokenizer, loaded once per thread and kept while its files (every file of the model's
+    directory but the weights) keep their sizes and times: a worker used to load it for every shard, replay
+    and score. Per thread, because a fast tokenizer's truncation and padding are settings each call writes
+    into it; the training and the replays run in threads of their own. Tagged with that key
+    (``TOKENIZER_KEY``), which ``agent.train.run.load_shard`` keys its prepared shards by."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(resolve_model_dir(path_or_name)))
+    directory = resolve_model_dir(path_or_name)
+    key = (str(directory.resolve()), _tokenizer_files(directory))
+    cache = getattr(_TOKENIZERS, "cache", None)
+    if cache is None:
+        cache = _TOKENIZERS.cache = {}
+    tokenizer = cache.get(key)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        setattr(tokenizer, TOKENIZER_KEY, key)
+        if len(cache) >= 4:
+            cache.clear()
+        cache[key] = tokenizer
+    return tokenizer
+
+
+def _tokenizer_files(directory: Path) -> tuple:
+    import os
+
+    with os.scandir(directory) as entries:
+        return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries
+                            if e.is_file() and not e.name.endswith(BASE_FILES_SKIPPED)))
 
 
 def load_base_model(path_or_name: str, *, device: str, dtype: torch.dtype, quantize_4bit: bool) -> Any:
@@ -302,19 +331,79 @@ def adapter_state(model: Any) -> dict[str, torch.Tensor]:
     full fine-tuning (``full_model``): every weight of the model, named as in its state dict."""
     if is_full(model):
         return {name: p.detach().to("cpu", copy=True).contiguous() for name, p in model.named_parameters()}
-    from peft import get_peft_model_state_dict
+    sources = adapter_sources(model)
+    if sources is None:
+        from peft import get_peft_model_state_dict
 
-    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in get_peft_model_state_dict(model).items()}
+        return {name: t.detach().to("cpu", copy=True).contiguous()
+                for name, t in get_peft_model_state_dict(model).items()}
+    return {name: tensor.detach().to("cpu", copy=True).contiguous() for name, (_, _, tensor) in sources.items()}
 
 
 def load_adapter_state(model: Any, tensors: Mapping[str, torch.Tensor]) -> None:
-    from peft import set_peft_model_state_dict
-
     if is_full(model):
         load_full_weights(model, tensors)
         return
-    _check_names(set(adapter_state(model)), tensors)
-    set_peft_model_state_dict(model, dict(tensors))
+    sources = adapter_sources(model)
+    if sources is None:
+        from peft import set_peft_model_state_dict
+
+        _check_names(set(adapter_state(model)), tensors)
+        set_peft_model_state_dict(model, dict(tensors))
+        return
+    _check_names(set(sources), tensors)
+    for name, (_, _, tensor) in sources.items():  # all checked before any is loaded
+        if tuple(tensors[name].shape) != tuple(tensor.shape):
+            raise ValueError(f"adapter tensor {name} has shape {tuple(tensors[name].shape)}, the model {tuple(tensor.shape)}")
+    with torch.no_grad():  # what load_state_dict does with each entry, less its walk over the whole model
+        for name, (_, _, tensor) in sources.items():
+            tensor.copy_(tensors[name])
+
+
+SOURCES_ATTRIBUTE = "_infernet_adapter_sources"
+
+
+def adapter_sources(model: Any) -> dict[str, tuple[Any, str, torch.Tensor]] | None:
+    """peft's adapter state dict (``get_peft_model_state_dict``) as the live tensors behind it: name ->
+    (module, attribute, parameter or buffer). peft walks every module and builds the whole model's state dict on
+    each call (6 ms for the demo's tiny model, some ten times a shard: a tenth of a 12-step shard's time); this
+    works the names out once per model and reads the tensors directly after. The found tensors are checked on
+    every call to be still the module's own (a module given a new parameter object, or a new adapter, makes the
+    names be worked out again). None when an entry of peft's dict is not a whole parameter or buffer of the
+    model: then peft is asked each time."""
+    cached = getattr(model, SOURCES_ATTRIBUTE, None)
+    if cached is not None and all(_owns(module, attribute, tensor) for module, attribute, tensor in cached.values()) \
+            and getattr(model, "_infernet_adapter_count", None) == _adapter_count(model):
+        return cached
+    from peft import get_peft_model_state_dict
+
+    owners: dict[tuple, tuple[Any, str, torch.Tensor]] = {}
+    for module in model.modules():
+        for attribute, tensor in [*module._parameters.items(), *module._buffers.items()]:
+            if tensor is not None:
+                owners.setdefault(_storage_key(tensor), (module, attribute, tensor))
+    sources = {}
+    for name, tensor in get_peft_model_state_dict(model).items():
+        owner = owners.get(_storage_key(tensor))
+        if owner is None:
+            return None
+        sources[name] = owner
+    object.__setattr__(model, SOURCES_ATTRIBUTE, sources)  # (not a torch.nn.Module attribute: no registration)
+    object.__setattr__(model, "_infernet_adapter_count", _adapter_count(model))
+    return sources
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple:
+    return (tensor.device, tensor.dtype, tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()),
+            tensor.storage_offset())
+
+
+def _owns(module: Any, attribute: str, tensor: torch.Tensor) -> bool:
+    return module._parameters.get(attribute) is tensor or module._buffers.get(attribute) is tensor
+
+
+def _adapter_count(model: Any) -> int:
+    return len(getattr(model, "peft_config", {}) or {})
 
 
 @torch.no_grad()

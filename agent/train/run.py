@@ -42,7 +42,7 @@ from agent.train.data import Example, PreparedShard, prepare_examples
 from agent.train.env import environment, set_threads
 from agent.train.loop import FUSED_LOSS, Evaluation, LoraSession, data_parallel, deterministic_cuda, refused_by_strict_mode, same_on_every_rank
 from agent.train.model import (
-    adapter_state, add_lora, full_model, base_model_sha256, load_adapter_state, load_base_model, load_tokenizer, pick_device,
+    TOKENIZER_KEY, adapter_state, add_lora, full_model, base_model_sha256, load_adapter_state, load_base_model, load_tokenizer, pick_device,
     pick_dtype, save_adapter, seed_lora_a, tensors_hash,
 )
 from agent.train.recorder import OnCheckpoint, ProofRecorder, checkpoint_name, is_checkpoint, read_checkpoint
@@ -290,9 +290,67 @@ def validation_scores(config: TrainConfig, path: Path, adapters: list[Path | Non
         session.close()
 
 
+class PreparedShards:
+    """Shards as ``prepare_examples`` made them, by the file's bytes and everything else they depend on (the
+    tokenizer's files, ``TOKENIZER_KEY``; the config's length, packing, bad-line and objective settings). A
+    worker trains the same shard round after round, and a verifier replays it: each used to read and tokenize
+    it again (a chat template is rendered per record: on a real shard, seconds a round). Kept while their
+    tokens total at most ``max_tokens`` (about 40 bytes each as Python tuples); the least recently used go
+    first. Examples are immutable; each caller gets its own list."""
+
+    def __init__(self, max_tokens: int = 4_000_000) -> None:
+        import threading
+
+        self.max_tokens = max_tokens
+        self._kept: dict[tuple, tuple[PreparedShard, int]] = {}
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    def get(self, config: TrainConfig, tokenizer: Any, path: Path) -> PreparedShard:
+        import hashlib
+
+        settings = (config.max_seq_len, config.packing, config.skip_bad_lines, config.objective)
+        tokenizer_key = getattr(tokenizer, TOKENIZER_KEY, None)
+        if tokenizer_key is None or self.max_tokens <= 0:
+            return prepare_examples(path, tokenizer, max_seq_len=settings[0], packing=settings[1],
+                                    skip_bad=settings[2], objective=settings[3])
+        key = (hashlib.sha256(Path(path).read_bytes()).digest(), tokenizer_key, settings)
+        with self._lock:
+            kept = self._kept.pop(key, None)
+            if kept is not None:
+                self._kept[key] = kept  # (now the most recently used)
+                self.hits += 1
+                return _copied(kept[0])
+        shard = prepare_examples(path, tokenizer, max_seq_len=settings[0], packing=settings[1],
+                                 skip_bad=settings[2], objective=settings[3])
+        tokens = sum(_tokens(example) for example in shard.examples)
+        if tokens <= self.max_tokens:
+            with self._lock:
+                self._kept[key] = (_copied(shard), tokens)
+                while sum(t for _, t in self._kept.values()) > self.max_tokens:
+                    del self._kept[next(iter(self._kept))]
+        return shard
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
+
+
+def _copied(shard: PreparedShard) -> PreparedShard:
+    return PreparedShard(list(shard.examples), shard.records, shard.skipped_lines, shard.dropped_examples)
+
+
+def _tokens(example: Any) -> int:
+    if isinstance(example, Example):
+        return len(example.input_ids)
+    return sum(_tokens(getattr(example, side)) for side in ("chosen", "rejected"))
+
+
+SHARDS = PreparedShards()
+
+
 def load_shard(config: TrainConfig, tokenizer: Any, path: Path) -> PreparedShard:
-    return prepare_examples(path, tokenizer, max_seq_len=config.max_seq_len, packing=config.packing,
-                            skip_bad=config.skip_bad_lines, objective=config.objective)
+    return SHARDS.get(config, tokenizer, path)
 
 
 def check_base_model(config: TrainConfig) -> str:
