@@ -41,6 +41,7 @@ bench: setup
 	$(PY) scripts/bench_cid.py
 	$(PY) scripts/bench_net.py
 	$(PY) scripts/bench_train.py
+	$(PY) scripts/bench_ledger.py
 	$(PY) scripts/bench_aggregate.py --threads 1
 
 interop: setup

@@ -13,10 +13,19 @@ Wire, one stream per request on ``/infernet/ledger/1.0.0`` (apart from job sync,
 Limits: at most MAX_ENTRIES entries and MAX_BYTES bytes in all, each frame at most one entry
 (64 KiB) plus its signature; TIMEOUT seconds for the whole exchange.
 
+``/infernet/ledger/1.1.0`` (IPIP-0008 §5.1), what a client asks first: after the job ID one frame,
+``uvarint(len) + canonical([[author, length, head hash], ...])``, the chains it holds; the server sends
+each chain from protocol/ledger.serve_from (the entries the client lacks when its head is the server's
+entry at that seq; its last entry when it holds fewer; else all of it). 1.0.0 sent every entry of every
+chain at each sync, every 10 s, and the client checked each one and its own copy again: quadratic in a
+job's length (8000 entries, 1.2-3 s of CPU per peer per sync). A peer that answers 1.1.0 with "na" (an
+older agent) is asked over 1.0.0.
+
 Trust: every entry is decoded and its signature checked (protocol/ledger.LedgerEntry.decode); the
-entries of one signer must form a whole chain from seq 0 (protocol/ledger.verify_chain), else that
+entries of one signer must form a chain from seq 0, or a part of one from the seq its first entry
+names, that continues the copy we hold (protocol/ledger.verify_segment, compare_part), else that
 chain is refused and kept as an "invalid" conflict naming the server (its copy is bad). A verified chain is compared with our copy
-(protocol/ledger.compare_chain): a longer one extends it; a different entry at a seq we hold is a
+(protocol/ledger.compare_part, against the stored hashes of ours): a longer one extends it; a different entry at a seq we hold is a
 fork, proven by two entries the author signed; the author serving fewer entries than we hold of
 its own chain is a truncation; a copy of *our own* chain longer than ours or different from it
 means our store lost or changed entries. Conflicts are kept in the store, logged as warnings, and
@@ -41,17 +50,22 @@ from typing import Any
 
 import trio
 
-from agent.net.errors import NetError, PeerProtocolError
+from agent.net.errors import NetError, PeerProtocolError, ProtocolNotSupported
 from agent.net.streams import FrameReader, frame, remote_peer, request_frames
 from agent.store import StoreFullError
 from protocol.cid import varint_encode
 from protocol.codec import canonical_encode, decode_canonical
-from protocol.errors import CodecError
-from protocol.ledger import MAX_ENTRY_BYTES, ChainConflict, LedgerEntry, LedgerError, compare_chain, verify_chain
+from protocol.errors import CodecError, ProtocolError
+from protocol.ledger import (
+    MAX_ENTRY_BYTES, MAX_HELD, ChainConflict, LedgerEntry, LedgerError, compare_part, decode_held, encode_held,
+    serve_from, verify_chain, verify_segment,
+)
 
 log = logging.getLogger(__name__)
 
 PROTOCOL = "/infernet/ledger/1.0.0"
+PROTOCOL_FROM = "/infernet/ledger/1.1.0"  # the client names what it holds; the server sends what it lacks (§5.1)
+MAX_REQUEST = MAX_HELD * 80 + 16  # a 1.1.0 request's body: MAX_HELD chains of [author, length, head]
 MAX_ENTRIES = 20_000
 MAX_BYTES = 32 << 20
 MAX_FRAME = MAX_ENTRY_BYTES + 128
@@ -63,10 +77,13 @@ MAX_COPY = 200_000  # entries we keep of one author's chain of one job
 END = varint_encode(0)
 
 
-def frames_for(store: Any, job_id: bytes) -> list[bytes]:
-    """What we serve for ``job_id``: every entry of every chain we hold, as frames' payloads."""
+def frames_for(store: Any, job_id: bytes, held: dict[bytes, tuple[int, bytes]] | None = None) -> list[bytes]:
+    """What we serve for ``job_id``: every entry of every chain we hold, as frames' payloads; to a client
+    that named what it holds (``held``, /infernet/ledger/1.1.0), each chain from ``protocol.ledger.serve_from``."""
     out, total = [], 0
-    for rows in store.chain_rows(job_id).values():
+    starts = None if held is None else \
+        {author: serve_from(store.chain_hashes(job_id, author, 0), held.get(author)) for author in store.chain_heads(job_id)}
+    for rows in store.chain_rows(job_id, starts).values():
         for encoded, signature in rows:
             data = canonical_encode([encoded, signature])
             if len(out) >= MAX_ENTRIES or total + len(data) > MAX_BYTES:
@@ -91,22 +108,51 @@ class LedgerService:
 
     def install(self, host: Any) -> None:
         host.set_handler(PROTOCOL, self.handle, timeout=TIMEOUT)
+        host.set_handler(PROTOCOL_FROM, self.handle_from, timeout=TIMEOUT)
 
     async def handle(self, stream: Any) -> None:
         reader = FrameReader(stream, chunk=64)
         job_id = await reader.read_exactly(32, f"{PROTOCOL} job id")
-        for data in frames_for(self.agent.store, job_id):
+        await self._send(stream, job_id, None)
+
+    async def handle_from(self, stream: Any) -> None:
+        """/infernet/ledger/1.1.0: the job ID, then one frame naming the chains the client holds."""
+        reader = FrameReader(stream, chunk=4096)
+        job_id = await reader.read_exactly(32, f"{PROTOCOL_FROM} job id")
+        body = await reader.read_frame(MAX_REQUEST, f"{PROTOCOL_FROM} chains held")
+        try:
+            held = decode_held(body)
+        except ProtocolError as exc:
+            raise PeerProtocolError(f"{PROTOCOL_FROM} from {remote_peer(stream)}: {exc}") from None
+        await self._send(stream, job_id, held)
+
+    async def _send(self, stream: Any, job_id: bytes, held: dict[bytes, tuple[int, bytes]] | None) -> None:
+        frames = frames_for(self.agent.store, job_id, held)
+        for data in frames:
             await stream.write(frame(data))
         await stream.write(END)
-        log.debug("ledger: sent the chains of %s to %s", job_id.hex()[:8], remote_peer(stream))
+        log.debug("ledger: sent %d entries of %s to %s", len(frames), job_id.hex()[:8], remote_peer(stream))
 
 
-async def fetch_chains(host: Any, peer: str, job_id: bytes, timeout: float = TIMEOUT) -> list[tuple[bytes, bytes]]:
-    """The (entry, signature) pairs ``peer`` holds for ``job_id``, unverified. NetError or
-    PeerProtocolError naming the peer on failure; TooSlowError after ``timeout``."""
+async def fetch_chains(host: Any, peer: str, job_id: bytes, timeout: float = TIMEOUT,
+                       held: dict[bytes, tuple[int, bytes]] | None = None) -> list[tuple[bytes, bytes]]:
+    """The (entry, signature) pairs ``peer`` holds for ``job_id``, unverified: with ``held`` (what we hold:
+    author -> (length, head hash)), only what we lack of each chain (/infernet/ledger/1.1.0, IPIP-0008 §5.1),
+    else, or from a peer that only speaks 1.0.0, every entry. NetError or PeerProtocolError naming the peer
+    on failure; TooSlowError after ``timeout``."""
+    frames = None
+    if held is not None:
+        request = job_id + frame(encode_held(dict(sorted(held.items())[:MAX_HELD])))
+        try:
+            frames = await request_frames(host, peer, PROTOCOL_FROM, request, max_frame=MAX_FRAME,
+                                          max_frames=MAX_ENTRIES, max_bytes=MAX_BYTES, what="entry", timeout=timeout)
+        except ProtocolNotSupported:
+            frames = None  # an older agent: every entry, as it serves them
+    if frames is None:
+        frames = await request_frames(host, peer, PROTOCOL, job_id, max_frame=MAX_FRAME, max_frames=MAX_ENTRIES,
+                                      max_bytes=MAX_BYTES, what="entry", timeout=timeout)
     out: list[tuple[bytes, bytes]] = []
-    for data in await request_frames(host, peer, PROTOCOL, job_id, max_frame=MAX_FRAME, max_frames=MAX_ENTRIES,
-                                     max_bytes=MAX_BYTES, what="entry", timeout=timeout):
+    for data in frames:
         try:
             pair = decode_canonical(data, max_bytes=MAX_FRAME)
         except CodecError as exc:
@@ -119,8 +165,10 @@ async def fetch_chains(host: Any, peer: str, job_id: bytes, timeout: float = TIM
 
 def served_chains(pairs: list[tuple[bytes, bytes]], job_id: bytes,
                   server: str) -> tuple[dict[bytes, list[LedgerEntry]], list[ChainConflict]]:
-    """The served entries grouped into verified chains by author; and an "invalid" conflict for each
-    chain refused (an entry that does not verify, a gap, a broken link: the server's copy is bad)."""
+    """The served entries grouped into verified chains by author, each whole from seq 0 or a part of it from
+    the seq its first entry names (what a 1.1.0 server sends; ``absorb`` links it to our copy); and an
+    "invalid" conflict for each chain refused (an entry that does not verify, a gap, a broken link: the
+    server's copy is bad)."""
     by_author: dict[bytes, list[LedgerEntry]] = {}
     bad: dict[bytes, ChainConflict] = {}
     for encoded, signature in pairs:
@@ -139,7 +187,7 @@ def served_chains(pairs: list[tuple[bytes, bytes]], job_id: bytes,
         if author in bad:
             continue
         try:
-            verify_chain(entries, job_id, author)
+            verify_segment(entries, job_id, author, entries[0].seq)
         except LedgerError as exc:
             bad[author] = ChainConflict("invalid", author, server, exc.seq if exc.seq is not None else -1, 0,
                                         len(entries), problem=exc.problem)
@@ -168,12 +216,9 @@ def absorb(store: Any, job_id: bytes, chains: dict[bytes, list[LedgerEntry]], se
     for author, served in chains.items():
         if authors is not None and author not in authors and author != me:
             continue
-        served = served[:MAX_COPY]
-        held = store.ledger_copy(job_id, author)
-        conflict, new = compare_chain(held, served, author, server)
-        if conflict is None and author == me and len(served) > len(held):
-            # a peer holds more of our own chain than we do: our store lost entries
-            conflict = ChainConflict("truncated", author, server, len(held), len(held), len(served))
+        conflict, new = compare_part(store.chain_hashes(job_id, author, 0), served, author, server,
+                                     lambda seq, a=author: store.ledger_copy_entry(job_id, a, seq),
+                                     ours=author == me, max_copy=MAX_COPY)
         if conflict is not None:
             if store.record_conflict(job_id, conflict, now):
                 found.append(conflict)
@@ -218,9 +263,11 @@ async def sync_job(agent: Any, view: Any, peers: list[str] | None = None, timeou
     added, conflicts = 0, []
     fetched: dict[str, Any] = {}
 
+    held = agent.store.chain_heads(view.job_id)  # (asked before any answer extends our copies)
+
     async def fetch(peer: str) -> None:
         try:
-            fetched[peer] = await fetch_chains(agent.net.host, peer, view.job_id, timeout)
+            fetched[peer] = await fetch_chains(agent.net.host, peer, view.job_id, timeout, held)
         except (NetError, PeerProtocolError, trio.TooSlowError) as exc:
             log.info("job %s: ledger sync with %s failed: %s", view.job_id.hex()[:8], peer[-8:], exc)
 

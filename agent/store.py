@@ -753,16 +753,26 @@ class Store:
 
     # -- copies of the other peers' chains (ipips/0008-ledger.md §5) --------------------------------
 
-    def chain_rows(self, job_id: bytes) -> dict[bytes, list[tuple[bytes, bytes]]]:
+    def chain_rows(self, job_id: bytes, starts: dict[bytes, int] | None = None) -> dict[bytes, list[tuple[bytes, bytes]]]:
         """Every chain of the job we hold as stored ``(entry, signature)`` rows, by author, not decoded
-        (what we serve: the receiver checks every entry)."""
+        (what we serve: the receiver checks every entry); with ``starts``, each chain named there from that seq."""
+        me = self.identity.public_key
         out: dict[bytes, list[tuple[bytes, bytes]]] = {}
+        if starts is not None:
+            for author, start in starts.items():
+                rows = self._rows("SELECT entry, signature FROM ledger WHERE job_id = ? AND seq >= ? ORDER BY seq",
+                                  (job_id, start)) if author == me else self._rows(
+                    "SELECT entry, signature FROM ledger_copies WHERE job_id = ? AND author = ? AND seq >= ? ORDER BY seq",
+                    (job_id, author, start))
+                if rows:
+                    out[author] = rows
+            return out
         own = self._rows("SELECT entry, signature FROM ledger WHERE job_id = ? ORDER BY seq", (job_id,))
         if own:
-            out[self.identity.public_key] = own
+            out[me] = own
         for author, entry, signature in self._rows(
                 "SELECT author, entry, signature FROM ledger_copies WHERE job_id = ? ORDER BY author, seq", (job_id,)):
-            if author != self.identity.public_key:
+            if author != me:
                 out.setdefault(author, []).append((entry, signature))
         return out
 
@@ -771,6 +781,36 @@ class Store:
         Each entry is re-checked (LedgerError names the first that does not verify)."""
         return {author: [LedgerEntry.decode(e, sig) for e, sig in rows]
                 for author, rows in self.chain_rows(job_id).items()}
+
+    def chain_heads(self, job_id: bytes) -> dict[bytes, tuple[int, bytes]]:
+        """(length, hash of the last entry) of every chain of the job we hold, by author, from the stored hash
+        columns, nothing decoded: what a sync request names (IPIP-0008 §5.1)."""
+        out = {}
+        seq, head = self._ledger_head(job_id)
+        if seq:
+            out[self.identity.public_key] = (seq, head)
+        for author, last, digest in self._rows(
+                "SELECT author, seq, hash FROM ledger_copies AS c WHERE job_id = ? AND seq = "
+                "(SELECT MAX(seq) FROM ledger_copies WHERE job_id = c.job_id AND author = c.author)", (job_id,)):
+            if author != self.identity.public_key:
+                out[author] = (last + 1, digest)
+        return out
+
+    def chain_hashes(self, job_id: bytes, author: bytes, start: int) -> list[bytes]:
+        """The stored hashes of ``author``'s chain of the job (ours for our own key) from seq ``start`` on."""
+        if author == self.identity.public_key:
+            return [row[0] for row in self._rows(
+                "SELECT hash FROM ledger WHERE job_id = ? AND seq >= ? ORDER BY seq", (job_id, start))]
+        return [row[0] for row in self._rows(
+            "SELECT hash FROM ledger_copies WHERE job_id = ? AND author = ? AND seq >= ? ORDER BY seq",
+            (job_id, author, start))]
+
+    def ledger_copy_entry(self, job_id: bytes, author: bytes, seq: int) -> LedgerEntry | None:
+        """One entry of our copy of ``author``'s chain (our own for our own key), checked; None if not held."""
+        row = self._one("SELECT entry, signature FROM ledger WHERE job_id = ? AND seq = ?", (job_id, seq)) \
+            if author == self.identity.public_key else self._one(
+            "SELECT entry, signature FROM ledger_copies WHERE job_id = ? AND author = ? AND seq = ?", (job_id, author, seq))
+        return None if row is None else LedgerEntry.decode(row[0], row[1])
 
     def ledger_copy(self, job_id: bytes, author: bytes) -> list[LedgerEntry]:
         """Our copy of ``author``'s chain of the job (our own chain for our own key), each entry re-checked."""

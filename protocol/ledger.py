@@ -11,7 +11,9 @@ Rules of this file:
 - Replication (IPIP-0008 §5): peers keep copies of each other's chains. ``compare_chain`` tells what a
   served copy says about the one we hold: more entries (we extend ours), the same, fewer entries
   served by the author itself (truncation), or a different entry at a seq both hold (a fork: two
-  entries at one seq signed by the same key, proof that the author equivocated).
+  entries at one seq signed by the same key, proof that the author equivocated). ``compare_part`` does
+  the same for a part of a chain against the hashes of the copy held: a client that names what it
+  holds (``encode_held``) is sent each chain from ``serve_from`` on (IPIP-0008 §5.1), not all of it.
 - The export file (IPIP-0008 §6) is JSON: the job's terms, each chain with its author's public key and
   its entries as hex; ``verify_export`` checks it whole and raises ``LedgerError`` whose text names
   the chain and entry index of the first problem.
@@ -28,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from protocol.codec import canonical_encode, decode_canonical
 from protocol.errors import CodecError, KeyFileError, ProtocolError
@@ -223,15 +225,103 @@ def compare_chain(held: list[LedgerEntry], served: list[LedgerEntry], author: by
     Returns (conflict or None, the served entries past our last one, to append). A fork wins over
     anything else; a shorter copy is a truncation only when the author itself served it (anyone
     else may simply hold less). Both lists must have passed ``verify_chain`` for the same author."""
-    for held_entry, served_entry in zip(held, served):
-        if held_entry.hash != served_entry.hash:
-            return ChainConflict("fork", author, server, held_entry.seq, len(held), len(served),
-                                 held_entry, served_entry), []
-    if len(served) < len(held):
-        if server == peer_id_from_public_key(author):
-            return ChainConflict("truncated", author, server, len(served), len(held), len(served)), []
+    return compare_part([e.hash for e in held], served, author, server, lambda seq: held[seq])
+
+
+def compare_part(held: list[bytes], served: list[LedgerEntry], author: bytes, server: str,
+                 held_entry: Callable[[int], Optional[LedgerEntry]], *, ours: bool = False,
+                 max_copy: Optional[int] = None) -> tuple[Optional[ChainConflict], list[LedgerEntry]]:
+    """``compare_chain`` for a served chain or a part of one that begins at seq ``served[0].seq`` (what a
+    1.1.0 server sends, §5.1; ``verify_segment`` checked it), against the *hashes* of the copy we hold
+    (``held``; ``held_entry(seq)`` reads one entry of it, for a fork's proof). Beyond ``compare_chain``:
+    a part that does not continue our copy is "invalid"; with ``ours`` (the chain is our own), a copy
+    longer than ours is a truncation of our own store; at most ``max_copy`` entries are kept."""
+    start = served[0].seq if served else len(held)
+    end = start + len(served) if max_copy is None else min(start + len(served), max_copy)
+    for seq in range(start, min(len(held), end)):  # a different entry at a seq both hold: a fork
+        if held[seq] != served[seq - start].hash:
+            return ChainConflict("fork", author, server, seq, len(held), end, held_entry(seq), served[seq - start]), []
+    if start > len(held) or (0 < start == len(held) and served and served[0].prev != held[start - 1]):
+        return ChainConflict("invalid", author, server, start, len(held), end,
+                             problem=f"entries from seq {start} do not continue the {len(held)} we hold"), []
+    if end < len(held):
+        if server == peer_id_from_public_key(author):  # the author serves less than it signed: truncation
+            return ChainConflict("truncated", author, server, end, len(held), end), []
         return None, []
-    return None, served[len(held):]
+    if ours and end > len(held):  # a peer holds more of our own chain than we do: our store lost entries
+        return ChainConflict("truncated", author, server, len(held), len(held), end), []
+    return None, served[len(held) - start:end - start]
+
+
+# -- incremental sync (IPIP-0008 §5.1) ---------------------------------------------------------------
+
+MAX_HELD = 4096  # chains one sync request may name
+
+
+def encode_held(held: dict[bytes, tuple[int, bytes]]) -> bytes:
+    """A sync request's body: for each chain the client holds, ``[author, length, head hash]``, by author."""
+    if len(held) > MAX_HELD:
+        raise ValueError(f"a sync request names at most {MAX_HELD} chains, not {len(held)}")
+    return canonical_encode([[author, length, head] for author, (length, head) in sorted(held.items())])
+
+
+def decode_held(data: bytes) -> dict[bytes, tuple[int, bytes]]:
+    """Read an untrusted sync request body; ProtocolError naming the first problem."""
+    try:
+        items = decode_canonical(data, max_bytes=MAX_HELD * 80 + 16)
+    except CodecError as exc:
+        raise ProtocolError(f"ledger sync request: not canonical: {exc}") from None
+    if not isinstance(items, list) or len(items) > MAX_HELD:
+        raise ProtocolError(f"ledger sync request: expected a list of at most {MAX_HELD} chains")
+    held: dict[bytes, tuple[int, bytes]] = {}
+    for index, item in enumerate(items):
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], bytes) and len(item[0]) == 32
+                and isinstance(item[1], int) and not isinstance(item[1], bool) and item[1] >= 0
+                and isinstance(item[2], bytes) and len(item[2]) == 32):
+            raise ProtocolError(f"ledger sync request: chain {index}: expected [author (32 bytes), length, head (32 bytes)]")
+        if item[0] in held:
+            raise ProtocolError(f"ledger sync request: chain {index}: author named twice")
+        held[item[0]] = (item[1], item[2])
+    return held
+
+
+def serve_from(hashes: list[bytes], held: Optional[tuple[int, bytes]]) -> int:
+    """The seq from which a server sends its copy of a chain (``hashes``: its entries' hashes in seq order)
+    to a client that holds ``held`` = (length, head hash) of it (IPIP-0008 §5.1):
+
+    - the client holds none of it (or names none): 0, the whole chain;
+    - the server's entry ``length - 1`` has the client's head hash: ``length``, the entries the client lacks
+      (none when both hold as much); a hash covers every entry before it, so both hold the same prefix;
+    - the server holds fewer (``length`` > its count): its last entry, for the client to compare with its own
+      at that seq (equal: nothing new; different: a fork, both entries signed by the author);
+    - otherwise (a different entry at ``length - 1``: a fork somewhere): 0, the whole chain, for the client
+      to find it."""
+    if held is None or held[0] == 0 or not hashes:
+        return 0
+    length, head = held
+    if length > len(hashes):
+        return len(hashes) - 1
+    return length if hashes[length - 1] == head else 0
+
+
+def verify_segment(entries: list[LedgerEntry], job_id: bytes, author: bytes, start: int) -> int:
+    """``verify_chain`` for a served part of a chain that begins at seq ``start`` (its first entry's link to
+    the entry before is the caller's to check against the copy it holds). Returns the count."""
+    if start == 0:
+        return verify_chain(entries, job_id, author)
+    prev: Optional[bytes] = None
+    for index, entry in enumerate(entries, start):
+        if entry.seq != index:
+            raise LedgerError(job_id, index, f"missing (the next entry is seq {entry.seq})")
+        if entry.job_id != job_id:
+            raise LedgerError(job_id, index, f"entry names job {entry.job_id.hex()[:16]}")
+        if entry.signer != author:
+            raise LedgerError(job_id, index, f"signed by {entry.signer_peer_id}, not by the chain's author "
+                                             f"{peer_id_from_public_key(author)}")
+        if prev is not None and entry.prev != prev:
+            raise LedgerError(job_id, index, "broken chain: prev is not the hash of the entry before")
+        prev = entry.hash
+    return len(entries)
 
 
 # -- the export file ---------------------------------------------------------------------------------

@@ -175,6 +175,10 @@ async def test_a_private_job_on_a_cid_dataset_completes_sealed_and_its_ledger_is
                                     (bytes(64), job_id, victim.identity.public_key)).rowcount
         assert changed == 1
         other = next(w for w in workers if w is not victim)
+        # (a peer holding the chain already is sent only what it lacks, IPIP-0008 §5.1: one that holds none of it
+        # is sent it whole, the bad entry with it)
+        other.store._db.execute("DELETE FROM ledger_copies WHERE job_id = ? AND author = ?",
+                                (job_id, victim.identity.public_key))
         await sync_job(other, other.jobs[job_id], [submitter.peer_id])
         invalid = [c for c in other.store.conflicts(job_id) if c["kind"] == "invalid"]
         assert [(c["author"], c["server"]) for c in invalid] == [(victim.peer_id, submitter.peer_id)], invalid
