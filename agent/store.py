@@ -789,9 +789,9 @@ class Store:
         seq, head = self._ledger_head(job_id)
         if seq:
             out[self.identity.public_key] = (seq, head)
+        # (SQLite: with MAX(), the bare column ``hash`` is the max row's)
         for author, last, digest in self._rows(
-                "SELECT author, seq, hash FROM ledger_copies AS c WHERE job_id = ? AND seq = "
-                "(SELECT MAX(seq) FROM ledger_copies WHERE job_id = c.job_id AND author = c.author)", (job_id,)):
+                "SELECT author, MAX(seq), hash FROM ledger_copies WHERE job_id = ? GROUP BY author", (job_id,)):
             if author != self.identity.public_key:
                 out[author] = (last + 1, digest)
         return out

@@ -372,9 +372,11 @@ def adapter_sources(model: Any) -> dict[str, tuple[Any, str, torch.Tensor]] | No
     names be worked out again). None when an entry of peft's dict is not a whole parameter or buffer of the
     model: then peft is asked each time."""
     cached = getattr(model, SOURCES_ATTRIBUTE, None)
-    if cached is not None and all(_owns(module, attribute, tensor) for module, attribute, tensor in cached.values()) \
-            and getattr(model, "_infernet_adapter_count", None) == _adapter_count(model):
-        return cached
+    if cached is not None and getattr(model, "_infernet_adapter_count", None) == _adapter_count(model):
+        if cached is False:  # (found not to be: peft each time)
+            return None
+        if all(_owns(module, attribute, tensor) for module, attribute, tensor in cached.values()):
+            return cached
     from peft import get_peft_model_state_dict
 
     owners: dict[tuple, tuple[Any, str, torch.Tensor]] = {}
@@ -382,15 +384,17 @@ def adapter_sources(model: Any) -> dict[str, tuple[Any, str, torch.Tensor]] | No
         for attribute, tensor in [*module._parameters.items(), *module._buffers.items()]:
             if tensor is not None:
                 owners.setdefault(_storage_key(tensor), (module, attribute, tensor))
-    sources = {}
+    sources: dict[str, tuple[Any, str, torch.Tensor]] | None = {}
     for name, tensor in get_peft_model_state_dict(model).items():
         owner = owners.get(_storage_key(tensor))
         if owner is None:
-            return None
+            sources = None
+            break
         sources[name] = owner
-    object.__setattr__(model, SOURCES_ATTRIBUTE, sources)  # (not a torch.nn.Module attribute: no registration)
+    # (plain attributes, not registered as a torch.nn.Module's)
+    object.__setattr__(model, SOURCES_ATTRIBUTE, False if not sources else sources)
     object.__setattr__(model, "_infernet_adapter_count", _adapter_count(model))
-    return sources
+    return sources or None
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple:
