@@ -112,6 +112,9 @@ async def test_a_private_job_on_a_cid_dataset_completes_sealed_and_its_ledger_is
         accepted = [view.reports[key][0].metrics["train_seconds"] for key, v in view.verdicts.items() if v.accepted]
         assert accepted and jobdata.job_facts(submitter, view)["cost_so_far"] == pytest.approx(
             sum(accepted) / 3600 * view.terms.price_per_hour, abs=1e-9)  # job facts round to 9 places
+        held = submitter.store.chain_rows(job_id)  # (`job show` counts them from the chains' heads)
+        assert jobdata.job_facts(submitter, view)["ledger"] == {
+            "chains": len(held), "entries": sum(len(rows) for rows in held.values()), "conflicts": 0}
 
         # the export file checks without an agent
         export = tmp_path / "ledger.json"
