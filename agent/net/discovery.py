@@ -21,6 +21,7 @@ Rules of this file:
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import trio
@@ -44,6 +45,7 @@ WORKERS_KEY = CID.for_block(WORKERS_NAMESPACE, RAW)
 QUERY_TIMEOUT = 5.0
 INBOUND_STREAM_TIMEOUT = 30.0
 ALPHA = 3
+REPROVIDE_SECONDS = 600.0  # a CID provided and confirmed this recently is not provided again (``provide``)
 
 
 def dht_key(cid: CID) -> bytes:
@@ -61,7 +63,7 @@ class Discovery:
         # py-libp2p serves at most 12 inbound DHT streams at once and puts no deadline on them, so
         # a few silent streams would shut our DHT to everyone: each one gets a deadline
         host.set_handler(KAD_PROTOCOL_ID, self.dht.handle_stream, timeout=INBOUND_STREAM_TIMEOUT)
-        self._advertised: set[bytes] = set()
+        self._provided: dict[bytes, float] = {}  # key -> when a DHT server last confirmed our record of it
 
     async def bootstrap(self, *, timeout: float | None = None) -> list[str]:
         """Dial every bootstrap peer (concurrently, each under a deadline); return those reached."""
@@ -81,18 +83,28 @@ class Discovery:
                 nursery.start_soon(dial, i, info)
         return reached
 
-    async def provide(self, cid: CID, *, timeout: float = 30.0) -> bool:
-        """Announce that we provide ``cid``; True if at least one other DHT server stored it."""
+    async def provide(self, cid: CID, *, timeout: float = 30.0, again: bool = False) -> bool:
+        """Announce that we provide ``cid``; True if at least one other DHT server stored it. A key a DHT server
+        confirmed less than REPROVIDE_SECONDS ago is not provided again (True at once) unless ``again``: a
+        worker fetched its shard, and provided it, every round (a lookup and a store RPC to each of the key's
+        closest peers, for a record that lives 48 h); a DHT's own republish interval is 22 h."""
         key = dht_key(cid)
-        self._advertised.add(key)
+        now = trio.current_time()
+        if not again and now - self._provided.get(key, -math.inf) < REPROVIDE_SECONDS:
+            return True
         with trio.move_on_after(timeout):
-            return await self.dht.provider_store.provide(key)
+            stored = await self.dht.provider_store.provide(key)
+            if stored:
+                if len(self._provided) >= 10_000:
+                    self._provided = {k: t for k, t in self._provided.items() if now - t < REPROVIDE_SECONDS}
+                self._provided[key] = trio.current_time()
+            return stored
         log.warning("provide %s: no DHT server confirmed within %.0f s", cid, timeout)
         return False
 
     async def advertise_worker(self, *, timeout: float = 30.0) -> bool:
-        """Announce that this agent trains (provider of WORKERS_KEY)."""
-        return await self.provide(WORKERS_KEY, timeout=timeout)
+        """Announce that this agent trains (provider of WORKERS_KEY), every time: it is how peers find us."""
+        return await self.provide(WORKERS_KEY, timeout=timeout, again=True)
 
     async def find_providers(self, cid: CID, *, count: int = 20, timeout: float = 15.0) -> list[PeerInfo]:
         """Providers of ``cid`` other than us: local records plus an iterative network lookup."""
