@@ -23,7 +23,7 @@ older agent) is asked over 1.0.0.
 
 Trust: every entry is decoded and its signature checked (protocol/ledger.LedgerEntry.decode); the
 entries of one signer must form a chain from seq 0, or a part of one from the seq its first entry
-names, that continues the copy we hold (protocol/ledger.verify_segment, compare_part), else that
+names, that continues the copy we hold (protocol/ledger.verify_chain from that seq, compare_part), else that
 chain is refused and kept as an "invalid" conflict naming the server (its copy is bad). A verified chain is compared with our copy
 (protocol/ledger.compare_part, against the stored hashes of ours): a longer one extends it; a different entry at a seq we hold is a
 fork, proven by two entries the author signed; the author serving fewer entries than we hold of
@@ -57,15 +57,14 @@ from protocol.cid import varint_encode
 from protocol.codec import canonical_encode, decode_canonical
 from protocol.errors import CodecError, ProtocolError
 from protocol.ledger import (
-    MAX_ENTRY_BYTES, MAX_HELD, ChainConflict, LedgerEntry, LedgerError, compare_part, decode_held, encode_held,
-    serve_from, verify_chain, verify_segment,
+    MAX_ENTRY_BYTES, MAX_HELD, MAX_HELD_BYTES, ChainConflict, LedgerEntry, LedgerError, compare_part, decode_held,
+    encode_held, serve_from, verify_chain,
 )
 
 log = logging.getLogger(__name__)
 
 PROTOCOL = "/infernet/ledger/1.0.0"
 PROTOCOL_FROM = "/infernet/ledger/1.1.0"  # the client names what it holds; the server sends what it lacks (§5.1)
-MAX_REQUEST = MAX_HELD * 80 + 16  # a 1.1.0 request's body: MAX_HELD chains of [author, length, head]
 MAX_ENTRIES = 20_000
 MAX_BYTES = 32 << 20
 MAX_FRAME = MAX_ENTRY_BYTES + 128
@@ -119,7 +118,7 @@ class LedgerService:
         """/infernet/ledger/1.1.0: the job ID, then one frame naming the chains the client holds."""
         reader = FrameReader(stream, chunk=4096)
         job_id = await reader.read_exactly(32, f"{PROTOCOL_FROM} job id")
-        body = await reader.read_frame(MAX_REQUEST, f"{PROTOCOL_FROM} chains held")
+        body = await reader.read_frame(MAX_HELD_BYTES, f"{PROTOCOL_FROM} chains held")
         try:
             held = decode_held(body)
         except ProtocolError as exc:
@@ -187,7 +186,7 @@ def served_chains(pairs: list[tuple[bytes, bytes]], job_id: bytes,
         if author in bad:
             continue
         try:
-            verify_segment(entries, job_id, author, entries[0].seq)
+            verify_chain(entries, job_id, author, start=entries[0].seq)
         except LedgerError as exc:
             bad[author] = ChainConflict("invalid", author, server, exc.seq if exc.seq is not None else -1, 0,
                                         len(entries), problem=exc.problem)

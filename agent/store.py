@@ -760,10 +760,7 @@ class Store:
         out: dict[bytes, list[tuple[bytes, bytes]]] = {}
         if starts is not None:
             for author, start in starts.items():
-                rows = self._rows("SELECT entry, signature FROM ledger WHERE job_id = ? AND seq >= ? ORDER BY seq",
-                                  (job_id, start)) if author == me else self._rows(
-                    "SELECT entry, signature FROM ledger_copies WHERE job_id = ? AND author = ? AND seq >= ? ORDER BY seq",
-                    (job_id, author, start))
+                rows = self._chain_of("entry, signature", job_id, author, "seq >= ?", start)
                 if rows:
                     out[author] = rows
             return out
@@ -798,19 +795,21 @@ class Store:
 
     def chain_hashes(self, job_id: bytes, author: bytes, start: int) -> list[bytes]:
         """The stored hashes of ``author``'s chain of the job (ours for our own key) from seq ``start`` on."""
-        if author == self.identity.public_key:
-            return [row[0] for row in self._rows(
-                "SELECT hash FROM ledger WHERE job_id = ? AND seq >= ? ORDER BY seq", (job_id, start))]
-        return [row[0] for row in self._rows(
-            "SELECT hash FROM ledger_copies WHERE job_id = ? AND author = ? AND seq >= ? ORDER BY seq",
-            (job_id, author, start))]
+        return [row[0] for row in self._chain_of("hash", job_id, author, "seq >= ?", start)]
 
     def ledger_copy_entry(self, job_id: bytes, author: bytes, seq: int) -> LedgerEntry | None:
         """One entry of our copy of ``author``'s chain (our own for our own key), checked; None if not held."""
-        row = self._one("SELECT entry, signature FROM ledger WHERE job_id = ? AND seq = ?", (job_id, seq)) \
-            if author == self.identity.public_key else self._one(
-            "SELECT entry, signature FROM ledger_copies WHERE job_id = ? AND author = ? AND seq = ?", (job_id, author, seq))
-        return None if row is None else LedgerEntry.decode(row[0], row[1])
+        rows = self._chain_of("entry, signature", job_id, author, "seq = ?", seq)
+        return LedgerEntry.decode(*rows[0]) if rows else None
+
+    def _chain_of(self, columns: str, job_id: bytes, author: bytes, condition: str, value: int) -> list[tuple]:
+        """``columns`` of the rows of ``author``'s chain of the job where ``condition`` holds, in seq order: our own
+        chain's table for our own key, the copies' for any other."""
+        if author == self.identity.public_key:
+            return self._rows(f"SELECT {columns} FROM ledger WHERE job_id = ? AND {condition} ORDER BY seq",
+                              (job_id, value))
+        return self._rows(f"SELECT {columns} FROM ledger_copies WHERE job_id = ? AND author = ? AND {condition} "
+                          "ORDER BY seq", (job_id, author, value))
 
     def ledger_copy(self, job_id: bytes, author: bytes) -> list[LedgerEntry]:
         """Our copy of ``author``'s chain of the job (our own chain for our own key), each entry re-checked."""

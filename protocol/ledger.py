@@ -170,12 +170,14 @@ def _entry_problem(wire: Any) -> Optional[str]:
 
 # -- chains ------------------------------------------------------------------------------------------
 
-def verify_chain(entries: list[LedgerEntry], job_id: bytes, author: Optional[bytes] = None) -> int:
+def verify_chain(entries: list[LedgerEntry], job_id: bytes, author: Optional[bytes] = None, start: int = 0) -> int:
     """Check one chain of a job (IPIP-0008 §3, §5): entry ``i`` has seq ``i``, names the job, links to
     the hash of entry ``i - 1`` and, when ``author`` is given, is signed by it. Signatures and shapes
-    were checked by ``LedgerEntry.decode``. Returns the length; LedgerError at the first bad entry."""
-    prev = ZERO_HASH
-    for index, entry in enumerate(entries):
+    were checked by ``LedgerEntry.decode``. Returns the count; LedgerError at the first bad entry.
+    ``start``: the entries are a part of the chain from that seq (what a 1.1.0 server sends, §5.1); the
+    first one's link to the entry before is then the caller's to check, against the copy it holds."""
+    prev: Optional[bytes] = ZERO_HASH if start == 0 else None
+    for index, entry in enumerate(entries, start):
         if entry.seq != index:
             raise LedgerError(job_id, index, f"missing (the next entry is seq {entry.seq})")
         if entry.job_id != job_id:
@@ -183,7 +185,7 @@ def verify_chain(entries: list[LedgerEntry], job_id: bytes, author: Optional[byt
         if author is not None and entry.signer != author:
             raise LedgerError(job_id, index, f"signed by {entry.signer_peer_id}, not by the chain's author "
                                              f"{peer_id_from_public_key(author)}")
-        if entry.prev != prev:
+        if prev is not None and entry.prev != prev:
             raise LedgerError(job_id, index, "broken chain: prev is not the hash of the entry before")
         prev = entry.hash
     return len(entries)
@@ -232,7 +234,7 @@ def compare_part(held: list[bytes], served: list[LedgerEntry], author: bytes, se
                  held_entry: Callable[[int], Optional[LedgerEntry]], *, ours: bool = False,
                  max_copy: Optional[int] = None) -> tuple[Optional[ChainConflict], list[LedgerEntry]]:
     """``compare_chain`` for a served chain or a part of one that begins at seq ``served[0].seq`` (what a
-    1.1.0 server sends, §5.1; ``verify_segment`` checked it), against the *hashes* of the copy we hold
+    1.1.0 server sends, §5.1; ``verify_chain`` from that seq checked it), against the *hashes* of the copy we hold
     (``held``; ``held_entry(seq)`` reads one entry of it, for a fork's proof). Beyond ``compare_chain``:
     a part that does not continue our copy is "invalid"; with ``ours`` (the chain is our own), a copy
     longer than ours is a truncation of our own store; at most ``max_copy`` entries are kept."""
@@ -256,6 +258,7 @@ def compare_part(held: list[bytes], served: list[LedgerEntry], author: bytes, se
 # -- incremental sync (IPIP-0008 §5.1) ---------------------------------------------------------------
 
 MAX_HELD = 4096  # chains one sync request may name
+MAX_HELD_BYTES = MAX_HELD * 80 + 16  # its body's bound: MAX_HELD chains of [author, length, head]
 
 
 def encode_held(held: dict[bytes, tuple[int, bytes]]) -> bytes:
@@ -268,7 +271,7 @@ def encode_held(held: dict[bytes, tuple[int, bytes]]) -> bytes:
 def decode_held(data: bytes) -> dict[bytes, tuple[int, bytes]]:
     """Read an untrusted sync request body; ProtocolError naming the first problem."""
     try:
-        items = decode_canonical(data, max_bytes=MAX_HELD * 80 + 16)
+        items = decode_canonical(data, max_bytes=MAX_HELD_BYTES)
     except CodecError as exc:
         raise ProtocolError(f"ledger sync request: not canonical: {exc}") from None
     if not isinstance(items, list) or len(items) > MAX_HELD:
@@ -302,26 +305,6 @@ def serve_from(hashes: list[bytes], held: Optional[tuple[int, bytes]]) -> int:
     if length > len(hashes):
         return len(hashes) - 1
     return length if hashes[length - 1] == head else 0
-
-
-def verify_segment(entries: list[LedgerEntry], job_id: bytes, author: bytes, start: int) -> int:
-    """``verify_chain`` for a served part of a chain that begins at seq ``start`` (its first entry's link to
-    the entry before is the caller's to check against the copy it holds). Returns the count."""
-    if start == 0:
-        return verify_chain(entries, job_id, author)
-    prev: Optional[bytes] = None
-    for index, entry in enumerate(entries, start):
-        if entry.seq != index:
-            raise LedgerError(job_id, index, f"missing (the next entry is seq {entry.seq})")
-        if entry.job_id != job_id:
-            raise LedgerError(job_id, index, f"entry names job {entry.job_id.hex()[:16]}")
-        if entry.signer != author:
-            raise LedgerError(job_id, index, f"signed by {entry.signer_peer_id}, not by the chain's author "
-                                             f"{peer_id_from_public_key(author)}")
-        if prev is not None and entry.prev != prev:
-            raise LedgerError(job_id, index, "broken chain: prev is not the hash of the entry before")
-        prev = entry.hash
-    return len(entries)
 
 
 # -- the export file ---------------------------------------------------------------------------------

@@ -371,8 +371,8 @@ def adapter_sources(model: Any) -> dict[str, tuple[Any, str, torch.Tensor]] | No
     every call to be still the module's own (a module given a new parameter object, or a new adapter, makes the
     names be worked out again). None when an entry of peft's dict is not a whole parameter or buffer of the
     model: then peft is asked each time."""
-    cached = getattr(model, SOURCES_ATTRIBUTE, None)
-    if cached is not None and getattr(model, "_infernet_adapter_count", None) == _adapter_count(model):
+    count, cached = getattr(model, SOURCES_ATTRIBUTE, (None, None))
+    if cached is not None and count == _adapter_count(model):
         if cached is False:  # (found not to be: peft each time)
             return None
         if all(_owns(module, attribute, tensor) for module, attribute, tensor in cached.values()):
@@ -391,9 +391,8 @@ def adapter_sources(model: Any) -> dict[str, tuple[Any, str, torch.Tensor]] | No
             sources = None
             break
         sources[name] = owner
-    # (plain attributes, not registered as a torch.nn.Module's)
-    object.__setattr__(model, SOURCES_ATTRIBUTE, False if not sources else sources)
-    object.__setattr__(model, "_infernet_adapter_count", _adapter_count(model))
+    # (a plain attribute, not registered as a torch.nn.Module's): the adapters it was worked out for, and the map
+    object.__setattr__(model, SOURCES_ATTRIBUTE, (_adapter_count(model), sources or False))
     return sources or None
 
 

@@ -311,7 +311,7 @@ class PreparedShards:
 
         settings = (config.max_seq_len, config.packing, config.skip_bad_lines, config.objective)
         tokenizer_key = getattr(tokenizer, TOKENIZER_KEY, None)
-        if tokenizer_key is None or self.max_tokens <= 0:
+        if tokenizer_key is None:  # (a tokenizer not from load_tokenizer: nothing to key it by)
             return prepare_examples(path, tokenizer, max_seq_len=settings[0], packing=settings[1],
                                     skip_bad=settings[2], objective=settings[3])
         key = (hashlib.sha256(Path(path).read_bytes()).digest(), tokenizer_key, settings)
@@ -330,10 +330,6 @@ class PreparedShards:
                 while sum(t for _, t in self._kept.values()) > self.max_tokens:
                     del self._kept[next(iter(self._kept))]
         return shard
-
-    def clear(self) -> None:
-        with self._lock:
-            self._kept.clear()
 
 
 def _copied(shard: PreparedShard) -> PreparedShard:
